@@ -1,0 +1,71 @@
+// The client side of a kvd daemon's handle channel (DESIGN.md sections 6 and 7; the protocol is at the
+// bottom of proto/kvd/v1/kvd.proto): opening a session, whose token authenticates the client's gRPC
+// calls, and redeeming leases for chunk FDs. Used by the client library and the daemon's tests.
+//
+// Errors are absl::Status: the daemon's HandleChannelError arrives with its code and message unchanged;
+// UNAVAILABLE when no daemon listens at the path or the daemon went away mid-way; DEADLINE_EXCEEDED
+// when the daemon does not answer within HandleClientOptions::timeout; INTERNAL/DATA_LOSS when a
+// reply breaks the protocol. No call leaves an FD behind on failure.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace kvd {
+
+struct HandleClientOptions {
+  // The longest one call (Open, Fetch) waits for the daemon: to connect, to send, for every reply.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// A session with a kvd daemon's handle channel. Move-only; closing it (destructor) ends the session,
+// and the daemon then detaches every client attached through it.
+//
+// Threads: Fetch may be called from several threads at once (each call uses its own connection);
+// Close, moves and destruction must not race with anything else on the same object.
+class HandleSession {
+ public:
+  // Connects to the handle channel at `handles_path` and opens a session named `client_name`
+  // ([A-Za-z0-9._-]{0,64}; the daemon refuses other names with INVALID_ARGUMENT).
+  [[nodiscard]] static absl::StatusOr<HandleSession> Open(std::string handles_path, absl::string_view client_name,
+                                                          HandleClientOptions options = {});
+
+  HandleSession(HandleSession&& other) noexcept;
+  HandleSession& operator=(HandleSession&& other) noexcept;
+  HandleSession(const HandleSession&) = delete;
+  HandleSession& operator=(const HandleSession&) = delete;
+  ~HandleSession();  // Close()
+
+  // The session token: send it as "kvd-session" metadata on RPCs.
+  const std::string& token() const { return token_; }
+  // The peer identity the daemon saw (SO_PEERCRED).
+  uint32_t uid() const { return uid_; }
+  int32_t pid() const { return pid_; }
+  const std::string& path() const { return path_; }
+  bool is_open() const { return fd_ >= 0; }
+
+  // Redeems a lease: (chunk id, FD) in the lease's order. The caller owns and closes the FDs (each has
+  // FD_CLOEXEC set). On failure every FD received so far is closed. FAILED_PRECONDITION once closed.
+  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token) const;
+
+  // Ends the session (closes its connection). Idempotent.
+  void Close();
+
+ private:
+  HandleSession(std::string path, HandleClientOptions options) : path_(std::move(path)), options_(options) {}
+
+  std::string path_;
+  HandleClientOptions options_;
+  int fd_ = -1;  // the session's connection: its liveness
+  std::string token_;
+  uint32_t uid_ = 0;
+  int32_t pid_ = 0;
+};
+
+}  // namespace kvd

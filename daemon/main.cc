@@ -1,0 +1,467 @@
+// kvd: the per-device KV-cache memory daemon (DESIGN.md, docs/api.md). Flags -> configuration ->
+// device -> PoolManager -> gRPC server and handle channel -> wait for SIGTERM/SIGINT -> orderly stop.
+//
+// Start-up refuses, with a one-line reason and a non-zero exit, anything it cannot serve correctly:
+// bad flags, an invalid KVD_KV_CACHE_LAYOUT, no device, a live daemon on the socket, a socket path that
+// is not a socket. A stale socket file (nobody accepts on it) is removed and replaced.
+//
+// Signals are blocked in every thread from the first line of main() and taken synchronously with
+// sigwaitinfo() on the main thread, so no code runs in an asynchronous signal handler.
+#include <errno.h>
+#include <grpc/support/log.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+#include "CLI/CLI.hpp"
+#include "absl/cleanup/cleanup.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "absl/time/time.h"
+#include "daemon/core/layout.h"
+#include "daemon/core/layout_chain.h"
+#include "daemon/core/pool_manager.h"
+#include "daemon/rpc/handle_channel.h"
+#include "daemon/rpc/manager_backend.h"
+#include "daemon/rpc/service.h"
+#include "kvd/device.h"
+#include "kvd/status.h"
+#include "kvd/units.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include "spdlog/pattern_formatter.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+#ifndef KVD_VERSION
+#define KVD_VERSION "unknown"
+#endif
+
+namespace kvd {
+namespace {
+
+constexpr char kLayoutEnv[] = "KVD_KV_CACHE_LAYOUT";
+
+struct Flags {
+  std::string backend = "auto";
+  int device = 0;
+  std::string socket;  // default /run/kvd/gpu<N>.sock
+  std::string metrics_address;
+  std::string budget = "90%";
+  std::string host_capacity;  // default: physical memory
+  std::string host_granularity = "2MiB";
+  std::string max_chunk = "4GiB";
+  std::string lease_ttl = "30s";
+  std::string layout_override;
+  std::string log_format = "text";
+  std::string log_level = "info";
+};
+
+std::string_view Sv(absl::string_view s) { return {s.data(), s.size()}; }
+
+// ---------------------------------------------------------------------------------------------
+// Logging
+
+// The message as the inside of a JSON string (quotes, backslashes and control characters escaped).
+class JsonMessageFlag final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    static constexpr char kHex[] = "0123456789abcdef";
+    for (char c : std::string_view(msg.payload.data(), msg.payload.size())) {
+      switch (c) {
+        case '"':
+          dest.append(std::string_view("\\\""));
+          break;
+        case '\\':
+          dest.append(std::string_view("\\\\"));
+          break;
+        case '\n':
+          dest.append(std::string_view("\\n"));
+          break;
+        case '\r':
+          dest.append(std::string_view("\\r"));
+          break;
+        case '\t':
+          dest.append(std::string_view("\\t"));
+          break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            const char esc[] = {'\\', 'u', '0', '0', kHex[(c >> 4) & 0xf], kHex[c & 0xf]};
+            dest.append(std::string_view(esc, sizeof(esc)));
+          } else {
+            dest.push_back(c);
+          }
+      }
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
+};
+
+// gRPC's own log lines join kvd's, in kvd's format.
+void GrpcLog(gpr_log_func_args* args) {
+  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+                                          : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                                                    : spdlog::level::debug;
+  spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+}
+
+absl::Status SetUpLogging(const Flags& f) {
+  auto logger = spdlog::stderr_color_mt("kvd");
+  if (f.log_format == "json") {
+    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    formatter->add_flag<JsonMessageFlag>('*').set_pattern(
+        R"({"time":"%Y-%m-%dT%H:%M:%S.%f%z","level":"%l","pid":%P,"thread":%t,"msg":"%*"})");
+    logger->set_formatter(std::move(formatter));
+  } else {
+    logger->set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ %v");
+  }
+  const spdlog::level::level_enum level = spdlog::level::from_str(f.log_level);
+  logger->set_level(level);
+  spdlog::set_default_logger(std::move(logger));
+  gpr_set_log_function(GrpcLog);
+  gpr_set_log_verbosity(level <= spdlog::level::debug ? GPR_LOG_SEVERITY_DEBUG : GPR_LOG_SEVERITY_ERROR);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+
+// "PATH.sock" -> "PATH.handles"; any other PATH -> "PATH.handles".
+std::string HandlesPath(absl::string_view socket) {
+  absl::string_view stem = socket;
+  absl::ConsumeSuffix(&stem, ".sock");
+  return absl::StrCat(stem, ".handles");
+}
+
+absl::StatusOr<uint64_t> ParseSize(const std::string& text, absl::string_view flag) { return ParseBytes(text, flag); }
+
+// "100GiB" or "90%" of `total`; a percentage is rounded down to the granularity.
+absl::StatusOr<uint64_t> ParseBudget(const std::string& text, uint64_t total, uint64_t granularity) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  uint64_t budget = 0;
+  if (absl::ConsumeSuffix(&t, "%")) {
+    double pct = 0;
+    if (!absl::SimpleAtod(t, &pct) || !(pct > 0 && pct <= 100)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--budget: \"", text, "\" is not a percentage in (0, 100] (e.g. 90%) or a size (e.g. 100GiB)"));
+    }
+    budget = static_cast<uint64_t>(static_cast<long double>(total) * pct / 100.0L);
+    if (granularity > 0) budget -= budget % granularity;
+  } else {
+    KVD_ASSIGN_OR_RETURN(budget, ParseBytes(t, "--budget"));
+  }
+  if (budget == 0)
+    return absl::InvalidArgumentError(absl::StrCat("--budget: \"", text, "\" leaves no memory to commit"));
+  if (budget > total) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--budget: ", FormatBytes(budget), " exceeds the device's ", FormatBytes(total), " of memory"));
+  }
+  return budget;
+}
+
+absl::StatusOr<LayoutPolicy> MakeLayoutPolicy(const Flags& f) {
+  LayoutPolicy policy;
+  if (!f.layout_override.empty()) {
+    KVD_ASSIGN_OR_RETURN(policy.operator_override, Layout::Parse(f.layout_override, "--layout-override"));
+  }
+  const char* env = std::getenv(kLayoutEnv);
+  if (env != nullptr && *env != '\0') {
+    KVD_ASSIGN_OR_RETURN(policy.daemon_env, Layout::Parse(env, kLayoutEnv));
+  }
+  return policy;
+}
+
+// The backend --backend asks for; with auto, CUDA when a driver and a device answer, else host. `why`
+// says which and why.
+absl::StatusOr<std::unique_ptr<Device>> OpenBackend(const Flags& f, DeviceOptions options, std::string* why) {
+  if (f.backend != "auto") {
+    options.backend = f.backend;
+    *why = absl::StrCat("--backend=", f.backend);
+    return OpenDevice(options);
+  }
+  options.backend = "cuda";
+  absl::StatusOr<std::unique_ptr<Device>> cuda = OpenDevice(options);
+  if (cuda.ok()) {
+    *why = "auto: a CUDA driver and device are present";
+    return cuda;
+  }
+  if (!absl::IsUnavailable(cuda.status()) && !absl::IsUnimplemented(cuda.status())) return cuda.status();
+  *why = absl::StrCat("auto: no CUDA (", cuda.status().message(), "), using host memory");
+  options.backend = "host";
+  return OpenDevice(options);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sockets
+
+absl::Status ErrnoStatus(absl::string_view what, int err) {
+  return absl::Status(
+      err == EACCES || err == EPERM ? absl::StatusCode::kPermissionDenied : absl::StatusCode::kFailedPrecondition,
+      absl::StrCat(what, ": ", std::strerror(err)));
+}
+
+// Creates the socket directory (and its parents) 0750 if missing; warns when it is looser.
+absl::Status PrepareSocketDirectory(const std::string& socket) {
+  const size_t slash = socket.find_last_of('/');
+  if (slash == std::string::npos || slash == 0) return absl::OkStatus();
+  const std::string dir = socket.substr(0, slash);
+  struct stat st {};
+  if (stat(dir.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(dir, ": not a directory"));
+    if ((st.st_mode & 0027) != 0) {
+      spdlog::warn(
+          "socket directory {} is mode {:04o}, looser than 0750; who may connect is decided by it and the "
+          "sockets' 0660",
+          dir, st.st_mode & 07777);
+    }
+    return absl::OkStatus();
+  }
+  for (size_t pos = 1; pos != std::string::npos;) {
+    pos = dir.find('/', pos + 1);
+    const std::string prefix = dir.substr(0, pos);
+    if (mkdir(prefix.c_str(), 0750) != 0 && errno != EEXIST) {
+      return ErrnoStatus(absl::StrCat("creating socket directory ", prefix), errno);
+    }
+  }
+  if (chmod(dir.c_str(), 0750) != 0) return ErrnoStatus(absl::StrCat("chmod 0750 ", dir), errno);
+  spdlog::info("created socket directory {} (0750)", dir);
+  return absl::OkStatus();
+}
+
+// Makes `path` free for a new listener: nothing there, or a stale socket (removed). ALREADY_EXISTS
+// when a live daemon accepts connections on it; FAILED_PRECONDITION when it is not a socket.
+absl::Status ClaimSocketPath(const std::string& path, int type) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return ErrnoStatus(path, errno);
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": longer than ", sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket", errno);
+  const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  close(fd);
+  if (rc == 0) return absl::AlreadyExistsError(absl::StrCat("another kvd is serving ", path));
+  if (err != ECONNREFUSED) return ErrnoStatus(absl::StrCat("probing ", path), err);
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(absl::StrCat("removing stale ", path), errno);
+  spdlog::info("removed stale socket {} (nobody accepted on it)", path);
+  return absl::OkStatus();
+}
+
+struct SocketId {
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+
+std::optional<SocketId> IdOf(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return std::nullopt;
+  return SocketId{st.st_dev, st.st_ino};
+}
+
+// Removes `path` if it is still the socket this daemon bound.
+void RemoveSocket(const std::string& path, const std::optional<SocketId>& ours) {
+  const std::optional<SocketId> now = IdOf(path);
+  if (!now.has_value() || !ours.has_value() || now->dev != ours->dev || now->ino != ours->ino) return;
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) spdlog::warn("removing {}: {}", path, std::strerror(errno));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run
+
+absl::Status Run(const Flags& f) {
+  // Every start-up step that can fail does so before anything listens.
+  KVD_ASSIGN_OR_RETURN(LayoutPolicy layout_policy, MakeLayoutPolicy(f));
+  DeviceOptions device_options{.index = f.device};
+  if (!f.host_capacity.empty()) {
+    KVD_ASSIGN_OR_RETURN(device_options.host_capacity, ParseSize(f.host_capacity, "--host-capacity"));
+  }
+  KVD_ASSIGN_OR_RETURN(device_options.host_granularity, ParseSize(f.host_granularity, "--host-granularity"));
+  KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
+  absl::Duration lease_ttl;
+  if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--lease-ttl: \"", f.lease_ttl, "\" is not a positive duration"));
+  }
+
+  const std::string socket_path = f.socket.empty() ? absl::StrCat("/run/kvd/gpu", f.device, ".sock") : f.socket;
+  const std::string handles_path = HandlesPath(socket_path);
+  KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
+
+  std::string why;
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenBackend(f, device_options, &why));
+  KVD_ASSIGN_OR_RETURN(DeviceInfo info, device->Info());
+  spdlog::info("backend {} ({}): {} #{}, {} total, granularity {}", BackendName(device->kind()), why, info.name,
+               info.index, FormatBytes(info.total_bytes), FormatBytes(device->granularity()));
+  if (device->kind() != BackendKind::kHost && !f.host_capacity.empty()) {
+    spdlog::warn("--host-capacity is ignored by the {} backend", BackendName(device->kind()));
+  }
+
+  const uint64_t granularity = device->granularity();
+  KVD_ASSIGN_OR_RETURN(uint64_t budget, ParseBudget(f.budget, info.total_bytes, granularity));
+  if (max_chunk < granularity || max_chunk % granularity != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-chunk: ", FormatBytes(max_chunk),
+                                                   " is not a positive multiple of the granularity ",
+                                                   FormatBytes(granularity)));
+  }
+  if (!f.metrics_address.empty()) {
+    spdlog::warn("--metrics-address={}: the metrics endpoint is not served yet (a later release)", f.metrics_address);
+  }
+
+  PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
+                                                   .max_chunk_bytes = max_chunk,
+                                                   .lease_ttl = lease_ttl,
+                                                   .layout_policy = layout_policy,
+                                                   .daemon_uid = static_cast<uint32_t>(getuid())});
+  ManagerBackend backend(&manager);
+  KvdService service(&manager, KvdService::Options{.granularity = granularity});
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("unix:", socket_path), grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
+  const std::optional<SocketId> socket_id = IdOf(socket_path);
+  absl::Cleanup stop_server = [&] {
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    RemoveSocket(socket_path, socket_id);
+  };
+  if (chmod(socket_path.c_str(), 0660) != 0) return ErrnoStatus(absl::StrCat("chmod 0660 ", socket_path), errno);
+  server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
+  server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
+
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<HandleChannel> channel, HandleChannel::Start(handles_path, &backend));
+  if (chmod(handles_path.c_str(), 0660) != 0) return ErrnoStatus(absl::StrCat("chmod 0660 ", handles_path), errno);
+
+  spdlog::info(
+      "kvd {} ready: backend {}, device \"{}\" #{}, grpc unix:{}, handles {}, budget {} of {}, max chunk {}, "
+      "granularity {}, pid {}",
+      KVD_VERSION, BackendName(device->kind()), info.name, info.index, socket_path, handles_path, FormatBytes(budget),
+      FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
+
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  siginfo_t signal_info{};
+  while (sigwaitinfo(&stop_signals, &signal_info) < 0) {
+    if (errno != EINTR) return ErrnoStatus("sigwaitinfo", errno);
+  }
+  spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
+
+  // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
+  // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
+  std::move(stop_server).Cancel();
+  server->GetHealthCheckService()->SetServingStatus(false);
+  // gRPC waits for clients to close even idle connections: the deadline bounds that too.
+  std::thread server_stopper([&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); });
+  manager.Shutdown();
+  server_stopper.join();
+  channel->Stop();
+  RemoveSocket(socket_path, socket_id);
+  RemoveSocket(handles_path, IdOf(handles_path));
+  spdlog::info("kvd stopped");
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  // Before any thread exists, so that every thread inherits the mask and only sigwaitinfo sees them.
+  sigset_t blocked;
+  sigemptyset(&blocked);
+  sigaddset(&blocked, SIGTERM);
+  sigaddset(&blocked, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &blocked, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  CLI::App app{
+      "kvd: the per-device KV-cache memory daemon. Serves the kvd.v1.Kvd gRPC API on a Unix socket and "
+      "chunk FDs on the handle channel beside it."};
+  Flags f;
+  app.add_option("--backend", f.backend, "Memory backend: auto (CUDA if a driver and device are present, else host)")
+      ->check(CLI::IsMember({"auto", "host", "cuda", "hip"}))
+      ->capture_default_str();
+  app.add_option("--device", f.device, "Device index")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--socket", f.socket,
+                 "gRPC Unix socket (default /run/kvd/gpu<N>.sock); the handle channel is the same path with .sock "
+                 "replaced by .handles");
+  app.add_option("--metrics-address", f.metrics_address, "HOST:PORT for /metrics (accepted; not served yet)");
+  app.add_option("--budget", f.budget, "Most memory committed at once: SIZE (100GiB) or PCT% of the device")
+      ->capture_default_str();
+  app.add_option("--host-capacity", f.host_capacity, "Host backend: memory it may commit (default: physical memory)");
+  app.add_option("--host-granularity", f.host_granularity, "Host backend: allocation granularity")
+      ->capture_default_str();
+  app.add_option("--max-chunk", f.max_chunk, "Largest single chunk a grow creates")->capture_default_str();
+  app.add_option("--lease-ttl", f.lease_ttl, "How long a handle lease stays redeemable (e.g. 30s, 500ms)")
+      ->capture_default_str();
+  app.add_option("--layout-override", f.layout_override,
+                 "Operator layout override for pools whose request names none (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, "
+                 "BHLNC)");
+  app.add_option("--log-format", f.log_format, "text or json (one JSON object per line)")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error, critical or off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  app.footer(absl::StrCat("Environment: ", kLayoutEnv,
+                          " sets the daemon's layout preference (rule 3 of the chain); an invalid value stops kvd."));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "kvd: " << e.what() << "\n";
+    return 2;
+  }
+
+  absl::Status logging = SetUpLogging(f);
+  if (!logging.ok()) {
+    std::cerr << "kvd: " << logging.message() << "\n";
+    return 1;
+  }
+  absl::Status status = Run(f);
+  if (!status.ok()) {
+    spdlog::error("kvd: {}", Sv(status.message()));
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvd
+
+int main(int argc, char** argv) { return kvd::Main(argc, argv); }

@@ -1,0 +1,246 @@
+#include "daemon/rpc/convert.h"
+
+#include "absl/time/time.h"
+
+#ifndef KVD_VERSION
+#define KVD_VERSION "unknown"
+#endif
+
+namespace kvd {
+namespace {
+
+uint64_t UnixMillis(absl::Time t) {
+  const int64_t ms = absl::ToUnixMillis(t);
+  return ms > 0 ? static_cast<uint64_t>(ms) : 0;
+}
+
+}  // namespace
+
+LayoutRequest FromProto(const v1::LayoutRequest& proto) {
+  LayoutRequest r;
+  r.override_layout = proto.override_layout();
+  r.env_layout = proto.env_layout();
+  for (const v1::BackendRequirement& b : proto.backend_requirements()) {
+    r.backend_requirements.push_back({b.backend(), {b.layouts().begin(), b.layouts().end()}});
+  }
+  for (const v1::ConnectorPreference& c : proto.connector_preferences()) {
+    r.connector_preferences.push_back({c.connector(), c.layout()});
+  }
+  return r;
+}
+
+PoolDims FromProto(const v1::PoolDims& proto) {
+  return {.layers = proto.layers(),
+          .capacity_blocks = proto.capacity_blocks(),
+          .heads = proto.heads(),
+          .block_tokens = proto.block_tokens(),
+          .channels = proto.channels(),
+          .element_bytes = proto.element_bytes()};
+}
+
+v1::LayoutRule ToProto(LayoutRule rule) {
+  switch (rule) {
+    case LayoutRule::kRequestOverride:
+      return v1::LAYOUT_RULE_REQUEST_OVERRIDE;
+    case LayoutRule::kOperatorOverride:
+      return v1::LAYOUT_RULE_OPERATOR_OVERRIDE;
+    case LayoutRule::kBackendRequirement:
+      return v1::LAYOUT_RULE_BACKEND_REQUIREMENT;
+    case LayoutRule::kClientEnv:
+      return v1::LAYOUT_RULE_CLIENT_ENV;
+    case LayoutRule::kDaemonEnv:
+      return v1::LAYOUT_RULE_DAEMON_ENV;
+    case LayoutRule::kConnectorPreference:
+      return v1::LAYOUT_RULE_CONNECTOR_PREFERENCE;
+    case LayoutRule::kDefault:
+      return v1::LAYOUT_RULE_DEFAULT;
+  }
+  return v1::LAYOUT_RULE_UNSPECIFIED;
+}
+
+v1::LayoutResolution ToProto(const LayoutResolution& resolution) {
+  v1::LayoutResolution p;
+  p.set_layout(std::string(resolution.layout.name()));
+  p.set_rule(ToProto(resolution.rule));
+  p.set_rule_detail(resolution.rule_detail);
+  for (Layout l : resolution.allowed.layouts()) p.add_allowed_layouts(std::string(l.name()));
+  for (const std::string& w : resolution.warnings) p.add_warnings(w);
+  return p;
+}
+
+v1::PoolDims ToProto(const PoolDims& dims) {
+  v1::PoolDims p;
+  p.set_layers(dims.layers);
+  p.set_capacity_blocks(dims.capacity_blocks);
+  p.set_heads(dims.heads);
+  p.set_block_tokens(dims.block_tokens);
+  p.set_channels(dims.channels);
+  p.set_element_bytes(dims.element_bytes);
+  return p;
+}
+
+v1::Geometry ToProto(const Geometry& g) {
+  v1::Geometry p;
+  p.set_layout(std::string(g.layout().name()));
+  *p.mutable_dims() = ToProto(g.dims());
+  p.set_stride_l(g.stride(Dim::kL));
+  p.set_stride_b(g.stride(Dim::kB));
+  p.set_stride_h(g.stride(Dim::kH));
+  p.set_stride_n(g.stride(Dim::kN));
+  p.set_stride_c(g.stride(Dim::kC));
+  p.set_offset(g.offset());
+  p.set_layer_stride(g.layer_stride());
+  p.set_block_stride(g.block_stride());
+  p.set_segments(g.segments());
+  p.set_segment_stride(g.segment_stride());
+  p.set_reserved_bytes(g.reserved_bytes());
+  p.set_granularity_bytes(g.granularity());
+  return p;
+}
+
+PoolSpec FromProto(const v1::CreatePoolRequest& proto) {
+  return {.name = proto.name(),
+          .dims = FromProto(proto.dims()),
+          .initial_blocks = proto.initial_blocks(),
+          .layout_request = FromProto(proto.layout_request()),
+          .allowed_uids = {proto.allowed_uids().begin(), proto.allowed_uids().end()}};
+}
+
+std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::BlockCopy>& proto) {
+  std::vector<BlockCopy> copies;
+  copies.reserve(proto.size());
+  for (const v1::BlockCopy& c : proto) copies.push_back({.src = c.src(), .dst = c.dst()});
+  return copies;
+}
+
+v1::Backend ToProto(BackendKind backend) {
+  switch (backend) {
+    case BackendKind::kHost:
+      return v1::BACKEND_HOST;
+    case BackendKind::kCuda:
+      return v1::BACKEND_CUDA;
+    case BackendKind::kHip:
+      return v1::BACKEND_HIP;
+  }
+  return v1::BACKEND_UNSPECIFIED;
+}
+
+v1::PoolState ToProto(PoolState state) {
+  switch (state) {
+    case PoolState::kAwake:
+      return v1::POOL_STATE_AWAKE;
+    case PoolState::kSleeping:
+      return v1::POOL_STATE_SLEEPING;
+  }
+  return v1::POOL_STATE_UNSPECIFIED;
+}
+
+v1::EventType ToProto(EventType type) {
+  switch (type) {
+    case EventType::kChunksAdded:
+      return v1::EVENT_TYPE_CHUNKS_ADDED;
+    case EventType::kChunksReleased:
+      return v1::EVENT_TYPE_CHUNKS_RELEASED;
+    case EventType::kPoolDeleted:
+      return v1::EVENT_TYPE_POOL_DELETED;
+    case EventType::kDaemonStopping:
+      return v1::EVENT_TYPE_DAEMON_STOPPING;
+  }
+  return v1::EVENT_TYPE_UNSPECIFIED;
+}
+
+v1::Chunk ToProto(const ChunkInfo& chunk) {
+  v1::Chunk p;
+  p.set_id(chunk.id);
+  p.set_segment(chunk.segment);
+  p.set_offset(chunk.offset);
+  p.set_bytes(chunk.bytes);
+  return p;
+}
+
+v1::Lease ToProto(const Lease& lease) {
+  v1::Lease p;
+  p.set_token(lease.token);
+  for (uint64_t id : lease.chunk_ids) p.add_chunk_ids(id);
+  p.set_expires_at_unix_ms(UnixMillis(lease.expires));
+  return p;
+}
+
+v1::ClientInfo ToProto(const ClientView& client) {
+  v1::ClientInfo p;
+  p.set_client_id(client.id);
+  p.set_name(client.name);
+  p.set_uid(client.uid);
+  p.set_pid(client.pid);
+  p.set_mapped_bytes(client.mapped_bytes);
+  p.set_attached_at_unix_ms(UnixMillis(client.attached_at));
+  return p;
+}
+
+v1::Pool ToProto(const PoolView& pool) {
+  v1::Pool p;
+  p.set_name(pool.name);
+  p.set_state(ToProto(pool.state));
+  *p.mutable_geometry() = ToProto(pool.geometry);
+  *p.mutable_layout() = ToProto(pool.layout);
+  p.set_committed_blocks(pool.committed_blocks);
+  p.set_committed_bytes(pool.committed_bytes);
+  p.set_reserved_bytes(pool.reserved_bytes);
+  p.set_pending_release_bytes(pool.pending_release_bytes);
+  p.set_wake_blocks(pool.wake_blocks);
+  p.set_owner_uid(pool.owner_uid);
+  for (uint32_t uid : pool.allowed_uids) p.add_allowed_uids(uid);
+  for (const ClientView& c : pool.clients) *p.add_clients() = ToProto(c);
+  for (const ChunkInfo& c : pool.chunks) *p.add_chunks() = ToProto(c);
+  p.set_generation(pool.generation);
+  p.set_created_at_unix_ms(UnixMillis(pool.created_at));
+  return p;
+}
+
+v1::PoolUpdate ToProto(const PoolUpdate& update) {
+  v1::PoolUpdate p;
+  *p.mutable_pool() = ToProto(update.pool);
+  for (const ChunkInfo& c : update.added) *p.add_added() = ToProto(c);
+  if (update.lease.has_value()) *p.mutable_lease() = ToProto(*update.lease);
+  for (uint64_t id : update.released_chunk_ids) p.add_released_chunk_ids(id);
+  p.set_release_id(update.release_id);
+  const int64_t us = absl::ToInt64Microseconds(update.elapsed);
+  p.set_elapsed_us(us > 0 ? static_cast<uint64_t>(us) : 0);
+  return p;
+}
+
+v1::PoolEvent ToProto(const PoolEvent& event) {
+  v1::PoolEvent p;
+  p.set_sequence(event.sequence);
+  p.set_pool(event.pool);
+  p.set_type(ToProto(event.type));
+  for (const ChunkInfo& c : event.chunks) *p.add_chunks() = ToProto(c);
+  if (event.lease.has_value()) *p.mutable_lease() = ToProto(*event.lease);
+  p.set_release_id(event.release_id);
+  p.set_committed_blocks(event.committed_blocks);
+  p.set_state(ToProto(event.state));
+  return p;
+}
+
+v1::DeviceInfo ToProto(const DeviceStatus& status) {
+  v1::DeviceInfo p;
+  p.set_backend(ToProto(status.info.backend));
+  p.set_device_index(status.info.index > 0 ? static_cast<uint32_t>(status.info.index) : 0);
+  p.set_device_name(status.info.name);
+  p.set_device_uuid(status.info.uuid);
+  p.set_total_bytes(status.info.total_bytes);
+  p.set_free_bytes(status.info.free_bytes);
+  p.set_committed_bytes(status.committed_bytes);
+  p.set_budget_bytes(status.budget_bytes);
+  p.set_granularity_bytes(status.info.granularity);
+  p.set_max_chunk_bytes(status.max_chunk_bytes);
+  p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
+  if (status.info.fabric_handles) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  p.set_driver_version(status.info.driver_version);
+  p.set_daemon_version(KVD_VERSION);
+  p.set_reserved_bytes(status.reserved_bytes);
+  p.set_pool_count(status.pools);
+  return p;
+}
+
+}  // namespace kvd

@@ -1,0 +1,41 @@
+// Translation between the v1 API's messages and the core's domain types. Pure functions, no I/O;
+// FromProto validates nothing beyond shape (the core validates values and names the fields).
+#pragma once
+
+#include <vector>
+
+#include "daemon/core/geometry.h"
+#include "daemon/core/layout_chain.h"
+#include "daemon/core/pool_manager.h"
+#include "daemon/core/pool_spec.h"
+#include "kvd/device.h"
+#include "kvd/v1/kvd.pb.h"
+
+namespace kvd {
+
+LayoutRequest FromProto(const v1::LayoutRequest& proto);
+PoolDims FromProto(const v1::PoolDims& proto);
+
+v1::LayoutRule ToProto(LayoutRule rule);
+v1::LayoutResolution ToProto(const LayoutResolution& resolution);
+v1::PoolDims ToProto(const PoolDims& dims);
+v1::Geometry ToProto(const Geometry& geometry);
+
+// Pools, chunks, leases and events (the PoolManager's views). Times become Unix milliseconds.
+PoolSpec FromProto(const v1::CreatePoolRequest& proto);
+std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::BlockCopy>& proto);
+
+v1::Backend ToProto(BackendKind backend);
+v1::PoolState ToProto(PoolState state);
+v1::EventType ToProto(EventType type);
+v1::Chunk ToProto(const ChunkInfo& chunk);
+v1::Lease ToProto(const Lease& lease);
+v1::ClientInfo ToProto(const ClientView& client);
+v1::Pool ToProto(const PoolView& pool);
+v1::PoolUpdate ToProto(const PoolUpdate& update);
+v1::PoolEvent ToProto(const PoolEvent& event);
+// daemon_version is the build's version (KVD_VERSION); handle_types lists POSIX_FD, plus FABRIC where
+// the device exports fabric handles.
+v1::DeviceInfo ToProto(const DeviceStatus& status);
+
+}  // namespace kvd

@@ -1,0 +1,627 @@
+#include "daemon/rpc/handle_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "kvd/fd_passing.h"
+#include "kvd/v1/kvd.pb.h"
+
+namespace kvd {
+
+using Clock = std::chrono::steady_clock;
+
+// A connection the channel serves: its socket, the peer's credentials (SO_PEERCRED at accept), the
+// time by which its request must arrive, and once it is a session, the session's token.
+struct HandleChannel::Connection {
+  int fd = -1;
+  uint32_t uid = 0;
+  int32_t pid = 0;
+  Clock::time_point deadline;
+  std::string session;
+};
+
+namespace {
+
+constexpr size_t kMaxClientNameBytes = 64;
+constexpr size_t kMaxTokenBytes = 1024;
+// Packets drained from a connection before closing it (see CloseConnection).
+constexpr int kMaxDrainedPackets = 16;
+
+absl::Status ErrnoToStatus(absl::string_view call, int err) {
+  std::string message = absl::StrCat(call, ": ", std::strerror(err), " (errno ", err, ")");
+  switch (err) {
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(message);
+    case EADDRINUSE:
+    case EEXIST:
+      return absl::AlreadyExistsError(message);
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(message);
+    case EMFILE:
+    case ENFILE:
+    case ENOMEM:
+    case ENOBUFS:
+    case ETOOMANYREFS:
+      return absl::ResourceExhaustedError(message);
+    case EPIPE:
+    case ECONNRESET:
+    case ENOTCONN:
+    case ECONNREFUSED:
+      return absl::UnavailableError(absl::StrCat(call, ": the peer has closed the connection"));
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// Durations far beyond any sensible timeout are clamped so that `now + d` cannot overflow.
+Clock::duration ToClock(absl::Duration d) {
+  return std::chrono::duration_cast<Clock::duration>(
+      absl::ToChronoNanoseconds(std::clamp(d, absl::ZeroDuration(), absl::Hours(24 * 365))));
+}
+
+// Milliseconds until `deadline` for poll(), rounded up so that poll does not return just before it.
+int PollTimeoutMs(Clock::time_point deadline) {
+  const auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<decltype(ms)>(ms, INT_MAX));
+}
+
+void CloseFds(absl::Span<const int> fds) {
+  for (int fd : fds) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+// Closes the FDs of every SCM_RIGHTS message in `msg` (a peer may attach FDs to anything it sends).
+void CloseReceivedFds(msghdr& msg) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      close(fd);
+    }
+  }
+}
+
+// Sends one packet with `fds` (at most kMaxFdsPerMessage; they stay the caller's) without ever
+// blocking: while the peer's queue is full it waits for room until `deadline`, or until `stop_fd`
+// (when >= 0) is readable. A SOCK_SEQPACKET packet is sent whole or not at all.
+absl::Status SendPacket(int fd, const std::string& payload, absl::Span<const int> fds, int stop_fd,
+                        Clock::time_point deadline) {
+  iovec iov{const_cast<char*>(payload.data()), payload.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  if (!fds.empty()) {
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+  }
+  while (true) {
+    if (sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0) return absl::OkStatus();
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoToStatus("sendmsg", errno);
+    const int timeout_ms = PollTimeoutMs(deadline);
+    if (timeout_ms == 0) return absl::DeadlineExceededError("the peer is not reading its replies");
+    pollfd polled[2] = {{fd, POLLOUT, 0}, {stop_fd, POLLIN, 0}};
+    if (poll(polled, stop_fd >= 0 ? 2 : 1, timeout_ms) < 0 && errno != EINTR) return ErrnoToStatus("poll", errno);
+    if (stop_fd >= 0 && (polled[1].revents & POLLIN) != 0) {
+      return absl::UnavailableError("the handle channel is stopping");
+    }
+    // POLLOUT, POLLERR, POLLHUP or a timeout: the next sendmsg tells which.
+  }
+}
+
+std::string ErrorReply(const absl::Status& status) {
+  v1::HandleChannelReply reply;
+  reply.mutable_error()->set_code(static_cast<int32_t>(status.code()));
+  reply.mutable_error()->set_message(std::string(status.message()));
+  return reply.SerializeAsString();
+}
+
+// Sends `status` as a HandleChannelError if the peer's queue has room now; best effort.
+void SendError(int fd, const absl::Status& status) {
+  SendPacket(fd, ErrorReply(status), {}, -1, Clock::now()).IgnoreError();
+}
+
+// The outcome of reading a connection's request.
+struct Received {
+  enum Kind { kRequest, kNothing, kClosed, kBad } kind = kNothing;
+  std::string bytes;    // kRequest: the packet
+  absl::Status status;  // kBad: what to answer
+};
+
+// Reads one packet of at most `max_bytes` without blocking. FDs attached to it are closed and the
+// packet refused; so are empty and oversized packets.
+Received ReadRequest(int fd, size_t max_bytes) {
+  Received out;
+  out.bytes.resize(max_bytes);
+  iovec iov{out.bytes.data(), out.bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    out.kind = (errno == EAGAIN || errno == EWOULDBLOCK) ? Received::kNothing : Received::kClosed;
+    return out;
+  }
+  const bool had_fds = msg.msg_controllen > 0 || (msg.msg_flags & MSG_CTRUNC) != 0;
+  CloseReceivedFds(msg);
+  if ((msg.msg_flags & MSG_TRUNC) != 0) {
+    out.kind = Received::kBad;
+    out.status = absl::InvalidArgumentError(absl::StrCat("request: larger than ", max_bytes, " bytes"));
+  } else if (had_fds) {
+    out.kind = Received::kBad;
+    out.status = absl::InvalidArgumentError("request: must carry no file descriptors");
+  } else if (n == 0) {
+    // A SOCK_SEQPACKET recv returns 0 both for an empty packet and at EOF; only EOF raises RDHUP.
+    pollfd polled{fd, POLLRDHUP, 0};
+    const bool hung_up = poll(&polled, 1, 0) > 0 && (polled.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+    out.kind = hung_up ? Received::kClosed : Received::kBad;
+    if (!hung_up) out.status = absl::InvalidArgumentError("request: empty packet");
+  } else {
+    out.kind = Received::kRequest;
+    out.bytes.resize(static_cast<size_t>(n));
+  }
+  return out;
+}
+
+bool IsValidClientName(absl::string_view name) {
+  if (name.size() > kMaxClientNameBytes) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-';
+  });
+}
+
+absl::Status ValidateToken(absl::string_view field, absl::string_view token) {
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
+  if (token.size() > kMaxTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": longer than ", kMaxTokenBytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+HandleChannel::HandleChannel(std::string path, HandleChannelBackend* backend, Options options)
+    : path_(std::move(path)), backend_(backend), options_(options) {}
+
+HandleChannel::~HandleChannel() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string path, HandleChannelBackend* backend,
+                                                                    Options options) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty()) return absl::InvalidArgumentError("path: must not be empty");
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("path: ", path.size(), " bytes exceed the ", sizeof(addr.sun_path) - 1, " of a Unix socket"));
+  }
+  if (backend == nullptr) return absl::InvalidArgumentError("backend: must not be null");
+  if (options.max_connections == 0) return absl::InvalidArgumentError("max_connections: must be > 0");
+  if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
+  if (options.first_request_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("first_request_timeout: must be > 0");
+  }
+  if (options.send_timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("send_timeout: must be > 0");
+  std::memcpy(addr.sun_path, path.data(), path.size());
+
+  // From here on the channel's destructor (Stop) undoes whatever was done: it closes the FDs that are
+  // open, joins the threads that run and unlinks the socket once bound.
+  auto channel = absl::WrapUnique(new HandleChannel(std::move(path), backend, options));
+  channel->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (channel->stop_fd_ < 0) return ErrnoToStatus("eventfd", errno);
+  channel->notify_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (channel->notify_fd_ < 0) return ErrnoToStatus("eventfd", errno);
+  channel->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (channel->listen_fd_ < 0) return ErrnoToStatus("socket", errno);
+  const std::string& bound = channel->path_;
+  if (bind(channel->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return ErrnoToStatus(absl::StrCat("bind(", bound, ")"), errno);
+  }
+  struct stat st {};
+  if (stat(bound.c_str(), &st) != 0) {
+    const int err = errno;
+    unlink(bound.c_str());
+    return ErrnoToStatus(absl::StrCat("stat(", bound, ")"), err);
+  }
+  channel->socket_dev_ = st.st_dev;
+  channel->socket_ino_ = st.st_ino;
+  if (chmod(bound.c_str(), 0660) != 0) return ErrnoToStatus(absl::StrCat("chmod(", bound, ")"), errno);
+  if (listen(channel->listen_fd_, SOMAXCONN) != 0) return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
+
+  channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
+  channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
+  return channel;
+}
+
+void HandleChannel::Stop() {
+  absl::MutexLock stop_lock(&stop_mu_);
+  if (stopped_) return;
+  stopped_ = true;
+
+  // The stop eventfd stays readable from now on: every poll in the channel returns.
+  if (stop_fd_ >= 0) {
+    const uint64_t one = 1;
+    while (write(stop_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  // Unlink only our own socket: the path may have been taken over since.
+  struct stat st {};
+  if (socket_ino_ != 0 && stat(path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ && st.st_ino == socket_ino_) {
+    unlink(path_.c_str());
+  }
+
+  // The watcher closes every connection waiting for its request and every session on its way out.
+  if (watch_thread_.joinable()) watch_thread_.join();
+
+  std::vector<Connection> accepted;
+  std::vector<std::thread> finished;
+  {
+    absl::MutexLock lock(&mu_);
+    // Every worker sees the stop eventfd and gives up its fetch; the last thing it does is move itself
+    // from workers_ to finished_.
+    mu_.Await(absl::Condition(
+        +[](std::list<std::thread>* workers) { return workers->empty(); }, &workers_));
+    accepted.swap(accepted_);
+    finished.swap(finished_);
+  }
+  for (std::thread& worker : finished) worker.join();
+  for (Connection& conn : accepted) {
+    SendError(conn.fd, absl::UnavailableError("the handle channel is stopping"));
+    CloseConnection(conn.fd);
+  }
+
+  if (notify_fd_ >= 0) close(notify_fd_);
+  if (stop_fd_ >= 0) close(stop_fd_);
+  notify_fd_ = stop_fd_ = -1;
+}
+
+HandleChannel::Stats HandleChannel::stats() const {
+  Stats stats;
+  stats.sessions_opened = sessions_opened_.load(std::memory_order_relaxed);
+  stats.sessions_closed = sessions_closed_.load(std::memory_order_relaxed);
+  stats.fetches_served = fetches_served_.load(std::memory_order_relaxed);
+  stats.fds_sent = fds_sent_.load(std::memory_order_relaxed);
+  stats.errors = errors_.load(std::memory_order_relaxed);
+  return stats;
+}
+
+void HandleChannel::AcceptLoop() {
+  while (true) {
+    pollfd polled[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (poll(polled, 2, -1) < 0) {
+      BackOffAfterPollFailure();
+      continue;
+    }
+    if ((polled[1].revents & POLLIN) != 0) return;
+    if ((polled[0].revents & POLLIN) == 0) continue;
+
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) continue;
+      // Out of FDs or memory: the listening socket stays readable, so back off instead of spinning.
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      WaitForStop(absl::Milliseconds(100));
+      continue;
+    }
+    // Counted from here; Reject and CloseConnection uncount it.
+    if (connections_.fetch_add(1, std::memory_order_relaxed) >= options_.max_connections) {
+      Reject(fd, absl::ResourceExhaustedError(absl::StrCat("handle channel: ", options_.max_connections,
+                                                           " connections are open already; try again later")));
+      continue;
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      Reject(fd, ErrnoToStatus("getsockopt(SO_PEERCRED)", errno));
+      continue;
+    }
+    Connection conn{
+        .fd = fd, .uid = cred.uid, .pid = cred.pid, .deadline = Clock::now() + ToClock(options_.first_request_timeout)};
+    {
+      absl::MutexLock lock(&mu_);
+      accepted_.push_back(std::move(conn));
+    }
+    const uint64_t one = 1;
+    while (write(notify_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+void HandleChannel::BackOffAfterPollFailure() {
+  if (errno == EINTR) return;
+  // ENOMEM, or EINVAL with more connections than RLIMIT_NOFILE: retrying at once would spin.
+  errors_.fetch_add(1, std::memory_order_relaxed);
+  WaitForStop(absl::Milliseconds(100));
+}
+
+void HandleChannel::WaitForStop(absl::Duration timeout) {
+  pollfd stop{stop_fd_, POLLIN, 0};
+  poll(&stop, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+}
+
+void HandleChannel::WatchLoop() {
+  std::vector<Connection> pending;   // waiting for their request
+  std::vector<Connection> sessions;  // open sessions: watched for EOF
+  std::vector<pollfd> polled;
+  while (true) {
+    polled.clear();
+    polled.push_back({stop_fd_, POLLIN, 0});
+    polled.push_back({notify_fd_, POLLIN, 0});
+    int timeout_ms = -1;
+    for (const Connection& conn : pending) {
+      polled.push_back({conn.fd, POLLIN | POLLRDHUP, 0});
+      const int ms = PollTimeoutMs(conn.deadline);
+      timeout_ms = timeout_ms < 0 ? ms : std::min(timeout_ms, ms);
+    }
+    for (const Connection& conn : sessions) polled.push_back({conn.fd, POLLIN | POLLRDHUP, 0});
+    if (poll(polled.data(), polled.size(), timeout_ms) < 0) {
+      BackOffAfterPollFailure();
+      continue;
+    }
+    if ((polled[0].revents & POLLIN) != 0) break;
+    if ((polled[1].revents & POLLIN) != 0) {
+      uint64_t count;
+      while (read(notify_fd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+      }
+    }
+
+    // Sessions: any event ends one. EOF (the client closed or died) is the normal end; a packet on a
+    // session connection breaks the protocol (one request per connection) and ends it too.
+    const size_t first_session = 2 + pending.size();
+    std::vector<Connection> live;
+    live.reserve(sessions.size());
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      const short revents = polled[first_session + i].revents;
+      Connection& conn = sessions[i];
+      if (revents == 0) {
+        live.push_back(std::move(conn));
+        continue;
+      }
+      backend_->CloseSession(conn.session);
+      open_sessions_.fetch_sub(1, std::memory_order_relaxed);
+      sessions_closed_.fetch_add(1, std::memory_order_relaxed);
+      if ((revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) {
+        CloseConnection(conn.fd);
+      } else {
+        Reject(conn.fd, absl::InvalidArgumentError(
+                            "request: a session's connection carries one request; the session is closed"));
+      }
+    }
+    sessions.swap(live);
+
+    // Connections waiting for their request: serve the ones that sent it, drop the ones out of time.
+    const Clock::time_point now = Clock::now();
+    std::vector<Connection> waiting;
+    waiting.reserve(pending.size());
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Connection& conn = pending[i];
+      if (polled[2 + i].revents != 0) {
+        if (ServeFirstRequest(conn, sessions)) waiting.push_back(std::move(conn));
+      } else if (now >= conn.deadline) {
+        Reject(conn.fd,
+               absl::DeadlineExceededError(absl::StrCat("handle channel: no request within ",
+                                                        absl::FormatDuration(options_.first_request_timeout))));
+      } else {
+        waiting.push_back(std::move(conn));
+      }
+    }
+    pending.swap(waiting);
+    {
+      absl::MutexLock lock(&mu_);
+      for (Connection& conn : accepted_) pending.push_back(std::move(conn));
+      accepted_.clear();
+    }
+    ReapFinishedWorkers();
+  }
+
+  for (Connection& conn : pending) {
+    SendError(conn.fd, absl::UnavailableError("the handle channel is stopping"));
+    CloseConnection(conn.fd);
+  }
+  for (Connection& conn : sessions) {
+    backend_->CloseSession(conn.session);
+    open_sessions_.fetch_sub(1, std::memory_order_relaxed);
+    sessions_closed_.fetch_add(1, std::memory_order_relaxed);
+    CloseConnection(conn.fd);
+  }
+}
+
+bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>& sessions) {
+  Received received = ReadRequest(conn.fd, options_.max_request_bytes);
+  switch (received.kind) {
+    case Received::kNothing:
+      return true;
+    case Received::kClosed:
+      CloseConnection(conn.fd);
+      return false;
+    case Received::kBad:
+      Reject(conn.fd, received.status);
+      return false;
+    case Received::kRequest:
+      break;
+  }
+  v1::HandleChannelRequest request;
+  if (!request.ParseFromString(received.bytes)) {
+    Reject(conn.fd, absl::InvalidArgumentError("request: not a serialized kvd.v1.HandleChannelRequest"));
+    return false;
+  }
+  switch (request.kind_case()) {
+    case v1::HandleChannelRequest::kOpenSession: {
+      std::string* name = request.mutable_open_session()->mutable_client_name();
+      if (!IsValidClientName(*name)) {
+        Reject(conn.fd, absl::InvalidArgumentError(absl::StrCat("open_session.client_name: must be at most ",
+                                                                kMaxClientNameBytes, " characters of [A-Za-z0-9._-]")));
+        return false;
+      }
+      std::string token = backend_->OpenSession(conn.uid, conn.pid, std::move(*name));
+      v1::HandleChannelReply reply;
+      reply.mutable_session_opened()->set_session_token(token);
+      reply.mutable_session_opened()->set_uid(conn.uid);
+      reply.mutable_session_opened()->set_pid(conn.pid);
+      // A fresh connection's queue is empty: the reply goes at once or the peer is gone.
+      if (!SendPacket(conn.fd, reply.SerializeAsString(), {}, -1, Clock::now()).ok()) {
+        backend_->CloseSession(token);
+        errors_.fetch_add(1, std::memory_order_relaxed);
+        CloseConnection(conn.fd);
+        return false;
+      }
+      conn.session = std::move(token);
+      sessions.push_back(std::move(conn));
+      open_sessions_.fetch_add(1, std::memory_order_relaxed);
+      sessions_opened_.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+    case v1::HandleChannelRequest::kFetchHandles: {
+      v1::FetchHandles* fetch = request.mutable_fetch_handles();
+      absl::Status valid = ValidateToken("fetch_handles.session_token", fetch->session_token());
+      if (valid.ok()) valid = ValidateToken("fetch_handles.lease_token", fetch->lease_token());
+      if (!valid.ok()) {
+        Reject(conn.fd, valid);
+        return false;
+      }
+      SpawnFetch(std::move(conn), std::move(*fetch->mutable_session_token()), std::move(*fetch->mutable_lease_token()));
+      return false;
+    }
+    case v1::HandleChannelRequest::KIND_NOT_SET:
+      break;
+  }
+  Reject(conn.fd, absl::InvalidArgumentError("request: neither open_session nor fetch_handles is set"));
+  return false;
+}
+
+void HandleChannel::SpawnFetch(Connection conn, std::string session, std::string lease) {
+  absl::MutexLock lock(&mu_);
+  auto self = workers_.emplace(workers_.end());
+  // The worker cannot finish before `*self` is assigned: its last step takes mu_, held here.
+  *self = std::thread(
+      [this, self, conn = std::move(conn), session = std::move(session), lease = std::move(lease)]() mutable {
+        ServeFetch(std::move(conn), std::move(session), std::move(lease));
+        absl::MutexLock worker_lock(&mu_);
+        finished_.push_back(std::move(*self));
+        workers_.erase(self);
+      });
+}
+
+void HandleChannel::ReapFinishedWorkers() {
+  std::vector<std::thread> finished;
+  {
+    absl::MutexLock lock(&mu_);
+    finished.swap(finished_);
+  }
+  for (std::thread& worker : finished) worker.join();
+}
+
+void HandleChannel::ServeFetch(Connection conn, std::string session, std::string lease) {
+  absl::StatusOr<std::vector<HandleChannelBackend::LeasedFd>> redeemed =
+      backend_->RedeemLease(session, lease, conn.uid);
+  if (!redeemed.ok()) {
+    Reject(conn.fd, redeemed.status());
+    return;
+  }
+  std::vector<HandleChannelBackend::LeasedFd> leased = *std::move(redeemed);
+  // Each batch's FDs are closed as soon as it is sent; whatever is left is closed on every other path.
+  absl::Cleanup close_leased = [&leased] {
+    for (HandleChannelBackend::LeasedFd& l : leased) {
+      if (l.fd >= 0) close(l.fd);
+    }
+  };
+
+  size_t sent = 0;
+  do {
+    const size_t count = std::min(kMaxFdsPerMessage, leased.size() - sent);
+    v1::HandleChannelReply reply;
+    v1::HandleBatch* batch = reply.mutable_handle_batch();
+    std::vector<int> fds;
+    fds.reserve(count);
+    for (size_t i = sent; i < sent + count; ++i) {
+      batch->add_chunk_ids(leased[i].chunk_id);
+      fds.push_back(leased[i].fd);
+    }
+    batch->set_last(sent + count == leased.size());
+    absl::Status status =
+        SendPacket(conn.fd, reply.SerializeAsString(), fds, stop_fd_, Clock::now() + ToClock(options_.send_timeout));
+    if (!status.ok()) {
+      Reject(conn.fd, status);
+      return;
+    }
+    CloseFds(fds);
+    for (size_t i = sent; i < sent + count; ++i) leased[i].fd = -1;
+    sent += count;
+  } while (sent < leased.size());
+
+  fds_sent_.fetch_add(leased.size(), std::memory_order_relaxed);
+  CloseConnection(conn.fd);
+  fetches_served_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void HandleChannel::Reject(int fd, const absl::Status& status) {
+  errors_.fetch_add(1, std::memory_order_relaxed);
+  SendError(fd, status);
+  CloseConnection(fd);
+}
+
+void HandleChannel::CloseConnection(int fd) {
+  // Closing a Unix stream or seqpacket socket with unread packets makes the peer's next recv fail with
+  // ECONNRESET before it can read what we sent. So: refuse further packets (the peer's send now fails
+  // with EPIPE), drain what arrived, then close; packets sent to the peer stay readable until EOF.
+  shutdown(fd, SHUT_RDWR);
+  for (int i = 0; i < kMaxDrainedPackets; ++i) {
+    char byte;
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    CloseReceivedFds(msg);
+    if (n == 0 && msg.msg_controllen == 0) break;
+  }
+  close(fd);
+  connections_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+}  // namespace kvd

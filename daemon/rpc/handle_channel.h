@@ -1,0 +1,170 @@
+// The handle channel server (DESIGN.md sections 6 and 7; the protocol is at the bottom of
+// proto/kvd/v1/kvd.proto). A SOCK_SEQPACKET Unix socket beside the gRPC one, on which a client
+//   - opens a session (OpenSession): the daemon learns the peer's uid and pid from SO_PEERCRED, asks the
+//     backend for a session token and keeps the connection open as the session's liveness; when the
+//     connection reaches EOF (the client closed it or died) the backend's CloseSession is called;
+//   - redeems a lease (FetchHandles): the backend checks the lease against the session and the peer's
+//     uid and hands over one FD per chunk; the channel sends them as HandleBatch packets of at most
+//     kMaxFdsPerMessage FDs, closes every FD and then the connection.
+// Every failure is answered with one HandleChannelError (a canonical absl::StatusCode and a message)
+// before the connection is closed.
+//
+// Threads. One accept thread (poll on the listening socket and a stop eventfd) checks the peer and the
+// connection limit; one watcher thread polls every connection that has not sent its request yet (with
+// a deadline) and every open session (for EOF), and answers OpenSession itself; each FetchHandles is
+// served on its own short-lived, tracked worker thread. The number of connections of any kind is
+// bounded by Options::max_connections, so the number of workers is too. No socket operation blocks:
+// a peer that stops reading is dropped after Options::send_timeout, and Stop() interrupts every wait.
+//
+// Ownership. The channel owns its sockets and every FD that RedeemLease hands it (closed on every path,
+// success or failure). The backend must outlive the channel; its methods are called from the
+// channel's threads, concurrently, and must be thread-safe. The channel logs nothing: it counts.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kvd {
+
+// What the channel needs from the daemon (PoolManager implements it through a small adapter).
+// Called from the channel's threads, concurrently: implementations must be thread-safe.
+class HandleChannelBackend {
+ public:
+  virtual ~HandleChannelBackend() = default;
+
+  // A new session for the peer (uid and pid from SO_PEERCRED; `name` is what the client called itself,
+  // already checked to be [A-Za-z0-9._-]{0,64}). Returns the session token.
+  virtual std::string OpenSession(uint32_t uid, int32_t pid, std::string name) = 0;
+  // The session's connection has closed (or the channel is stopping). Called exactly once per token
+  // that OpenSession returned.
+  virtual void CloseSession(absl::string_view session) = 0;
+
+  struct LeasedFd {
+    uint64_t chunk_id;
+    int fd;  // owned by the channel after the call: it closes it once sent (or on failure)
+  };
+  // The FDs of a lease, in the lease's order. `peer_uid` is the fetching connection's SO_PEERCRED uid.
+  // Errors (UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, ...) reach the client unchanged. On error
+  // the backend keeps (and closes) whatever it opened.
+  [[nodiscard]] virtual absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
+                                                                          absl::string_view lease,
+                                                                          uint32_t peer_uid) = 0;
+};
+
+class HandleChannel {
+ public:
+  struct Options {
+    // Connections of every kind (waiting for their request, sessions, fetches) served at once; beyond
+    // it a new connection gets RESOURCE_EXHAUSTED and is closed.
+    size_t max_connections = 1024;
+    // A peer that connects and sends no request within this is sent DEADLINE_EXCEEDED and dropped.
+    absl::Duration first_request_timeout = absl::Seconds(5);
+    // A larger request is refused with INVALID_ARGUMENT.
+    size_t max_request_bytes = 64 * 1024;
+    // A peer that does not read a reply within this is dropped (its fetch fails, its FDs are closed).
+    absl::Duration send_timeout = absl::Seconds(10);
+  };
+
+  // Monotonic counters, for metrics.
+  struct Stats {
+    uint64_t sessions_opened = 0;
+    uint64_t sessions_closed = 0;
+    uint64_t fetches_served = 0;  // leases whose every batch was sent
+    uint64_t fds_sent = 0;
+    uint64_t errors = 0;  // error replies sent, connections refused, dropped or failed
+  };
+
+  // Binds a SOCK_SEQPACKET|SOCK_CLOEXEC Unix socket at `path` (the caller has already made sure no live
+  // daemon owns it and removed a stale file), chmod 0660, listens, and serves on background threads.
+  // `backend` must outlive the channel. Errors: INVALID_ARGUMENT (empty or too long a path, no backend,
+  // bad options), ALREADY_EXISTS (the path exists), PERMISSION_DENIED, NOT_FOUND (no such directory),
+  // RESOURCE_EXHAUSTED (out of FDs or threads), INTERNAL; nothing is left behind on failure.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<HandleChannel>> Start(std::string path,
+                                                                            HandleChannelBackend* backend,
+                                                                            Options options);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<HandleChannel>> Start(std::string path,
+                                                                            HandleChannelBackend* backend) {
+    return Start(std::move(path), backend, Options());
+  }
+
+  HandleChannel(const HandleChannel&) = delete;
+  HandleChannel& operator=(const HandleChannel&) = delete;
+  ~HandleChannel();  // Stop()
+
+  // Stops accepting, closes every connection (each open session is closed through the backend, every
+  // in-flight fetch is abandoned and its FDs closed), joins all threads and unlinks the socket (if the
+  // path still names it). Returns promptly whatever the peers do (a backend call in progress is waited
+  // for). Idempotent and thread-safe; must not be called from a backend callback.
+  void Stop();
+
+  const std::string& path() const { return path_; }
+  size_t open_sessions() const { return open_sessions_.load(std::memory_order_relaxed); }
+  Stats stats() const;
+
+ private:
+  struct Connection;
+
+  HandleChannel(std::string path, HandleChannelBackend* backend, Options options);
+
+  void AcceptLoop();
+  void WatchLoop();
+  // Reads and answers the first request of `conn` (readable now). Returns true when there is no request
+  // yet and `conn` keeps waiting; otherwise `conn` was moved into `sessions`, handed to a fetch worker
+  // or closed.
+  bool ServeFirstRequest(Connection& conn, std::vector<Connection>& sessions);
+  void ServeFetch(Connection conn, std::string session, std::string lease);
+  void SpawnFetch(Connection conn, std::string session, std::string lease);
+  void ReapFinishedWorkers();
+  // After a failed poll (errno set): returns at once on EINTR, else counts an error and waits a little.
+  void BackOffAfterPollFailure();
+  // Returns after `timeout` or as soon as Stop() began.
+  void WaitForStop(absl::Duration timeout);
+  // Sends `status` as a HandleChannelError (best effort, never blocking) and closes the connection.
+  void Reject(int fd, const absl::Status& status);
+  void CloseConnection(int fd);
+
+  const std::string path_;
+  HandleChannelBackend* const backend_;
+  const Options options_;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;    // eventfd: readable once Stop() began; every poll in the channel watches it
+  int notify_fd_ = -1;  // eventfd: the accept thread has queued connections for the watcher
+  dev_t socket_dev_ = 0;
+  ino_t socket_ino_ = 0;
+
+  std::atomic<size_t> connections_{0};
+  std::atomic<size_t> open_sessions_{0};
+  std::atomic<uint64_t> sessions_opened_{0};
+  std::atomic<uint64_t> sessions_closed_{0};
+  std::atomic<uint64_t> fetches_served_{0};
+  std::atomic<uint64_t> fds_sent_{0};
+  std::atomic<uint64_t> errors_{0};
+
+  std::thread accept_thread_;
+  std::thread watch_thread_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Connection> accepted_ ABSL_GUARDED_BY(mu_);   // accept thread -> watcher
+  std::list<std::thread> workers_ ABSL_GUARDED_BY(mu_);     // running fetches
+  std::vector<std::thread> finished_ ABSL_GUARDED_BY(mu_);  // fetches done, to be joined
+
+  absl::Mutex stop_mu_;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+};
+
+}  // namespace kvd

@@ -1,0 +1,342 @@
+#include "daemon/rpc/service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "daemon/rpc/convert.h"
+#include "daemon/rpc/status.h"
+#include "kvd/status.h"
+#include "kvd/units.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+constexpr char kSessionMetadata[] = "kvd-session";
+
+// fmt does not know absl::string_view (a distinct type in Debian's Abseil).
+std::string_view Sv(absl::string_view s) { return {s.data(), s.size()}; }
+
+absl::Status RequireNonEmpty(const std::string& value, absl::string_view field) {
+  if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
+  return absl::OkStatus();
+}
+
+// The edge: every RPC's status passes here once, and a failure is logged once.
+grpc::Status Finish(const char* method, const absl::Status& status) {
+  if (!status.ok()) {
+    spdlog::warn("rpc {} failed: {}: {}", method, Sv(absl::StatusCodeToString(status.code())), Sv(status.message()));
+  }
+  return ToGrpcStatus(status);
+}
+
+std::string Elapsed(absl::Duration d) { return absl::FormatDuration(d); }
+
+void LogUpdate(const char* verb, const PoolUpdate& u) {
+  spdlog::info("{} pool {}: {} blocks committed ({}), +{} / -{} chunks, {} pending release, {} elapsed", verb,
+               u.pool.name, u.pool.committed_blocks, FormatBytes(u.pool.committed_bytes), u.added.size(),
+               u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
+}
+
+}  // namespace
+
+KvdService::KvdService(PoolManager* manager, Options options) : manager_(manager), options_(options) {}
+
+absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& context) const {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kSessionMetadata);
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(kSessionMetadata, " metadata missing: open a session on the handle channel first"));
+  }
+  return manager_->Authenticate(absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const {
+  const auto deadline = context.deadline();
+  const absl::Time now = absl::Now();
+  // No deadline reads as the far future (time_point::max()).
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return now + options_.default_release_wait;
+  }
+  // Stop waiting a little before the client gives up, so that it gets the reply (with the bytes still
+  // pending) rather than DEADLINE_EXCEEDED.
+  const absl::Time rpc_deadline = absl::FromChrono(deadline);
+  const absl::Duration margin = std::min(absl::Seconds(1), (rpc_deadline - now) / 10);
+  return rpc_deadline - std::max(margin, absl::ZeroDuration());
+}
+
+grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext*, const v1::GetDeviceInfoRequest*,
+                                       v1::DeviceInfo* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
+    *response = ToProto(device);
+    return absl::OkStatus();
+  }();
+  return Finish("GetDeviceInfo", status);
+}
+
+grpc::Status KvdService::ResolveLayout(grpc::ServerContext*, const v1::ResolveLayoutRequest* request,
+                                       v1::ResolveLayoutResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
+    *response->mutable_resolution() = ToProto(resolution);
+    if (request->has_dims()) {
+      // A pure computation on the resolved layout: the geometry a pool with these dims would get.
+      KVD_ASSIGN_OR_RETURN(Geometry geometry,
+                           Geometry::Compute(resolution.layout, FromProto(request->dims()), options_.granularity));
+      *response->mutable_geometry() = ToProto(geometry);
+    }
+    return absl::OkStatus();
+  }();
+  return Finish("ResolveLayout", status);
+}
+
+grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
+                                    v1::Pool* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+    if (!request->has_dims()) return absl::InvalidArgumentError("dims: required");
+    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->CreatePool(caller, FromProto(*request)));
+    *response = ToProto(pool);
+    spdlog::info(
+        "created pool {} for uid {}: layout {} ({}), {} segments, capacity {} blocks ({} reserved), {} "
+        "blocks committed ({})",
+        pool.name, caller.uid, Sv(pool.geometry.layout().name()), LayoutRuleName(pool.layout.rule),
+        pool.geometry.segments(), pool.geometry.dims().capacity_blocks, FormatBytes(pool.reserved_bytes),
+        pool.committed_blocks, FormatBytes(pool.committed_bytes));
+    return absl::OkStatus();
+  }();
+  return Finish("CreatePool", status);
+}
+
+grpc::Status KvdService::GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
+    *response = ToProto(pool);
+    return absl::OkStatus();
+  }();
+  return Finish("GetPool", status);
+}
+
+grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest*,
+                                   v1::ListPoolsResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    for (const PoolView& pool : manager_->ListPools(caller)) *response->add_pools() = ToProto(pool);
+    return absl::OkStatus();
+  }();
+  return Finish("ListPools", status);
+}
+
+grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
+                                    v1::DeletePoolResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+    KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->DeletePool(caller, request->name(), request->force()));
+    response->set_released_bytes(released);
+    spdlog::info("deleted pool {}{}: {} released", request->name(), request->force() ? " (forced)" : "",
+                 FormatBytes(released));
+    return absl::OkStatus();
+  }();
+  return Finish("DeletePool", status);
+}
+
+grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
+                                v1::AttachResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(AttachResult attached, manager_->Attach(caller, request->pool(), request->client_name()));
+    response->set_client_id(attached.client_id);
+    *response->mutable_pool() = ToProto(attached.pool);
+    *response->mutable_lease() = ToProto(attached.lease);
+    spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}: {} chunks leased", attached.client_id,
+                 request->client_name(), caller.uid, caller.pid, request->pool(), attached.lease.chunk_ids.size());
+    return absl::OkStatus();
+  }();
+  return Finish("Attach", status);
+}
+
+grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request, v1::DetachResponse*) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
+    KVD_RETURN_IF_ERROR(manager_->Detach(caller, request->client_id()));
+    spdlog::info("client {} detached", request->client_id());
+    return absl::OkStatus();
+  }();
+  return Finish("Detach", status);
+}
+
+grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, manager_->Grow(caller, request->pool(), request->target_blocks()));
+    *response = ToProto(update);
+    LogUpdate("grew", update);
+    return absl::OkStatus();
+  }();
+  return Finish("Grow", status);
+}
+
+grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
+                                v1::PoolUpdate* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, manager_->Shrink(caller, request->pool(), request->target_blocks(),
+                                                             request->wait_for_release(), ReleaseDeadline(*context)));
+    *response = ToProto(update);
+    LogUpdate("shrank", update);
+    return absl::OkStatus();
+  }();
+  return Finish("Shrink", status);
+}
+
+grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
+                               v1::PoolUpdates* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    std::string pool;  // empty: every pool
+    switch (request->target_case()) {
+      case v1::SleepRequest::kPool:
+        KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+        pool = request->pool();
+        break;
+      case v1::SleepRequest::kAll:
+        if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
+        break;
+      case v1::SleepRequest::TARGET_NOT_SET:
+        return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
+    }
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
+                         manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context)));
+    for (const PoolUpdate& u : updates) {
+      *response->add_updates() = ToProto(u);
+      LogUpdate("put to sleep", u);
+    }
+    return absl::OkStatus();
+  }();
+  return Finish("Sleep", status);
+}
+
+grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    std::string pool;  // empty: every pool
+    switch (request->target_case()) {
+      case v1::WakeRequest::kPool:
+        KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+        pool = request->pool();
+        break;
+      case v1::WakeRequest::kAll:
+        if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
+        break;
+      case v1::WakeRequest::TARGET_NOT_SET:
+        return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
+    }
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, manager_->Wake(caller, pool));
+    for (const PoolUpdate& u : updates) {
+      *response->add_updates() = ToProto(u);
+      LogUpdate("woke", u);
+    }
+    return absl::OkStatus();
+  }();
+  return Finish("Wake", status);
+}
+
+grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
+                               grpc::ServerWriter<v1::PoolEvent>* writer) {
+  std::optional<Caller> caller;
+  std::shared_ptr<EventQueue> queue;
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
+    KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(*caller, request->client_id()));
+    return absl::OkStatus();
+  }();
+  // A refused Watch (unknown client, a second watcher) never started a stream: nobody to detach.
+  if (!status.ok()) return Finish("Watch", status);
+  // Initial metadata now, not with the first event: a client that waits for it knows its stream is
+  // registered (events since Attach are queued either way).
+  writer->SendInitialMetadata();
+
+  const char* reason = "its events ended (detached, pool deleted or daemon stopping)";
+  grpc::Status result = grpc::Status::OK;
+  while (true) {
+    if (context->IsCancelled()) {
+      reason = "the client closed the stream";
+      result = grpc::Status::CANCELLED;
+      break;
+    }
+    std::optional<PoolEvent> event = queue->Pop(options_.watch_poll);
+    if (!event.has_value()) {
+      if (queue->closed()) break;
+      continue;
+    }
+    if (!writer->Write(ToProto(*event))) {
+      reason = "the stream broke";
+      result = grpc::Status::CANCELLED;
+      break;
+    }
+  }
+  // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
+  // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
+  absl::Status detached = manager_->Detach(*caller, request->client_id());
+  spdlog::info("watch of client {} ended: {}{}", request->client_id(), reason,
+               detached.ok() ? "; client detached" : "");
+  return result;
+}
+
+grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
+                                     v1::AcknowledgeResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
+    if (request->release_id() == 0) {
+      return absl::InvalidArgumentError("release_id: must be > 0 (the release_id of a CHUNKS_RELEASED event)");
+    }
+    KVD_ASSIGN_OR_RETURN(uint64_t pending, manager_->Acknowledge(caller, request->client_id(), request->release_id()));
+    response->set_pending_release_bytes(pending);
+    return absl::OkStatus();
+  }();
+  return Finish("Acknowledge", status);
+}
+
+grpc::Status KvdService::ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
+                                    v1::ZeroBlocksResponse*) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
+    return manager_->ZeroBlocks(caller, request->pool(), blocks);
+  }();
+  return Finish("ZeroBlocks", status);
+}
+
+grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
+                                    v1::CopyBlocksResponse*) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    return manager_->CopyBlocks(caller, request->pool(), FromProto(request->copies()));
+  }();
+  return Finish("CopyBlocks", status);
+}
+
+}  // namespace kvd

@@ -1,0 +1,77 @@
+// KvdService: the kvd.v1.Kvd gRPC service (proto/kvd/v1/kvd.proto, docs/api.md). A thin translation:
+// each method checks the request's shape, authenticates the caller from the "kvd-session" metadata
+// (except GetDeviceInfo and ResolveLayout), makes one PoolManager call, converts the result and
+// finishes with the core's status, code and message unchanged. Policy, locking and validation of
+// values live in the core.
+//
+// Logging: this is the edge. A failed RPC is logged once at warn (method, code, message); a successful
+// change (create, delete, attach, detach, grow, shrink, sleep, wake) once at info.
+//
+// Watch is the client's liveness: the stream polls the client's EventQueue and, whenever it ends
+// (the client cancelled, the client detached, the pool was deleted, the daemon is stopping), detaches
+// the client.
+//
+// Threads: the synchronous gRPC server calls every method concurrently; the service holds no state
+// of its own beyond its constant configuration. `manager` must outlive the service.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/time/time.h"
+#include "daemon/core/pool_manager.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+
+namespace kvd {
+
+class KvdService final : public v1::Kvd::Service {
+ public:
+  struct Options {
+    uint64_t granularity = 0;  // the device's, for ResolveLayout's geometry
+    // How often a Watch stream looks at its client's cancellation while no event comes.
+    absl::Duration watch_poll = absl::Milliseconds(200);
+    // Shrink/Sleep with wait_for_release and no RPC deadline wait at most this long.
+    absl::Duration default_release_wait = absl::Seconds(60);
+  };
+
+  KvdService(PoolManager* manager, Options options);
+
+  grpc::Status GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest* request,
+                             v1::DeviceInfo* response) override;
+  grpc::Status ResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
+                             v1::ResolveLayoutResponse* response) override;
+  grpc::Status CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
+                          v1::Pool* response) override;
+  grpc::Status GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) override;
+  grpc::Status ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
+                         v1::ListPoolsResponse* response) override;
+  grpc::Status DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
+                          v1::DeletePoolResponse* response) override;
+  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
+                      v1::AttachResponse* response) override;
+  grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
+                      v1::DetachResponse* response) override;
+  grpc::Status Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) override;
+  grpc::Status Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
+                      v1::PoolUpdate* response) override;
+  grpc::Status Sleep(grpc::ServerContext* context, const v1::SleepRequest* request, v1::PoolUpdates* response) override;
+  grpc::Status Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) override;
+  grpc::Status Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
+                     grpc::ServerWriter<v1::PoolEvent>* writer) override;
+  grpc::Status Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
+                           v1::AcknowledgeResponse* response) override;
+  grpc::Status ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
+                          v1::ZeroBlocksResponse* response) override;
+  grpc::Status CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
+                          v1::CopyBlocksResponse* response) override;
+
+ private:
+  // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown.
+  [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
+  // The RPC's deadline, or now + default_release_wait when it has none.
+  absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
+
+  PoolManager* const manager_;
+  const Options options_;
+};
+
+}  // namespace kvd

@@ -1,0 +1,617 @@
+#include "hip_device.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <iterator>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "backends.h"
+#include "block_kernels.h"
+#include "kvd/status.h"
+
+namespace kvd::hip {
+
+// The code-object bundle built from block_kernels.hip, and the targets it holds (comma-separated);
+// defined in the generated block_kernels_bundle.cc (embed_binary.cmake).
+extern const unsigned char kBlockKernelsBundle[];
+extern const size_t kBlockKernelsBundleSize;
+extern const char kBlockKernelsBundleArchitectures[];
+
+namespace {
+
+// Work-groups per block-kernel launch at most; they stride over the runs.
+constexpr uint64_t kMaxGrid = 16384;
+// The smallest device buffer for staged block ids (8 KiB ids).
+constexpr uint64_t kMinScratchBytes = 64 << 10;
+
+// Makes `device` the calling thread's current HIP device and gives the previous one back on
+// destruction, so that a caller sharing the process (an engine thread) keeps its own device.
+class ScopedCurrentDevice {
+ public:
+  ScopedCurrentDevice(const HipRuntimeTable& hip, int device) : hip_(hip) {
+    int previous = 0;
+    if (HipError e = hip_.hipGetDevice(&previous); e != kHipSuccess) {
+      status_ = HipStatus(hip_, e, "hipGetDevice");
+      return;
+    }
+    if (previous == device) return;
+    if (HipError e = hip_.hipSetDevice(device); e != kHipSuccess) {
+      status_ = HipStatus(hip_, e, "hipSetDevice");
+      return;
+    }
+    previous_ = previous;
+  }
+  ~ScopedCurrentDevice() {
+    if (previous_ >= 0) (void)hip_.hipSetDevice(previous_);
+  }
+  ScopedCurrentDevice(const ScopedCurrentDevice&) = delete;
+  ScopedCurrentDevice& operator=(const ScopedCurrentDevice&) = delete;
+
+  const absl::Status& status() const { return status_; }
+
+ private:
+  const HipRuntimeTable& hip_;
+  int previous_ = -1;
+  absl::Status status_;
+};
+
+std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
+
+void* Ptr(uint64_t va) { return reinterpret_cast<void*>(static_cast<uintptr_t>(va)); }
+
+// A UUID as operators see it: ROCm fills hipUUID with the 16 ASCII characters of the GPU's unique
+// id (rocm-smi shows it after "GPU-"); anything else is printed like a CUDA UUID.
+std::string FormatUuid(const HipUuid& uuid) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  if (std::all_of(b, b + 16, [](unsigned char c) { return c == 0; })) return "";
+  size_t len = 0;
+  while (len < 16 && b[len] != 0) ++len;
+  if (std::all_of(b, b + len, [](unsigned char c) { return c > 0x20 && c < 0x7f; }) &&
+      std::all_of(b + len, b + 16, [](unsigned char c) { return c == 0; })) {
+    return absl::StrCat("GPU-", std::string(reinterpret_cast<const char*>(b), len));
+  }
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    absl::StrAppend(&out, absl::Hex(static_cast<unsigned int>(b[i]), absl::kZeroPad2));
+  }
+  return out;
+}
+
+// The widest access (16, 8, 4 or 1 bytes) that divides every address and size in `bits` (their OR).
+uint64_t AccessUnit(uint64_t bits) {
+  for (uint64_t unit : {uint64_t{16}, uint64_t{8}, uint64_t{4}}) {
+    if (bits % unit == 0) return unit;
+  }
+  return 1;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HipDevice>> HipDevice::Open(int index) {
+  if (index < 0) return absl::InvalidArgumentError(absl::StrCat("hip: device index ", index, " must be >= 0"));
+  KVD_ASSIGN_OR_RETURN(const HipRuntimeTable* hip, LoadHipRuntime());
+
+  const std::string where = absl::StrCat("hip (", hip->library, "): ");
+  // What an operator sees on a machine without a usable GPU: say so first, then the raw error.
+  const auto no_gpu = [&where](absl::Status s) {
+    if (!absl::IsUnavailable(s)) return absl::Status(s.code(), absl::StrCat(where, s.message()));
+    return absl::UnavailableError(absl::StrCat(where, "no usable AMD GPU (", s.message(),
+                                               "); is the amdgpu driver loaded and /dev/kfd accessible?"));
+  };
+  if (HipError e = hip->hipInit(0); e != kHipSuccess) return no_gpu(HipStatus(*hip, e, "hipInit"));
+  int count = 0;
+  if (HipError e = hip->hipGetDeviceCount(&count); e != kHipSuccess) {
+    return no_gpu(HipStatus(*hip, e, "hipGetDeviceCount"));
+  }
+  if (index >= count) {
+    return absl::UnavailableError(absl::StrCat(where, "no HIP device ", index, " (the runtime sees ", count, " device",
+                                               count == 1 ? "" : "s", ")"));
+  }
+  int runtime_version = 0;
+  if (HipError e = hip->hipRuntimeGetVersion(&runtime_version); e != kHipSuccess) {
+    absl::Status s = HipStatus(*hip, e, "hipRuntimeGetVersion");
+    return absl::Status(s.code(), absl::StrCat(where, s.message()));
+  }
+  // Checked before any call that takes a hipMemAllocationProp: older runtimes read another layout.
+  if (runtime_version < kMinVmmRuntimeVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, "HIP runtime ", FormatHipVersion(runtime_version), " is older than ",
+                     FormatHipVersion(kMinVmmRuntimeVersion),
+                     ", the first whose virtual memory ABI (hipMemAllocationProp) kvd speaks; install ROCm >= 7.12 "
+                     "(growth needs it anyway) or choose another backend"));
+  }
+  int driver_version = 0;
+  // Informational only (DeviceInfo::driver_version); a failure leaves 0.
+  (void)hip->hipDriverGetVersion(&driver_version);
+
+  std::unique_ptr<HipDevice> device = absl::WrapUnique(new HipDevice(*hip, index, runtime_version, driver_version));
+  // On failure the destructor releases whatever Init() had made.
+  KVD_RETURN_IF_ERROR(device->Init());
+  return device;
+}
+
+HipDevice::HipDevice(const HipRuntimeTable& hip, int index, int runtime_version, int driver_version)
+    : hip_(hip), index_(index), runtime_version_(runtime_version), driver_version_(driver_version) {}
+
+HipDevice::~HipDevice() {
+  ScopedCurrentDevice current(hip_, index_);
+  absl::MutexLock lock(&kernel_mu_);
+  if (scratch_ != nullptr) (void)hip_.hipFree(scratch_);
+  if (module_ != nullptr) (void)hip_.hipModuleUnload(module_);
+  if (stream_ != nullptr) (void)hip_.hipStreamDestroy(stream_);
+}
+
+absl::Status HipDevice::Error(HipError error, absl::string_view call) const {
+  absl::Status s = HipStatus(hip_, error, call);
+  return absl::Status(s.code(), absl::StrCat("hip device ", index_, ": ", s.message()));
+}
+
+absl::Status HipDevice::CheckSize(absl::string_view what, uint64_t value) const {
+  if (value != 0 && value % granularity_ == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", what, " = ", value,
+                                                 " is not a positive multiple of the granularity (", granularity_,
+                                                 " bytes)"));
+}
+
+namespace {
+
+HipMemAllocationProp AllocationProp(int index) {
+  HipMemAllocationProp prop{};
+  prop.type = kHipMemAllocationTypePinned;
+  prop.requested_handle_type = kHipMemHandleTypePosixFileDescriptor;
+  prop.location.type = kHipMemLocationTypeDevice;
+  prop.location.id = index;
+  return prop;
+}
+
+}  // namespace
+
+absl::Status HipDevice::Init() {
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+
+  if (HipError e = hip_.hipDeviceGet(&device_, index_); e != kHipSuccess) return Error(e, "hipDeviceGet");
+  std::array<char, 256> name{};
+  if (HipError e = hip_.hipDeviceGetName(name.data(), static_cast<int>(name.size() - 1), device_); e != kHipSuccess) {
+    return Error(e, "hipDeviceGetName");
+  }
+  name_ = name.data();
+  // hipDeviceGetUuid is informational and was "beta" for a long time: without it the UUID stays empty.
+  if (HipUuid uuid{}; hip_.hipDeviceGetUuid(&uuid, device_) == kHipSuccess) uuid_ = FormatUuid(uuid);
+
+  const HipMemAllocationProp prop = AllocationProp(index_);
+  size_t reported = 0;
+  if (HipError e = hip_.hipMemGetAllocationGranularity(&reported, &prop, kHipMemAllocationGranularityMinimum);
+      e != kHipSuccess) {
+    if (e == kHipErrorNotSupported) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "hip device ", index_, " (", name_,
+          "): virtual memory management is not supported: ", Error(e, "hipMemGetAllocationGranularity").message()));
+    }
+    return Error(e, "hipMemGetAllocationGranularity");
+  }
+  // ROCm has reported 4 KiB here; chunks and mappings that small multiply page-table and handle
+  // cost, so kvd never goes below 2 MiB (rounded up to the reported unit).
+  const uint64_t unit = std::max<uint64_t>(reported, 1);
+  granularity_ = unit >= kMinGranularity ? unit : (kMinGranularity + unit - 1) / unit * unit;
+
+  if (HipError e = hip_.hipStreamCreateWithFlags(&stream_, kHipStreamNonBlocking); e != kHipSuccess) {
+    stream_ = nullptr;
+    return Error(e, "hipStreamCreateWithFlags");
+  }
+  return LoadKernels();
+}
+
+absl::Status HipDevice::LoadKernels() {
+  HipError e = hip_.hipModuleLoadData(&module_, kBlockKernelsBundle);
+  if (e == kHipErrorNoBinaryForGpu || e == kHipErrorInvalidImage) {
+    // The memory calls work without the kernels; only the block operations report this.
+    module_ = nullptr;
+    kernels_status_ = absl::FailedPreconditionError(
+        absl::StrCat("hip device ", index_, " (", name_, "): the embedded block kernels (", kBlockKernelsBundleSize,
+                     " bytes, built for ", kBlockKernelsBundleArchitectures,
+                     ") cannot run on this GPU: ", HipStatus(hip_, e, "hipModuleLoadData").message(),
+                     "; rebuild kvd with -DKVD_HIP_ARCHITECTURES set to this GPU's gfx target"));
+    return absl::OkStatus();
+  }
+  if (e != kHipSuccess) {
+    module_ = nullptr;
+    return Error(e, "hipModuleLoadData");
+  }
+  const std::array<std::pair<HipFunction*, const char*>, 4> kernels = {{
+      {&zero_, kZeroBlocksKernel},
+      {&copy_, kCopyBlocksKernel},
+      {&pack_, kPackBlocksKernel},
+      {&unpack_, kUnpackBlocksKernel},
+  }};
+  for (const auto& [function, name] : kernels) {
+    if (HipError ge = hip_.hipModuleGetFunction(function, module_, name); ge != kHipSuccess) {
+      return Error(ge, absl::StrCat("hipModuleGetFunction(", name, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceInfo> HipDevice::Info() {
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  size_t free = 0;
+  size_t total = 0;
+  if (HipError e = hip_.hipMemGetInfo(&free, &total); e != kHipSuccess) return Error(e, "hipMemGetInfo");
+  DeviceInfo info;
+  info.backend = BackendKind::kHip;
+  info.index = index_;
+  info.name = name_;
+  info.uuid = uuid_;
+  info.driver_version = absl::StrCat("HIP runtime ", FormatHipVersion(runtime_version_), ", driver ", driver_version_);
+  info.total_bytes = total;
+  info.free_bytes = free;
+  info.granularity = granularity_;
+  info.fabric_handles = false;  // HIP has no fabric handle type.
+  return info;
+}
+
+absl::StatusOr<uint64_t> HipDevice::Reserve(uint64_t bytes) {
+  KVD_RETURN_IF_ERROR(CheckSize("Reserve: bytes", bytes));
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  void* ptr = nullptr;
+  if (HipError e = hip_.hipMemAddressReserve(&ptr, bytes, granularity_, nullptr, 0); e != kHipSuccess) {
+    return Error(e, absl::StrCat("hipMemAddressReserve(", bytes, " bytes)"));
+  }
+  const uint64_t va = reinterpret_cast<uintptr_t>(ptr);
+  absl::MutexLock lock(&vm_mu_);
+  reservations_[va] = Reservation{.bytes = bytes, .mappings = {}};
+  return va;
+}
+
+absl::Status HipDevice::Free(uint64_t va, uint64_t bytes) {
+  absl::MutexLock lock(&vm_mu_);
+  auto it = reservations_.find(va);
+  if (it == reservations_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hip device ", index_, ": Free: ", Hex(va), " is not a reservation of this device"));
+  }
+  if (it->second.bytes != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Free: the reservation at ", Hex(va),
+                                                   " is ", it->second.bytes, " bytes, not ", bytes));
+  }
+  if (!it->second.mappings.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("hip device ", index_, ": Free: the reservation at ", Hex(va),
+                                                      " still holds ", it->second.mappings.size(),
+                                                      " mapping(s); Unmap them first"));
+  }
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  if (HipError e = hip_.hipMemAddressFree(Ptr(va), bytes); e != kHipSuccess) return Error(e, "hipMemAddressFree");
+  reservations_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Chunk> HipDevice::Create(uint64_t bytes) {
+  KVD_RETURN_IF_ERROR(CheckSize("Create: bytes", bytes));
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  const HipMemAllocationProp prop = AllocationProp(index_);
+  HipMemGenericAllocationHandle handle = nullptr;
+  const HipError e = hip_.hipMemCreate(&handle, bytes, &prop, 0);
+  if (e == kHipErrorOutOfMemory) {
+    size_t free = 0;
+    size_t total = 0;
+    std::string have = "free memory unknown";
+    if (hip_.hipMemGetInfo(&free, &total) == kHipSuccess) {
+      have = absl::StrCat("the device reports ", free, " of ", total, " bytes free");
+    }
+    return absl::ResourceExhaustedError(
+        absl::StrCat(Error(e, "hipMemCreate").message(), ": asked for ", bytes, " bytes, ", have));
+  }
+  if (e != kHipSuccess) return Error(e, absl::StrCat("hipMemCreate(", bytes, " bytes)"));
+  return Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes};
+}
+
+absl::Status HipDevice::Release(const Chunk& chunk) {
+  if (chunk.handle == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Release: chunk.handle is 0"));
+  }
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  if (HipError e = hip_.hipMemRelease(reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle));
+      e != kHipSuccess) {
+    return Error(e, "hipMemRelease");
+  }
+  return absl::OkStatus();
+}
+
+HipDevice::Reservation* HipDevice::FindReservation(uint64_t va, uint64_t bytes, uint64_t* base) {
+  auto it = reservations_.upper_bound(va);
+  if (it == reservations_.begin()) return nullptr;
+  --it;
+  if (va - it->first > it->second.bytes || bytes > it->second.bytes - (va - it->first)) return nullptr;
+  *base = it->first;
+  return &it->second;
+}
+
+absl::Status HipDevice::Map(uint64_t va, const Chunk& chunk, Access access) {
+  if (chunk.handle == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: chunk.handle is 0"));
+  }
+  KVD_RETURN_IF_ERROR(CheckSize("Map: chunk.bytes", chunk.bytes));
+  if (va % granularity_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: va ", Hex(va),
+                                                   " is not a multiple of the granularity (", granularity_, " bytes)"));
+  }
+  const uint64_t bytes = chunk.bytes;
+
+  absl::MutexLock lock(&vm_mu_);
+  uint64_t base = 0;
+  Reservation* reservation = FindReservation(va, bytes, &base);
+  if (reservation == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
+                                                   ") is not inside a reservation of this device"));
+  }
+  auto next = reservation->mappings.lower_bound(va);
+  if (next != reservation->mappings.end() && next->first < va + bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
+                                                   ") overlaps the mapping at ", Hex(next->first)));
+  }
+  if (next != reservation->mappings.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second > va) {
+      return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
+                                                     ") overlaps the mapping at ", Hex(prev->first)));
+    }
+  }
+  // The growth gate; hip_device.h states the exact rule.
+  if (!reservation->mappings.empty() && !multi_mapping_supported()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "hip device ", index_, ": Map at ", Hex(va), " refused: the reservation at ", Hex(base), " already holds ",
+        reservation->mappings.size(), " mapping(s), and the detected HIP runtime ", FormatHipVersion(runtime_version_),
+        " mis-handles hipMemSetAccess over several allocations in one reservation; growing a pool in place needs "
+        "HIP runtime >= ",
+        HipVersionMajor(kMultiMappingRuntimeVersion), ".", HipVersionMinor(kMultiMappingRuntimeVersion),
+        " (upgrade ROCm)"));
+  }
+
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  const auto handle = reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle);
+  if (HipError e = hip_.hipMemMap(Ptr(va), bytes, 0, handle, 0); e != kHipSuccess) return Error(e, "hipMemMap");
+  absl::Cleanup unmap = [&] { (void)hip_.hipMemUnmap(Ptr(va), bytes); };
+
+  // Peer entries (none today) go before the local device's, which must come last: the runtime
+  // applies the entries in order and the local device's access is the one that has to hold.
+  const std::array<HipMemAccessDesc, 1> desc = {{
+      {.location = {.type = kHipMemLocationTypeDevice, .id = index_},
+       .flags = access == Access::kRead ? kHipMemAccessFlagsProtRead : kHipMemAccessFlagsProtReadWrite},
+  }};
+  if (HipError e = hip_.hipMemSetAccess(Ptr(va), bytes, desc.data(), desc.size()); e != kHipSuccess) {
+    return Error(e, "hipMemSetAccess");
+  }
+  std::move(unmap).Cancel();
+  reservation->mappings[va] = bytes;
+  return absl::OkStatus();
+}
+
+absl::Status HipDevice::Unmap(uint64_t va, uint64_t bytes) {
+  if (bytes == 0 || va % granularity_ != 0 || bytes % granularity_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", +", bytes,
+                                                   ") is not a non-empty range aligned to the granularity (",
+                                                   granularity_, " bytes)"));
+  }
+  absl::MutexLock lock(&vm_mu_);
+  uint64_t base = 0;
+  Reservation* reservation = FindReservation(va, bytes, &base);
+  if (reservation == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", ", Hex(va + bytes),
+                                                   ") is not inside a reservation of this device"));
+  }
+  // The range must be a run of whole mappings: hipMemUnmap cannot split an allocation.
+  std::vector<std::map<uint64_t, uint64_t>::iterator> run;
+  auto it = reservation->mappings.find(va);
+  uint64_t cursor = va;
+  while (cursor < va + bytes) {
+    if (it == reservation->mappings.end() || it->first != cursor || it->second > va + bytes - cursor) {
+      return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", ",
+                                                     Hex(va + bytes), ") is not a run of whole mappings (at ",
+                                                     Hex(cursor), ")"));
+    }
+    cursor += it->second;
+    run.push_back(it++);
+  }
+
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  // One call per mapping, as the runtime tracks them; mappings already unmapped are forgotten even
+  // if a later one fails.
+  for (auto m : run) {
+    if (HipError e = hip_.hipMemUnmap(Ptr(m->first), m->second); e != kHipSuccess) {
+      return Error(e, absl::StrCat("hipMemUnmap(", Hex(m->first), ")"));
+    }
+    reservation->mappings.erase(m);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> HipDevice::Export(const Chunk& chunk) {
+  if (chunk.handle == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Export: chunk.handle is 0"));
+  }
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  int fd = -1;
+  if (HipError e = hip_.hipMemExportToShareableHandle(
+          &fd, reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle), kHipMemHandleTypePosixFileDescriptor, 0);
+      e != kHipSuccess) {
+    return Error(e, "hipMemExportToShareableHandle");
+  }
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("hip device ", index_, ": hipMemExportToShareableHandle succeeded but returned fd ", fd));
+  }
+  return fd;
+}
+
+absl::StatusOr<Chunk> HipDevice::Import(int fd, uint64_t bytes) {
+  if (fd < 0)
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Import: fd ", fd, " is invalid"));
+  KVD_RETURN_IF_ERROR(CheckSize("Import: bytes", bytes));
+  // The runtime takes the FD as a pointer-sized value and rejects a null one, so FD 0 travels as a
+  // duplicate; the duplicate is closed once imported, like every FD the caller hands us stays theirs.
+  int os_fd = fd;
+  int duplicate = -1;
+  if (fd == 0) {
+    duplicate = fcntl(fd, F_DUPFD_CLOEXEC, 1);
+    if (duplicate < 0) {
+      return absl::InternalError(
+          absl::StrCat("hip device ", index_, ": Import: fcntl(F_DUPFD_CLOEXEC) of fd 0: ", std::strerror(errno)));
+    }
+    os_fd = duplicate;
+  }
+  absl::Cleanup close_duplicate = [duplicate] {
+    if (duplicate >= 0) close(duplicate);
+  };
+
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  HipMemGenericAllocationHandle handle = nullptr;
+  if (HipError e = hip_.hipMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(os_fd)),
+                                                        kHipMemHandleTypePosixFileDescriptor);
+      e != kHipSuccess) {
+    return Error(e, "hipMemImportFromShareableHandle");
+  }
+  return Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes};
+}
+
+absl::Status HipDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": CopyToHost: dst is null"));
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  if (HipError e = hip_.hipMemcpyDtoH(dst, Ptr(src_va), bytes); e != kHipSuccess) return Error(e, "hipMemcpyDtoH");
+  return absl::OkStatus();
+}
+
+absl::Status HipDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (src == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": CopyFromHost: src is null"));
+  }
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  // hipMemcpyHtoD's source is `void*` in older headers; the runtime only reads it.
+  if (HipError e = hip_.hipMemcpyHtoD(Ptr(dst_va), const_cast<void*>(src), bytes); e != kHipSuccess) {
+    return Error(e, "hipMemcpyHtoD");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HipDevice::LaunchBlockKernel(HipFunction kernel, const char* name, const BlockSpan& span,
+                                          absl::Span<const uint64_t> words, uint64_t count, uint64_t buffer) {
+  KVD_RETURN_IF_ERROR(kernels_status_);
+  const uint64_t runs = count * span.segments;
+  if (span.segments != 0 && runs / span.segments != count) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", name, ": ", count, " blocks x ",
+                                                   span.segments, " segments overflows"));
+  }
+
+  absl::MutexLock lock(&kernel_mu_);
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+
+  const uint64_t staged = words.size() * sizeof(uint64_t);
+  if (scratch_bytes_ < staged) {
+    if (scratch_ != nullptr) (void)hip_.hipFree(scratch_);
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    uint64_t capacity = kMinScratchBytes;
+    while (capacity < staged) capacity *= 2;
+    if (HipError e = hip_.hipMalloc(&scratch_, capacity); e != kHipSuccess) {
+      scratch_ = nullptr;
+      return Error(e, absl::StrCat("hipMalloc(", capacity, " bytes of block ids)"));
+    }
+    scratch_bytes_ = capacity;
+  }
+  // The host words outlive the copy: this call synchronises the stream before returning, on every path.
+  absl::Cleanup drain = [this] { (void)hip_.hipStreamSynchronize(stream_); };
+  if (HipError e = hip_.hipMemcpyHtoDAsync(scratch_, const_cast<uint64_t*>(words.data()), staged, stream_);
+      e != kHipSuccess) {
+    return Error(e, "hipMemcpyHtoDAsync");
+  }
+
+  BlockKernelArgs args;
+  args.base = span.base;
+  args.segments = span.segments;
+  args.segment_stride = span.segment_stride;
+  args.block_bytes = span.block_bytes;
+  args.ids = reinterpret_cast<uintptr_t>(scratch_);
+  args.count = count;
+  args.buffer = buffer;
+  args.unit = AccessUnit(span.base | span.segment_stride | span.block_bytes | buffer);
+  size_t args_size = sizeof(args);
+  std::array<void*, 5> extra = {HipLaunchParamBufferPointer(), &args, HipLaunchParamBufferSize(), &args_size,
+                                HipLaunchParamEnd()};
+  const auto grid = static_cast<unsigned int>(std::min(runs, kMaxGrid));
+  if (HipError e =
+          hip_.hipModuleLaunchKernel(kernel, grid, 1, 1, kBlockKernelThreads, 1, 1, 0, stream_, nullptr, extra.data());
+      e != kHipSuccess) {
+    return Error(e, absl::StrCat("hipModuleLaunchKernel(", name, ")"));
+  }
+  std::move(drain).Cancel();
+  if (HipError e = hip_.hipStreamSynchronize(stream_); e != kHipSuccess) {
+    return Error(e, absl::StrCat("hipStreamSynchronize(", name, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HipDevice::ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
+  KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
+  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
+  return LaunchBlockKernel(zero_, kZeroBlocksKernel, span, blocks, blocks.size(), 0);
+}
+
+absl::Status HipDevice::CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) {
+  KVD_RETURN_IF_ERROR(ValidateCopies(span, copies));
+  if (copies.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
+  std::vector<uint64_t> pairs;
+  pairs.reserve(2 * copies.size());
+  for (const BlockCopy& c : copies) {
+    pairs.push_back(c.src);
+    pairs.push_back(c.dst);
+  }
+  return LaunchBlockKernel(copy_, kCopyBlocksKernel, span, pairs, copies.size(), 0);
+}
+
+absl::Status HipDevice::PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks, uint64_t dst) {
+  KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
+  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
+  if (dst == 0) return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": PackBlocks: dst is 0"));
+  return LaunchBlockKernel(pack_, kPackBlocksKernel, span, blocks, blocks.size(), dst);
+}
+
+absl::Status HipDevice::UnpackBlocks(const BlockSpan& span, uint64_t src, absl::Span<const uint64_t> blocks) {
+  KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
+  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
+  if (src == 0) return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": UnpackBlocks: src is 0"));
+  return LaunchBlockKernel(unpack_, kUnpackBlocksKernel, span, blocks, blocks.size(), src);
+}
+
+}  // namespace kvd::hip
+
+namespace kvd {
+
+absl::StatusOr<std::unique_ptr<Device>> OpenHipDevice(int index) {
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<hip::HipDevice> device, hip::HipDevice::Open(index));
+  return std::unique_ptr<Device>(std::move(device));
+}
+
+}  // namespace kvd

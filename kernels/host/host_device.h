@@ -1,0 +1,150 @@
+// The host backend (DESIGN.md section 9): kvd's embedded default and the backend CI runs on. Device
+// memory is ordinary host memory held in memfds, so every lifecycle step of a GPU backend has a real,
+// observable counterpart here:
+//
+//   Reserve  mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE), trimmed to a
+//            granularity-aligned start; Free munmaps it.
+//   Create   memfd_create + ftruncate + fallocate: the pages are allocated now, so running out of
+//            memory is RESOURCE_EXHAUSTED from Create, never a SIGBUS on first touch.
+//   Map      mmap(MAP_SHARED | MAP_FIXED) of the whole memfd over part of a reservation: one
+//            mapping per chunk, never per page (vm.max_map_count is 65530 by default).
+//   Unmap    maps the range back to PROT_NONE anonymous memory, so the VA stays reserved and can be
+//            mapped again.
+//   Export   a CLOEXEC dup of the memfd; Import keeps a CLOEXEC dup of the FD it is given.
+//   Release  closes this holder's memfd. The kernel frees the pages once the last FD and the last
+//            mapping in every process are gone (visible as a drop of "Shmem:" in /proc/meminfo).
+//
+// Capacity. `DeviceOptions.host_capacity` (0: the machine's physical memory) bounds the bytes of
+// chunks this Device has created and not yet released; Create also refuses more than the kernel's
+// MemAvailable estimate, since committing past it would invite the OOM killer. Imported chunks are
+// not counted: they are memory some Create already counted (in this or another process), and
+// counting them again would charge the same pages twice. A chunk counts until Release, even if it is
+// still mapped afterwards.
+//
+// Granularity. `DeviceOptions.host_granularity` (default 2 MiB, like the GPUs): a power of two and a
+// multiple of the page size. Every size and address given to Reserve/Free/Create/Map/Unmap/Import
+// must be a multiple of it.
+//
+// Checks. The device tracks its reservations, mappings and chunk handles, so misuse is an error
+// rather than memory corruption: Map only inside a live reservation of this Device and never over an
+// existing mapping; copies and block operations only over memory this Device has mapped (and mapped
+// writable, where they write); Release and Export only of live chunks of this Device; Free only of a
+// whole reservation whose mappings are all unmapped.
+//
+// Threads. Every method is safe to call concurrently. One mutex guards the address-space bookkeeping
+// and another the chunk table. Copies and block operations hold the first shared while they touch
+// memory, so a concurrent Map/Unmap/Free waits for them; Create and Release never wait for a copy.
+//
+// Destruction. Destroying the Device closes the FDs of chunks the caller never released (mappings
+// keep their memory); reservations and mappings are left in place for the caller to give back.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kvd/device.h"
+
+namespace kvd {
+
+class HostDevice final : public Device {
+ public:
+  // INVALID_ARGUMENT naming `host_granularity` when it is not a power of two and a multiple of the
+  // page size.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<HostDevice>> Open(const DeviceOptions& options);
+
+  HostDevice(const HostDevice&) = delete;
+  HostDevice& operator=(const HostDevice&) = delete;
+  ~HostDevice() override;
+
+  BackendKind kind() const override { return BackendKind::kHost; }
+  uint64_t granularity() const override { return granularity_; }
+  // total_bytes is the capacity; free_bytes is min(capacity - committed, MemAvailable); the UUID is
+  // "host-<boot id>", stable until the machine reboots.
+  [[nodiscard]] absl::StatusOr<DeviceInfo> Info() override;
+
+  [[nodiscard]] absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override;
+  // `va` and `bytes` must be exactly a live reservation with no mappings left (FAILED_PRECONDITION).
+  [[nodiscard]] absl::Status Free(uint64_t va, uint64_t bytes) override;
+
+  // RESOURCE_EXHAUSTED naming the bytes asked and free when past the capacity or MemAvailable, or
+  // when the kernel refuses the pages.
+  [[nodiscard]] absl::StatusOr<Chunk> Create(uint64_t bytes) override;
+  [[nodiscard]] absl::Status Release(const Chunk& chunk) override;
+
+  // INVALID_ARGUMENT unless [va, va + chunk.bytes) lies inside a live reservation of this Device;
+  // FAILED_PRECONDITION if part of it is already mapped.
+  [[nodiscard]] absl::Status Map(uint64_t va, const Chunk& chunk, Access access) override;
+  // Every mapping the range touches must lie entirely inside it; unmapped parts are left as they are.
+  [[nodiscard]] absl::Status Unmap(uint64_t va, uint64_t bytes) override;
+
+  [[nodiscard]] absl::StatusOr<int> Export(const Chunk& chunk) override;
+  // `fd` must be a memfd (or other shmem file) of at least `bytes` bytes: INVALID_ARGUMENT otherwise.
+  [[nodiscard]] absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override;
+
+  [[nodiscard]] absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override;
+  [[nodiscard]] absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override;
+
+  [[nodiscard]] absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) override;
+  [[nodiscard]] absl::Status CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) override;
+  [[nodiscard]] absl::Status PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks,
+                                        uint64_t dst) override;
+  [[nodiscard]] absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
+                                          absl::Span<const uint64_t> blocks) override;
+
+ private:
+  struct Mapping {
+    uint64_t bytes = 0;
+    Access access = Access::kReadWrite;
+  };
+  struct Reservation {
+    uint64_t bytes = 0;
+    std::map<uint64_t, Mapping> mappings;  // by start address
+  };
+  struct ChunkRecord {
+    uint64_t bytes = 0;
+    bool created = false;  // made by Create (counted against the capacity), not by Import
+  };
+
+  HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid);
+
+  // OK when `value` is a positive multiple of the granularity; INVALID_ARGUMENT naming `what`.
+  absl::Status CheckAligned(const char* call, const char* what, uint64_t value, bool allow_zero) const;
+  // The reservation holding all of [va, va + bytes), or nullptr.
+  const Reservation* FindReservation(uint64_t va, uint64_t bytes) const ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
+  Reservation* FindReservation(uint64_t va, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(va_mu_);
+  // OK when every byte of [va, va + bytes) is mapped by this Device (writable, if `write`).
+  absl::Status CheckMapped(const char* call, uint64_t va, uint64_t bytes, bool write) const
+      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
+  // OK when every committed block of every segment of `span` is mapped (writable, if `write`).
+  absl::Status CheckSpanMapped(const char* call, const BlockSpan& span, bool write) const
+      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
+  // OK when `count` packed blocks at `va` are mapped (writable, if `write`).
+  absl::Status CheckPackedMapped(const char* call, const BlockSpan& span, uint64_t va, uint64_t count, bool write) const
+      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
+
+  const int index_;
+  const uint64_t capacity_;
+  const uint64_t granularity_;
+  const std::string uuid_;
+
+  // Bytes of live created chunks. Create reserves its bytes here before allocating (so concurrent
+  // Creates cannot overshoot the capacity together) and gives them back if it fails.
+  std::atomic<uint64_t> committed_{0};
+
+  // Lock order: va_mu_ before chunks_mu_ (only Map holds both).
+  mutable absl::Mutex va_mu_;
+  std::map<uint64_t, Reservation> reservations_ ABSL_GUARDED_BY(va_mu_);  // by start address
+  mutable absl::Mutex chunks_mu_;
+  absl::flat_hash_map<int, ChunkRecord> chunks_ ABSL_GUARDED_BY(chunks_mu_);  // by memfd
+};
+
+}  // namespace kvd

@@ -1,0 +1,136 @@
+// The device layer: the one interface between kvd and a memory backend (host memfd, CUDA VMM,
+// HIP VMM). Everything vendor-specific lives behind it; no CUresult, hipError_t or errno crosses it.
+//
+// Ownership. A Device owns nothing the caller cannot see: every reservation, chunk and mapping it
+// hands out must be given back by the caller (Free, Release, Unmap). Exported FDs belong to the
+// caller, who closes them; Import never takes ownership of the FD it is given, so an importer can
+// close it right after importing (the imported chunk keeps the memory alive).
+//
+// Threads. Every method is safe to call from any thread, concurrently.
+//
+// Errors. absl::Status with the vendor call and its raw code in the message: out of memory is
+// RESOURCE_EXHAUSTED, bad size/alignment INVALID_ARGUMENT, no driver/device UNAVAILABLE, a backend
+// that was not built UNIMPLEMENTED, anything else INTERNAL. A failed call leaves nothing allocated.
+//
+// Sizes and addresses passed to Reserve/Create/Map/Unmap are multiples of granularity().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace kvd {
+
+enum class BackendKind { kHost, kCuda, kHip };
+
+// "host", "cuda", "hip".
+const char* BackendName(BackendKind kind);
+
+struct DeviceInfo {
+  BackendKind backend = BackendKind::kHost;
+  int index = 0;
+  std::string name;             // "NVIDIA H200", "host memory (memfd)"
+  std::string uuid;             // "GPU-…" on CUDA
+  std::string driver_version;   // empty on host
+  uint64_t total_bytes = 0;     // physical memory of the device (host: the configured capacity)
+  uint64_t free_bytes = 0;      // as the driver reports it now
+  uint64_t granularity = 0;     // allocation and mapping granularity
+  bool fabric_handles = false;  // chunks can also be exported as CU_MEM_HANDLE_TYPE_FABRIC bytes
+};
+
+// One physical allocation. A plain value: copying it does not duplicate the memory, and exactly one
+// copy must be passed to Device::Release. `handle` is backend-specific (a CUDA/HIP generic
+// allocation handle; a memfd on host).
+struct Chunk {
+  uint64_t handle = 0;
+  uint64_t bytes = 0;
+};
+
+// Where one pool's blocks live, in the terms the block operations need. The pool is `segments`
+// contiguous runs starting at base + s * segment_stride; block b of segment s is the
+// `block_bytes` bytes at base + s * segment_stride + b * block_bytes. A packed block is its
+// segments' runs back to back in segment order (segments * block_bytes bytes).
+struct BlockSpan {
+  uint64_t base = 0;
+  uint64_t segments = 0;
+  uint64_t segment_stride = 0;
+  uint64_t block_bytes = 0;
+  uint64_t blocks = 0;  // valid block ids are [0, blocks): the committed blocks
+  uint64_t packed_block_bytes() const { return segments * block_bytes; }
+};
+
+struct BlockCopy {
+  uint64_t src = 0;
+  uint64_t dst = 0;
+};
+
+enum class Access { kReadWrite, kRead };
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual BackendKind kind() const = 0;
+  virtual uint64_t granularity() const = 0;
+  // Name, UUID and the memory the driver reports now.
+  [[nodiscard]] virtual absl::StatusOr<DeviceInfo> Info() = 0;
+
+  // Virtual address space, no physical memory. The VA stays reserved until Free.
+  [[nodiscard]] virtual absl::StatusOr<uint64_t> Reserve(uint64_t bytes) = 0;
+  [[nodiscard]] virtual absl::Status Free(uint64_t va, uint64_t bytes) = 0;
+
+  // Physical memory, really allocated now: RESOURCE_EXHAUSTED here, never a fault on first touch.
+  [[nodiscard]] virtual absl::StatusOr<Chunk> Create(uint64_t bytes) = 0;
+  // Drops this holder's reference; the memory is freed once no mapping or FD of any process holds it.
+  [[nodiscard]] virtual absl::Status Release(const Chunk& chunk) = 0;
+
+  // Maps the whole chunk at `va` (inside a reservation) with `access` for this device.
+  [[nodiscard]] virtual absl::Status Map(uint64_t va, const Chunk& chunk, Access access) = 0;
+  // The range becomes reserved-but-unbacked again and can be mapped anew.
+  [[nodiscard]] virtual absl::Status Unmap(uint64_t va, uint64_t bytes) = 0;
+
+  // A new FD referring to the chunk's memory, owned by the caller. Export once per chunk and
+  // dup() the FD for each consumer: re-exporting is slow on GPUs.
+  [[nodiscard]] virtual absl::StatusOr<int> Export(const Chunk& chunk) = 0;
+  // A chunk of this process referring to the memory behind `fd` (which stays the caller's).
+  [[nodiscard]] virtual absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) = 0;
+
+  // Copies between mapped device memory and host memory (for tests, tools and preserve-on-sleep).
+  [[nodiscard]] virtual absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) = 0;
+  [[nodiscard]] virtual absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) = 0;
+
+  // Block operations (DESIGN.md section 10). Block ids must be < span.blocks; in CopyBlocks no dst
+  // may repeat or also be a src. Pack writes blocks.size() packed blocks to device memory at `dst`;
+  // Unpack reads them from `src`. Each returns once the device has finished.
+  [[nodiscard]] virtual absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) = 0;
+  [[nodiscard]] virtual absl::Status CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) = 0;
+  [[nodiscard]] virtual absl::Status PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks,
+                                                uint64_t dst) = 0;
+  [[nodiscard]] virtual absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
+                                                  absl::Span<const uint64_t> blocks) = 0;
+};
+
+struct DeviceOptions {
+  // "auto" (CUDA when a driver and device are present, else host), "host", "cuda", "hip".
+  std::string backend = "auto";
+  int index = 0;
+  // Host backend only: the most bytes it commits at once (0: the machine's physical memory) and
+  // its allocation granularity (a multiple of the page size).
+  uint64_t host_capacity = 0;
+  uint64_t host_granularity = uint64_t{2} << 20;
+};
+
+// Opens the backend `options` asks for. UNAVAILABLE when its driver or device is missing,
+// UNIMPLEMENTED when it was not built, INVALID_ARGUMENT for an unknown name.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const DeviceOptions& options);
+
+// Checks block ids and copy pairs against `span` (shared by every backend): INVALID_ARGUMENT naming
+// the offending id.
+[[nodiscard]] absl::Status ValidateBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks);
+[[nodiscard]] absl::Status ValidateCopies(const BlockSpan& span, absl::Span<const BlockCopy> copies);
+
+}  // namespace kvd

@@ -1,0 +1,461 @@
+#include "daemon/core/pool_manager.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/fault_device.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvd {
+namespace {
+
+using ::kvd::testing::FaultDevice;
+using ::kvd::testing::IsOk;
+using ::kvd::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// L=2, B=256, H=2, N=16, C=1024, bf16 under LBNHC: 2 segments, 64 KiB blocks, 16 MiB segments.
+PoolSpec Spec(std::string name, uint64_t initial_blocks = 0) {
+  return {
+      .name = std::move(name),
+      .dims =
+          {.layers = 2, .capacity_blocks = 256, .heads = 2, .block_tokens = 16, .channels = 1024, .element_bytes = 2},
+      .initial_blocks = initial_blocks};
+}
+
+class PoolManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start({}); }
+
+  void Start(ManagerOptions options) {
+    manager_.reset();
+    absl::StatusOr<std::unique_ptr<Device>> host =
+        OpenDevice({.backend = "host", .host_capacity = 512 * kMiB, .host_granularity = 2 * kMiB});
+    ASSERT_THAT(host, IsOk());
+    device_ = std::make_unique<FaultDevice>(*std::move(host));
+    if (options.budget_bytes == 0) options.budget_bytes = 256 * kMiB;
+    options.daemon_uid = 4242;
+    manager_ = std::make_unique<PoolManager>(device_.get(), options);
+    alice_ = Session(1000, "alice");
+  }
+  void TearDown() override {
+    manager_.reset();
+    if (device_) {
+      EXPECT_EQ(device_->live_chunks(), 0);
+      EXPECT_EQ(device_->live_mappings(), 0);
+      EXPECT_EQ(device_->live_reservations(), 0);
+    }
+  }
+
+  Caller Session(uint32_t uid, std::string name) {
+    const std::string token = manager_->OpenSession(uid, 100 + uid, name);
+    return *manager_->Authenticate(token);
+  }
+
+  uint64_t Committed() { return manager_->GetDeviceStatus()->committed_bytes; }
+
+  // Maps every FD of `lease` where the pool's layout puts it, in a fresh reservation of this test, as
+  // an engine would; returns the base. The FDs are closed right after mapping.
+  uint64_t MapLease(const Caller& who, const PoolView& pool, const Lease& lease, uint64_t base = 0) {
+    if (base == 0) {
+      void* p = mmap(nullptr, pool.reserved_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      EXPECT_NE(p, MAP_FAILED);
+      base = reinterpret_cast<uint64_t>(p);
+      reservations_.push_back({base, pool.reserved_bytes});
+    }
+    absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds = manager_->RedeemLease(who.session, lease.token, who.uid);
+    EXPECT_THAT(fds, IsOk());
+    if (!fds.ok()) return base;
+    for (const PoolManager::LeasedFd& f : *fds) {
+      auto chunk =
+          std::find_if(pool.chunks.begin(), pool.chunks.end(), [&](const ChunkInfo& c) { return c.id == f.chunk_id; });
+      EXPECT_NE(chunk, pool.chunks.end());
+      void* at = mmap(reinterpret_cast<void*>(base + chunk->offset), chunk->bytes, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_FIXED, f.fd, 0);
+      EXPECT_NE(at, MAP_FAILED);
+      close(f.fd);
+    }
+    return base;
+  }
+
+  void TearDownMappings() {
+    for (auto [base, bytes] : reservations_) munmap(reinterpret_cast<void*>(base), bytes);
+    reservations_.clear();
+  }
+  ~PoolManagerTest() override { TearDownMappings(); }
+
+  std::unique_ptr<FaultDevice> device_;
+  std::unique_ptr<PoolManager> manager_;
+  Caller alice_;
+  std::vector<std::pair<uint64_t, uint64_t>> reservations_;
+};
+
+TEST_F(PoolManagerTest, CreateCommitsOneChunkPerSegmentAndReportsWhatIsBacked) {
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("p", 40)));
+  EXPECT_EQ(pool.geometry.layout().name(), "LBNHC");
+  EXPECT_EQ(pool.geometry.segments(), 2u);
+  EXPECT_EQ(pool.geometry.block_stride(), 64 * 1024u);
+  // 40 blocks = 2.5 MiB per segment, committed as 4 MiB: 64 blocks are really backed.
+  EXPECT_EQ(pool.committed_blocks, 64u);
+  EXPECT_EQ(pool.committed_bytes, 8 * kMiB);
+  ASSERT_THAT(pool.chunks, SizeIs(2));
+  EXPECT_EQ(pool.chunks[0].offset, 0u);
+  EXPECT_EQ(pool.chunks[1].offset, pool.geometry.segment_stride());
+  EXPECT_EQ(pool.owner_uid, 1000u);
+  EXPECT_EQ(Committed(), 8 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+}
+
+TEST_F(PoolManagerTest, GrowAddsChunksAfterThePrefixAndTwoClientsShareTheBytes) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "connector"));
+  const uint64_t abase = MapLease(alice_, a.pool, a.lease);
+  const uint64_t bbase = MapLease(bob, b.pool, b.lease);
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> bob_events, manager_->Watch(bob, b.client_id));
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "p", 200));
+  EXPECT_EQ(grown.pool.committed_blocks, 224u);  // 12.5 MiB per segment, committed as 14 MiB
+  ASSERT_THAT(grown.added, SizeIs(2));           // one chunk per segment for the whole delta
+  EXPECT_EQ(grown.added[0].offset, 2 * kMiB);
+  ASSERT_TRUE(grown.lease.has_value()) << "alice's own client gets its lease in the reply";
+  MapLease(alice_, grown.pool, *grown.lease, abase);
+
+  std::optional<PoolEvent> e = bob_events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kChunksAdded);
+  EXPECT_EQ(e->committed_blocks, 224u);
+  ASSERT_TRUE(e->lease.has_value());
+  MapLease(bob, grown.pool, *e->lease, bbase);
+
+  // Alice writes block 150 of layer 1; Bob reads it where the geometry says, and vice versa.
+  const uint64_t at = grown.pool.geometry.ByteOffset(1, 150, 1, 3, 7);
+  std::memcpy(reinterpret_cast<void*>(abase + at), "kv!", 3);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(bbase + at), "kv!", 3), 0);
+  std::memcpy(reinterpret_cast<void*>(bbase), "b0", 2);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<void*>(abase), "b0", 2), 0);
+}
+
+TEST_F(PoolManagerTest, GrowSplitsChunksOnlyPastTheMaximum) {
+  ManagerOptions options;
+  options.max_chunk_bytes = 4 * kMiB;
+  Start(options);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p")), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "p", 160));  // 10 MiB per segment
+  EXPECT_THAT(grown.added, SizeIs(6));
+  for (const ChunkInfo& c : grown.added) EXPECT_LE(c.bytes, 4 * kMiB);
+}
+
+struct Fault {
+  FaultDevice::Op op;
+  int nth;
+};
+void PrintTo(const Fault& f, std::ostream* os) {
+  static constexpr const char* kOps[] = {"Reserve", "Create", "Map", "Export"};
+  *os << kOps[static_cast<int>(f.op)] << f.nth;
+}
+class GrowRollbackTest : public PoolManagerTest, public ::testing::WithParamInterface<Fault> {};
+
+TEST_P(GrowRollbackTest, AFailedGrowLeavesThePoolAndTheDeviceAsTheyWere) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  const int chunks = device_->live_chunks(), mappings = device_->live_mappings();
+  const uint64_t committed = Committed();
+  device_->FailNth(GetParam().op, GetParam().nth, absl::ResourceExhaustedError("injected: out of memory"));
+  EXPECT_THAT(manager_->Grow(alice_, "p", 250),
+              StatusIs(absl::StatusCode::kResourceExhausted, AllOf(HasSubstr("injected"), HasSubstr("needs"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(after.committed_blocks, before.committed_blocks);
+  EXPECT_EQ(after.chunks.size(), before.chunks.size());
+  EXPECT_EQ(after.generation, before.generation);
+  EXPECT_EQ(device_->live_chunks(), chunks);
+  EXPECT_EQ(device_->live_mappings(), mappings);
+  EXPECT_EQ(Committed(), committed);
+  // And the same grow works once the fault is gone.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "p", 250));
+  EXPECT_EQ(grown.pool.committed_blocks, 256u);
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryStep, GrowRollbackTest,
+                         ::testing::Values(Fault{FaultDevice::Op::kCreate, 1}, Fault{FaultDevice::Op::kCreate, 2},
+                                           Fault{FaultDevice::Op::kMap, 2}, Fault{FaultDevice::Op::kExport, 1},
+                                           Fault{FaultDevice::Op::kExport, 2}));
+
+TEST_F(PoolManagerTest, TheBudgetIsNeverExceededAndTheErrorSaysAskedAndFree) {
+  Start({.budget_bytes = 30 * kMiB});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("a", 128)), IsOk());  // 16 MiB
+  EXPECT_THAT(
+      manager_->CreatePool(alice_, Spec("b", 256)),
+      StatusIs(absl::StatusCode::kResourceExhausted,
+               AllOf(HasSubstr("needs 33554432 bytes"), HasSubstr("only 14680064 bytes"), HasSubstr("budget"))));
+  EXPECT_THAT(manager_->GetPool(alice_, "b"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("b")));
+  EXPECT_EQ(Committed(), 16 * kMiB);
+  EXPECT_THAT(manager_->Grow(alice_, "a", 256), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
+  ASSERT_THAT(manager_->Grow(alice_, "a", 192), IsOk());
+  EXPECT_EQ(Committed(), 24 * kMiB);
+}
+
+TEST_F(PoolManagerTest, ShrinkCompletesWhenEveryHolderAcknowledges) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 256)), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "connector"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 64, false, absl::Now()));
+  EXPECT_EQ(shrunk.pool.committed_blocks, 256u) << "one chunk per segment backs all 256 blocks: none is whole above 64";
+  EXPECT_THAT(shrunk.released_chunk_ids, SizeIs(0));
+
+  // Commit in two steps so that there is a whole chunk above the target to release.
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "q", 256), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult bq, manager_->Attach(bob, "q", "connector"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> qevents, manager_->Watch(bob, bq.client_id));
+  const uint64_t before = Committed();
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "q", 64, false, absl::Now()));
+  EXPECT_EQ(q.pool.committed_blocks, 64u);
+  EXPECT_THAT(q.released_chunk_ids, SizeIs(2));
+  EXPECT_EQ(q.pool.pending_release_bytes, 24 * kMiB);
+  ASSERT_NE(q.release_id, 0u);
+  EXPECT_EQ(Committed(), before) << "pending bytes still count against the budget";
+
+  std::optional<PoolEvent> e = qevents->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kChunksReleased);
+  EXPECT_EQ(e->release_id, q.release_id);
+  EXPECT_THAT(manager_->Acknowledge(bob, bq.client_id, q.release_id + 7),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("release_id")));
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t pending, manager_->Acknowledge(bob, bq.client_id, q.release_id));
+  EXPECT_EQ(pending, 0u);
+  EXPECT_EQ(Committed(), before - 24 * kMiB);
+  EXPECT_THAT(manager_->Acknowledge(bob, bq.client_id, q.release_id),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("release_id")));
+  EXPECT_FALSE(events->Pop(absl::ZeroDuration()).has_value());
+}
+
+TEST_F(PoolManagerTest, ShrinkWithWaitReturnsOnceAcknowledged) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+  std::thread follower([&] {
+    std::optional<PoolEvent> e = events->Pop(absl::Seconds(30));
+    if (e && e->type == EventType::kChunksReleased)
+      manager_->Acknowledge(bob, b.client_id, e->release_id).IgnoreError();
+  });
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 1, true, absl::Now() + absl::Seconds(30)));
+  follower.join();
+  EXPECT_EQ(shrunk.pool.pending_release_bytes, 0u);
+  EXPECT_EQ(Committed(), 8 * kMiB);
+}
+
+TEST_F(PoolManagerTest, ADeadClientsAcknowledgementsAreDropped) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "p", 64, false, absl::Now()));
+  EXPECT_GT(q.pool.pending_release_bytes, 0u);
+  manager_->CloseSession(bob.session);  // the handle channel saw bob's connection close
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.pending_release_bytes, 0u);
+  EXPECT_THAT(pool.clients, SizeIs(0));
+  EXPECT_EQ(Committed(), 8 * kMiB);
+  EXPECT_THAT(manager_->Watch(bob, b.client_id), StatusIs(absl::StatusCode::kNotFound, HasSubstr("client_id")));
+  EXPECT_THAT(manager_->Authenticate(bob.session),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("kvd-session")));
+}
+
+TEST_F(PoolManagerTest, SleepReleasesEverythingAndWakeRecommitsOneChunkPerSegment) {
+  ManagerOptions options;
+  options.max_chunk_bytes = 64 * kMiB;
+  Start(options);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 96), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 200), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  EXPECT_THAT(before.chunks, SizeIs(6));
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> slept, manager_->Sleep(alice_, "p", false, absl::Now()));
+  ASSERT_THAT(slept, SizeIs(1));
+  EXPECT_EQ(slept[0].pool.state, PoolState::kSleeping);
+  EXPECT_EQ(slept[0].pool.committed_blocks, 0u);
+  EXPECT_EQ(slept[0].pool.wake_blocks, before.committed_blocks);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  std::optional<PoolEvent> released = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(released.has_value());
+  EXPECT_EQ(released->type, EventType::kChunksReleased);
+  EXPECT_EQ(released->state, PoolState::kSleeping);
+  ASSERT_THAT(manager_->Acknowledge(bob, b.client_id, released->release_id), IsOk());
+
+  EXPECT_THAT(manager_->Grow(alice_, "p", 250), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sleeping")));
+  EXPECT_THAT(manager_->Sleep(alice_, "p", false, absl::Now()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already sleeping")));
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> woken, manager_->Wake(alice_, ""));
+  ASSERT_THAT(woken, SizeIs(1));
+  EXPECT_EQ(woken[0].pool.state, PoolState::kAwake);
+  EXPECT_EQ(woken[0].pool.committed_blocks, before.committed_blocks);
+  EXPECT_THAT(woken[0].pool.chunks, SizeIs(2)) << "defragmented: one chunk per segment";
+  std::optional<PoolEvent> added = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(added.has_value());
+  EXPECT_EQ(added->type, EventType::kChunksAdded);
+  EXPECT_THAT(added->chunks, SizeIs(2));
+  EXPECT_THAT(manager_->Wake(alice_, "p"), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already awake")));
+}
+
+TEST_F(PoolManagerTest, LeasesAreSingleUseBoundToTheirSessionAndUid) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  Caller eve = Session(1000, "eve");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", ""));
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, a.lease.token, 1001),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 1001")));
+  EXPECT_THAT(manager_->RedeemLease(eve.session, a.lease.token, 1000),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("another session")));
+  EXPECT_THAT(manager_->RedeemLease("s-nope", a.lease.token, 1000),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("session")));
+  // Refused attempts do not spend the lease; its rightful holder redeems it once.
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolManager::LeasedFd> fds,
+                           manager_->RedeemLease(alice_.session, a.lease.token, 1000));
+  EXPECT_THAT(fds, SizeIs(2));
+  for (const PoolManager::LeasedFd& f : fds) close(f.fd);
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, a.lease.token, 1000),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")));
+
+  Start({.lease_ttl = absl::ZeroDuration()});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult late, manager_->Attach(alice_, "p", ""));
+  absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, late.lease.token, 1000),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("expired")));
+}
+
+TEST_F(PoolManagerTest, ALeaseForAReleasedChunkFails) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", ""));
+  ASSERT_THAT(manager_->Shrink(alice_, "p", 64, false, absl::Now()), IsOk());
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, a.lease.token, 1000),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("released after the lease")));
+}
+
+TEST_F(PoolManagerTest, OnlyTheOwnerAllowedUidsRootAndTheDaemonUserSeeAPool) {
+  PoolSpec spec = Spec("p", 1);
+  spec.allowed_uids = {2000};
+  ASSERT_THAT(manager_->CreatePool(alice_, spec), IsOk());
+  Caller mallory = Session(3000, "mallory");
+  EXPECT_THAT(manager_->GetPool(mallory, "p"), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
+  EXPECT_THAT(manager_->Grow(mallory, "p", 10), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
+  EXPECT_THAT(manager_->Attach(mallory, "p", ""), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
+  EXPECT_THAT(manager_->ListPools(mallory), SizeIs(0));
+  for (uint32_t uid : {2000u, 0u, 4242u}) {
+    Caller ok = Session(uid, "ok");
+    EXPECT_THAT(manager_->GetPool(ok, "p"), IsOk()) << uid;
+    EXPECT_THAT(manager_->ListPools(ok), SizeIs(1)) << uid;
+  }
+}
+
+TEST_F(PoolManagerTest, MalformedRequestsNameTheirFieldAndChangeNothing) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  EXPECT_THAT(manager_->CreatePool(alice_, Spec("p")), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("name")));
+  EXPECT_THAT(manager_->CreatePool(alice_, Spec("bad name")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name:")));
+  EXPECT_THAT(manager_->CreatePool(alice_, Spec("big", 257)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("initial_blocks")));
+  EXPECT_THAT(manager_->Grow(alice_, "p", 257),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Grow(alice_, "p", 10),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 64, false, absl::Now()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Grow(alice_, "nope", 10), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  EXPECT_THAT(manager_->Attach(alice_, "p", "bad/name"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("client_name")));
+  EXPECT_THAT(manager_->Detach(alice_, "c-nope"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("client_id")));
+  EXPECT_THAT(manager_->ZeroBlocks(alice_, "p", {64}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block_ids[0]")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.committed_blocks, 64u);
+  EXPECT_EQ(pool.generation, 1u);
+}
+
+TEST_F(PoolManagerTest, DeleteRefusesWhileAttachedUnlessForcedAndFreesEverything) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(alice_, a.client_id));
+  EXPECT_THAT(manager_->DeletePool(alice_, "p", false),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("1 attached clients")));
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t released, manager_->DeletePool(alice_, "p", true));
+  EXPECT_EQ(released, 8 * kMiB);
+  std::optional<PoolEvent> e = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kPoolDeleted);
+  EXPECT_FALSE(events->Pop(absl::ZeroDuration()).has_value());
+  EXPECT_TRUE(events->closed());
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_reservations(), 0);
+  EXPECT_EQ(Committed(), 0u);
+}
+
+TEST_F(PoolManagerTest, ShutdownTellsWatchersAndReleasesAllMemory) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("a", 64)), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("b", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "a", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(alice_, a.client_id));
+  manager_->Shutdown();
+  std::optional<PoolEvent> e = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kDaemonStopping);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_mappings(), 0);
+  EXPECT_EQ(device_->live_reservations(), 0);
+  EXPECT_THAT(manager_->CreatePool(alice_, Spec("c", 1)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shutting down")));
+}
+
+TEST_F(PoolManagerTest, ConcurrentRequestsKeepTheAccountsStraight) {
+  ManagerOptions options;
+  options.budget_bytes = 200 * kMiB;
+  Start(options);
+  for (const char* name : {"a", "b", "c"}) ASSERT_THAT(manager_->CreatePool(alice_, Spec(name, 32)), IsOk());
+  std::vector<std::thread> threads;
+  std::atomic<int> exhausted = 0;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string name(1, static_cast<char>('a' + t % 3));
+      for (int i = 0; i < 20; ++i) {
+        absl::StatusOr<PoolUpdate> g = manager_->Grow(alice_, name, 64 + 32 * (i % 6));
+        if (absl::IsResourceExhausted(g.status())) ++exhausted;
+        manager_->Shrink(alice_, name, 32, false, absl::Now()).IgnoreError();
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  uint64_t sum = 0;
+  for (const PoolView& p : manager_->ListPools(alice_)) {
+    sum += p.committed_bytes + p.pending_release_bytes;
+    uint64_t chunk_bytes = 0;
+    for (const ChunkInfo& c : p.chunks) chunk_bytes += c.bytes;
+    EXPECT_EQ(chunk_bytes, p.committed_bytes) << p.name;
+  }
+  EXPECT_EQ(Committed(), sum);
+  EXPECT_LE(Committed(), 200 * kMiB);
+  EXPECT_EQ(device_->live_mappings(), device_->live_chunks());
+}
+
+}  // namespace
+}  // namespace kvd

@@ -1,0 +1,1619 @@
+// Integration tests of the real kvd daemon on the host backend. Each test starts its own `kvd` process
+// on sockets in a fresh temporary directory and talks to it only through those sockets: the generated
+// gRPC stubs on the control socket and HandleSession (client/handle_client.h) on the handle channel.
+// Chunk FDs are memfds, so a test maps them into a PROT_NONE reservation of geometry.reserved_bytes and
+// sees the pool's bytes exactly where an engine would.
+//
+// A second, real client process is this test binary itself, exec'd as `kvd_daemon_test --kvd-peer ...`
+// (see PeerMain): it attaches, maps, prints every event it handles and obeys one-line commands on stdin.
+//
+// Every wait is bounded (kWait) and waits for a condition; no test asserts on wall-clock time.
+#include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/handle_client.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "gtest/gtest.h"
+#include "kvd/status.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/v1/kvd.pb.h"
+#include "tests/testing/status_matchers.h"
+
+extern char** environ;
+
+#ifndef KVD_BINARY
+#define KVD_BINARY ""
+#endif
+
+namespace kvd {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+// The bound of every wait. Reaching it is a failure, never an expectation.
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+std::chrono::system_clock::time_point DeadlineIn(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+// Polls `done` every few milliseconds until it holds or `timeout` passed; returns its last value.
+bool WaitFor(const std::function<bool()>& done, absl::Duration timeout = kWait) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+std::string SelfExe() {
+  std::error_code ec;
+  return std::filesystem::read_symlink("/proc/self/exe", ec).string();
+}
+
+// The kvd under test: $KVD_BINARY, the build's (compile definition), or a kvd next to this test.
+std::string KvdBinary() {
+  if (const char* env = std::getenv("KVD_BINARY"); env != nullptr && *env != '\0') return env;
+  if (std::string(KVD_BINARY).size() > 0 && access(KVD_BINARY, X_OK) == 0) return KVD_BINARY;
+  const std::filesystem::path dir = std::filesystem::path(SelfExe()).parent_path();
+  for (const std::filesystem::path& p :
+       {dir / "kvd", dir / ".." / "daemon" / "kvd", dir / ".." / ".." / "daemon" / "kvd"}) {
+    if (access(p.c_str(), X_OK) == 0) return p.string();
+  }
+  return "kvd";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return lstat(path.c_str(), &st) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// gRPC status matching
+
+MATCHER_P2(GrpcIs, code, substring, "") {
+  *result_listener << "status " << arg.error_code() << " \"" << arg.error_message() << "\"";
+  return arg.error_code() == code && absl::StrContains(arg.error_message(), substring);
+}
+
+MATCHER(GrpcOk, "") {
+  *result_listener << "status " << arg.error_code() << " \"" << arg.error_message() << "\"";
+  return arg.ok();
+}
+
+std::unique_ptr<grpc::ClientContext> Ctx(const std::string& session = "", absl::Duration timeout = kWait) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  if (!session.empty()) ctx->AddMetadata("kvd-session", session);
+  ctx->set_deadline(DeadlineIn(timeout));
+  return ctx;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes
+
+// A child process (posix_spawn: safe in a process with gRPC's threads), killed if still running when
+// destroyed. With `pipes`, its stdin and stdout are pipes to this process; otherwise both stdout and
+// stderr go to `log_path`.
+class Child {
+ public:
+  static absl::StatusOr<std::unique_ptr<Child>> Spawn(const std::vector<std::string>& argv,
+                                                      const std::vector<std::string>& extra_env,
+                                                      const std::string& log_path, bool pipes) {
+    auto child = std::unique_ptr<Child>(new Child());
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    int to_child[2] = {-1, -1};
+    int from_child[2] = {-1, -1};
+    if (pipes) {
+      if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) {
+        return absl::InternalError(absl::StrCat("pipe2: ", std::strerror(errno)));
+      }
+      posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
+      posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
+    } else {
+      posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    }
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    env.insert(env.end(), extra_env.begin(), extra_env.end());
+    std::vector<char*> cargv;
+    for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+    cargv.push_back(nullptr);
+    std::vector<char*> cenv;
+    for (const std::string& e : env) cenv.push_back(const_cast<char*>(e.c_str()));
+    cenv.push_back(nullptr);
+    const int rc = posix_spawn(&child->pid_, argv[0].c_str(), &actions, nullptr, cargv.data(), cenv.data());
+    posix_spawn_file_actions_destroy(&actions);
+    if (pipes) {
+      close(to_child[0]);
+      close(from_child[1]);
+      child->in_ = to_child[1];
+      child->out_ = from_child[0];
+    }
+    if (rc != 0) {
+      child->pid_ = -1;
+      return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
+    }
+    return child;
+  }
+
+  ~Child() {
+    if (running()) {
+      kill(pid_, SIGKILL);
+      Wait(kWait).IgnoreError();
+    }
+    if (in_ >= 0) close(in_);
+    if (out_ >= 0) close(out_);
+  }
+
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0 && !status_.has_value(); }
+  void Signal(int sig) const {
+    if (running()) kill(pid_, sig);
+  }
+
+  // The wait status once the child has exited; DEADLINE_EXCEEDED if it is still running after `timeout`.
+  absl::StatusOr<int> Wait(absl::Duration timeout) {
+    if (status_.has_value()) return *status_;
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      int status = 0;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        status_ = status;
+        return status;
+      }
+      if (r < 0) return absl::InternalError(absl::StrCat("waitpid: ", std::strerror(errno)));
+      if (absl::Now() > deadline) return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still runs"));
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+
+  // Pipes only: one line to the child's stdin.
+  bool Send(const std::string& line) const {
+    const std::string data = line + "\n";
+    return write(in_, data.data(), data.size()) == static_cast<ssize_t>(data.size());
+  }
+
+  // Pipes only: the first line of the child's stdout that starts with `prefix` (earlier lines that do
+  // not match stay buffered for later calls), or nullopt after `timeout` or at EOF.
+  std::optional<std::string> WaitLine(absl::string_view prefix, absl::Duration timeout = kWait) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      for (auto it = lines_.begin(); it != lines_.end(); ++it) {
+        if (absl::StartsWith(*it, prefix)) {
+          std::string line = *it;
+          lines_.erase(it);
+          return line;
+        }
+      }
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration() || eof_) return std::nullopt;
+      pollfd p{.fd = out_, .events = POLLIN, .revents = 0};
+      if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = read(out_, buf, sizeof(buf));
+      if (n <= 0) {
+        eof_ = true;
+        continue;
+      }
+      partial_.append(buf, static_cast<size_t>(n));
+      for (size_t nl; (nl = partial_.find('\n')) != std::string::npos;) {
+        lines_.push_back(partial_.substr(0, nl));
+        partial_.erase(0, nl + 1);
+      }
+    }
+  }
+
+ private:
+  Child() = default;
+
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+  int in_ = -1;
+  int out_ = -1;
+  std::string partial_;
+  std::deque<std::string> lines_;
+  bool eof_ = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The daemon
+
+struct DaemonConfig {
+  std::vector<std::string> extra_args;
+  std::vector<std::string> extra_env;
+  std::string log_name = "kvd.log";  // in the daemon's directory: its stdout and stderr
+};
+
+class Daemon {
+ public:
+  explicit Daemon(std::string dir, DaemonConfig config = {})
+      : dir_(std::move(dir)),
+        socket_(dir_ + "/gpu0.sock"),
+        handles_(dir_ + "/gpu0.handles"),
+        log_(dir_ + "/" + config.log_name),
+        config_(std::move(config)) {}
+
+  // Spawns kvd (which may refuse to start: see process()).
+  absl::Status Spawn() {
+    std::vector<std::string> argv = {KvdBinary(),           "--backend=host",
+                                     "--socket=" + socket_, "--host-capacity=1GiB",
+                                     "--budget=512MiB",     "--host-granularity=2MiB"};
+    argv.insert(argv.end(), config_.extra_args.begin(), config_.extra_args.end());
+    KVD_ASSIGN_OR_RETURN(process_, Child::Spawn(argv, config_.extra_env, log_, /*pipes=*/false));
+    return absl::OkStatus();
+  }
+
+  // Spawns kvd and waits until it logged that it is ready and answers GetDeviceInfo, or fails with its
+  // log when it exits first.
+  absl::Status Start() {
+    KVD_RETURN_IF_ERROR(Spawn());
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      absl::StatusOr<int> exited = process_->Wait(absl::ZeroDuration());
+      if (exited.ok()) return absl::UnavailableError(absl::StrCat("kvd exited (", *exited, "): ", log()));
+      if (absl::StrContains(log(), " ready: ")) {
+        // Only now: a channel that tried a missing socket would wait out its reconnect backoff.
+        if (channel_ == nullptr) {
+          channel_ = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
+          stub_ = v1::Kvd::NewStub(channel_);
+        }
+        v1::DeviceInfo info;
+        if (stub_->GetDeviceInfo(Ctx("", absl::Seconds(2)).get(), {}, &info).ok()) return absl::OkStatus();
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("kvd did not become ready: ", log()));
+  }
+
+  // Signals kvd and returns its wait status once it exited.
+  absl::StatusOr<int> Stop(int sig = SIGTERM) {
+    if (process_ == nullptr) return absl::FailedPreconditionError("not started");
+    // An open but idle connection makes kvd wait out its shutdown grace period: close ours first.
+    stub_.reset();
+    channel_.reset();
+    process_->Signal(sig);
+    return process_->Wait(kWait);
+  }
+
+  const std::string& dir() const { return dir_; }
+  const std::string& socket() const { return socket_; }
+  const std::string& handles() const { return handles_; }
+  std::string log() const { return ReadFile(log_); }
+  pid_t pid() const { return process_ == nullptr ? -1 : process_->pid(); }
+  Child* process() { return process_.get(); }
+  v1::Kvd::Stub& stub() { return *stub_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  std::string dir_;
+  std::string socket_;
+  std::string handles_;
+  std::string log_;
+  DaemonConfig config_;
+  std::unique_ptr<Child> process_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Kvd::Stub> stub_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// An attached client: its own session, the pool mapped into its own reservation, a Watch thread that
+// maps added chunks, unmaps released ones and (with auto_ack) acknowledges.
+
+struct HandledEvent {
+  v1::PoolEvent event;
+  std::string error;  // what went wrong handling it; empty if nothing
+};
+
+class Attachment {
+ public:
+  static absl::StatusOr<std::unique_ptr<Attachment>> Open(const std::string& socket, const std::string& handles,
+                                                          const std::string& pool, const std::string& name,
+                                                          bool auto_ack) {
+    KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(handles, name));
+    auto a = std::unique_ptr<Attachment>(new Attachment(std::move(session), auto_ack));
+    a->stub_ = v1::Kvd::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
+    v1::AttachRequest request;
+    request.set_pool(pool);
+    request.set_client_name(name);
+    v1::AttachResponse response;
+    grpc::Status s = a->stub_->Attach(Ctx(a->session_.token()).get(), request, &response);
+    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    a->client_id_ = response.client_id();
+    a->pool_ = response.pool();
+    a->reserved_ = response.pool().geometry().reserved_bytes();
+    void* base = mmap(nullptr, a->reserved_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap reservation: ", std::strerror(errno)));
+    a->base_ = static_cast<uint8_t*>(base);
+    KVD_RETURN_IF_ERROR(a->MapLease(response.lease(), response.pool().chunks()));
+    a->StartWatch();
+    return a;
+  }
+
+  ~Attachment() { Close(); }
+
+  // Cancels the watch, unmaps everything and ends the session.
+  void Close() {
+    StopWatch();
+    if (base_ != nullptr) {
+      munmap(base_, reserved_);
+      base_ = nullptr;
+    }
+    session_.Close();
+  }
+
+  // Ends only the Watch stream (the daemon then detaches this client).
+  void StopWatch() {
+    watch_context_.TryCancel();
+    if (watcher_.joinable()) watcher_.join();
+  }
+
+  const std::string& client_id() const { return client_id_; }
+  const std::string& token() const { return session_.token(); }
+  const HandleSession& session() const { return session_; }
+  const v1::Pool& pool() const { return pool_; }
+  v1::Kvd::Stub& stub() { return *stub_; }
+
+  // The next event the watcher has handled (in order), or nullopt after `timeout` / once the stream ended.
+  std::optional<HandledEvent> NextEvent(absl::Duration timeout = kWait) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !events_.empty() || watch_ended_; };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    if (events_.empty()) return std::nullopt;
+    HandledEvent e = std::move(events_.front());
+    events_.pop_front();
+    return e;
+  }
+
+  // Maps the chunks a Grow/Wake reply leased to this client's session.
+  absl::Status Apply(const v1::PoolUpdate& update) {
+    if (!update.has_lease() || update.lease().token().empty()) return absl::OkStatus();
+    return MapLease(update.lease(), update.added());
+  }
+
+  // Acknowledges every release the watcher did not (auto_ack off).
+  absl::Status AcknowledgePending() {
+    std::vector<uint64_t> pending;
+    {
+      absl::MutexLock lock(&mu_);
+      pending.swap(pending_acks_);
+    }
+    for (uint64_t id : pending) KVD_RETURN_IF_ERROR(Acknowledge(id));
+    return absl::OkStatus();
+  }
+
+  absl::Status Write(uint64_t offset, uint64_t bytes, uint8_t value) {
+    KVD_RETURN_IF_ERROR(CheckMapped(offset, bytes));
+    std::memset(base_ + offset, value, bytes);
+    return absl::OkStatus();
+  }
+
+  // OK when every byte of the range is `value`.
+  absl::Status Check(uint64_t offset, uint64_t bytes, uint8_t value) {
+    KVD_RETURN_IF_ERROR(CheckMapped(offset, bytes));
+    for (uint64_t i = 0; i < bytes; ++i) {
+      if (base_[offset + i] != value) {
+        return absl::DataLossError(absl::StrCat("byte ", offset + i, " is ", base_[offset + i], ", expected ", value));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The memfd inode behind every chunk this client has ever mapped, by chunk id.
+  std::map<uint64_t, ino_t> inodes() const {
+    absl::MutexLock lock(&mu_);
+    return inodes_;
+  }
+  size_t mapped_chunks() const {
+    absl::MutexLock lock(&mu_);
+    return mapped_.size();
+  }
+
+ private:
+  Attachment(HandleSession session, bool auto_ack) : session_(std::move(session)), auto_ack_(auto_ack) {}
+
+  absl::Status Acknowledge(uint64_t release_id) {
+    v1::AcknowledgeRequest request;
+    request.set_client_id(client_id_);
+    request.set_release_id(release_id);
+    v1::AcknowledgeResponse response;
+    grpc::Status s = stub_->Acknowledge(Ctx(session_.token()).get(), request, &response);
+    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    return absl::OkStatus();
+  }
+
+  absl::Status MapLease(const v1::Lease& lease, const google::protobuf::RepeatedPtrField<v1::Chunk>& chunks) {
+    if (lease.chunk_ids_size() == 0) return absl::OkStatus();
+    KVD_ASSIGN_OR_RETURN(auto fds, session_.Fetch(lease.token()));
+    absl::Status status = absl::OkStatus();
+    for (const auto& [id, fd] : fds) {
+      const v1::Chunk* chunk = nullptr;
+      for (const v1::Chunk& c : chunks) {
+        if (c.id() == id) chunk = &c;
+      }
+      struct stat st {};
+      fstat(fd, &st);
+      if (chunk == nullptr) {
+        status = absl::InternalError(absl::StrCat("lease names chunk ", id, " which the message does not describe"));
+      } else if (mmap(base_ + chunk->offset(), chunk->bytes(), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+                 MAP_FAILED) {
+        status = absl::InternalError(absl::StrCat("mmap chunk ", id, ": ", std::strerror(errno)));
+      } else {
+        absl::MutexLock lock(&mu_);
+        mapped_[id] = *chunk;
+        inodes_[id] = st.st_ino;
+      }
+      close(fd);  // the mapping keeps the memory
+    }
+    return status;
+  }
+
+  void Unmap(const v1::Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (mapped_.erase(chunk.id()) == 0) return;
+    mmap(base_ + chunk.offset(), chunk.bytes(), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
+         0);
+  }
+
+  absl::Status CheckMapped(uint64_t offset, uint64_t bytes) const {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t at = offset; at < offset + bytes;) {
+      bool found = false;
+      for (const auto& [id, c] : mapped_) {
+        if (at >= c.offset() && at < c.offset() + c.bytes()) {
+          at = c.offset() + c.bytes();
+          found = true;
+          break;
+        }
+      }
+      if (!found) return absl::FailedPreconditionError(absl::StrCat("byte ", at, " of the pool is not mapped"));
+    }
+    return absl::OkStatus();
+  }
+
+  void StartWatch() {
+    watch_context_.AddMetadata("kvd-session", session_.token());
+    v1::WatchRequest request;
+    request.set_client_id(client_id_);
+    reader_ = stub_->Watch(&watch_context_, request);
+    reader_->WaitForInitialMetadata();  // the daemon sends it once the stream is registered
+    watcher_ = std::thread([this] {
+      v1::PoolEvent event;
+      while (reader_->Read(&event)) Handle(event);
+      reader_->Finish().IgnoreError();
+      absl::MutexLock lock(&mu_);
+      watch_ended_ = true;
+    });
+  }
+
+  void Handle(const v1::PoolEvent& event) {
+    HandledEvent handled{.event = event};
+    switch (event.type()) {
+      case v1::EVENT_TYPE_CHUNKS_ADDED: {
+        absl::Status s = MapLease(event.lease(), event.chunks());
+        if (!s.ok()) handled.error = s.ToString();
+        break;
+      }
+      case v1::EVENT_TYPE_CHUNKS_RELEASED: {
+        {
+          absl::MutexLock lock(&mu_);
+          for (const v1::Chunk& c : event.chunks()) Unmap(c);
+          if (!auto_ack_) pending_acks_.push_back(event.release_id());
+        }
+        if (auto_ack_) {
+          absl::Status s = Acknowledge(event.release_id());
+          if (!s.ok()) handled.error = s.ToString();
+        }
+        break;
+      }
+      default: {
+        absl::MutexLock lock(&mu_);
+        std::vector<v1::Chunk> all;
+        for (const auto& [id, c] : mapped_) all.push_back(c);
+        for (const v1::Chunk& c : all) Unmap(c);
+        break;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    events_.push_back(std::move(handled));
+  }
+
+  HandleSession session_;
+  const bool auto_ack_;
+  std::unique_ptr<v1::Kvd::Stub> stub_;
+  std::string client_id_;
+  v1::Pool pool_;
+  uint8_t* base_ = nullptr;
+  uint64_t reserved_ = 0;
+
+  grpc::ClientContext watch_context_;
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader_;
+  std::thread watcher_;
+
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, v1::Chunk> mapped_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, ino_t> inodes_ ABSL_GUARDED_BY(mu_);
+  std::deque<HandledEvent> events_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> pending_acks_ ABSL_GUARDED_BY(mu_);
+  bool watch_ended_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The peer: another process attached to the same pool (this binary, run with --kvd-peer).
+//
+//   kvd_daemon_test --kvd-peer SOCKET HANDLES POOL NAME ack|noack
+// prints "attached CLIENT_ID" (or "failed MESSAGE"), then one line per handled event:
+//   "event EVENT_TYPE_... release=ID chunks=N committed=BLOCKS lease=TOKEN error=MESSAGE"
+// and answers each stdin command with one "reply ..." line:
+//   write OFFSET BYTES VALUE | check OFFSET BYTES VALUE | ack | quit
+
+int PeerMain(int argc, char** argv) {
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: %s --kvd-peer SOCKET HANDLES POOL NAME ack|noack\n", argv[0]);
+    return 2;
+  }
+  absl::Mutex out_mu;
+  auto say = [&out_mu](const std::string& line) {
+    absl::MutexLock lock(&out_mu);
+    std::fputs((line + "\n").c_str(), stdout);
+    std::fflush(stdout);
+  };
+  absl::StatusOr<std::unique_ptr<Attachment>> attached =
+      Attachment::Open(argv[2], argv[3], argv[4], argv[5], std::string(argv[6]) == "ack");
+  if (!attached.ok()) {
+    say(absl::StrCat("failed ", attached.status().ToString()));
+    return 1;
+  }
+  Attachment& a = **attached;
+  say(absl::StrCat("attached ", a.client_id()));
+  std::thread printer([&] {
+    while (std::optional<HandledEvent> e = a.NextEvent(absl::InfiniteDuration())) {
+      say(absl::StrCat("event ", v1::EventType_Name(e->event.type()), " release=", e->event.release_id(),
+                       " chunks=", e->event.chunks_size(), " committed=", e->event.committed_blocks(),
+                       " lease=", e->event.lease().token(), " error=", e->error));
+    }
+    say("watch-ended");
+  });
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (w.empty()) continue;
+    if (w[0] == "quit") break;
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat("unknown command: ", line));
+    uint64_t offset = 0, bytes = 0, value = 0;
+    if ((w[0] == "write" || w[0] == "check") && w.size() == 4 && absl::SimpleAtoi(w[1], &offset) &&
+        absl::SimpleAtoi(w[2], &bytes) && absl::SimpleAtoi(w[3], &value)) {
+      s = w[0] == "write" ? a.Write(offset, bytes, static_cast<uint8_t>(value))
+                          : a.Check(offset, bytes, static_cast<uint8_t>(value));
+    } else if (w[0] == "ack") {
+      s = a.AcknowledgePending();
+    }
+    say(s.ok() ? "reply ok" : absl::StrCat("reply error ", s.ToString()));
+  }
+  a.Close();
+  printer.join();
+  return 0;
+}
+
+class Peer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Peer>> Start(const Daemon& daemon, const std::string& pool,
+                                                     const std::string& name, bool auto_ack) {
+    auto peer = std::unique_ptr<Peer>(new Peer());
+    KVD_ASSIGN_OR_RETURN(peer->process_, Child::Spawn({SelfExe(), "--kvd-peer", daemon.socket(), daemon.handles(), pool,
+                                                       name, auto_ack ? "ack" : "noack"},
+                                                      {}, "", /*pipes=*/true));
+    std::optional<std::string> hello = peer->process_->WaitLine("");
+    if (!hello.has_value() || !absl::StartsWith(*hello, "attached ")) {
+      return absl::InternalError(absl::StrCat("peer did not attach: ", hello.value_or("(no output)")));
+    }
+    peer->client_id_ = hello->substr(std::strlen("attached "));
+    return peer;
+  }
+
+  // Runs one command; the reply ("ok" or "error ...").
+  std::string Command(const std::string& command) {
+    if (!process_->Send(command)) return "error: cannot write to the peer";
+    std::optional<std::string> reply = process_->WaitLine("reply ");
+    return reply.has_value() ? reply->substr(std::strlen("reply ")) : "error: no reply";
+  }
+
+  // The next event line of `type` ("EVENT_TYPE_CHUNKS_ADDED"), parsed into key=value pairs.
+  std::optional<std::map<std::string, std::string>> WaitEvent(const std::string& type) {
+    std::optional<std::string> line = process_->WaitLine(absl::StrCat("event ", type, " "));
+    if (!line.has_value()) return std::nullopt;
+    std::map<std::string, std::string> fields;
+    const size_t error_at = line->find(" error=");
+    fields["error"] = error_at == std::string::npos ? "" : line->substr(error_at + std::strlen(" error="));
+    for (absl::string_view kv : absl::StrSplit(line->substr(0, error_at), ' ')) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      if (!p.second.empty() || absl::StrContains(kv, "=")) fields[p.first] = p.second;
+    }
+    return fields;
+  }
+
+  const std::string& client_id() const { return client_id_; }
+  Child& process() { return *process_; }
+
+ private:
+  Peer() = default;
+  std::unique_ptr<Child> process_;
+  std::string client_id_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Memory accounting
+
+// Shmem of /proc/meminfo: memfd pages live there until the last FD and mapping are gone.
+uint64_t ShmemBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb) {
+    std::getline(in, unit);
+    if (key == "Shmem:") return kb * 1024;
+  }
+  return 0;
+}
+
+// Inodes of the memfds `pid` holds open or mapped.
+std::set<ino_t> MemfdInodes(pid_t pid) {
+  std::set<ino_t> inodes;
+  std::error_code ec;
+  const std::string proc = absl::StrCat("/proc/", pid);
+  for (const auto& entry : std::filesystem::directory_iterator(proc + "/fd", ec)) {
+    std::error_code ec2;
+    const std::string target = std::filesystem::read_symlink(entry.path(), ec2).string();
+    if (ec2 || !absl::StartsWith(target, "/memfd:")) continue;
+    struct stat st {};
+    if (stat(entry.path().c_str(), &st) == 0) inodes.insert(st.st_ino);
+  }
+  std::ifstream maps(proc + "/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (!absl::StrContains(line, "/memfd:")) continue;
+    std::vector<absl::string_view> cols = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t ino = 0;
+    if (cols.size() >= 5 && absl::SimpleAtoi(cols[4], &ino)) inodes.insert(static_cast<ino_t>(ino));
+  }
+  return inodes;
+}
+
+// The inodes of `chunks` (by id) that any of `pids` still holds.
+std::set<ino_t> StillHeld(const std::map<uint64_t, ino_t>& inodes, const std::vector<uint64_t>& chunks,
+                          const std::vector<pid_t>& pids) {
+  std::set<ino_t> held;
+  for (pid_t pid : pids) {
+    const std::set<ino_t> h = MemfdInodes(pid);
+    for (uint64_t id : chunks) {
+      auto it = inodes.find(id);
+      if (it != inodes.end() && h.contains(it->second)) held.insert(it->second);
+    }
+  }
+  return held;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Health and reflection, without their generated stubs (Debian ships neither .proto): raw protobuf
+// bytes over gRPC's ByteBuffer, parsed with UnknownFieldSet.
+
+grpc::ByteBuffer Buffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+std::string Bytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok()) return out;
+  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+std::string LengthDelimited(int field, const std::string& value) {
+  return std::string(1, static_cast<char>((field << 3) | 2)) + static_cast<char>(value.size()) + value;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures
+
+// Small, with several chunks' worth of capacity: LBNHC, L=2 segments of 4096 blocks of 32 KiB.
+v1::PoolDims Dims(uint64_t capacity_blocks = 4096) {
+  v1::PoolDims d;
+  d.set_layers(2);
+  d.set_capacity_blocks(capacity_blocks);
+  d.set_heads(8);
+  d.set_block_tokens(16);
+  d.set_channels(128);
+  d.set_element_bytes(2);
+  return d;
+}
+constexpr uint64_t kBlockBytes = 16 * 8 * 128 * 2;  // N*H*C*e: one block of one layer
+
+// Offset of layer `layer` of block `block` from the pool's base.
+uint64_t At(const v1::Pool& pool, uint64_t layer, uint64_t block) {
+  const v1::Geometry& g = pool.geometry();
+  return g.offset() + layer * g.layer_stride() + block * g.block_stride();
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/kvd-daemon-test.XXXXXX";
+    path_ = mkdtemp(tmpl) != nullptr ? tmpl : "";
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+class KvdDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    daemon_ = std::make_unique<Daemon>(dir_.path(), Config());
+    absl::Status started = daemon_->Start();
+    ASSERT_TRUE(started.ok()) << started;
+    absl::StatusOr<HandleSession> admin = HandleSession::Open(daemon_->handles(), "admin");
+    ASSERT_TRUE(admin.ok()) << admin.status();
+    admin_ = std::make_unique<HandleSession>(*std::move(admin));
+  }
+
+  void TearDown() override {
+    admin_.reset();
+    if (daemon_ != nullptr && daemon_->process() != nullptr && daemon_->process()->running()) {
+      absl::StatusOr<int> status = daemon_->Stop(SIGTERM);
+      EXPECT_TRUE(status.ok()) << status.status();
+    }
+    if (HasFailure() && daemon_ != nullptr)
+      std::cerr << "---- kvd log ----\n" << daemon_->log() << "-----------------\n";
+  }
+
+  virtual DaemonConfig Config() { return {}; }
+
+  v1::Kvd::Stub& stub() { return daemon_->stub(); }
+  const std::string& admin() const { return admin_->token(); }
+
+  grpc::Status Create(const std::string& name, uint64_t initial_blocks, v1::Pool* pool = nullptr,
+                      v1::PoolDims dims = Dims()) {
+    v1::CreatePoolRequest request;
+    request.set_name(name);
+    *request.mutable_dims() = dims;
+    request.set_initial_blocks(initial_blocks);
+    v1::Pool response;
+    grpc::Status s = stub().CreatePool(Ctx(admin()).get(), request, &response);
+    if (pool != nullptr) *pool = response;
+    return s;
+  }
+
+  v1::Pool Get(const std::string& name) {
+    v1::GetPoolRequest request;
+    request.set_name(name);
+    v1::Pool pool;
+    grpc::Status s = stub().GetPool(Ctx(admin()).get(), request, &pool);
+    EXPECT_THAT(s, GrpcOk());
+    return pool;
+  }
+
+  grpc::Status Grow(const std::string& session, const std::string& pool, uint64_t blocks,
+                    v1::PoolUpdate* update = nullptr) {
+    v1::GrowRequest request;
+    request.set_pool(pool);
+    request.set_target_blocks(blocks);
+    v1::PoolUpdate response;
+    grpc::Status s = stub().Grow(Ctx(session).get(), request, &response);
+    if (update != nullptr) *update = response;
+    return s;
+  }
+
+  // Shrink with wait_for_release, on its own thread.
+  std::future<std::pair<grpc::Status, v1::PoolUpdate>> ShrinkAsync(const std::string& pool, uint64_t blocks) {
+    return std::async(std::launch::async, [this, pool, blocks] {
+      v1::ShrinkRequest request;
+      request.set_pool(pool);
+      request.set_target_blocks(blocks);
+      request.set_wait_for_release(true);
+      v1::PoolUpdate response;
+      grpc::Status s = stub().Shrink(Ctx(admin()).get(), request, &response);
+      return std::make_pair(s, response);
+    });
+  }
+
+  v1::DeviceInfo DeviceInfo() {
+    v1::DeviceInfo info;
+    EXPECT_THAT(stub().GetDeviceInfo(Ctx().get(), {}, &info), GrpcOk());
+    return info;
+  }
+
+  absl::StatusOr<std::unique_ptr<Attachment>> Attach(const std::string& pool, const std::string& name,
+                                                     bool auto_ack = true) {
+    return Attachment::Open(daemon_->socket(), daemon_->handles(), pool, name, auto_ack);
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Daemon> daemon_;
+  std::unique_ptr<HandleSession> admin_;
+};
+
+template <typename T>
+bool Ready(const std::future<T>& f) {
+  return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serving
+
+TEST_F(KvdDaemonTest, HealthCheckReportsServing) {
+  const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check", grpc::internal::RpcMethod::NORMAL_RPC);
+  for (const std::string& service : {std::string(), std::string("kvd.v1.Kvd")}) {
+    grpc::ByteBuffer response;
+    grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        daemon_->channel().get(), method, Ctx().get(), Buffer(service.empty() ? "" : LengthDelimited(1, service)),
+        &response);
+    ASSERT_THAT(s, GrpcOk()) << "service \"" << service << "\"";
+    google::protobuf::UnknownFieldSet fields;
+    ASSERT_TRUE(fields.ParseFromString(Bytes(response)));
+    ASSERT_EQ(fields.field_count(), 1);
+    EXPECT_EQ(fields.field(0).number(), 1);   // HealthCheckResponse.status
+    EXPECT_EQ(fields.field(0).varint(), 1u);  // SERVING
+  }
+}
+
+TEST_F(KvdDaemonTest, ReflectionListsTheKvdService) {
+  const grpc::internal::RpcMethod method("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                         grpc::internal::RpcMethod::BIDI_STREAMING);
+  auto ctx = Ctx();
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(daemon_->channel().get(),
+                                                                                            method, ctx.get()));
+  ASSERT_TRUE(stream->Write(Buffer(LengthDelimited(7, "*"))));  // ServerReflectionRequest.list_services
+  ASSERT_TRUE(stream->WritesDone());
+  grpc::ByteBuffer response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_THAT(stream->Finish(), GrpcOk());
+
+  std::vector<std::string> services;
+  google::protobuf::UnknownFieldSet top;
+  ASSERT_TRUE(top.ParseFromString(Bytes(response)));
+  for (int i = 0; i < top.field_count(); ++i) {
+    if (top.field(i).number() != 6) continue;  // list_services_response
+    google::protobuf::UnknownFieldSet list;
+    ASSERT_TRUE(list.ParseFromString(top.field(i).length_delimited()));
+    for (int j = 0; j < list.field_count(); ++j) {
+      google::protobuf::UnknownFieldSet service;  // ServiceResponse { string name = 1; }
+      ASSERT_TRUE(service.ParseFromString(list.field(j).length_delimited()));
+      for (int k = 0; k < service.field_count(); ++k) services.push_back(service.field(k).length_delimited());
+    }
+  }
+  EXPECT_THAT(services, ::testing::Contains("kvd.v1.Kvd"));
+  EXPECT_THAT(services, ::testing::Contains("grpc.health.v1.Health"));
+}
+
+TEST_F(KvdDaemonTest, DeviceInfoReportsHostBackendBudgetAndGranularity) {
+  const v1::DeviceInfo info = DeviceInfo();
+  EXPECT_EQ(info.backend(), v1::BACKEND_HOST);
+  EXPECT_EQ(info.device_index(), 0u);
+  EXPECT_FALSE(info.device_name().empty());
+  EXPECT_EQ(info.total_bytes(), 1024 * kMiB);
+  EXPECT_EQ(info.budget_bytes(), 512 * kMiB);
+  EXPECT_EQ(info.granularity_bytes(), 2 * kMiB);
+  EXPECT_EQ(info.max_chunk_bytes(), 4096 * kMiB);
+  EXPECT_EQ(info.committed_bytes(), 0u);
+  EXPECT_EQ(info.pool_count(), 0u);
+  EXPECT_THAT(info.handle_types(), ::testing::Contains(v1::HANDLE_TYPE_POSIX_FD));
+  EXPECT_FALSE(info.daemon_version().empty());
+}
+
+TEST_F(KvdDaemonTest, SocketsAreOwnerAndGroupOnly) {
+  for (const std::string& path : {daemon_->socket(), daemon_->handles()}) {
+    struct stat st {};
+    ASSERT_EQ(lstat(path.c_str(), &st), 0) << path;
+    EXPECT_TRUE(S_ISSOCK(st.st_mode)) << path;
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << path;
+  }
+}
+
+TEST_F(KvdDaemonTest, ResolveLayoutNeedsNoSessionAndComputesGeometry) {
+  v1::ResolveLayoutRequest request;
+  v1::BackendRequirement* b = request.mutable_layout_request()->add_backend_requirements();
+  b->set_backend("FLASHINFER");
+  b->add_layouts("block-outermost");
+  *request.mutable_dims() = Dims();
+  v1::ResolveLayoutResponse response;
+  ASSERT_THAT(stub().ResolveLayout(Ctx().get(), request, &response), GrpcOk());
+  EXPECT_EQ(response.resolution().layout(), "BLHNC");
+  EXPECT_EQ(response.resolution().rule(), v1::LAYOUT_RULE_DEFAULT);
+  EXPECT_THAT(response.resolution().allowed_layouts(), ::testing::ElementsAre("BLHNC", "BLNHC", "BHLNC"));
+  EXPECT_EQ(response.geometry().segments(), 1u);
+  EXPECT_EQ(response.geometry().granularity_bytes(), 2 * kMiB);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pools
+
+TEST_F(KvdDaemonTest, CreateGetListAndDeletePool) {
+  v1::Pool created;
+  ASSERT_THAT(Create("kv0", 64, &created), GrpcOk());
+  EXPECT_EQ(created.name(), "kv0");
+  EXPECT_EQ(created.state(), v1::POOL_STATE_AWAKE);
+  EXPECT_EQ(created.geometry().layout(), "LBNHC");
+  EXPECT_EQ(created.layout().rule(), v1::LAYOUT_RULE_DEFAULT);
+  EXPECT_EQ(created.geometry().segments(), 2u);
+  EXPECT_EQ(created.geometry().block_stride(), kBlockBytes);
+  EXPECT_EQ(created.committed_blocks(), 64u);
+  EXPECT_EQ(created.committed_bytes(), 4 * kMiB);  // 2 MiB per segment
+  EXPECT_EQ(created.reserved_bytes(), 256 * kMiB);
+  EXPECT_EQ(created.chunks_size(), 2);
+  EXPECT_EQ(created.owner_uid(), getuid());
+
+  const v1::Pool got = Get("kv0");
+  EXPECT_EQ(got.committed_blocks(), 64u);
+  EXPECT_EQ(got.generation(), created.generation());
+  ASSERT_EQ(got.chunks_size(), 2);
+  EXPECT_EQ(got.chunks(0).id(), created.chunks(0).id());
+
+  ASSERT_THAT(Create("kv1", 0), GrpcOk());
+  v1::ListPoolsResponse list;
+  ASSERT_THAT(stub().ListPools(Ctx(admin()).get(), {}, &list), GrpcOk());
+  ASSERT_EQ(list.pools_size(), 2);
+  EXPECT_EQ(list.pools(0).name(), "kv0");
+  EXPECT_EQ(list.pools(1).name(), "kv1");
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
+  EXPECT_EQ(DeviceInfo().pool_count(), 2u);
+
+  v1::DeletePoolRequest del;
+  del.set_name("kv0");
+  v1::DeletePoolResponse deleted;
+  ASSERT_THAT(stub().DeletePool(Ctx(admin()).get(), del, &deleted), GrpcOk());
+  EXPECT_EQ(deleted.released_bytes(), 4 * kMiB);
+  v1::GetPoolRequest get;
+  get.set_name("kv0");
+  v1::Pool gone;
+  EXPECT_THAT(stub().GetPool(Ctx(admin()).get(), get, &gone), GrpcIs(grpc::StatusCode::NOT_FOUND, "kv0"));
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
+  EXPECT_EQ(DeviceInfo().pool_count(), 1u);
+}
+
+TEST_F(KvdDaemonTest, TwoSessionsSeeEachOthersWrites) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> b, Attach("kv", "connector"));
+  EXPECT_NE(a->token(), b->token());
+  const v1::Pool& pool = a->pool();
+  ASSERT_TRUE(a->Write(At(pool, 1, 7), kBlockBytes, 0x5a).ok());
+  EXPECT_TRUE(b->Check(At(pool, 1, 7), kBlockBytes, 0x5a).ok());
+  ASSERT_TRUE(b->Write(At(pool, 0, 63), kBlockBytes, 0xa5).ok());
+  EXPECT_TRUE(a->Check(At(pool, 0, 63), kBlockBytes, 0xa5).ok());
+  EXPECT_EQ(Get("kv").clients_size(), 2);
+}
+
+TEST_F(KvdDaemonTest, ClientInAnotherProcessSeesWritesBothWays) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Peer> peer, Peer::Start(*daemon_, "kv", "peer", true));
+  const v1::Pool& pool = a->pool();
+  ASSERT_TRUE(a->Write(At(pool, 1, 3), kBlockBytes, 0x11).ok());
+  EXPECT_EQ(peer->Command(absl::StrCat("check ", At(pool, 1, 3), " ", kBlockBytes, " ", 0x11)), "ok");
+  EXPECT_EQ(peer->Command(absl::StrCat("write ", At(pool, 0, 5), " ", kBlockBytes, " ", 0x22)), "ok");
+  EXPECT_TRUE(a->Check(At(pool, 0, 5), kBlockBytes, 0x22).ok());
+
+  const v1::Pool seen = Get("kv");
+  ASSERT_EQ(seen.clients_size(), 2);
+  std::set<int32_t> pids;
+  for (const v1::ClientInfo& c : seen.clients()) pids.insert(c.pid());
+  EXPECT_EQ(pids, (std::set<int32_t>{getpid(), peer->process().pid()}));
+}
+
+TEST_F(KvdDaemonTest, GrowTellsTheOtherClientWithItsOwnLease) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Peer> peer, Peer::Start(*daemon_, "kv", "peer", true));
+
+  // The engine grows through its own session: its lease comes in the reply; the peer's on Watch.
+  v1::PoolUpdate update;
+  ASSERT_THAT(Grow(a->token(), "kv", 1024, &update), GrpcOk());
+  EXPECT_EQ(update.pool().committed_blocks(), 1024u);
+  EXPECT_EQ(update.added_size(), 2);  // one chunk per segment for the whole delta
+  EXPECT_EQ(update.pool().committed_bytes(), 64 * kMiB);
+  ASSERT_TRUE(update.has_lease());
+  ASSERT_TRUE(a->Apply(update).ok());
+
+  std::optional<std::map<std::string, std::string>> event = peer->WaitEvent("EVENT_TYPE_CHUNKS_ADDED");
+  ASSERT_TRUE(event.has_value());
+  EXPECT_EQ((*event)["error"], "");
+  EXPECT_EQ((*event)["chunks"], "2");
+  EXPECT_EQ((*event)["committed"], "1024");
+  EXPECT_FALSE((*event)["lease"].empty());
+  EXPECT_NE((*event)["lease"], update.lease().token());
+
+  const v1::Pool& pool = update.pool();
+  ASSERT_TRUE(a->Write(At(pool, 1, 1000), kBlockBytes, 0x77).ok());
+  EXPECT_EQ(peer->Command(absl::StrCat("check ", At(pool, 1, 1000), " ", kBlockBytes, " ", 0x77)), "ok");
+  EXPECT_EQ(peer->Command(absl::StrCat("write ", At(pool, 0, 900), " ", kBlockBytes, " ", 0x78)), "ok");
+  EXPECT_TRUE(a->Check(At(pool, 0, 900), kBlockBytes, 0x78).ok());
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 64 * kMiB);
+}
+
+TEST_F(KvdDaemonTest, ShrinkWaitsForEveryWatcherAndThenTheMemoryIsFree) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine", /*auto_ack=*/true));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Peer> peer, Peer::Start(*daemon_, "kv", "peer", /*auto_ack=*/false));
+  v1::PoolUpdate grown;
+  ASSERT_THAT(Grow(admin(), "kv", 4096, &grown), GrpcOk());
+  std::optional<HandledEvent> added = a->NextEvent();
+  ASSERT_TRUE(added.has_value());
+  ASSERT_EQ(added->event.type(), v1::EVENT_TYPE_CHUNKS_ADDED);
+  ASSERT_EQ(added->error, "");
+  ASSERT_TRUE(peer->WaitEvent("EVENT_TYPE_CHUNKS_ADDED").has_value());
+  std::vector<uint64_t> grown_ids;
+  for (const v1::Chunk& c : grown.added()) grown_ids.push_back(c.id());
+  const uint64_t grown_bytes = 252 * kMiB;  // 126 MiB per segment
+  // Touch every page so that the pages certainly exist.
+  ASSERT_TRUE(a->Write(At(grown.pool(), 0, 64), 4032 * kBlockBytes, 1).ok());
+  ASSERT_TRUE(a->Write(At(grown.pool(), 1, 64), 4032 * kBlockBytes, 2).ok());
+  const uint64_t shmem_before = ShmemBytes();
+
+  auto shrink = ShrinkAsync("kv", 64);
+  std::optional<HandledEvent> released = a->NextEvent();
+  ASSERT_TRUE(released.has_value());
+  EXPECT_EQ(released->event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  EXPECT_EQ(released->error, "");  // auto-acknowledged
+  std::optional<std::map<std::string, std::string>> peer_released = peer->WaitEvent("EVENT_TYPE_CHUNKS_RELEASED");
+  ASSERT_TRUE(peer_released.has_value());
+  EXPECT_EQ((*peer_released)["release"], absl::StrCat(released->event.release_id()));
+
+  // The peer has unmapped but not acknowledged: the shrink cannot have completed.
+  EXPECT_FALSE(Ready(shrink));
+  EXPECT_EQ(Get("kv").pending_release_bytes(), grown_bytes);
+  EXPECT_EQ(peer->Command("ack"), "ok");
+
+  auto [status, update] = shrink.get();
+  ASSERT_THAT(status, GrpcOk());
+  EXPECT_EQ(update.pool().committed_blocks(), 64u);
+  EXPECT_EQ(update.pool().pending_release_bytes(), 0u);
+  EXPECT_EQ(update.released_chunk_ids_size(), 2);
+  EXPECT_NE(update.release_id(), 0u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
+
+  // Nobody holds the released memfds any more, and the kernel got the pages back.
+  EXPECT_THAT(StillHeld(a->inodes(), grown_ids, {daemon_->pid(), getpid(), peer->process().pid()}),
+              ::testing::IsEmpty());
+  uint64_t shmem_after = 0;
+  EXPECT_TRUE(WaitFor([&] {
+    shmem_after = ShmemBytes();
+    return shmem_after + grown_bytes / 2 <= shmem_before;
+  })) << "Shmem "
+      << shmem_before << " -> " << shmem_after;
+}
+
+TEST_F(KvdDaemonTest, SleepReleasesEverythingAndWakeRecommitsForEveryClient) {
+  ASSERT_THAT(Create("kv", 256), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine", /*auto_ack=*/true));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Peer> peer, Peer::Start(*daemon_, "kv", "peer", /*auto_ack=*/false));
+  const v1::Pool pool = a->pool();
+  std::vector<uint64_t> before_ids;
+  for (const v1::Chunk& c : pool.chunks()) before_ids.push_back(c.id());
+  ASSERT_TRUE(a->Write(At(pool, 0, 0), kBlockBytes, 0xab).ok());
+  EXPECT_EQ(peer->Command(absl::StrCat("check ", At(pool, 0, 0), " ", kBlockBytes, " ", 0xab)), "ok");
+
+  auto sleeping = std::async(std::launch::async, [&] {
+    v1::SleepRequest request;
+    request.set_pool("kv");
+    request.set_wait_for_release(true);
+    v1::PoolUpdates response;
+    grpc::Status s = stub().Sleep(Ctx(admin()).get(), request, &response);
+    return std::make_pair(s, response);
+  });
+  std::optional<HandledEvent> released = a->NextEvent();
+  ASSERT_TRUE(released.has_value());
+  EXPECT_EQ(released->event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  EXPECT_EQ(released->event.state(), v1::POOL_STATE_SLEEPING);
+  ASSERT_TRUE(peer->WaitEvent("EVENT_TYPE_CHUNKS_RELEASED").has_value());
+  EXPECT_FALSE(Ready(sleeping));
+  EXPECT_EQ(peer->Command("ack"), "ok");
+  auto [slept, updates] = sleeping.get();
+  ASSERT_THAT(slept, GrpcOk());
+  ASSERT_EQ(updates.updates_size(), 1);
+  EXPECT_EQ(updates.updates(0).pool().state(), v1::POOL_STATE_SLEEPING);
+  EXPECT_EQ(updates.updates(0).pool().committed_blocks(), 0u);
+  EXPECT_EQ(updates.updates(0).pool().wake_blocks(), 256u);
+  EXPECT_EQ(updates.updates(0).pool().pending_release_bytes(), 0u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
+  EXPECT_THAT(StillHeld(a->inodes(), before_ids, {daemon_->pid(), getpid(), peer->process().pid()}),
+              ::testing::IsEmpty());
+  EXPECT_EQ(a->mapped_chunks(), 0u);
+  EXPECT_EQ(Get("kv").clients_size(), 2);  // attachments survive sleep
+
+  v1::WakeRequest wake;
+  wake.set_pool("kv");
+  v1::PoolUpdates woken;
+  ASSERT_THAT(stub().Wake(Ctx(admin()).get(), wake, &woken), GrpcOk());
+  ASSERT_EQ(woken.updates_size(), 1);
+  EXPECT_EQ(woken.updates(0).pool().state(), v1::POOL_STATE_AWAKE);
+  EXPECT_EQ(woken.updates(0).pool().committed_blocks(), 256u);
+  EXPECT_EQ(woken.updates(0).added_size(), 2);
+  std::optional<HandledEvent> added = a->NextEvent();
+  ASSERT_TRUE(added.has_value());
+  EXPECT_EQ(added->event.type(), v1::EVENT_TYPE_CHUNKS_ADDED);
+  EXPECT_EQ(added->error, "");
+  ASSERT_TRUE(peer->WaitEvent("EVENT_TYPE_CHUNKS_ADDED").has_value());
+
+  // Content is discarded by sleep; the new memory is shared again.
+  EXPECT_EQ(peer->Command(absl::StrCat("check ", At(pool, 0, 0), " ", kBlockBytes, " 0")), "ok");
+  ASSERT_TRUE(a->Write(At(pool, 1, 255), kBlockBytes, 0xcd).ok());
+  EXPECT_EQ(peer->Command(absl::StrCat("check ", At(pool, 1, 255), " ", kBlockBytes, " ", 0xcd)), "ok");
+}
+
+TEST_F(KvdDaemonTest, KilledClientIsDetachedAndLeavesNothingBehind) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine", /*auto_ack=*/true));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Peer> peer, Peer::Start(*daemon_, "kv", "doomed", /*auto_ack=*/false));
+  v1::PoolUpdate grown;
+  ASSERT_THAT(Grow(admin(), "kv", 1024, &grown), GrpcOk());
+  ASSERT_TRUE(a->NextEvent().has_value());
+  ASSERT_TRUE(peer->WaitEvent("EVENT_TYPE_CHUNKS_ADDED").has_value());
+  std::vector<uint64_t> grown_ids;
+  for (const v1::Chunk& c : grown.added()) grown_ids.push_back(c.id());
+
+  auto shrink = ShrinkAsync("kv", 64);
+  ASSERT_TRUE(a->NextEvent().has_value());
+  ASSERT_TRUE(peer->WaitEvent("EVENT_TYPE_CHUNKS_RELEASED").has_value());
+  EXPECT_FALSE(Ready(shrink));
+  EXPECT_GT(Get("kv").pending_release_bytes(), 0u);
+
+  // Dies without acknowledging: its session closes and the daemon drops its pending acknowledgement.
+  const pid_t doomed = peer->process().pid();
+  peer->process().Signal(SIGKILL);
+  ASSERT_TRUE(peer->process().Wait(kWait).ok());
+  auto [status, update] = shrink.get();
+  ASSERT_THAT(status, GrpcOk());
+  EXPECT_EQ(update.pool().pending_release_bytes(), 0u);
+  EXPECT_EQ(update.pool().committed_blocks(), 64u);
+
+  EXPECT_TRUE(WaitFor([&] { return Get("kv").clients_size() == 1; }));
+  const v1::Pool after = Get("kv");
+  ASSERT_EQ(after.clients_size(), 1);
+  EXPECT_NE(after.clients(0).pid(), doomed);
+  EXPECT_EQ(after.pending_release_bytes(), 0u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
+  EXPECT_THAT(StillHeld(a->inodes(), grown_ids, {daemon_->pid(), getpid()}), ::testing::IsEmpty());
+}
+
+TEST_F(KvdDaemonTest, ClosingTheWatchStreamDetachesTheClient) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  ASSERT_EQ(Get("kv").clients_size(), 1);
+  a->StopWatch();
+  EXPECT_TRUE(WaitFor([&] { return Get("kv").clients_size() == 0; }));
+  v1::AcknowledgeRequest ack;
+  ack.set_client_id(a->client_id());
+  ack.set_release_id(1);
+  v1::AcknowledgeResponse response;
+  EXPECT_THAT(a->stub().Acknowledge(Ctx(a->token()).get(), ack, &response),
+              GrpcIs(grpc::StatusCode::NOT_FOUND, "client_id"));
+}
+
+TEST_F(KvdDaemonTest, ForcedDeleteTellsWatchersThePoolIsGone) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  v1::DeletePoolRequest del;
+  del.set_name("kv");
+  v1::DeletePoolResponse response;
+  EXPECT_THAT(stub().DeletePool(Ctx(admin()).get(), del, &response),
+              GrpcIs(grpc::StatusCode::FAILED_PRECONDITION, "kv"));
+  del.set_force(true);
+  ASSERT_THAT(stub().DeletePool(Ctx(admin()).get(), del, &response), GrpcOk());
+  std::optional<HandledEvent> gone = a->NextEvent();
+  ASSERT_TRUE(gone.has_value());
+  EXPECT_EQ(gone->event.type(), v1::EVENT_TYPE_POOL_DELETED);
+  EXPECT_EQ(a->mapped_chunks(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return DeviceInfo().committed_bytes() == 0; }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed requests
+
+TEST_F(KvdDaemonTest, MalformedRequestsGetTheRightCodeAndTheDaemonKeepsServing) {
+  ASSERT_THAT(Create("p", 64), GrpcOk());
+  ASSERT_THAT(Create("big", 0, nullptr, Dims(16384)), GrpcOk());  // 1 GiB of capacity, budget 512 MiB
+  ASSERT_THAT(Create("z", 64), GrpcOk());
+  {
+    v1::SleepRequest sleep;
+    sleep.set_pool("z");
+    v1::PoolUpdates updates;
+    ASSERT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &updates), GrpcOk());
+  }
+  // An attached client of "p", through the admin session, for the lease rows.
+  v1::AttachResponse attached;
+  {
+    v1::AttachRequest attach;
+    attach.set_pool("p");
+    ASSERT_THAT(stub().Attach(Ctx(admin()).get(), attach, &attached), GrpcOk());
+  }
+
+  auto create = [&](const std::function<void(v1::CreatePoolRequest&)>& edit) {
+    v1::CreatePoolRequest r;
+    r.set_name("new");
+    *r.mutable_dims() = Dims();
+    r.set_initial_blocks(0);
+    edit(r);
+    v1::Pool pool;
+    return stub().CreatePool(Ctx(admin()).get(), r, &pool);
+  };
+  auto grow = [&](const std::string& pool, uint64_t blocks) { return Grow(admin(), pool, blocks); };
+  auto shrink = [&](const std::string& pool, uint64_t blocks) {
+    v1::ShrinkRequest r;
+    r.set_pool(pool);
+    r.set_target_blocks(blocks);
+    v1::PoolUpdate u;
+    return stub().Shrink(Ctx(admin()).get(), r, &u);
+  };
+  auto get = [&](const std::string& session, const std::string& pool) {
+    v1::GetPoolRequest r;
+    r.set_name(pool);
+    v1::Pool p;
+    return stub().GetPool(Ctx(session).get(), r, &p);
+  };
+
+  struct Case {
+    std::string what;
+    std::function<grpc::Status()> call;
+    grpc::StatusCode code;
+    std::string substring;
+  };
+  using C = grpc::StatusCode;
+  const std::vector<Case> cases = {
+      {"empty pool name", [&] { return create([](auto& r) { r.set_name(""); }); }, C::INVALID_ARGUMENT, "name"},
+      {"bad characters", [&] { return create([](auto& r) { r.set_name("kv/../etc"); }); }, C::INVALID_ARGUMENT, "name"},
+      {"too long a name", [&] { return create([](auto& r) { r.set_name(std::string(65, 'a')); }); },
+       C::INVALID_ARGUMENT, "name"},
+      {"no dims", [&] { return create([](auto& r) { r.clear_dims(); }); }, C::INVALID_ARGUMENT, "dims"},
+      {"zero heads", [&] { return create([](auto& r) { r.mutable_dims()->set_heads(0); }); }, C::INVALID_ARGUMENT,
+       "dims.heads"},
+      {"zero element bytes", [&] { return create([](auto& r) { r.mutable_dims()->set_element_bytes(0); }); },
+       C::INVALID_ARGUMENT, "dims.element_bytes"},
+      {"capacity overflow",
+       [&] { return create([](auto& r) { r.mutable_dims()->set_capacity_blocks(uint64_t{1} << 62); }); },
+       C::INVALID_ARGUMENT, "dims."},
+      {"initial blocks past capacity", [&] { return create([](auto& r) { r.set_initial_blocks(4097); }); },
+       C::INVALID_ARGUMENT, "initial_blocks"},
+      {"unknown layout",
+       [&] { return create([](auto& r) { r.mutable_layout_request()->set_override_layout("LBXYZ"); }); },
+       C::INVALID_ARGUMENT, "layout_request.override_layout"},
+      {"conflicting backends",
+       [&] {
+         return create([](auto& r) {
+           v1::BackendRequirement* a = r.mutable_layout_request()->add_backend_requirements();
+           a->set_backend("FLASH_ATTN");
+           a->add_layouts("LBNHC");
+           v1::BackendRequirement* b = r.mutable_layout_request()->add_backend_requirements();
+           b->set_backend("FLASHINFER");
+           b->add_layouts("block-outermost");
+         });
+       },
+       C::FAILED_PRECONDITION, "FLASHINFER"},
+      {"duplicate pool", [&] { return create([](auto& r) { r.set_name("p"); }); }, C::ALREADY_EXISTS, "p"},
+      {"grow past capacity", [&] { return grow("p", 4097); }, C::INVALID_ARGUMENT, "target_blocks"},
+      {"grow past budget", [&] { return grow("big", 16384); }, C::RESOURCE_EXHAUSTED, "1073741824 bytes"},
+      {"grow to no more than committed", [&] { return grow("p", 64); }, C::INVALID_ARGUMENT, "target_blocks"},
+      {"shrink to more than committed", [&] { return shrink("p", 100); }, C::INVALID_ARGUMENT, "target_blocks"},
+      {"grow a sleeping pool", [&] { return grow("z", 128); }, C::FAILED_PRECONDITION, "sleeping"},
+      {"grow with no pool name", [&] { return grow("", 128); }, C::INVALID_ARGUMENT, "pool"},
+      {"unknown pool", [&] { return get(admin(), "nope"); }, C::NOT_FOUND, "nope"},
+      {"grow an unknown pool", [&] { return grow("nope", 1); }, C::NOT_FOUND, "nope"},
+      {"missing session", [&] { return get("", "p"); }, C::UNAUTHENTICATED, "kvd-session"},
+      {"unknown session", [&] { return get("not-a-session", "p"); }, C::UNAUTHENTICATED, "session"},
+      {"list without session",
+       [&] {
+         v1::ListPoolsResponse r;
+         return stub().ListPools(Ctx().get(), {}, &r);
+       },
+       C::UNAUTHENTICATED, "kvd-session"},
+      {"sleep without target",
+       [&] {
+         v1::PoolUpdates u;
+         return stub().Sleep(Ctx(admin()).get(), {}, &u);
+       },
+       C::INVALID_ARGUMENT, "target"},
+      {"wake without target",
+       [&] {
+         v1::PoolUpdates u;
+         return stub().Wake(Ctx(admin()).get(), {}, &u);
+       },
+       C::INVALID_ARGUMENT, "target"},
+      {"sleep with all=false",
+       [&] {
+         v1::SleepRequest r;
+         r.set_all(false);
+         v1::PoolUpdates u;
+         return stub().Sleep(Ctx(admin()).get(), r, &u);
+       },
+       C::INVALID_ARGUMENT, "all"},
+      {"attach with no pool",
+       [&] {
+         v1::AttachResponse r;
+         return stub().Attach(Ctx(admin()).get(), {}, &r);
+       },
+       C::INVALID_ARGUMENT, "pool"},
+      {"attach with a bad client name",
+       [&] {
+         v1::AttachRequest q;
+         q.set_pool("p");
+         q.set_client_name("no spaces please");
+         v1::AttachResponse r;
+         return stub().Attach(Ctx(admin()).get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "client_name"},
+      {"acknowledge release 0",
+       [&] {
+         v1::AcknowledgeRequest q;
+         q.set_client_id(attached.client_id());
+         v1::AcknowledgeResponse r;
+         return stub().Acknowledge(Ctx(admin()).get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "release_id"},
+      {"watch an unknown client",
+       [&] {
+         v1::WatchRequest q;
+         q.set_client_id("c-unknown");
+         auto ctx = Ctx(admin());
+         auto reader = stub().Watch(ctx.get(), q);
+         v1::PoolEvent e;
+         while (reader->Read(&e)) {
+         }
+         return reader->Finish();
+       },
+       C::NOT_FOUND, "client_id"},
+      {"delete with a client attached",
+       [&] {
+         v1::DeletePoolRequest q;
+         q.set_name("p");
+         v1::DeletePoolResponse r;
+         return stub().DeletePool(Ctx(admin()).get(), q, &r);
+       },
+       C::FAILED_PRECONDITION, "p"},
+      {"zero an uncommitted block",
+       [&] {
+         v1::ZeroBlocksRequest q;
+         q.set_pool("p");
+         q.add_block_ids(1);
+         q.add_block_ids(64);
+         v1::ZeroBlocksResponse r;
+         return stub().ZeroBlocks(Ctx(admin()).get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "block_ids[1]"},
+      {"copy onto one block twice",
+       [&] {
+         v1::CopyBlocksRequest q;
+         q.set_pool("p");
+         v1::BlockCopy* a = q.add_copies();
+         a->set_src(1);
+         a->set_dst(2);
+         v1::BlockCopy* b = q.add_copies();
+         b->set_src(3);
+         b->set_dst(2);
+         v1::CopyBlocksResponse r;
+         return stub().CopyBlocks(Ctx(admin()).get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "copies[1].dst"},
+      {"resolve an unknown layout class",
+       [&] {
+         v1::ResolveLayoutRequest q;
+         v1::BackendRequirement* b = q.mutable_layout_request()->add_backend_requirements();
+         b->set_backend("X");
+         b->add_layouts("inner-most");
+         v1::ResolveLayoutResponse r;
+         return stub().ResolveLayout(Ctx().get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "layout_request.backend_requirements[0].layouts[0]"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_THAT(c.call(), GrpcIs(c.code, c.substring)) << c.what;
+  }
+
+  // The handle channel: a lease is single-use and bound to its session.
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession other, HandleSession::Open(daemon_->handles(), "other"));
+  EXPECT_THAT(other.Fetch(attached.lease().token()).status(),
+              testing::StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("lease_token")))
+      << "a lease of another session";
+  {
+    KVD_ASSERT_OK_AND_ASSIGN(auto fds, admin_->Fetch(attached.lease().token()));
+    EXPECT_EQ(fds.size(), 2u);
+    for (const auto& [id, fd] : fds) close(fd);
+  }
+  EXPECT_THAT(admin_->Fetch(attached.lease().token()).status(),
+              testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")))
+      << "a used lease";
+  EXPECT_THAT(admin_->Fetch("no-such-lease").status(),
+              testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")))
+      << "an unknown lease";
+
+  // Nothing of that broke the daemon, and nothing was committed by the failures.
+  const v1::DeviceInfo info = DeviceInfo();
+  EXPECT_EQ(info.pool_count(), 3u);
+  EXPECT_EQ(info.committed_bytes(), 4 * kMiB);
+  EXPECT_EQ(kill(daemon_->pid(), 0), 0);
+  EXPECT_TRUE(daemon_->process()->running());
+}
+
+class KvdDaemonShortLeaseTest : public KvdDaemonTest {
+ protected:
+  DaemonConfig Config() override { return {.extra_args = {"--lease-ttl=1ms"}}; }
+};
+
+TEST_F(KvdDaemonShortLeaseTest, ExpiredLeaseIsRefused) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  v1::AttachRequest attach;
+  attach.set_pool("kv");
+  v1::AttachResponse attached;
+  ASSERT_THAT(stub().Attach(Ctx(admin()).get(), attach, &attached), GrpcOk());
+  const int64_t expires = static_cast<int64_t>(attached.lease().expires_at_unix_ms());
+  ASSERT_TRUE(WaitFor([&] { return absl::ToUnixMillis(absl::Now()) > expires + 1; }));
+  EXPECT_THAT(admin_->Fetch(attached.lease().token()).status(),
+              testing::StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("lease_token")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lifecycle
+
+TEST_F(KvdDaemonTest, SigtermTellsWatchersStopsAndRemovesBothSockets) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  absl::StatusOr<int> status = daemon_->Stop(SIGTERM);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status)) << *status;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << daemon_->log();
+  EXPECT_FALSE(Exists(daemon_->socket()));
+  EXPECT_FALSE(Exists(daemon_->handles()));
+  std::optional<HandledEvent> stopping = a->NextEvent();
+  ASSERT_TRUE(stopping.has_value());
+  EXPECT_EQ(stopping->event.type(), v1::EVENT_TYPE_DAEMON_STOPPING);
+  EXPECT_EQ(a->mapped_chunks(), 0u);
+  EXPECT_THAT(daemon_->log(), HasSubstr("kvd stopped"));
+}
+
+TEST_F(KvdDaemonTest, SecondDaemonOnTheSameSocketIsRefused) {
+  Daemon second(dir_.path(), {.log_name = "second.log"});
+  ASSERT_TRUE(second.Spawn().ok());
+  absl::StatusOr<int> status = second.process()->Wait(kWait);
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_NE(WEXITSTATUS(*status), 0);
+  EXPECT_THAT(second.log(), HasSubstr("another kvd is serving " + daemon_->socket()));
+  // The first one is untouched.
+  EXPECT_TRUE(Exists(daemon_->socket()));
+  EXPECT_EQ(DeviceInfo().backend(), v1::BACKEND_HOST);
+}
+
+// Binds a Unix socket at `path` and closes it without unlinking: what a crashed daemon leaves.
+void MakeStaleSocket(const std::string& path, int type) {
+  const int fd = socket(AF_UNIX, type, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  close(fd);
+}
+
+TEST(KvdDaemonStartTest, StaleSocketFilesAreReplaced) {
+  TempDir dir;
+  Daemon daemon(dir.path());
+  MakeStaleSocket(daemon.socket(), SOCK_STREAM);
+  MakeStaleSocket(daemon.handles(), SOCK_SEQPACKET);
+  absl::Status started = daemon.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  EXPECT_THAT(daemon.log(), HasSubstr("removed stale socket"));
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon.handles(), "probe"));
+  EXPECT_FALSE(session.token().empty());
+  session.Close();
+  absl::StatusOr<int> status = daemon.Stop();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(*status, 0);
+}
+
+TEST(KvdDaemonStartTest, PathThatIsNotASocketIsLeftAloneAndRefused) {
+  TempDir dir;
+  Daemon daemon(dir.path());
+  std::ofstream(daemon.socket()) << "precious";
+  ASSERT_TRUE(daemon.Spawn().ok());
+  absl::StatusOr<int> status = daemon.process()->Wait(kWait);
+  ASSERT_TRUE(status.ok());
+  EXPECT_NE(*status, 0);
+  EXPECT_THAT(daemon.log(), HasSubstr("is not a socket"));
+  EXPECT_EQ(ReadFile(daemon.socket()), "precious");
+}
+
+TEST(KvdDaemonStartTest, InvalidLayoutEnvironmentRefusesToStart) {
+  TempDir dir;
+  Daemon daemon(dir.path(), {.extra_env = {"KVD_KV_CACHE_LAYOUT=XYZ"}});
+  ASSERT_TRUE(daemon.Spawn().ok());
+  absl::StatusOr<int> status = daemon.process()->Wait(kWait);
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 1);
+  EXPECT_THAT(daemon.log(), HasSubstr("KVD_KV_CACHE_LAYOUT"));
+  EXPECT_FALSE(Exists(daemon.socket()));
+}
+
+TEST(KvdDaemonStartTest, DaemonLayoutEnvironmentReachesTheChain) {
+  TempDir dir;
+  Daemon daemon(dir.path(), {.extra_env = {"KVD_KV_CACHE_LAYOUT=BLNHC"}});
+  absl::Status started = daemon.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  v1::ResolveLayoutResponse response;
+  ASSERT_THAT(daemon.stub().ResolveLayout(Ctx().get(), {}, &response), GrpcOk());
+  EXPECT_EQ(response.resolution().layout(), "BLNHC");
+  EXPECT_EQ(response.resolution().rule(), v1::LAYOUT_RULE_DAEMON_ENV);
+  ASSERT_TRUE(daemon.Stop().ok());
+}
+
+}  // namespace
+}  // namespace kvd
+
+// The test binary doubles as the peer client process (see PeerMain).
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--kvd-peer") return kvd::PeerMain(argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

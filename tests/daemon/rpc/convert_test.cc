@@ -1,0 +1,69 @@
+#include "daemon/rpc/convert.h"
+
+#include <set>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvd {
+namespace {
+
+TEST(ConvertTest, LayoutRequestKeepsEveryFieldInOrder) {
+  v1::LayoutRequest p;
+  p.set_override_layout("BLHNC");
+  p.set_env_layout("LBNHC");
+  v1::BackendRequirement* b = p.add_backend_requirements();
+  b->set_backend("FLASHINFER");
+  b->add_layouts("block-outermost");
+  b->add_layouts("LBNHC");
+  v1::ConnectorPreference* c = p.add_connector_preferences();
+  c->set_connector("nixl");
+  c->set_layout("BHLNC");
+  const LayoutRequest r = FromProto(p);
+  EXPECT_EQ(r.override_layout, "BLHNC");
+  EXPECT_EQ(r.env_layout, "LBNHC");
+  ASSERT_EQ(r.backend_requirements.size(), 1u);
+  EXPECT_EQ(r.backend_requirements[0].backend, "FLASHINFER");
+  EXPECT_THAT(r.backend_requirements[0].layouts, ::testing::ElementsAre("block-outermost", "LBNHC"));
+  ASSERT_EQ(r.connector_preferences.size(), 1u);
+  EXPECT_EQ(r.connector_preferences[0].connector, "nixl");
+  EXPECT_EQ(r.connector_preferences[0].layout, "BHLNC");
+}
+
+TEST(ConvertTest, GeometryCarriesEveryStrideAndTheSegments) {
+  const PoolDims dims{
+      .layers = 3, .capacity_blocks = 7, .heads = 2, .block_tokens = 5, .channels = 9, .element_bytes = 2};
+  EXPECT_EQ(FromProto(ToProto(dims)).channels, 9u);
+  for (Layout layout : Layout::All()) {
+    KVD_ASSERT_OK_AND_ASSIGN(Geometry g, Geometry::Compute(layout, dims, 4096));
+    const v1::Geometry p = ToProto(g);
+    EXPECT_EQ(p.layout(), layout.name());
+    EXPECT_EQ(p.stride_l(), g.stride(Dim::kL));
+    EXPECT_EQ(p.stride_b(), g.stride(Dim::kB));
+    EXPECT_EQ(p.stride_h(), g.stride(Dim::kH));
+    EXPECT_EQ(p.stride_n(), g.stride(Dim::kN));
+    EXPECT_EQ(p.stride_c(), g.stride(Dim::kC));
+    EXPECT_EQ(p.layer_stride(), g.layer_stride());
+    EXPECT_EQ(p.block_stride(), g.block_stride());
+    EXPECT_EQ(p.segments(), g.segments());
+    EXPECT_EQ(p.segment_stride(), g.segment_stride());
+    EXPECT_EQ(p.reserved_bytes(), g.reserved_bytes());
+    EXPECT_EQ(p.granularity_bytes(), 4096u);
+    EXPECT_EQ(p.dims().heads(), 2u);
+  }
+}
+
+TEST(ConvertTest, EveryRuleHasItsOwnWireValue) {
+  std::set<int> seen;
+  for (LayoutRule r :
+       {LayoutRule::kRequestOverride, LayoutRule::kOperatorOverride, LayoutRule::kBackendRequirement,
+        LayoutRule::kClientEnv, LayoutRule::kDaemonEnv, LayoutRule::kConnectorPreference, LayoutRule::kDefault}) {
+    const v1::LayoutRule p = ToProto(r);
+    EXPECT_NE(p, v1::LAYOUT_RULE_UNSPECIFIED);
+    EXPECT_TRUE(seen.insert(p).second) << LayoutRuleName(r);
+  }
+}
+
+}  // namespace
+}  // namespace kvd

@@ -1,0 +1,721 @@
+// The device conformance suite (DESIGN.md section 9: "each backend passes the same conformance test
+// suite"). Every test runs once per backend; an instance whose backend was not built or has no
+// device is reported as skipped. GPU instances carry the ctest label `gpu` (tests/kernels/CMakeLists.txt).
+//
+// What each backend must show:
+//  - reserve / map / unmap / remap at the same VA, fresh memory reading back as zeros;
+//  - a chunk exported here and imported in a separate, exec'd process (device_peer) is the same memory;
+//  - memory is freed once every holder in every process is gone, and not before;
+//  - out of memory is RESOURCE_EXHAUSTED from Create and leaves nothing behind;
+//  - every block operation matches an element-by-element reference for all six layouts;
+//  - misuse is an error, not a crash.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "daemon/core/geometry.h"
+#include "daemon/core/layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvd/device.h"
+#include "kvd/fd_passing.h"
+#include "kvd/status.h"
+#include "tests/testing/status_matchers.h"
+
+extern char** environ;
+
+namespace kvd {
+namespace {
+
+using ::kvd::testing::IsOk;
+using ::kvd::testing::StatusIs;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+uint64_t RoundUp(uint64_t value, uint64_t align) { return (value + align - 1) / align * align; }
+
+// The byte at offset `i` of pattern `seed`. device_peer.cc computes the same bytes.
+uint8_t PatternByte(uint64_t seed, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  return static_cast<uint8_t>(x >> 24);
+}
+
+std::vector<uint8_t> Pattern(uint64_t seed, uint64_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  for (uint64_t i = 0; i < bytes; ++i) out[i] = PatternByte(seed, i);
+  return out;
+}
+
+std::vector<uint8_t> RandomBytes(uint64_t seed, uint64_t bytes) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> out(bytes);
+  for (uint64_t i = 0; i < bytes; i += 8) {
+    const uint64_t r = rng();
+    std::memcpy(out.data() + i, &r, std::min<uint64_t>(8, bytes - i));
+  }
+  return out;
+}
+
+// Equal buffers, or the first differing offset and how many bytes differ (never a dump of megabytes).
+::testing::AssertionResult SameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << "size " << got.size() << ", expected " << want.size();
+  }
+  uint64_t first = got.size(), count = 0;
+  for (uint64_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      if (count++ == 0) first = i;
+    }
+  }
+  if (count == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << count << " of " << got.size() << " bytes differ; the first at offset "
+                                       << first << " is " << int{got[first]} << ", expected " << int{want[first]};
+}
+
+// A "<key>: <n> kB" line of /proc/meminfo, in bytes.
+absl::StatusOr<uint64_t> MeminfoBytes(absl::string_view key) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    absl::string_view rest(line);
+    if (!absl::ConsumePrefix(&rest, key) || !absl::ConsumePrefix(&rest, ":")) continue;
+    rest = absl::StripAsciiWhitespace(rest);
+    absl::ConsumeSuffix(&rest, " kB");
+    uint64_t kib;
+    if (!absl::SimpleAtoi(rest, &kib)) break;
+    return kib * 1024;
+  }
+  return absl::NotFoundError(absl::StrCat(key, " not in /proc/meminfo"));
+}
+
+// Everything a test takes from a device, given back (unmapped, released, freed) when the scope ends,
+// also when an assertion fails half way.
+class DeviceScope {
+ public:
+  explicit DeviceScope(Device* device) : device_(device) {}
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    for (const auto& [va, bytes] : mappings_) device_->Unmap(va, bytes).IgnoreError();
+    for (const Chunk& chunk : chunks_) device_->Release(chunk).IgnoreError();
+    for (const auto& [va, bytes] : reservations_) device_->Free(va, bytes).IgnoreError();
+  }
+
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) {
+    KVD_ASSIGN_OR_RETURN(uint64_t va, device_->Reserve(bytes));
+    reservations_.push_back({va, bytes});
+    return va;
+  }
+  absl::StatusOr<Chunk> Create(uint64_t bytes) {
+    KVD_ASSIGN_OR_RETURN(Chunk chunk, device_->Create(bytes));
+    chunks_.push_back(chunk);
+    return chunk;
+  }
+  absl::Status Map(uint64_t va, const Chunk& chunk, Access access = Access::kReadWrite) {
+    KVD_RETURN_IF_ERROR(device_->Map(va, chunk, access));
+    mappings_.push_back({va, chunk.bytes});
+    return absl::OkStatus();
+  }
+  // Forgets the mappings that start inside the range.
+  absl::Status Unmap(uint64_t va, uint64_t bytes) {
+    KVD_RETURN_IF_ERROR(device_->Unmap(va, bytes));
+    std::erase_if(mappings_, [&](const auto& m) { return m.first >= va && m.first < va + bytes; });
+    return absl::OkStatus();
+  }
+  absl::Status Release(const Chunk& chunk) {
+    KVD_RETURN_IF_ERROR(device_->Release(chunk));
+    std::erase_if(chunks_, [&](const Chunk& c) { return c.handle == chunk.handle; });
+    return absl::OkStatus();
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) {
+    KVD_RETURN_IF_ERROR(device_->Free(va, bytes));
+    std::erase_if(reservations_, [&](const auto& r) { return r.first == va; });
+    return absl::OkStatus();
+  }
+  // Reserves `bytes`, creates one chunk of that size and maps it read-write at the reservation.
+  absl::StatusOr<uint64_t> MapNew(uint64_t bytes, Chunk* chunk_out = nullptr) {
+    KVD_ASSIGN_OR_RETURN(uint64_t va, Reserve(bytes));
+    KVD_ASSIGN_OR_RETURN(Chunk chunk, Create(bytes));
+    KVD_RETURN_IF_ERROR(Map(va, chunk));
+    if (chunk_out != nullptr) *chunk_out = chunk;
+    return va;
+  }
+
+ private:
+  Device* device_;
+  std::vector<std::pair<uint64_t, uint64_t>> reservations_;
+  std::vector<Chunk> chunks_;
+  std::vector<std::pair<uint64_t, uint64_t>> mappings_;
+};
+
+// A device_peer process (device_peer.cc) and our end of a SOCK_SEQPACKET pair to it. Killed, if it
+// is still running, when this object is destroyed.
+class PeerProcess {
+ public:
+  PeerProcess() = default;
+  PeerProcess(const PeerProcess&) = delete;
+  PeerProcess& operator=(const PeerProcess&) = delete;
+  ~PeerProcess() {
+    if (socket_ >= 0) close(socket_);
+    if (pid_ > 0) Kill();
+  }
+
+  absl::Status Start(const std::string& backend) {
+    int ends[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, ends) != 0) {
+      return absl::InternalError(absl::StrCat("socketpair: ", std::strerror(errno)));
+    }
+    socket_ = ends[0];
+    absl::Cleanup close_theirs = [&] { close(ends[1]); };
+    // A hung peer fails the test instead of hanging it.
+    timeval timeout{.tv_sec = 120, .tv_usec = 0};
+    setsockopt(socket_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    // The child gets its end as FD 3; dup2 onto itself would keep CLOEXEC, so clear it in that case.
+    constexpr int kChildFd = 3;
+    if (ends[1] == kChildFd) fcntl(ends[1], F_SETFD, 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    absl::Cleanup destroy = [&] { posix_spawn_file_actions_destroy(&actions); };
+    if (ends[1] != kChildFd) posix_spawn_file_actions_adddup2(&actions, ends[1], kChildFd);
+    std::string path = KVD_DEVICE_PEER_PATH;
+    std::string backend_arg = absl::StrCat("--backend=", backend);
+    std::string socket_arg = absl::StrCat("--socket_fd=", kChildFd);
+    char* argv[] = {path.data(), backend_arg.data(), socket_arg.data(), nullptr};
+    const int rc = posix_spawn(&pid_, path.c_str(), &actions, nullptr, argv, environ);
+    if (rc != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("posix_spawn(", path, "): ", std::strerror(rc)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Send(absl::string_view command, absl::Span<const int> fds = {}) {
+    return SendWithFds(socket_, command, fds);
+  }
+
+  absl::StatusOr<std::string> Receive() {
+    KVD_ASSIGN_OR_RETURN(MessageWithFds message, ReceiveWithFds(socket_, 4096));
+    for (int fd : message.fds) close(fd);
+    return message.payload;
+  }
+
+  // Sends `command` and returns the reply.
+  absl::StatusOr<std::string> Call(absl::string_view command, absl::Span<const int> fds = {}) {
+    KVD_RETURN_IF_ERROR(Send(command, fds));
+    return Receive();
+  }
+
+  // Closes our end (the peer exits then) and returns the peer's exit status.
+  absl::StatusOr<int> Finish() {
+    close(socket_);
+    socket_ = -1;
+    for (int i = 0; i < 600; ++i) {
+      int status;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        if (WIFEXITED(status)) return WEXITSTATUS(status);
+        return absl::InternalError(absl::StrCat("device_peer died of signal ", WTERMSIG(status)));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    Kill();
+    return absl::DeadlineExceededError("device_peer did not exit within 60 s");
+  }
+
+  // SIGKILL, as a crashing client would die; waits until the kernel has reaped it.
+  void Kill() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int socket_ = -1;
+};
+
+// Dims of a few pools: H = 1 (MLA-like), odd sizes, one layer, one channel, blocks over a page.
+struct GeometryCase {
+  const char* name;
+  PoolDims dims;
+};
+const GeometryCase kGeometries[] = {
+    {"L3_B5_H2_N3_C7_e2",
+     {.layers = 3, .capacity_blocks = 5, .heads = 2, .block_tokens = 3, .channels = 7, .element_bytes = 2}},
+    {"mla_L2_B9_H1_N4_C5_e1",
+     {.layers = 2, .capacity_blocks = 9, .heads = 1, .block_tokens = 4, .channels = 5, .element_bytes = 1}},
+    {"L1_B5_H3_N2_C1_e4",
+     {.layers = 1, .capacity_blocks = 5, .heads = 3, .block_tokens = 2, .channels = 1, .element_bytes = 4}},
+    {"L2_B6_H4_N16_C64_e2",
+     {.layers = 2, .capacity_blocks = 6, .heads = 4, .block_tokens = 16, .channels = 64, .element_bytes = 2}},
+};
+
+// The byte offsets of every element of block `b`, from Geometry::ByteOffset alone, in (l, h, n, c)
+// order: the reference the block operations are held to, independent of BlockSpan arithmetic.
+std::vector<uint64_t> ElementOffsets(const Geometry& geometry, uint64_t b) {
+  const PoolDims& d = geometry.dims();
+  std::vector<uint64_t> out;
+  out.reserve(d.layers * d.heads * d.block_tokens * d.channels);
+  for (uint64_t l = 0; l < d.layers; ++l) {
+    for (uint64_t h = 0; h < d.heads; ++h) {
+      for (uint64_t n = 0; n < d.block_tokens; ++n) {
+        for (uint64_t c = 0; c < d.channels; ++c) out.push_back(geometry.ByteOffset(l, b, h, n, c));
+      }
+    }
+  }
+  return out;
+}
+
+// A packed block holds its segments' runs back to back in segment order, that is, the block's
+// bytes in increasing address order: its elements sorted by byte offset.
+std::vector<uint64_t> PackedOrder(const Geometry& geometry, uint64_t b) {
+  std::vector<uint64_t> offsets = ElementOffsets(geometry, b);
+  std::sort(offsets.begin(), offsets.end());
+  return offsets;
+}
+
+std::vector<uint8_t> PackReference(const Geometry& geometry, const std::vector<uint8_t>& pool,
+                                   const std::vector<uint64_t>& ids) {
+  const uint64_t e = geometry.dims().element_bytes;
+  std::vector<uint8_t> out;
+  for (uint64_t id : ids) {
+    for (uint64_t offset : PackedOrder(geometry, id)) out.insert(out.end(), &pool[offset], &pool[offset] + e);
+  }
+  return out;
+}
+
+class DeviceConformanceTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(DeviceOptions{.backend = GetParam()});
+    if (absl::IsUnavailable(device.status()) || absl::IsUnimplemented(device.status())) {
+      GTEST_SKIP() << "backend " << GetParam() << " is not available here: " << device.status();
+    }
+    ASSERT_THAT(device, IsOk());
+    device_ = *std::move(device);
+    granularity_ = device_->granularity();
+    ASSERT_GT(granularity_, 0u);
+  }
+
+  bool host() const { return GetParam() == "host"; }
+
+  // Memory the backend's memory is counted in: host chunks are shmem ("Shmem:" in /proc/meminfo);
+  // a GPU's is what its driver no longer reports free.
+  absl::StatusOr<uint64_t> MemoryInUse() {
+    if (host()) return MeminfoBytes("Shmem");
+    KVD_ASSIGN_OR_RETURN(DeviceInfo info, device_->Info());
+    return info.total_bytes - info.free_bytes;
+  }
+
+  absl::StatusOr<int64_t> InUse() {
+    KVD_ASSIGN_OR_RETURN(uint64_t bytes, MemoryInUse());
+    return static_cast<int64_t>(bytes);
+  }
+
+  // Whether memory in use falls to `drop` bytes below `from` within 10 s (freeing may lag a little).
+  ::testing::AssertionResult DropsBy(int64_t from, int64_t drop) {
+    int64_t now = from;
+    for (int i = 0; i < 100; ++i) {
+      absl::StatusOr<int64_t> reading = InUse();
+      if (!reading.ok()) return ::testing::AssertionFailure() << reading.status();
+      now = *reading;
+      if (from - now >= drop) return ::testing::AssertionSuccess();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return ::testing::AssertionFailure() << "memory in use went from " << from << " to " << now
+                                         << " bytes, not down by " << drop;
+  }
+
+  absl::StatusOr<std::vector<uint8_t>> Read(uint64_t va, uint64_t bytes) {
+    std::vector<uint8_t> out(bytes);
+    KVD_RETURN_IF_ERROR(device_->CopyToHost(out.data(), va, bytes));
+    return out;
+  }
+
+  // A pool of one case, mapped whole, its last block left uncommitted, filled with random bytes.
+  struct TestPool {
+    Geometry geometry;
+    uint64_t va;
+    uint64_t committed;
+    BlockSpan span;
+    std::vector<uint8_t> before;  // the pool's bytes (all reserved_bytes of them) before the operation
+  };
+
+  // Runs `body` on a fresh pool of every layout and geometry case.
+  template <typename Body>
+  void ForEachPool(Body body) {
+    uint64_t seed = 1;
+    for (Layout layout : Layout::All()) {
+      for (const GeometryCase& c : kGeometries) {
+        SCOPED_TRACE(absl::StrCat("layout ", layout.name(), ", dims ", c.name));
+        DeviceScope scope(device_.get());
+        KVD_ASSERT_OK_AND_ASSIGN(Geometry geometry, Geometry::Compute(layout, c.dims, granularity_));
+        KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.MapNew(geometry.reserved_bytes()));
+        const uint64_t committed = c.dims.capacity_blocks - 1;
+        TestPool pool{.geometry = geometry,
+                      .va = va,
+                      .committed = committed,
+                      .span = geometry.Span(va, committed),
+                      .before = RandomBytes(seed++, geometry.reserved_bytes())};
+        ASSERT_EQ(pool.span.blocks, committed);
+        ASSERT_THAT(device_->CopyFromHost(va, pool.before.data(), pool.before.size()), IsOk());
+        body(pool, scope);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+
+  ::testing::AssertionResult PoolHolds(const TestPool& pool, const std::vector<uint8_t>& expected) {
+    absl::StatusOr<std::vector<uint8_t>> now = Read(pool.va, pool.geometry.reserved_bytes());
+    if (!now.ok()) return ::testing::AssertionFailure() << now.status();
+    return SameBytes(*now, expected);
+  }
+
+  std::unique_ptr<Device> device_;
+  uint64_t granularity_ = 0;
+};
+
+TEST_P(DeviceConformanceTest, ReserveMapUnmapRemapAtTheSameAddress) {
+  DeviceScope scope(device_.get());
+  const uint64_t g = granularity_;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(2 * g));
+  EXPECT_EQ(va % g, 0u) << "reservations start granularity-aligned";
+
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk first, scope.Create(g));
+  ASSERT_THAT(scope.Map(va, first), IsOk());
+  const std::vector<uint8_t> pattern = Pattern(1, g);
+  ASSERT_THAT(device_->CopyFromHost(va, pattern.data(), g), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(va, g));
+  EXPECT_TRUE(SameBytes(back, pattern));
+
+  ASSERT_THAT(scope.Unmap(va, g), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk second, scope.Create(g));
+  ASSERT_THAT(scope.Map(va, second), IsOk()) << "the VA stays reserved after Unmap";
+  KVD_ASSERT_OK_AND_ASSIGN(back, Read(va, g));
+  EXPECT_TRUE(SameBytes(back, std::vector<uint8_t>(g, 0))) << "a fresh chunk reads back as zeros";
+
+  // The first chunk kept its bytes while unmapped: map it again, beside the second.
+  ASSERT_THAT(scope.Map(va + g, first), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(back, Read(va + g, g));
+  EXPECT_TRUE(SameBytes(back, pattern));
+
+  ASSERT_THAT(scope.Unmap(va, g), IsOk());
+  ASSERT_THAT(scope.Unmap(va + g, g), IsOk());
+  ASSERT_THAT(scope.Release(first), IsOk());
+  ASSERT_THAT(scope.Release(second), IsOk());
+  ASSERT_THAT(scope.Free(va, 2 * g), IsOk());
+}
+
+TEST_P(DeviceConformanceTest, ExportedChunkIsTheSameMemoryInAnotherProcess) {
+  DeviceScope scope(device_.get());
+  const uint64_t bytes = 2 * granularity_;
+  Chunk chunk;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.MapNew(bytes, &chunk));
+  const std::vector<uint8_t> ours = Pattern(11, bytes);
+  ASSERT_THAT(device_->CopyFromHost(va, ours.data(), bytes), IsOk());
+
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->Export(chunk));
+  PeerProcess peer;
+  ASSERT_THAT(peer.Start(GetParam()), IsOk());
+  // The peer checks every byte we wrote, then writes its own pattern over the first half.
+  absl::StatusOr<std::string> reply =
+      peer.Call(absl::StrCat("IMPORT ", bytes, " ", bytes, " ", bytes / 2, " 11 22"), {fd});
+  close(fd);  // the FD has travelled: the peer holds its own now
+  ASSERT_THAT(reply, IsOk());
+  ASSERT_EQ(*reply, "MAPPED");
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(va, bytes));
+  std::vector<uint8_t> expected = ours;
+  const std::vector<uint8_t> theirs = Pattern(22, bytes / 2);
+  std::copy(theirs.begin(), theirs.end(), expected.begin());
+  EXPECT_TRUE(SameBytes(back, expected)) << "the peer's writes show through our mapping";
+
+  KVD_ASSERT_OK_AND_ASSIGN(reply, peer.Call("RELEASE"));
+  EXPECT_EQ(*reply, "RELEASED");
+  KVD_ASSERT_OK_AND_ASSIGN(int exit_code, peer.Finish());
+  EXPECT_EQ(exit_code, 0);
+}
+
+// Memory accounting is machine-wide (other processes move it too), so each check compares two
+// readings taken close together, around one step of ours, against half the chunk: a leak or an early
+// free moves the reading by the whole chunk.
+TEST_P(DeviceConformanceTest, MemoryIsFreedOnlyOnceEveryHolderInEveryProcessIsGone) {
+  const uint64_t bytes = RoundUp(host() ? 256 * kMiB : kGiB, granularity_);
+  const int64_t half = static_cast<int64_t>(bytes / 2);
+
+  DeviceScope scope(device_.get());
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t before_create, InUse());
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk chunk, scope.Create(bytes));
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t after_create, InUse());
+  EXPECT_GE(after_create - before_create, half) << "Create allocates the memory now, before any mapping or touch";
+
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(bytes));
+  ASSERT_THAT(scope.Map(va, chunk), IsOk());
+  const std::vector<uint8_t> pattern = Pattern(5, kMiB);
+  ASSERT_THAT(device_->CopyFromHost(va, pattern.data(), kMiB), IsOk());
+  const std::vector<uint8_t> touch(16 * kMiB, 0x5A);
+  for (uint64_t at = kMiB; at < bytes; at += touch.size()) {
+    ASSERT_THAT(device_->CopyFromHost(va + at, touch.data(), std::min<uint64_t>(touch.size(), bytes - at)), IsOk());
+  }
+
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->Export(chunk));
+  PeerProcess peer;
+  ASSERT_THAT(peer.Start(GetParam()), IsOk());
+  absl::StatusOr<std::string> reply = peer.Call(absl::StrCat("IMPORT ", bytes, " ", kMiB, " 0 5 6"), {fd});
+  close(fd);
+  ASSERT_THAT(reply, IsOk());
+  ASSERT_EQ(*reply, "MAPPED");
+
+  // We let go of everything; the peer still maps the chunk, so nothing may be freed.
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t before_our_release, InUse());
+  ASSERT_THAT(scope.Unmap(va, bytes), IsOk());
+  ASSERT_THAT(scope.Release(chunk), IsOk());
+  ASSERT_THAT(scope.Free(va, bytes), IsOk());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t after_our_release, InUse());
+  EXPECT_LT(before_our_release - after_our_release, half) << "freed while another process still maps it";
+
+  // The last holder lets go: now it is freed.
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t before_last_release, InUse());
+  KVD_ASSERT_OK_AND_ASSIGN(reply, peer.Call("RELEASE"));
+  EXPECT_EQ(*reply, "RELEASED");
+  KVD_ASSERT_OK_AND_ASSIGN(int exit_code, peer.Finish());
+  EXPECT_EQ(exit_code, 0);
+  EXPECT_TRUE(DropsBy(before_last_release, half)) << "not freed after every holder released it";
+}
+
+TEST_P(DeviceConformanceTest, MemoryIsFreedWhenAHolderProcessDies) {
+  const uint64_t bytes = RoundUp(host() ? 256 * kMiB : kGiB, granularity_);
+  const int64_t half = static_cast<int64_t>(bytes / 2);
+  PeerProcess peer;
+  ASSERT_THAT(peer.Start(GetParam()), IsOk());
+  {
+    DeviceScope scope(device_.get());
+    KVD_ASSERT_OK_AND_ASSIGN(Chunk chunk, scope.Create(bytes));
+    KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->Export(chunk));
+    absl::StatusOr<std::string> reply = peer.Call(absl::StrCat("IMPORT ", bytes, " 0 ", kMiB, " 0 7"), {fd});
+    close(fd);
+    ASSERT_THAT(reply, IsOk());
+    ASSERT_EQ(*reply, "MAPPED");
+    KVD_ASSERT_OK_AND_ASSIGN(const int64_t before_our_release, InUse());
+    ASSERT_THAT(scope.Release(chunk), IsOk());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    KVD_ASSERT_OK_AND_ASSIGN(const int64_t after_our_release, InUse());
+    EXPECT_LT(before_our_release - after_our_release, half) << "freed while another process still maps it";
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(const int64_t before_death, InUse());
+  peer.Kill();  // dies holding a mapping, never releasing it
+  EXPECT_TRUE(DropsBy(before_death, half)) << "a dead process's mapping kept the memory";
+}
+
+TEST_P(DeviceConformanceTest, OutOfMemoryIsResourceExhaustedAndLeavesNothing) {
+  // Past the whole device: every backend refuses at Create.
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device_->Info());
+  const uint64_t past_total = RoundUp(info.total_bytes + 1, granularity_) + granularity_;
+  EXPECT_THAT(device_->Create(past_total), StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
+
+  // Past a configured capacity (host) or the device (GPUs): nothing leaks, and Create still works.
+  std::unique_ptr<Device> small;
+  Device* device = device_.get();
+  uint64_t too_big = past_total;
+  if (host()) {
+    KVD_ASSERT_OK_AND_ASSIGN(small, OpenDevice(DeviceOptions{.backend = "host", .host_capacity = 64 * kMiB}));
+    device = small.get();
+    too_big = 128 * kMiB;
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo before, device->Info());
+  KVD_ASSERT_OK_AND_ASSIGN(const uint64_t in_use_before, MemoryInUse());
+  // The host names the bytes asked; GPU messages are their drivers'.
+  const ::testing::Matcher<std::string> message =
+      host() ? ::testing::Matcher<std::string>(HasSubstr(absl::StrCat(too_big, " bytes asked"))) : ::testing::_;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<Chunk> chunk = device->Create(too_big);
+    EXPECT_THAT(chunk, StatusIs(absl::StatusCode::kResourceExhausted, message));
+    if (chunk.ok()) device->Release(*chunk).IgnoreError();
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo after, device->Info());
+  KVD_ASSERT_OK_AND_ASSIGN(const uint64_t in_use_after, MemoryInUse());
+  const uint64_t noise = host() ? 0 : 256 * kMiB;  // other processes may use the GPU meanwhile
+  EXPECT_LE(std::max(before.free_bytes, after.free_bytes) - std::min(before.free_bytes, after.free_bytes), noise);
+  EXPECT_LT(in_use_after, in_use_before + too_big / 2) << "a failed Create left memory behind";
+
+  DeviceScope scope(device);
+  EXPECT_THAT(scope.Create(granularity_), IsOk()) << "a failed Create does not poison the device";
+}
+
+TEST_P(DeviceConformanceTest, ZeroBlocksMatchesTheElementwiseReference) {
+  ForEachPool([&](const TestPool& pool, DeviceScope&) {
+    const std::vector<uint64_t> ids = {1, pool.committed - 1};
+    ASSERT_THAT(device_->ZeroBlocks(pool.span, ids), IsOk());
+    std::vector<uint8_t> expected = pool.before;
+    for (uint64_t id : ids) {
+      for (uint64_t offset : ElementOffsets(pool.geometry, id)) {
+        std::fill_n(&expected[offset], pool.geometry.dims().element_bytes, 0);
+      }
+    }
+    EXPECT_TRUE(PoolHolds(pool, expected)) << "zeroed blocks, and every other byte unchanged";
+  });
+}
+
+TEST_P(DeviceConformanceTest, CopyBlocksMatchesTheElementwiseReference) {
+  ForEachPool([&](const TestPool& pool, DeviceScope&) {
+    const std::vector<BlockCopy> copies = {{.src = pool.committed - 1, .dst = 0}, {.src = 1, .dst = 2}};
+    ASSERT_THAT(device_->CopyBlocks(pool.span, copies), IsOk());
+    std::vector<uint8_t> expected = pool.before;
+    for (const BlockCopy& copy : copies) {
+      const std::vector<uint64_t> from = ElementOffsets(pool.geometry, copy.src);
+      const std::vector<uint64_t> to = ElementOffsets(pool.geometry, copy.dst);
+      for (size_t i = 0; i < from.size(); ++i) {
+        std::copy_n(&pool.before[from[i]], pool.geometry.dims().element_bytes, &expected[to[i]]);
+      }
+    }
+    EXPECT_TRUE(PoolHolds(pool, expected)) << "copied blocks, and every other byte unchanged";
+  });
+}
+
+TEST_P(DeviceConformanceTest, PackBlocksMatchesTheElementwiseReference) {
+  ForEachPool([&](const TestPool& pool, DeviceScope& scope) {
+    const std::vector<uint64_t> ids = {2, 0, pool.committed - 1, 2};
+    const std::vector<uint8_t> packed = PackReference(pool.geometry, pool.before, ids);
+    ASSERT_EQ(packed.size(), ids.size() * pool.span.packed_block_bytes());
+    // Poisoned staging, one byte per granule more than needed: an unwritten or overrun byte shows.
+    const uint64_t staging_bytes = RoundUp(packed.size() + 1, granularity_);
+    KVD_ASSERT_OK_AND_ASSIGN(uint64_t staging, scope.MapNew(staging_bytes));
+    const std::vector<uint8_t> poison(staging_bytes, 0xA5);
+    ASSERT_THAT(device_->CopyFromHost(staging, poison.data(), staging_bytes), IsOk());
+
+    ASSERT_THAT(device_->PackBlocks(pool.span, ids, staging), IsOk());
+    std::vector<uint8_t> expected = poison;
+    std::copy(packed.begin(), packed.end(), expected.begin());
+    KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> got, Read(staging, staging_bytes));
+    EXPECT_TRUE(SameBytes(got, expected)) << "packed blocks, and nothing written past them";
+    EXPECT_TRUE(PoolHolds(pool, pool.before)) << "packing does not change the pool";
+  });
+}
+
+TEST_P(DeviceConformanceTest, UnpackBlocksMatchesTheElementwiseReference) {
+  ForEachPool([&](const TestPool& pool, DeviceScope& scope) {
+    const std::vector<uint64_t> ids = {pool.committed - 1, 1};
+    const uint64_t packed_bytes = ids.size() * pool.span.packed_block_bytes();
+    const uint64_t staging_bytes = RoundUp(packed_bytes, granularity_);
+    KVD_ASSERT_OK_AND_ASSIGN(uint64_t staging, scope.MapNew(staging_bytes));
+    const std::vector<uint8_t> source = RandomBytes(99, staging_bytes);
+    ASSERT_THAT(device_->CopyFromHost(staging, source.data(), staging_bytes), IsOk());
+
+    ASSERT_THAT(device_->UnpackBlocks(pool.span, staging, ids), IsOk());
+    const uint64_t e = pool.geometry.dims().element_bytes;
+    std::vector<uint8_t> expected = pool.before;
+    uint64_t at = 0;
+    for (uint64_t id : ids) {
+      for (uint64_t offset : PackedOrder(pool.geometry, id)) {
+        std::copy_n(&source[at], e, &expected[offset]);
+        at += e;
+      }
+    }
+    ASSERT_EQ(at, packed_bytes);
+    EXPECT_TRUE(PoolHolds(pool, expected)) << "unpacked blocks, and every other byte unchanged";
+    KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> staged, Read(staging, staging_bytes));
+    EXPECT_TRUE(SameBytes(staged, source)) << "unpacking does not change its source";
+  });
+}
+
+TEST_P(DeviceConformanceTest, InvalidBlockIdsAreRejectedBeforeAnythingIsTouched) {
+  ForEachPool([&](const TestPool& pool, DeviceScope& scope) {
+    const uint64_t c = pool.committed;  // the first uncommitted block
+    KVD_ASSERT_OK_AND_ASSIGN(uint64_t staging, scope.MapNew(RoundUp(4 * pool.span.packed_block_bytes(), granularity_)));
+    const auto invalid = [](auto matcher) { return StatusIs(absl::StatusCode::kInvalidArgument, matcher); };
+    EXPECT_THAT(device_->ZeroBlocks(pool.span, std::vector<uint64_t>{0, c}), invalid(HasSubstr(absl::StrCat(c))));
+    EXPECT_THAT(device_->CopyBlocks(pool.span, std::vector<BlockCopy>{{.src = c, .dst = 0}}), invalid(::testing::_));
+    EXPECT_THAT(device_->CopyBlocks(pool.span, std::vector<BlockCopy>{{.src = 0, .dst = 1}, {.src = 2, .dst = 1}}),
+                invalid(HasSubstr("twice")));
+    EXPECT_THAT(device_->CopyBlocks(pool.span, std::vector<BlockCopy>{{.src = 0, .dst = 1}, {.src = 1, .dst = 2}}),
+                invalid(HasSubstr("destination")));
+    EXPECT_THAT(device_->PackBlocks(pool.span, std::vector<uint64_t>{1, c + 7}, staging), invalid(::testing::_));
+    EXPECT_THAT(device_->UnpackBlocks(pool.span, staging, std::vector<uint64_t>{0, ~uint64_t{0}}),
+                invalid(::testing::_));
+    EXPECT_TRUE(PoolHolds(pool, pool.before)) << "a rejected call wrote nothing";
+  });
+}
+
+TEST_P(DeviceConformanceTest, MisuseIsAnErrorNotACrash) {
+  const uint64_t g = granularity_;
+  DeviceScope scope(device_.get());
+  EXPECT_THAT(device_->Reserve(g + g / 2), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(device_->Create(g / 2), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(device_->Create(0), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(2 * g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk chunk, scope.Create(g));
+  EXPECT_THAT(device_->Map(va + g / 2, chunk, Access::kReadWrite),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+
+  // Importing something that is not an exported chunk fails cleanly.
+  EXPECT_THAT(device_->Import(-1, g), Not(IsOk()));
+  const int closed = dup(STDERR_FILENO);
+  ASSERT_GE(closed, 0);
+  close(closed);
+  EXPECT_THAT(device_->Import(closed, g), Not(IsOk()));
+  const int dev_null = open("/dev/null", O_RDWR | O_CLOEXEC);
+  ASSERT_GE(dev_null, 0);
+  absl::StatusOr<Chunk> imported = device_->Import(dev_null, g);
+  close(dev_null);
+  EXPECT_THAT(imported, Not(IsOk()));
+  if (imported.ok()) device_->Release(*imported).IgnoreError();
+
+  if (!host()) return;
+  // The host backend checks addresses itself (GPU drivers do their own checking).
+  EXPECT_THAT(device_->Map(va, Chunk{.handle = chunk.handle, .bytes = 4 * g}, Access::kReadWrite),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk big, scope.Create(2 * g));
+  EXPECT_THAT(device_->Map(va + g, big, Access::kReadWrite),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not inside a reservation")))
+      << "a mapping hanging past the end of its reservation";
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t gone, device_->Reserve(g));
+  ASSERT_THAT(device_->Free(gone, g), IsOk());
+  EXPECT_THAT(device_->Map(gone, chunk, Access::kReadWrite),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not inside a reservation")))
+      << "a freed reservation";
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->Export(chunk));
+  EXPECT_THAT(device_->Import(fd, 2 * g), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fewer than")));
+  EXPECT_THAT(device_->Import(STDERR_FILENO, g), Not(IsOk()));
+  close(fd);
+}
+
+std::string BackendParamName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
+// ctest names read "conformance/DeviceConformanceTest.<Test>/<backend>": `ctest -R conformance` runs
+// the suite, `-R /host` one backend, `-L gpu` the GPU instances.
+
+INSTANTIATE_TEST_SUITE_P(conformance, DeviceConformanceTest, ::testing::Values("host", "cuda", "hip"),
+                         BackendParamName);
+
+}  // namespace
+}  // namespace kvd

@@ -1,0 +1,112 @@
+// FaultDevice: a Device that forwards to a real one, counts the handles and mappings its caller holds,
+// and fails the Nth call of an operation on request. It proves rollback: after a failed operation the
+// live counts must be what they were before.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+
+#include "absl/synchronization/mutex.h"
+#include "kvd/device.h"
+
+namespace kvd::testing {
+
+class FaultDevice final : public Device {
+ public:
+  enum class Op { kReserve, kCreate, kMap, kExport };
+
+  explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+
+  // The `nth` call (1-based, counted from now) of `op` fails with `status`.
+  void FailNth(Op op, int nth, absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    faults_[op] = {nth, std::move(status)};
+  }
+  int live_chunks() const { return live_chunks_; }
+  int live_mappings() const { return live_mappings_; }
+  int live_reservations() const { return live_reservations_; }
+
+  BackendKind kind() const override { return inner_->kind(); }
+  uint64_t granularity() const override { return inner_->granularity(); }
+  absl::StatusOr<DeviceInfo> Info() override { return inner_->Info(); }
+
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kReserve); !s.ok()) return s;
+    absl::StatusOr<uint64_t> va = inner_->Reserve(bytes);
+    if (va.ok()) ++live_reservations_;
+    return va;
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) override {
+    absl::Status s = inner_->Free(va, bytes);
+    if (s.ok()) --live_reservations_;
+    return s;
+  }
+  absl::StatusOr<Chunk> Create(uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kCreate); !s.ok()) return s;
+    absl::StatusOr<Chunk> c = inner_->Create(bytes);
+    if (c.ok()) ++live_chunks_;
+    return c;
+  }
+  absl::Status Release(const Chunk& chunk) override {
+    absl::Status s = inner_->Release(chunk);
+    if (s.ok()) --live_chunks_;
+    return s;
+  }
+  absl::Status Map(uint64_t va, const Chunk& chunk, Access access) override {
+    if (absl::Status s = Fault(Op::kMap); !s.ok()) return s;
+    absl::Status s = inner_->Map(va, chunk, access);
+    if (s.ok()) ++live_mappings_;
+    return s;
+  }
+  absl::Status Unmap(uint64_t va, uint64_t bytes) override {
+    absl::Status s = inner_->Unmap(va, bytes);
+    if (s.ok()) --live_mappings_;
+    return s;
+  }
+  absl::StatusOr<int> Export(const Chunk& chunk) override {
+    if (absl::Status s = Fault(Op::kExport); !s.ok()) return s;
+    return inner_->Export(chunk);
+  }
+  absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override { return inner_->Import(fd, bytes); }
+  absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
+    return inner_->CopyToHost(dst, src_va, bytes);
+  }
+  absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override {
+    return inner_->CopyFromHost(dst_va, src, bytes);
+  }
+  absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) override {
+    return inner_->ZeroBlocks(span, blocks);
+  }
+  absl::Status CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) override {
+    return inner_->CopyBlocks(span, copies);
+  }
+  absl::Status PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks, uint64_t dst) override {
+    return inner_->PackBlocks(span, blocks, dst);
+  }
+  absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src, absl::Span<const uint64_t> blocks) override {
+    return inner_->UnpackBlocks(span, src, blocks);
+  }
+
+ private:
+  struct Fault_ {
+    int countdown = 0;
+    absl::Status status;
+  };
+  absl::Status Fault(Op op) {
+    absl::MutexLock lock(&mu_);
+    auto it = faults_.find(op);
+    if (it == faults_.end()) return absl::OkStatus();
+    if (--it->second.countdown > 0) return absl::OkStatus();
+    absl::Status s = std::move(it->second.status);
+    faults_.erase(it);
+    return s;
+  }
+
+  std::unique_ptr<Device> inner_;
+  absl::Mutex mu_;
+  std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0};
+};
+
+}  // namespace kvd::testing
