@@ -3,6 +3,7 @@
 # suite, in one command each.
 #
 #   deploy/quickstart.sh run    install what is missing, build, start kvd in the foreground
+#                               (extra arguments go to kvd; see build/daemon/kvd --help)
 #   deploy/quickstart.sh test   install what is missing, build, run the whole test suite
 #   deploy/quickstart.sh build  install what is missing and build, nothing else
 #
@@ -14,7 +15,7 @@
 #   KVD_JOBS        parallel build jobs (default: nproc)
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 mode=${1:-}
 case $mode in
   run | test | build) shift ;;
@@ -77,9 +78,14 @@ say "set-up took $((SECONDS - started)) s"
 case $mode in
   build) ;;
   run)
-    # Until the daemon lands, run the core's demo: the layout chain and geometry of an example pool.
-    say "starting $build/daemon/kvd-geometry $*"
-    exec "$build/daemon/kvd-geometry" "$@"
+    # kvd's default socket is /run/kvd/gpu<N>.sock, which needs root; elsewhere use the user's runtime
+    # directory unless a --socket was given.
+    args=("$@")
+    if ((EUID != 0)) && [[ " $* " != *" --socket"* ]]; then
+      args+=("--socket=${XDG_RUNTIME_DIR:-/tmp}/kvd/gpu0.sock")
+    fi
+    say "starting $build/daemon/kvd ${args[*]} (Ctrl-C stops it)"
+    exec "$build/daemon/kvd" "${args[@]}"
     ;;
   test)
     say "running the test suite (tests labelled gpu are skipped without a GPU)"

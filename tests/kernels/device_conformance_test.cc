@@ -204,7 +204,12 @@ class PeerProcess {
     posix_spawn_file_actions_init(&actions);
     absl::Cleanup destroy = [&] { posix_spawn_file_actions_destroy(&actions); };
     if (ends[1] != kChildFd) posix_spawn_file_actions_adddup2(&actions, ends[1], kChildFd);
+    // The build's device_peer, else one next to this test (a bundle copied to another machine).
     std::string path = KVD_DEVICE_PEER_PATH;
+    if (access(path.c_str(), X_OK) != 0) {
+      std::error_code ec;
+      path = (std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "device_peer").string();
+    }
     std::string backend_arg = absl::StrCat("--backend=", backend);
     std::string socket_arg = absl::StrCat("--socket_fd=", kChildFd);
     char* argv[] = {path.data(), backend_arg.data(), socket_arg.data(), nullptr};

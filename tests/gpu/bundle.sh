@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Bundles what tests/gpu/run_gpu.sh needs from a CUDA build into DEST (default .device): the GPU
+# programs and their shared libraries, stripped of debug info to stay small (~26 MiB).
+#   tests/gpu/bundle.sh [BUILD_DIR] [DEST]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=${1:-$root/build} dest=${2:-$root/.device}
+keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe)
+"$root/../shared/tools/device-bundle" "$build" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
+for f in "$dest"/bin/*; do
+  [[ " ${keep[*]} " == *" $(basename "$f") "* ]] || rm -f "$f"
+done
+for p in "${keep[@]}"; do [[ -x $dest/bin/$p ]] || { echo "bundle.sh: $p is not built in $build" >&2; exit 1; }; done
+strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* 2>/dev/null || true
+echo "bundle.sh: $(ls "$dest/bin" | wc -l) programs, $(ls "$dest/lib" | wc -l) libraries, $(du -sh "$dest" | cut -f1) in $dest"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
+# build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
+#   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
+set -uo pipefail
+bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
+pool_size=${2:-100GiB}
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+source "$bundle/env.sh"
+status=0
+step() { printf '\n=== %s\n' "$*"; }
+run() {  # run NAME CMD...: log to $out/NAME.log, echo the tail, remember failures
+  local name=$1; shift
+  step "$name: $*"
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-25}" "$out/$name.log"
+  ((rc == 0)) || { echo "!!! $name exited $rc"; status=1; }
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+
+run conformance device_conformance_test --gtest_filter='*/cuda:*/host' --gtest_color=no
+run cuda_device cuda_device_test --gtest_color=no
+TAIL=45 run device_bench bash -c "kvd_device_bench --backend=cuda --json >$out/bench.json"
+
+step "kvd on CUDA: a ${pool_size} pool attached by two more processes"
+dir=$(mktemp -d)
+kvd --backend=auto --socket="$dir/gpu0.sock" --log-level=info >"$out/kvd.log" 2>&1 &
+daemon=$!
+for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
+head -n 3 "$out/kvd.log"
+kvd_probe --socket="$dir/gpu0.sock" create big --bytes="$pool_size" || status=1
+kvd_probe --socket="$dir/gpu0.sock" attach big --write=7 --wait-for=9 >"$out/holder.log" 2>&1 &
+holder=$!
+for attempt in $(seq 100); do
+  kvd_probe --socket="$dir/gpu0.sock" attach big --expect=7 --write=9 2>"$out/reader.err" && break
+  grep -q "pattern 7 not found" "$out/reader.err" || { cat "$out/reader.err"; status=1; break; }
+  sleep 0.2
+done
+wait "$holder" || status=1
+cat "$out/holder.log"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+kill -TERM "$daemon"
+wait "$daemon"
+echo "kvd exited $?"
+tail -n 8 "$out/kvd.log"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+rm -rf "$dir"
+step "gpu run: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
+exit $status
