@@ -726,6 +726,8 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
         return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is already awake"));
       }
       blocks = pool->wake_blocks;
+      // Awake before the grow, so the CHUNKS_ADDED events it sends say so; back on failure.
+      pool->state = PoolState::kAwake;
     }
     // One chunk per segment for the whole previous size: sleep/wake also defragments.
     PoolUpdate update;
@@ -733,12 +735,13 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
       absl::StatusOr<PoolUpdate> grown = GrowLocked(*pool, caller, blocks);
       if (!grown.ok()) {
         // The pools woken so far stay awake; this one stays asleep with nothing committed.
+        absl::MutexLock lock(&mu_);
+        pool->state = PoolState::kSleeping;
         return grown.status();
       }
       update = *std::move(grown);
     }
     absl::MutexLock lock(&mu_);
-    pool->state = PoolState::kAwake;
     pool->wake_blocks = 0;
     update.pool = ViewLocked(*pool);
     updates.push_back(std::move(update));

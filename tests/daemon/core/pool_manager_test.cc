@@ -314,8 +314,25 @@ TEST_F(PoolManagerTest, SleepReleasesEverythingAndWakeRecommitsOneChunkPerSegmen
   std::optional<PoolEvent> added = events->Pop(absl::Seconds(5));
   ASSERT_TRUE(added.has_value());
   EXPECT_EQ(added->type, EventType::kChunksAdded);
+  EXPECT_EQ(added->state, PoolState::kAwake);
   EXPECT_THAT(added->chunks, SizeIs(2));
   EXPECT_THAT(manager_->Wake(alice_, "p"), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already awake")));
+}
+
+TEST_F(PoolManagerTest, AWakeTheBudgetCannotHoldLeavesThePoolAsleepWithItsSize) {
+  Start({.budget_bytes = 40 * kMiB});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 256)), IsOk());  // 32 MiB
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::Now()), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 128)), IsOk());  // 16 MiB: 24 left, wake needs 32
+  EXPECT_THAT(manager_->Wake(alice_, "p"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("needs")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView p, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(p.state, PoolState::kSleeping);
+  EXPECT_EQ(p.wake_blocks, 256u);
+  EXPECT_EQ(p.committed_bytes, 0u);
+  EXPECT_EQ(Committed(), 16 * kMiB);
+  ASSERT_THAT(manager_->DeletePool(alice_, "q", false), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> woken, manager_->Wake(alice_, "p"));
+  EXPECT_EQ(woken[0].pool.committed_blocks, 256u);
 }
 
 TEST_F(PoolManagerTest, LeasesAreSingleUseBoundToTheirSessionAndUid) {
