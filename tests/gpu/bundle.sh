@@ -5,11 +5,16 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:-$root/build} dest=${2:-$root/.device}
-keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe)
+keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl)
 "$root/../shared/tools/device-bundle" "$build" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
 for f in "$dest"/bin/*; do
   [[ " ${keep[*]} " == *" $(basename "$f") "* ]] || rm -f "$f"
 done
 for p in "${keep[@]}"; do [[ -x $dest/bin/$p ]] || { echo "bundle.sh: $p is not built in $build" >&2; exit 1; }; done
+# The Python package (assembled by the kvd_python target) and its GPU check, for the Python step.
+if [[ -d $build/client/python/package ]]; then
+  cp -a "$build/client/python/package" "$dest/python"
+  cp "$root/tests/client/python/kvd_cuda_check.py" "$dest/"
+fi
 strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* 2>/dev/null || true
 echo "bundle.sh: $(ls "$dest/bin" | wc -l) programs, $(ls "$dest/lib" | wc -l) libraries, $(du -sh "$dest" | cut -f1) in $dest"

@@ -47,5 +47,30 @@ echo "kvd exited $?"
 tail -n 8 "$out/kvd.log"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 rm -rf "$dir"
+
+if [[ -d $bundle/python ]]; then
+  step "Python package on CUDA: torch views shared by two processes, grow, sleep/wake; kvctl"
+  dir=$(mktemp -d)
+  kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB >"$out/kvd-python.log" 2>&1 &
+  daemon=$!
+  for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
+  export KVD_SOCKET=$dir/gpu0.sock PYTHONPATH=$bundle/python
+  python3 -c 'import sys, grpc, torch; print("python", sys.version.split()[0], "grpc", grpc.__version__, "torch", torch.__version__)'
+  run engine_worker timeout 180 python3 "$bundle/python/examples/engine_worker.py" --layers 32
+  run cuda_check timeout 180 python3 "$bundle/kvd_cuda_check.py"
+  if command -v kvctl >/dev/null; then
+    run kvctl_create kvctl create demo --layers=32 --capacity-blocks=8192 --heads=8 --block-tokens=16 --channels=128 --element-bytes=2
+    run kvctl_grow kvctl grow demo --bytes=8GiB
+    run kvctl_pools kvctl pools
+    run kvctl_status kvctl status
+    run kvctl_sleep kvctl sleep --all
+    run kvctl_wake kvctl wake --all
+    run kvctl_json kvctl --json describe demo
+  fi
+  kill -TERM "$daemon"
+  wait "$daemon"
+  echo "kvd exited $?"
+  rm -rf "$dir"
+fi
 step "gpu run: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
 exit $status

@@ -1,0 +1,724 @@
+#include "kvd/client.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/handle_client.h"
+#include "grpcpp/grpcpp.h"
+#include "kvd/device.h"
+#include "kvd/status.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+
+namespace kvd {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// ---------------------------------------------------------------------------------------------
+// proto -> plain structs
+
+PoolDims FromProto(const v1::PoolDims& d) {
+  return PoolDims{.layers = d.layers(),
+                  .capacity_blocks = d.capacity_blocks(),
+                  .heads = d.heads(),
+                  .block_tokens = d.block_tokens(),
+                  .channels = d.channels(),
+                  .element_bytes = d.element_bytes()};
+}
+
+void ToProto(const PoolDims& d, v1::PoolDims* out) {
+  out->set_layers(d.layers);
+  out->set_capacity_blocks(d.capacity_blocks);
+  out->set_heads(d.heads);
+  out->set_block_tokens(d.block_tokens);
+  out->set_channels(d.channels);
+  out->set_element_bytes(d.element_bytes);
+}
+
+void ToProto(const LayoutRequest& r, v1::LayoutRequest* out) {
+  out->set_override_layout(r.override_layout);
+  for (const LayoutRequest::Requirement& req : r.backend_requirements) {
+    v1::BackendRequirement* p = out->add_backend_requirements();
+    p->set_backend(req.backend);
+    for (const std::string& l : req.layouts) p->add_layouts(l);
+  }
+  for (const LayoutRequest::Preference& pref : r.connector_preferences) {
+    v1::ConnectorPreference* p = out->add_connector_preferences();
+    p->set_connector(pref.connector);
+    p->set_layout(pref.layout);
+  }
+  if (r.env_layout_set) {
+    out->set_env_layout(r.env_layout);
+  } else if (const char* env = std::getenv("KVD_KV_CACHE_LAYOUT"); env != nullptr) {
+    out->set_env_layout(env);
+  }
+}
+
+Geometry FromProto(const v1::Geometry& g) {
+  return Geometry{.layout = g.layout(),
+                  .dims = FromProto(g.dims()),
+                  .stride_l = g.stride_l(),
+                  .stride_b = g.stride_b(),
+                  .stride_h = g.stride_h(),
+                  .stride_n = g.stride_n(),
+                  .stride_c = g.stride_c(),
+                  .offset = g.offset(),
+                  .layer_stride = g.layer_stride(),
+                  .block_stride = g.block_stride(),
+                  .segments = g.segments(),
+                  .segment_stride = g.segment_stride(),
+                  .reserved_bytes = g.reserved_bytes(),
+                  .granularity_bytes = g.granularity_bytes()};
+}
+
+LayoutResolution FromProto(const v1::LayoutResolution& r) {
+  LayoutResolution out{.layout = r.layout(), .rule = "", .rule_detail = r.rule_detail()};
+  constexpr absl::string_view kPrefix = "LAYOUT_RULE_";
+  std::string rule = v1::LayoutRule_Name(r.rule());
+  if (absl::StartsWith(rule, kPrefix)) rule = rule.substr(kPrefix.size());
+  out.rule = absl::AsciiStrToLower(rule);
+  out.allowed_layouts.assign(r.allowed_layouts().begin(), r.allowed_layouts().end());
+  out.warnings.assign(r.warnings().begin(), r.warnings().end());
+  return out;
+}
+
+ChunkInfo FromProto(const v1::Chunk& c) {
+  return ChunkInfo{.id = c.id(), .segment = c.segment(), .offset = c.offset(), .bytes = c.bytes()};
+}
+
+PoolState FromProto(v1::PoolState s) {
+  switch (s) {
+    case v1::POOL_STATE_AWAKE:
+      return PoolState::kAwake;
+    case v1::POOL_STATE_SLEEPING:
+      return PoolState::kSleeping;
+    default:
+      return PoolState::kUnknown;
+  }
+}
+
+PoolInfo FromProto(const v1::Pool& p) {
+  PoolInfo out{.name = p.name(),
+               .state = FromProto(p.state()),
+               .geometry = FromProto(p.geometry()),
+               .layout = FromProto(p.layout()),
+               .committed_blocks = p.committed_blocks(),
+               .committed_bytes = p.committed_bytes(),
+               .reserved_bytes = p.reserved_bytes(),
+               .pending_release_bytes = p.pending_release_bytes(),
+               .wake_blocks = p.wake_blocks(),
+               .owner_uid = p.owner_uid(),
+               .generation = p.generation(),
+               .created_at_unix_ms = p.created_at_unix_ms()};
+  out.allowed_uids.assign(p.allowed_uids().begin(), p.allowed_uids().end());
+  for (const v1::ClientInfo& c : p.clients()) {
+    out.clients.push_back(ClientInfo{.client_id = c.client_id(),
+                                     .name = c.name(),
+                                     .uid = c.uid(),
+                                     .pid = c.pid(),
+                                     .mapped_bytes = c.mapped_bytes(),
+                                     .attached_at_unix_ms = c.attached_at_unix_ms()});
+  }
+  for (const v1::Chunk& c : p.chunks()) out.chunks.push_back(FromProto(c));
+  return out;
+}
+
+PoolChange FromProto(const v1::PoolUpdate& u) {
+  PoolChange out{.pool = FromProto(u.pool()), .release_id = u.release_id(), .elapsed_us = u.elapsed_us()};
+  for (const v1::Chunk& c : u.added()) out.added.push_back(FromProto(c));
+  out.released_chunk_ids.assign(u.released_chunk_ids().begin(), u.released_chunk_ids().end());
+  return out;
+}
+
+const char* BackendString(v1::Backend b) {
+  switch (b) {
+    case v1::BACKEND_CUDA:
+      return "cuda";
+    case v1::BACKEND_HIP:
+      return "hip";
+    case v1::BACKEND_HOST:
+      return "host";
+    default:
+      return "unknown";
+  }
+}
+
+}  // namespace
+
+std::string DefaultSocket(int device) { return absl::StrCat("/run/kvd/gpu", device, ".sock"); }
+
+std::string HandlesPathFor(absl::string_view socket) {
+  constexpr absl::string_view kSuffix = ".sock";
+  if (socket.size() > kSuffix.size() && absl::EndsWith(socket, kSuffix)) {
+    return absl::StrCat(socket.substr(0, socket.size() - kSuffix.size()), ".handles");
+  }
+  return absl::StrCat(socket, ".handles");
+}
+
+const char* PoolStateName(PoolState state) {
+  switch (state) {
+    case PoolState::kAwake:
+      return "awake";
+    case PoolState::kSleeping:
+      return "sleeping";
+    default:
+      return "unknown";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client::Impl
+
+struct Client::Impl {
+  Impl(ConnectOptions opts, HandleSession s) : options(std::move(opts)), session(std::move(s)) {}
+
+  ConnectOptions options;
+  HandleSession session;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Kvd::Stub> stub;
+
+  absl::Mutex mu;
+  // Opened on first Attach with the daemon's backend; never reset while the Impl lives.
+  std::unique_ptr<Device> device ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, std::weak_ptr<Mapping::Impl>> mappings ABSL_GUARDED_BY(mu);
+
+  std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata("kvd-session", session.token());
+    ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+    return ctx;
+  }
+  std::unique_ptr<grpc::ClientContext> Context() const { return Context(options.timeout); }
+
+  absl::StatusOr<Device*> GetDevice();
+  std::shared_ptr<Mapping::Impl> FindMapping(const std::string& pool);
+  // Maps the lease of `update` into this client's Mapping of its pool, if it has one.
+  absl::Status Route(const v1::PoolUpdate& update);
+};
+
+absl::StatusOr<Device*> Client::Impl::GetDevice() {
+  absl::MutexLock lock(&mu);
+  if (device != nullptr) return device.get();
+  v1::DeviceInfo info;
+  KVD_RETURN_IF_ERROR(FromGrpc(stub->GetDeviceInfo(Context().get(), v1::GetDeviceInfoRequest(), &info)));
+  DeviceOptions opts{.backend = BackendString(info.backend()), .index = static_cast<int>(info.device_index())};
+  if (info.backend() == v1::BACKEND_HOST && info.granularity_bytes() > 0) {
+    opts.host_granularity = info.granularity_bytes();
+  }
+  KVD_ASSIGN_OR_RETURN(device, OpenDevice(opts));
+  return device.get();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mapping::Impl
+
+struct Mapping::Impl {
+  struct Mapped {
+    ChunkInfo info;
+    Chunk chunk;
+  };
+
+  std::shared_ptr<Client::Impl> client;
+  Device* device = nullptr;
+  std::string pool;
+  std::string client_id;
+  Geometry geometry;
+  LayoutResolution layout;
+  uint64_t base = 0;
+  AttachOptions options;
+
+  mutable absl::Mutex mu;
+  std::map<uint64_t, Mapped> chunks ABSL_GUARDED_BY(mu);  // by chunk id
+  uint64_t committed_blocks ABSL_GUARDED_BY(mu) = 0;
+  Mapping::State state ABSL_GUARDED_BY(mu) = Mapping::State::kAwake;
+  bool closing ABSL_GUARDED_BY(mu) = false;
+
+  std::unique_ptr<grpc::ClientContext> watch_ctx;
+  std::thread follower;
+
+  // Fetches `lease`, imports each FD (closing it at once) and maps it at base + offset.
+  absl::Status MapLease(const std::string& lease, const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // MapLease, except that a lease refused because its chunks were released meanwhile (a concurrent
+  // shrink or sleep, whose release event follows) maps nothing and returns false.
+  absl::StatusOr<bool> MapLeaseUnlessReleased(const std::string& lease,
+                                              const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void UnmapOne(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void UnmapAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status ApplyUpdate(const v1::PoolUpdate& update);
+  void Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader);
+  void Lose(const absl::Status& why);
+  void Shutdown();
+};
+
+absl::Status Mapping::Impl::MapLease(const std::string& lease,
+                                     const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
+  if (added.empty()) return absl::OkStatus();
+  std::map<uint64_t, ChunkInfo> wanted;
+  for (const v1::Chunk& c : added) wanted[c.id()] = FromProto(c);
+  KVD_ASSIGN_OR_RETURN(auto fds, client->session.Fetch(lease));
+  size_t next = 0;
+  absl::Cleanup close_rest = [&] {
+    for (size_t i = next; i < fds.size(); ++i) close(fds[i].second);
+  };
+  for (; next < fds.size(); ++next) {
+    const auto [id, fd] = fds[next];
+    auto it = wanted.find(id);
+    if (it == wanted.end()) {
+      return absl::InternalError(absl::StrCat("lease yielded chunk ", id, " which is not in the chunk list"));
+    }
+    const ChunkInfo& info = it->second;
+    if (info.offset + info.bytes > geometry.reserved_bytes) {
+      return absl::InternalError(absl::StrCat("chunk ", id, " lies outside the pool's reservation"));
+    }
+    // The daemon's live chunks never overlap: a local chunk that does was released by a change whose
+    // release event this follower has not handled yet (it will find the chunk gone and acknowledge).
+    std::vector<uint64_t> stale;
+    for (const auto& [mapped_id, m] : chunks) {
+      if (m.info.offset < info.offset + info.bytes && info.offset < m.info.offset + m.info.bytes) {
+        stale.push_back(mapped_id);
+      }
+    }
+    for (uint64_t s : stale) UnmapOne(s);
+    absl::StatusOr<Chunk> chunk = device->Import(fd, info.bytes);
+    close(fd);  // the imported chunk keeps the memory
+    KVD_RETURN_IF_ERROR(chunk.status());
+    if (absl::Status s = device->Map(base + info.offset, *chunk, Access::kReadWrite); !s.ok()) {
+      device->Release(*chunk).IgnoreError();
+      return s;
+    }
+    chunks[id] = Mapped{info, *chunk};
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& lease,
+                                                           const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
+  absl::Status s = MapLease(lease, added);
+  if (s.ok()) return true;
+  if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
+  // Fetch is all-or-nothing: nothing of this lease was mapped. Fine if none of its chunks is live.
+  v1::GetPoolRequest req;
+  req.set_name(pool);
+  v1::Pool now;
+  KVD_RETURN_IF_ERROR(FromGrpc(client->stub->GetPool(client->Context().get(), req, &now)));
+  for (const v1::Chunk& live : now.chunks()) {
+    for (const v1::Chunk& c : added) {
+      if (c.id() == live.id()) return s;
+    }
+  }
+  return false;
+}
+
+void Mapping::Impl::UnmapOne(uint64_t id) {
+  auto it = chunks.find(id);
+  if (it == chunks.end()) return;
+  device->Unmap(base + it->second.info.offset, it->second.info.bytes).IgnoreError();
+  device->Release(it->second.chunk).IgnoreError();
+  chunks.erase(it);
+}
+
+void Mapping::Impl::UnmapAll() {
+  while (!chunks.empty()) UnmapOne(chunks.begin()->first);
+}
+
+absl::Status Mapping::Impl::ApplyUpdate(const v1::PoolUpdate& update) {
+  absl::MutexLock lock(&mu);
+  if (closing || state == Mapping::State::kLost) return absl::OkStatus();
+  KVD_ASSIGN_OR_RETURN(bool mapped, MapLeaseUnlessReleased(update.lease().token(), update.added()));
+  if (mapped) {
+    committed_blocks = update.pool().committed_blocks();
+    state = Mapping::State::kAwake;  // chunks are only ever added to an awake pool
+  }
+  return absl::OkStatus();
+}
+
+void Mapping::Impl::Lose(const absl::Status& why) {
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return;
+    UnmapAll();
+    state = Mapping::State::kLost;
+    committed_blocks = 0;
+  }
+  if (options.on_lost) options.on_lost(why);
+}
+
+void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader) {
+  v1::PoolEvent ev;
+  while (reader->Read(&ev)) {
+    switch (ev.type()) {
+      case v1::EVENT_TYPE_CHUNKS_ADDED: {
+        absl::StatusOr<bool> mapped;
+        uint64_t committed = 0;
+        {
+          absl::MutexLock lock(&mu);
+          if (closing || state == Mapping::State::kLost) break;
+          mapped = MapLeaseUnlessReleased(ev.lease().token(), ev.chunks());
+          if (mapped.ok() && *mapped) {
+            committed_blocks = committed = ev.committed_blocks();
+            state = Mapping::State::kAwake;  // chunks are only ever added to an awake pool
+          }
+        }
+        if (!mapped.ok()) {
+          const absl::Status& s = mapped.status();
+          Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())));
+        } else if (*mapped && options.on_grow) {
+          options.on_grow(committed);
+        }
+        break;
+      }
+      case v1::EVENT_TYPE_CHUNKS_RELEASED: {
+        uint64_t committed = 0;
+        {
+          absl::MutexLock lock(&mu);
+          if (closing || state == Mapping::State::kLost) break;
+          for (const v1::Chunk& c : ev.chunks()) UnmapOne(c.id());
+          committed_blocks = committed = ev.committed_blocks();
+          if (ev.state() == v1::POOL_STATE_SLEEPING) state = Mapping::State::kSleeping;
+        }
+        if (ev.release_id() != 0) {
+          v1::AcknowledgeRequest req;
+          req.set_client_id(client_id);
+          req.set_release_id(ev.release_id());
+          v1::AcknowledgeResponse resp;
+          absl::Status s = FromGrpc(client->stub->Acknowledge(client->Context().get(), req, &resp));
+          if (!s.ok()) {
+            Lose(absl::Status(s.code(), absl::StrCat("acknowledging release ", ev.release_id(), ": ", s.message())));
+            break;
+          }
+        }
+        if (options.on_release) options.on_release(committed);
+        break;
+      }
+      case v1::EVENT_TYPE_POOL_DELETED:
+        Lose(absl::NotFoundError(absl::StrCat("pool ", pool, " was deleted")));
+        break;
+      case v1::EVENT_TYPE_DAEMON_STOPPING:
+        Lose(absl::UnavailableError("kvd is stopping"));
+        break;
+      default:
+        break;
+    }
+  }
+  absl::Status finished = FromGrpc(reader->Finish());
+  Lose(finished.ok() ? absl::UnavailableError(absl::StrCat("the event stream of pool ", pool, " ended"))
+                     : absl::Status(finished.code(),
+                                    absl::StrCat("the event stream of pool ", pool, " broke: ", finished.message())));
+}
+
+void Mapping::Impl::Shutdown() {
+  {
+    absl::MutexLock lock(&mu);
+    closing = true;
+  }
+  {
+    absl::MutexLock lock(&client->mu);
+    auto it = client->mappings.find(pool);
+    if (it != client->mappings.end() && it->second.lock().get() == this) client->mappings.erase(it);
+  }
+  v1::DetachRequest req;
+  req.set_pool(pool);
+  req.set_client_id(client_id);
+  v1::DetachResponse resp;
+  client->stub->Detach(client->Context(std::min(client->options.timeout, absl::Seconds(5))).get(), req, &resp)
+      .ok();  // the client may already be detached (pool deleted, daemon gone)
+  if (watch_ctx != nullptr) watch_ctx->TryCancel();
+  if (follower.joinable()) follower.join();
+  absl::MutexLock lock(&mu);
+  UnmapAll();
+  device->Free(base, geometry.reserved_bytes).IgnoreError();
+}
+
+std::shared_ptr<Mapping::Impl> Client::Impl::FindMapping(const std::string& pool) {
+  absl::MutexLock lock(&mu);
+  auto it = mappings.find(pool);
+  return it == mappings.end() ? nullptr : it->second.lock();
+}
+
+absl::Status Client::Impl::Route(const v1::PoolUpdate& update) {
+  if (update.lease().token().empty() || update.added().empty()) return absl::OkStatus();
+  std::shared_ptr<Mapping::Impl> m = FindMapping(update.pool().name());
+  if (m == nullptr) return absl::OkStatus();
+  absl::Status s = m->ApplyUpdate(update);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("pool ", update.pool().name(),
+                                               " changed but mapping its new chunks failed: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mapping
+
+Mapping::~Mapping() { impl_->Shutdown(); }
+
+void* Mapping::base() const { return reinterpret_cast<void*>(impl_->base); }
+const std::string& Mapping::pool() const { return impl_->pool; }
+const std::string& Mapping::client_id() const { return impl_->client_id; }
+const Geometry& Mapping::geometry() const { return impl_->geometry; }
+const LayoutResolution& Mapping::layout() const { return impl_->layout; }
+
+LayerView Mapping::layer(uint64_t l) const {
+  const Geometry& g = impl_->geometry;
+  if (l >= g.dims.layers) return LayerView{};
+  return LayerView{.data = reinterpret_cast<void*>(impl_->base + g.offset + l * g.layer_stride),
+                   .stride_b = g.stride_b,
+                   .stride_h = g.stride_h,
+                   .stride_n = g.stride_n,
+                   .stride_c = g.stride_c,
+                   .dims = g.dims};
+}
+
+uint64_t Mapping::committed_blocks() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->committed_blocks;
+}
+
+Mapping::State Mapping::state() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->state;
+}
+
+std::vector<ChunkInfo> Mapping::chunks() const {
+  absl::MutexLock lock(&impl_->mu);
+  std::vector<ChunkInfo> out;
+  for (const auto& [id, m] : impl_->chunks) out.push_back(m.info);
+  std::sort(out.begin(), out.end(), [](const ChunkInfo& a, const ChunkInfo& b) { return a.offset < b.offset; });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ConnectOptions options) {
+  if (options.socket.empty()) {
+    const char* env = std::getenv("KVD_SOCKET");
+    options.socket = env != nullptr && *env != '\0' ? std::string(env) : DefaultSocket(options.device);
+  }
+  if (options.client_name.empty()) options.client_name = "libkvd";
+  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPathFor(options.socket), options.client_name,
+                                                                  HandleClientOptions{.timeout = options.timeout}));
+  auto impl = std::make_shared<Impl>(options, std::move(session));
+  impl->channel = grpc::CreateChannel("unix:" + options.socket, grpc::InsecureChannelCredentials());
+  impl->stub = v1::Kvd::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::~Client() = default;
+
+const std::string& Client::socket() const { return impl_->options.socket; }
+
+absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
+  v1::DeviceInfo i;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetDeviceInfo(impl_->Context().get(), v1::GetDeviceInfoRequest(), &i)));
+  return DeviceStatus{.backend = BackendString(i.backend()),
+                      .device_index = i.device_index(),
+                      .name = i.device_name(),
+                      .uuid = i.device_uuid(),
+                      .driver_version = i.driver_version(),
+                      .daemon_version = i.daemon_version(),
+                      .total_bytes = i.total_bytes(),
+                      .free_bytes = i.free_bytes(),
+                      .committed_bytes = i.committed_bytes(),
+                      .budget_bytes = i.budget_bytes(),
+                      .reserved_bytes = i.reserved_bytes(),
+                      .granularity_bytes = i.granularity_bytes(),
+                      .max_chunk_bytes = i.max_chunk_bytes(),
+                      .pool_count = i.pool_count()};
+}
+
+absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
+  v1::ListPoolsResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListPools(impl_->Context().get(), v1::ListPoolsRequest(), &resp)));
+  std::vector<PoolInfo> out;
+  for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
+  return out;
+}
+
+absl::StatusOr<PoolInfo> Client::GetPool(absl::string_view name) {
+  v1::GetPoolRequest req;
+  req.set_name(std::string(name));
+  v1::Pool pool;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPool(impl_->Context().get(), req, &pool)));
+  return FromProto(pool);
+}
+
+absl::StatusOr<PoolInfo> Client::CreatePool(const PoolOptions& options) {
+  v1::CreatePoolRequest req;
+  req.set_name(options.name);
+  ToProto(options.dims, req.mutable_dims());
+  req.set_initial_blocks(options.initial_blocks);
+  ToProto(options.layout, req.mutable_layout_request());
+  for (uint32_t uid : options.allowed_uids) req.add_allowed_uids(uid);
+  v1::Pool pool;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->CreatePool(impl_->Context().get(), req, &pool)));
+  return FromProto(pool);
+}
+
+absl::StatusOr<ResolvedLayout> Client::ResolveLayout(const LayoutRequest& request, const PoolDims* dims) {
+  v1::ResolveLayoutRequest req;
+  ToProto(request, req.mutable_layout_request());
+  if (dims != nullptr) ToProto(*dims, req.mutable_dims());
+  v1::ResolveLayoutResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ResolveLayout(impl_->Context().get(), req, &resp)));
+  return ResolvedLayout{.resolution = FromProto(resp.resolution()),
+                        .has_geometry = resp.has_geometry(),
+                        .geometry = FromProto(resp.geometry())};
+}
+
+absl::StatusOr<PoolChange> Client::Grow(absl::string_view pool, uint64_t target_blocks) {
+  v1::GrowRequest req;
+  req.set_pool(std::string(pool));
+  req.set_target_blocks(target_blocks);
+  v1::PoolUpdate update;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Grow(impl_->Context().get(), req, &update)));
+  KVD_RETURN_IF_ERROR(impl_->Route(update));
+  return FromProto(update);
+}
+
+namespace {
+absl::Duration WaitTimeout(absl::Duration timeout, bool wait) {
+  return wait ? std::max(timeout, absl::Seconds(65)) : timeout;
+}
+}  // namespace
+
+absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t target_blocks, bool wait) {
+  v1::ShrinkRequest req;
+  req.set_pool(std::string(pool));
+  req.set_target_blocks(target_blocks);
+  req.set_wait_for_release(wait);
+  v1::PoolUpdate update;
+  KVD_RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->Shrink(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  return FromProto(update);
+}
+
+absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, bool wait) {
+  v1::SleepRequest req;
+  if (pool.empty()) {
+    req.set_all(true);
+  } else {
+    req.set_pool(std::string(pool));
+  }
+  req.set_wait_for_release(wait);
+  v1::PoolUpdates updates;
+  KVD_RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->Sleep(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &updates)));
+  std::vector<PoolChange> out;
+  for (const v1::PoolUpdate& u : updates.updates()) out.push_back(FromProto(u));
+  return out;
+}
+
+absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) {
+  v1::WakeRequest req;
+  if (pool.empty()) {
+    req.set_all(true);
+  } else {
+    req.set_pool(std::string(pool));
+  }
+  v1::PoolUpdates updates;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Wake(impl_->Context().get(), req, &updates)));
+  std::vector<PoolChange> out;
+  absl::Status first_error;
+  for (const v1::PoolUpdate& u : updates.updates()) {
+    absl::Status s = impl_->Route(u);
+    if (first_error.ok()) first_error = s;
+    out.push_back(FromProto(u));
+  }
+  KVD_RETURN_IF_ERROR(first_error);
+  return out;
+}
+
+absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force) {
+  v1::DeletePoolRequest req;
+  req.set_name(std::string(name));
+  req.set_force(force);
+  v1::DeletePoolResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DeletePool(impl_->Context().get(), req, &resp)));
+  return resp.released_bytes();
+}
+
+absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, AttachOptions options) {
+  const std::string name(pool);
+  if (impl_->FindMapping(name) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat("pool ", name, " is already attached by this client"));
+  }
+  KVD_ASSIGN_OR_RETURN(Device * device, impl_->GetDevice());
+
+  v1::AttachRequest req;
+  req.set_pool(name);
+  req.set_client_name(options.client_name);
+  v1::AttachResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(impl_->Context().get(), req, &resp)));
+
+  auto m = std::make_shared<Mapping::Impl>();
+  m->client = impl_;
+  m->device = device;
+  m->pool = name;
+  m->client_id = resp.client_id();
+  m->geometry = FromProto(resp.pool().geometry());
+  m->layout = FromProto(resp.pool().layout());
+  m->options = std::move(options);
+  absl::Cleanup detach = [&] {
+    v1::DetachRequest d;
+    d.set_pool(name);
+    d.set_client_id(m->client_id);
+    v1::DetachResponse r;
+    impl_->stub->Detach(impl_->Context().get(), d, &r).ok();  // best effort: the session's end detaches too
+  };
+  KVD_ASSIGN_OR_RETURN(m->base, device->Reserve(m->geometry.reserved_bytes));
+  absl::Cleanup free_va = [&] {
+    absl::MutexLock lock(&m->mu);
+    m->UnmapAll();
+    device->Free(m->base, m->geometry.reserved_bytes).IgnoreError();
+  };
+  {
+    absl::MutexLock lock(&m->mu);
+    KVD_RETURN_IF_ERROR(m->MapLease(resp.lease().token(), resp.pool().chunks()));
+    m->committed_blocks = resp.pool().committed_blocks();
+    m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
+  }
+  m->watch_ctx = std::make_unique<grpc::ClientContext>();
+  m->watch_ctx->AddMetadata("kvd-session", impl_->session.token());
+  v1::WatchRequest watch;
+  watch.set_client_id(m->client_id);
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);
+  // kvd sends the initial metadata once the watch is registered: from here on every event reaches the
+  // follower. A stream that failed instead returns here too, and the follower reports it (on_lost).
+  reader->WaitForInitialMetadata();
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto& slot = impl_->mappings[name];
+    if (slot.lock() != nullptr) {
+      m->watch_ctx->TryCancel();
+      reader->Finish().ok();
+      return absl::AlreadyExistsError(absl::StrCat("pool ", name, " is already attached by this client"));
+    }
+    slot = m;
+  }
+  Mapping::Impl* raw = m.get();
+  m->follower = std::thread([raw, r = std::move(reader)]() mutable { raw->Follow(std::move(r)); });
+  std::move(detach).Cancel();
+  std::move(free_va).Cancel();
+  return std::unique_ptr<Mapping>(new Mapping(std::move(m)));
+}
+
+}  // namespace kvd

@@ -1,0 +1,292 @@
+// libkvd: the C++ client of a kvd daemon (docs/api.md, docs/integrating.md). An engine connects to the
+// daemon of its GPU, creates or finds a pool, attaches it and gets a Mapping: the pool's memory mapped
+// at one base address in this process, kept in step with the daemon's chunk table by a background
+// follower thread (grow, shrink, sleep, wake, delete).
+//
+// Ownership. Client::Connect returns the only owner of a Client; a Mapping keeps what it needs of its
+// Client alive, so either may be destroyed first. Every chunk FD is imported and closed at once; the
+// Mapping owns the imported chunks, their mappings and the VA reservation, and gives all of them back
+// when destroyed.
+//
+// Threads. Every method of Client and Mapping may be called from any thread, concurrently. Mapping
+// callbacks run on the Mapping's follower thread, one at a time; they may call Mapping's read-only
+// accessors and any Client method except those that wait for this Mapping's own acknowledgement
+// (Shrink/Sleep with wait = true of the same pool), and must not destroy the Mapping.
+//
+// Errors. absl::Status; a daemon error arrives with its canonical code and message unchanged (for
+// example INVALID_ARGUMENT "dims.heads: must be > 0"); UNAVAILABLE when no daemon answers.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace kvd {
+
+// The default gRPC socket of device N: "/run/kvd/gpu<N>.sock".
+std::string DefaultSocket(int device);
+// The handle channel beside a gRPC socket: "X.sock" -> "X.handles" (else `socket` + ".handles").
+std::string HandlesPathFor(absl::string_view socket);
+
+struct ConnectOptions {
+  // The daemon's gRPC socket. Empty: $KVD_SOCKET, else DefaultSocket(device).
+  std::string socket;
+  int device = 0;
+  // The session's name ([A-Za-z0-9._-]{0,64}); shown by kvctl. Empty: "libkvd".
+  std::string client_name;
+  // The deadline of each call (RPCs and handle-channel fetches). Shrink/Sleep with wait use the
+  // larger of this and 60 s.
+  absl::Duration timeout = absl::Seconds(30);
+};
+
+// GetDeviceInfo.
+struct DeviceStatus {
+  std::string backend;  // "host", "cuda", "hip"
+  uint32_t device_index = 0;
+  std::string name;
+  std::string uuid;
+  std::string driver_version;
+  std::string daemon_version;
+  uint64_t total_bytes = 0;
+  uint64_t free_bytes = 0;
+  uint64_t committed_bytes = 0;
+  uint64_t budget_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t granularity_bytes = 0;
+  uint64_t max_chunk_bytes = 0;
+  uint32_t pool_count = 0;
+};
+
+// [L, B, H, N, C] and the element size (proto PoolDims).
+struct PoolDims {
+  uint64_t layers = 0;
+  uint64_t capacity_blocks = 0;
+  uint64_t heads = 0;
+  uint64_t block_tokens = 0;
+  uint64_t channels = 0;
+  uint64_t element_bytes = 0;
+};
+
+// The layout precedence chain's inputs (proto LayoutRequest). Layouts are "LBHNC" ... "BHLNC" or, in
+// a requirement, a class ("block-outermost", "layer-outermost", "any").
+struct LayoutRequest {
+  std::string override_layout;
+  struct Requirement {
+    std::string backend;
+    std::vector<std::string> layouts;
+  };
+  std::vector<Requirement> backend_requirements;
+  struct Preference {
+    std::string connector;
+    std::string layout;
+  };
+  std::vector<Preference> connector_preferences;
+  // The engine's KVD_KV_CACHE_LAYOUT. Unset: the client fills it from this process's environment
+  // (an unset or empty variable sends nothing and the daemon's own environment applies).
+  bool env_layout_set = false;
+  std::string env_layout;
+};
+
+// Which rule decided and why (proto LayoutResolution); `rule` is the enum name without its prefix in
+// lower case: "request_override", "operator_override", "backend_requirement", "client_env",
+// "daemon_env", "connector_preference", "default".
+struct LayoutResolution {
+  std::string layout;
+  std::string rule;
+  std::string rule_detail;
+  std::vector<std::string> allowed_layouts;
+  std::vector<std::string> warnings;
+};
+
+// Where every byte of a pool lives (proto Geometry): byte (l, b, h, n, c) is at
+//   offset + l*stride_l + b*stride_b + h*stride_h + n*stride_n + c*stride_c
+// from the pool's base address.
+struct Geometry {
+  std::string layout;
+  PoolDims dims;
+  uint64_t stride_l = 0;
+  uint64_t stride_b = 0;
+  uint64_t stride_h = 0;
+  uint64_t stride_n = 0;
+  uint64_t stride_c = 0;
+  uint64_t offset = 0;
+  uint64_t layer_stride = 0;
+  uint64_t block_stride = 0;
+  uint64_t segments = 0;
+  uint64_t segment_stride = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t granularity_bytes = 0;
+  // Bytes of one block across all layers (L*H*N*C*e): what `--bytes` sizes are divided by.
+  uint64_t block_bytes() const {
+    return dims.layers * dims.heads * dims.block_tokens * dims.channels * dims.element_bytes;
+  }
+};
+
+struct ChunkInfo {
+  uint64_t id = 0;
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct ClientInfo {
+  std::string client_id;
+  std::string name;
+  uint32_t uid = 0;
+  int32_t pid = 0;
+  uint64_t mapped_bytes = 0;
+  uint64_t attached_at_unix_ms = 0;
+};
+
+enum class PoolState { kUnknown, kAwake, kSleeping };
+// "awake", "sleeping", "unknown".
+const char* PoolStateName(PoolState state);
+
+// A pool's snapshot (proto Pool).
+struct PoolInfo {
+  std::string name;
+  PoolState state = PoolState::kUnknown;
+  Geometry geometry;
+  LayoutResolution layout;
+  uint64_t committed_blocks = 0;
+  uint64_t committed_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t pending_release_bytes = 0;
+  uint64_t wake_blocks = 0;
+  uint32_t owner_uid = 0;
+  std::vector<uint32_t> allowed_uids;
+  std::vector<ClientInfo> clients;
+  std::vector<ChunkInfo> chunks;
+  uint64_t generation = 0;
+  uint64_t created_at_unix_ms = 0;
+};
+
+struct PoolOptions {
+  std::string name;
+  PoolDims dims;
+  uint64_t initial_blocks = 0;
+  LayoutRequest layout;
+  std::vector<uint32_t> allowed_uids;
+};
+
+// The result of one change (proto PoolUpdate).
+struct PoolChange {
+  PoolInfo pool;
+  std::vector<ChunkInfo> added;
+  std::vector<uint64_t> released_chunk_ids;
+  uint64_t release_id = 0;
+  uint64_t elapsed_us = 0;  // the daemon's time
+};
+
+struct ResolvedLayout {
+  LayoutResolution resolution;
+  bool has_geometry = false;  // dims were given
+  Geometry geometry;
+};
+
+// Layer l of every block: the bytes of (l, b, h, n, c) are at
+//   data + b*stride_b + h*stride_h + n*stride_n + c*stride_c.
+struct LayerView {
+  void* data = nullptr;
+  uint64_t stride_b = 0;
+  uint64_t stride_h = 0;
+  uint64_t stride_n = 0;
+  uint64_t stride_c = 0;
+  PoolDims dims;
+};
+
+// What a Mapping tells its owner, on its follower thread, after it has acted on an event.
+struct AttachOptions {
+  // Empty: the session's name.
+  std::string client_name;
+  // New chunks are mapped (grow or wake by another session; this Client's own Grow/Wake map before
+  // they return and do not call it). Argument: the committed blocks now.
+  std::function<void(uint64_t committed_blocks)> on_grow;
+  // Chunks were unmapped and acknowledged (shrink or sleep). Argument: the committed blocks now.
+  std::function<void(uint64_t committed_blocks)> on_release;
+  // The pool was deleted, the daemon stopped or the event stream broke: everything is unmapped and
+  // the Mapping is lost (state() == kLost). Argument: why.
+  std::function<void(const absl::Status& why)> on_lost;
+};
+
+class Client;
+
+// One attached pool, mapped into this process. Created by Client::Attach.
+class Mapping {
+ public:
+  enum class State { kAwake, kSleeping, kLost };
+
+  ~Mapping();  // stops the follower, detaches, unmaps, releases and frees the VA
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+  // The pool's base address; valid (reserved) for the Mapping's lifetime. Only committed blocks are
+  // backed by memory.
+  void* base() const;
+  const std::string& pool() const;
+  const std::string& client_id() const;
+  const Geometry& geometry() const;
+  const LayoutResolution& layout() const;
+  // Layer l (< dims.layers) of block 0 with the byte strides of B, H, N, C.
+  LayerView layer(uint64_t l) const;
+  // The committed blocks as the daemon last reported them to this Mapping (its Client's Grow/Wake
+  // reply, or an event): blocks below it are mapped once the follower handled every event.
+  uint64_t committed_blocks() const;
+  State state() const;
+  // The chunks mapped now, by offset.
+  std::vector<ChunkInfo> chunks() const;
+
+  struct Impl;
+
+ private:
+  friend class Client;
+  explicit Mapping(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+class Client {
+ public:
+  // Opens a session on the handle channel and a gRPC channel to the daemon; UNAVAILABLE when no
+  // daemon listens.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Client>> Connect(ConnectOptions options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& socket() const;
+
+  [[nodiscard]] absl::StatusOr<DeviceStatus> DeviceInfo();
+  [[nodiscard]] absl::StatusOr<std::vector<PoolInfo>> ListPools();
+  [[nodiscard]] absl::StatusOr<PoolInfo> GetPool(absl::string_view name);
+  [[nodiscard]] absl::StatusOr<PoolInfo> CreatePool(const PoolOptions& options);
+  // Dry run of the layout chain; with dims (all > 0) also the geometry such a pool would get.
+  [[nodiscard]] absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request,
+                                                             const PoolDims* dims = nullptr);
+  // Grow and Wake map this client's new chunks into its Mapping of the pool (if any) before
+  // returning.
+  [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
+  [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks, bool wait);
+  // An empty `pool` means every pool (awake ones for Sleep, sleeping ones for Wake).
+  [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, bool wait);
+  [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool);
+  // Returns the released bytes.
+  [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(absl::string_view name, bool force);
+  // Attaches the pool and maps its committed chunks. One Mapping per pool per Client:
+  // ALREADY_EXISTS for a second one.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<Mapping>> Attach(absl::string_view pool, AttachOptions options = {});
+
+  struct Impl;
+
+ private:
+  explicit Client(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace kvd

@@ -1,0 +1,18 @@
+"""kvd: the Python client of the kvd daemon (per-GPU KV-cache memory), for vLLM/SGLang-style workers.
+
+    import kvd
+    with kvd.connect() as c:                      # $KVD_SOCKET or /run/kvd/gpu0.sock
+        c.create_pool("kv", layers=32, capacity_blocks=4096, heads=8, block_tokens=16,
+                      channels=128, element_bytes=2, initial_blocks=1024,
+                      backend_requirements={"FLASHINFER": ["block-outermost"]},
+                      connector_preferences=[("nixl", "LBNHC")])
+        with c.attach("kv") as m:                 # maps every chunk, follows grow/shrink/sleep/wake
+            k0 = m.layer(0)                       # numpy on host, __cuda_array_interface__ on CUDA
+"""
+
+from ._errors import KvdError
+from ._proto import pb as v1_pb2  # noqa: F401  (the generated messages, for callers that need them)
+from ._client import Client, CudaArray, Geometry, Mapping, connect, default_socket
+
+__all__ = ["connect", "default_socket", "Client", "Mapping", "Geometry", "CudaArray", "KvdError", "v1_pb2"]
+__version__ = "0.1.0"

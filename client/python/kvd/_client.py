@@ -1,0 +1,524 @@
+"""kvd.connect() / Client / Mapping: the Python client of a kvd daemon."""
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import grpc
+
+from . import _memory
+from ._errors import KvdError
+from ._handles import HandleSession, handles_path
+from ._proto import pb, pb_grpc
+
+_log = logging.getLogger("kvd")
+
+_DTYPES = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
+
+
+def default_socket(device=0):
+    """$KVD_SOCKET, else /run/kvd/gpu<device>.sock."""
+    return os.environ.get("KVD_SOCKET") or f"/run/kvd/gpu{device}.sock"
+
+
+def connect(socket=None, device=0, client_name=None, timeout=10.0):
+    """Opens a session with the kvd daemon of `device` (or at `socket`) -> Client."""
+    return Client(socket or default_socket(device), client_name=client_name, timeout=timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where every byte of a pool lives (see kvd.proto `Geometry`); all strides in bytes.
+
+    Byte (l, b, h, n, c) is at base + offset + l*strides[0] + b*strides[1] + h*strides[2] +
+    n*strides[3] + c*strides[4]."""
+
+    layout: str
+    rule: str              # which rule of the layout chain decided ("LAYOUT_RULE_BACKEND_REQUIREMENT")
+    dims: dict             # layers, capacity_blocks, heads, block_tokens, channels, element_bytes
+    strides: tuple         # (stride_l, stride_b, stride_h, stride_n, stride_c)
+    offset: int
+    layer_stride: int
+    block_stride: int
+    segments: int
+    segment_stride: int
+    reserved_bytes: int
+    granularity_bytes: int
+
+    @classmethod
+    def from_proto(cls, g, resolution=None):
+        d = g.dims
+        return cls(layout=g.layout,
+                   rule=pb.LayoutRule.Name(resolution.rule) if resolution is not None else "",
+                   dims=dict(layers=d.layers, capacity_blocks=d.capacity_blocks, heads=d.heads,
+                             block_tokens=d.block_tokens, channels=d.channels, element_bytes=d.element_bytes),
+                   strides=(g.stride_l, g.stride_b, g.stride_h, g.stride_n, g.stride_c), offset=g.offset,
+                   layer_stride=g.layer_stride, block_stride=g.block_stride, segments=g.segments,
+                   segment_stride=g.segment_stride, reserved_bytes=g.reserved_bytes,
+                   granularity_bytes=g.granularity_bytes)
+
+
+class CudaArray:
+    """A zero-copy view of device memory: `torch.as_tensor(view, device="cuda")` or
+    `cupy.asarray(view)` use the memory in place (__cuda_array_interface__ version 3)."""
+
+    def __init__(self, ptr, shape, typestr, strides, owner):
+        self.ptr, self.shape, self.typestr, self.strides = ptr, tuple(shape), typestr, tuple(strides)
+        self._owner = owner  # keeps the Mapping referenced while the view lives
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"version": 3, "shape": self.shape, "typestr": self.typestr, "data": (self.ptr, False),
+                "strides": self.strides, "stream": None}
+
+    def __repr__(self):
+        return f"CudaArray(ptr={self.ptr:#x}, shape={self.shape}, typestr={self.typestr!r}, strides={self.strides})"
+
+
+class _HostArray:
+    """The host-memory counterpart of CudaArray, for numpy.asarray."""
+
+    def __init__(self, ptr, shape, dtype, strides, owner):
+        self.__array_interface__ = {"version": 3, "shape": tuple(shape), "typestr": dtype.str,
+                                    "descr": dtype.descr, "data": (ptr, False), "strides": tuple(strides)}
+        self._owner = owner
+
+
+class Client:
+    """A session with one kvd daemon: a gRPC channel on the control socket plus the handle-channel
+    session (kept open as the session's liveness). Use as a context manager or call close()."""
+
+    def __init__(self, socket, client_name=None, timeout=10.0):
+        self.socket = socket
+        self.timeout = timeout
+        name = client_name if client_name is not None else f"py-{os.getpid()}"
+        self.session = HandleSession(handles_path(socket), name, timeout=timeout)
+        self.client_name = name
+        self._channel = grpc.insecure_channel("unix:" + socket)
+        self.stub = pb_grpc.KvdStub(self._channel)
+        self._md = (("kvd-session", self.session.token),)
+        self._lock = threading.Lock()
+        self._mappings = {}  # pool name -> Mapping (at most one per pool: see attach)
+        self._memory = None
+        self._info = None
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _call(self, method, request, session=True, timeout=None):
+        try:
+            return getattr(self.stub, method)(request, metadata=self._md if session else None,
+                                              timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as e:
+            raise KvdError.from_rpc(e) from None
+
+    def _memory_backend(self):
+        with self._lock:
+            if self._memory is None:
+                self._info = self._info or self.device_info()
+                self._memory = _memory.memory_for(self._info, pb)
+            return self._memory
+
+    # -- device and pools -----------------------------------------------------------------------
+    def device_info(self):
+        """GetDeviceInfo -> kvd.v1.DeviceInfo (backend, free_bytes, budget_bytes, ...)."""
+        return self._call("GetDeviceInfo", pb.GetDeviceInfoRequest(), session=False)
+
+    def pools(self):
+        """ListPools -> [kvd.v1.Pool] (only pools this uid may use)."""
+        return list(self._call("ListPools", pb.ListPoolsRequest()).pools)
+
+    def pool(self, name):
+        """GetPool -> kvd.v1.Pool."""
+        return self._call("GetPool", pb.GetPoolRequest(name=name))
+
+    @staticmethod
+    def _layout_request(override=None, backend_requirements=None, connector_preferences=(), env_layout=None):
+        req = pb.LayoutRequest()
+        if override:
+            req.override_layout = override
+        for backend, layouts in (backend_requirements or {}).items():
+            req.backend_requirements.add(backend=backend, layouts=[layouts] if isinstance(layouts, str) else layouts)
+        for connector, layout in connector_preferences or ():
+            req.connector_preferences.add(connector=connector, layout=layout)
+        req.env_layout = os.environ.get("KVD_KV_CACHE_LAYOUT", "") if env_layout is None else env_layout
+        return req
+
+    @staticmethod
+    def _dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes):
+        return pb.PoolDims(layers=layers, capacity_blocks=capacity_blocks, heads=heads, block_tokens=block_tokens,
+                           channels=channels, element_bytes=element_bytes)
+
+    def create_pool(self, name, layers, capacity_blocks, heads, block_tokens, channels, element_bytes,
+                    initial_blocks=0, override=None, backend_requirements=None, connector_preferences=(),
+                    allowed_uids=(), env_layout=None):
+        """CreatePool -> kvd.v1.Pool. backend_requirements: {"FLASHINFER": ["block-outermost"]};
+        connector_preferences: [("nixl", "LBNHC")]; $KVD_KV_CACHE_LAYOUT is forwarded as env_layout."""
+        req = pb.CreatePoolRequest(
+            name=name, dims=self._dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes),
+            initial_blocks=initial_blocks,
+            layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout),
+            allowed_uids=list(allowed_uids))
+        return self._call("CreatePool", req)
+
+    def resolve_layout(self, override=None, backend_requirements=None, connector_preferences=(), env_layout=None,
+                       dims=None):
+        """ResolveLayout (dry run) -> kvd.v1.ResolveLayoutResponse; dims: a dict of PoolDims fields."""
+        req = pb.ResolveLayoutRequest(
+            layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout))
+        if dims:
+            req.dims.CopyFrom(pb.PoolDims(**dims))
+        return self._call("ResolveLayout", req, session=False)
+
+    def delete(self, name, force=False):
+        """DeletePool -> released bytes."""
+        return self._call("DeletePool", pb.DeletePoolRequest(name=name, force=force)).released_bytes
+
+    def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name=""):
+        """Attach + map every chunk + start following the pool -> Mapping.
+
+        Callbacks run on the Mapping's follower thread, one at a time, for changes made by OTHER
+        sessions (a grow/wake through this Client maps before returning and calls none):
+        on_grow(mapping, chunks) after new chunks are mapped (mapping.committed_blocks is the new
+        size); on_release(mapping, chunk_ids) after released chunks are unmapped and acknowledged;
+        on_lost(mapping, why) once the stream ended (why: "POOL_DELETED", "DAEMON_STOPPING" or an
+        error). They must not close the Mapping nor shrink/sleep this pool with wait=True.
+        One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
+        session."""
+        with self._lock:
+            if name in self._mappings and not self._mappings[name].closed:
+                raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this Client; "
+                               "use the existing Mapping or another kvd.connect()")
+        memory = self._memory_backend()
+        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name))
+        try:
+            m = Mapping(self, memory, resp, on_grow, on_release, on_lost)
+        except BaseException:
+            try:
+                self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id))
+            except KvdError:
+                pass
+            raise
+        with self._lock:
+            self._mappings[name] = m
+        return m
+
+    # -- resizing -------------------------------------------------------------------------------
+    def _absorb(self, update):
+        """Maps the caller's lease of a PoolUpdate into this Client's Mapping of that pool."""
+        with self._lock:
+            m = self._mappings.get(update.pool.name)
+        if m is not None and not m.closed:
+            m._apply_update(update)
+        elif update.lease.token:
+            # No live mapping (closed meanwhile): redeem and drop, so no FD lingers in the daemon's view.
+            for _, fd in self.session.fetch(update.lease.token):
+                os.close(fd)
+
+    def grow(self, name, blocks):
+        """Grow to `blocks` committed blocks -> kvd.v1.PoolUpdate; this Client's Mapping of the pool
+        has mapped the new chunks when it returns."""
+        update = self._call("Grow", pb.GrowRequest(pool=name, target_blocks=blocks))
+        self._absorb(update)
+        return update
+
+    def shrink(self, name, blocks, wait=False):
+        """Shrink to `blocks` -> kvd.v1.PoolUpdate. wait: reply once every client acknowledged."""
+        timeout = max(self.timeout, 70.0) if wait else None
+        update = self._call("Shrink", pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait),
+                            timeout=timeout)
+        self._refresh(update)
+        return update
+
+    def sleep(self, name=None, wait=False):
+        """Sleep one pool, or every awake pool (name=None) -> [kvd.v1.PoolUpdate]."""
+        req = pb.SleepRequest(wait_for_release=wait)
+        if name is None:
+            req.all = True
+        else:
+            req.pool = name
+        updates = list(self._call("Sleep", req, timeout=max(self.timeout, 70.0) if wait else None).updates)
+        for u in updates:
+            self._refresh(u)
+        return updates
+
+    def wake(self, name=None):
+        """Wake one pool, or every sleeping pool (name=None) -> [kvd.v1.PoolUpdate]; this Client's
+        Mappings have mapped the fresh (zeroed) chunks when it returns."""
+        req = pb.WakeRequest()
+        if name is None:
+            req.all = True
+        else:
+            req.pool = name
+        updates = list(self._call("Wake", req).updates)
+        for u in updates:
+            self._absorb(u)
+        return updates
+
+    def _refresh(self, update):
+        with self._lock:
+            m = self._mappings.get(update.pool.name)
+        if m is not None:
+            m._note_state(update.pool.committed_blocks, update.pool.state)
+
+    def zero_blocks(self, name, block_ids):
+        self._call("ZeroBlocks", pb.ZeroBlocksRequest(pool=name, block_ids=list(block_ids)))
+
+    def copy_blocks(self, name, copies):
+        self._call("CopyBlocks", pb.CopyBlocksRequest(pool=name, copies=[pb.BlockCopy(src=s, dst=d)
+                                                                          for s, d in copies]))
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self):
+        """Closes every Mapping, the channel and the session (the daemon detaches what is left)."""
+        with self._lock:
+            mappings = list(self._mappings.values())
+            self._mappings.clear()
+        for m in mappings:
+            m.close()
+        self._channel.close()
+        self.session.close()
+        with self._lock:
+            memory, self._memory = self._memory, None
+        if memory is not None:
+            memory.close()
+
+    def _forget(self, mapping):
+        with self._lock:
+            if self._mappings.get(mapping.pool_name) is mapping:
+                del self._mappings[mapping.pool_name]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Mapping:
+    """One attached pool, mapped at `base` in this process: VA for geometry.reserved_bytes, every
+    chunk at base + chunk.offset. A daemon thread follows the pool's Watch stream (maps grown/woken
+    chunks, unmaps and acknowledges released ones). close() detaches, unmaps and frees the VA.
+
+    Views from layer() span the pool's whole capacity (the pointers never move); only blocks below
+    `committed_blocks` are backed while the pool is awake. Touching others faults (SIGSEGV on
+    host, an illegal address on CUDA). Views must not be used after close()."""
+
+    def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None):
+        self._client = client
+        self._memory = memory
+        self.client_id = attached.client_id
+        pool = attached.pool
+        self.pool_name = pool.name
+        self.geometry = Geometry.from_proto(pool.geometry, pool.layout)
+        self.layout_resolution = pool.layout
+        self.committed_blocks = pool.committed_blocks
+        self.state = pool.state
+        self.on_grow, self.on_release, self.on_lost = on_grow, on_release, on_lost
+        self.closed = False
+        self.gone = None  # "POOL_DELETED" / "DAEMON_STOPPING" / an error text once the stream ended
+        self._lock = threading.RLock()
+        self._chunks = {}  # id -> (va, bytes, import handle)
+        self.events_seen = 0
+        self._watch = self._thread = None
+        self.base = memory.reserve(self.geometry.reserved_bytes, self.geometry.granularity_bytes)
+        try:
+            self._map_lease(attached.lease, list(pool.chunks))
+            self._watch = client.stub.Watch(pb.WatchRequest(client_id=self.client_id), metadata=client._md)
+            self._watch.initial_metadata()  # the daemon registered the watch
+            self._thread = threading.Thread(target=self._follow, name=f"kvd-follow-{self.pool_name}", daemon=True)
+            self._thread.start()
+        except BaseException:
+            if self._watch is not None:
+                self._watch.cancel()
+            self._unmap_all()
+            memory.free(self.base, self.geometry.reserved_bytes)
+            raise
+
+    # -- mapping --------------------------------------------------------------------------------
+    def _map_lease(self, lease, chunks):
+        if not chunks:
+            return []
+        fds = self._client.session.fetch(lease.token)
+        by_id = {c.id: c for c in chunks}
+        mapped = []
+        try:
+            with self._lock:
+                for i, (chunk_id, fd) in enumerate(fds):
+                    try:
+                        c = by_id.get(chunk_id)
+                        if c is None:
+                            raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
+                        if chunk_id not in self._chunks:
+                            va = self.base + c.offset
+                            handle = self._memory.import_and_map(va, c.bytes, fd)
+                            self._chunks[chunk_id] = (va, c.bytes, handle)
+                            mapped.append(c)
+                    finally:
+                        os.close(fd)  # the mapping keeps the memory
+                        fds[i] = (chunk_id, -1)
+        finally:
+            for _, fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        return mapped
+
+    def _unmap(self, chunk_ids):
+        done = []
+        with self._lock:
+            for cid in chunk_ids:
+                entry = self._chunks.pop(cid, None)
+                if entry is not None:
+                    self._memory.unmap(*entry)
+                    done.append(cid)
+        return done
+
+    def _unmap_all(self):
+        with self._lock:
+            self._unmap(list(self._chunks))
+
+    def _note_state(self, committed_blocks, state):
+        with self._lock:
+            self.committed_blocks, self.state = committed_blocks, state
+
+    def _apply_update(self, update):
+        with self._lock:
+            if update.lease.token:
+                self._map_lease(update.lease, list(update.added))
+            self.committed_blocks, self.state = update.pool.committed_blocks, update.pool.state
+
+    def _callback(self, fn, arg):
+        try:
+            fn(self, arg)
+        except Exception:  # a failing callback must not stop the follower (that would detach us)
+            _log.exception("kvd: a callback of pool %s raised", self.pool_name)
+
+    def _follow(self):
+        try:
+            for ev in self._watch:
+                self.events_seen += 1
+                if ev.type == pb.EVENT_TYPE_CHUNKS_ADDED:
+                    with self._lock:
+                        try:
+                            mapped = self._map_lease(ev.lease, list(ev.chunks)) if ev.lease.token else []
+                        except KvdError as e:
+                            if e.code != "FAILED_PRECONDITION":
+                                raise
+                            # Released again before we fetched them: the CHUNKS_RELEASED event follows.
+                            _log.info("kvd: pool %s: chunks released before they were mapped: %s",
+                                      self.pool_name, e.message)
+                            mapped = []
+                        # Chunks were added, so the pool is awake (a Wake's event says SLEEPING: the
+                        # daemon builds it before it flips the state).
+                        self.committed_blocks, self.state = ev.committed_blocks, pb.POOL_STATE_AWAKE
+                    if mapped and self.on_grow:
+                        self._callback(self.on_grow, mapped)
+                elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED:
+                    with self._lock:
+                        ids = self._unmap([c.id for c in ev.chunks])
+                        self.committed_blocks, self.state = ev.committed_blocks, ev.state
+                    if ev.release_id:
+                        self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=self.client_id,
+                                                                                 release_id=ev.release_id))
+                    if self.on_release:
+                        self._callback(self.on_release, ids)
+                elif ev.type in (pb.EVENT_TYPE_POOL_DELETED, pb.EVENT_TYPE_DAEMON_STOPPING):
+                    self._unmap_all()
+                    self.gone = pb.EventType.Name(ev.type)[len("EVENT_TYPE_"):]
+                    with self._lock:
+                        self.committed_blocks = 0
+                    break
+            else:
+                self.gone = self.gone or "WATCH_ENDED"
+        except grpc.RpcError as e:
+            self.gone = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # a mapping failure: the stream is cancelled, the daemon detaches us
+            self.gone = f"{type(e).__name__}: {e}"
+            _log.exception("kvd: following pool %s failed; the daemon detaches this client", self.pool_name)
+            self._watch.cancel()
+        if self.on_lost and not self.closed:
+            self._callback(self.on_lost, self.gone)
+
+    # -- views ----------------------------------------------------------------------------------
+    def _dtype(self, dtype):
+        import numpy
+        eb = self.geometry.dims["element_bytes"]
+        dt = numpy.dtype(dtype if dtype is not None else _DTYPES.get(eb, "uint8"))
+        if dt.itemsize != eb and not (dtype is None and dt.itemsize == 1):
+            raise ValueError(f"dtype {dt} has {dt.itemsize} bytes, the pool's elements {eb}")
+        return dt
+
+    def _layer_geometry(self, l, dt):
+        g = self.geometry
+        if not 0 <= l < g.dims["layers"]:
+            raise IndexError(f"layer {l} out of range [0, {g.dims['layers']})")
+        d = g.dims
+        shape = [d["capacity_blocks"], d["heads"], d["block_tokens"], d["channels"]]
+        strides = list(g.strides[1:])
+        eb = d["element_bytes"]
+        if dt.itemsize != eb:  # raw bytes of wider elements: C becomes C*e bytes
+            shape[3] *= eb
+            strides[3] = 1
+        return self.base + g.offset + l * g.strides[0], shape, strides
+
+    def layer(self, l, dtype=None):
+        """Zero-copy view of layer l over the logical [B, H, N, C] (B = capacity_blocks), with the
+        pool's byte strides. Host: a numpy array. CUDA: a CudaArray (__cuda_array_interface__).
+        dtype: default by element_bytes (1 uint8, 2 float16, 4 float32, 8 float64, else raw uint8
+        bytes); pass e.g. "int16"/"uint16" or a numpy dtype of the same size (bf16: take float16/
+        uint16 and .view(torch.bfloat16) on the torch side)."""
+        if self.closed:
+            raise KvdError("FAILED_PRECONDITION", f"the mapping of pool {self.pool_name} is closed")
+        import numpy
+        dt = self._dtype(dtype)
+        addr, shape, strides = self._layer_geometry(l, dt)
+        if self._memory.kind == "cuda":
+            return CudaArray(addr, shape, dt.str, strides, self)
+        # numpy reads __array_interface__ (no copy); the array's .base keeps the Mapping referenced.
+        return numpy.asarray(_HostArray(addr, shape, dt, strides, self))
+
+    def layers(self, dtype=None):
+        return [self.layer(l, dtype) for l in range(self.geometry.dims["layers"])]
+
+    @property
+    def cuda_device(self):
+        """The CUDA ordinal (in this process's numbering) the pool is mapped on; None on host."""
+        return getattr(self._memory, "ordinal", None)
+
+    @property
+    def mapped_chunks(self):
+        with self._lock:
+            return sorted(self._chunks)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self):
+        """Stops the follower, detaches, unmaps every chunk and frees the VA. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=self.client_id))
+        except KvdError:
+            pass  # already detached (pool deleted, daemon gone): nothing to undo there
+        self._watch.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        self._unmap_all()
+        self._memory.free(self.base, self.geometry.reserved_bytes)
+        self._client._forget(self)
+
+    def wait_for(self, predicate, timeout=10.0, interval=0.005):
+        """Polls predicate(self) until true or timeout (bounded); returns its last value."""
+        deadline = time.monotonic() + timeout
+        while True:
+            v = predicate(self)
+            if v or time.monotonic() >= deadline:
+                return v
+            time.sleep(interval)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,534 @@
+// End-to-end tests of libkvd (client/include/kvd/client.h) against a real kvd child process on the host
+// backend, on sockets in a fresh temporary directory. Two Clients in this process stand for an engine
+// and a connector: each has its own handle-channel session, attachment, follower thread and mapping of
+// the pool's memfds, so bytes written through one Mapping are read through the other.
+//
+// Every wait is bounded (kWait) and waits for a condition; no test asserts on wall-clock time.
+#include "kvd/client.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
+
+extern char** environ;
+
+#ifndef KVD_BINARY
+#define KVD_BINARY "kvd"
+#endif
+
+namespace kvd {
+namespace {
+
+using ::kvd::testing::IsOk;
+using ::kvd::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A kvd on the host backend in its own temporary directory, SIGTERMed and reaped when destroyed.
+class Daemon {
+ public:
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+
+  absl::Status Start() {
+    char tmpl[] = "/tmp/kvd-client-test-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
+    dir_ = tmpl;
+    socket_ = dir_ + "/gpu0.sock";
+    log_ = dir_ + "/kvd.log";
+    std::vector<std::string> argv = {
+        KVD_BINARY,        "--backend=host",         "--socket=" + socket_, "--host-capacity=1GiB",
+        "--budget=512MiB", "--host-granularity=2MiB"};
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    const int rc = posix_spawn(&pid_, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
+    }
+    const absl::Time deadline = absl::Now() + kWait;
+    while (absl::Now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return absl::UnavailableError(absl::StrCat("kvd exited: ", log()));
+      }
+      if (absl::StrContains(log(), " ready: ")) return absl::OkStatus();
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("kvd did not become ready: ", log()));
+  }
+
+  // SIGTERM; kvd then tells every watcher DAEMON_STOPPING. The destructor reaps it.
+  void Terminate() const { kill(pid_, SIGTERM); }
+
+  const std::string& socket() const { return socket_; }
+  std::string log() const { return ReadFile(log_); }
+
+ private:
+  std::string dir_, socket_, log_;
+  pid_t pid_ = -1;
+};
+
+// What a Mapping's callbacks reported, waited on with a bound.
+struct Events {
+  absl::Mutex mu;
+  int grows ABSL_GUARDED_BY(mu) = 0;
+  int releases ABSL_GUARDED_BY(mu) = 0;
+  int lost ABSL_GUARDED_BY(mu) = 0;
+  uint64_t last_blocks ABSL_GUARDED_BY(mu) = 0;
+  absl::Status why ABSL_GUARDED_BY(mu);
+
+  AttachOptions Options(std::string name) {
+    AttachOptions o;
+    o.client_name = std::move(name);
+    o.on_grow = [this](uint64_t blocks) {
+      absl::MutexLock lock(&mu);
+      ++grows;
+      last_blocks = blocks;
+    };
+    o.on_release = [this](uint64_t blocks) {
+      absl::MutexLock lock(&mu);
+      ++releases;
+      last_blocks = blocks;
+    };
+    o.on_lost = [this](const absl::Status& s) {
+      absl::MutexLock lock(&mu);
+      ++lost;
+      why = s;
+    };
+    return o;
+  }
+
+  // Waits until `counter` reaches `n`; false after kWait.
+  bool WaitFor(int Events::*counter, int n) {
+    absl::MutexLock lock(&mu);
+    auto done = [this, counter, n]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return this->*counter >= n; };
+    return mu.AwaitWithTimeout(absl::Condition(&done), kWait);
+  }
+};
+
+// 2 layers x 2 heads x 16 tokens x 64 channels x 2 bytes: 4 KiB per layer and block, so 512 blocks
+// are one 2 MiB chunk per segment.
+PoolOptions SmallPool(const std::string& name, uint64_t initial_blocks = 512) {
+  PoolOptions o;
+  o.name = name;
+  o.dims = PoolDims{
+      .layers = 2, .capacity_blocks = 2048, .heads = 2, .block_tokens = 16, .channels = 64, .element_bytes = 2};
+  o.initial_blocks = initial_blocks;
+  return o;
+}
+
+int OpenFds() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// The address of element (l, b, h, n, c) through a layer view.
+unsigned char* At(const LayerView& v, uint64_t b, uint64_t h, uint64_t n, uint64_t c) {
+  return static_cast<unsigned char*>(v.data) + b * v.stride_b + h * v.stride_h + n * v.stride_n + c * v.stride_c;
+}
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::Status s = daemon_.Start();
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  void TearDown() override {
+    if (HasFailure()) std::cerr << "---- kvd log ----\n" << daemon_.log() << "-----------------\n";
+  }
+
+  absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& name) {
+    return Client::Connect({.socket = daemon_.socket(), .client_name = name});
+  }
+
+  Daemon daemon_;
+};
+
+TEST_F(ClientTest, DeviceInfoAndPools) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, c->DeviceInfo());
+  EXPECT_EQ(d.backend, "host");
+  EXPECT_EQ(d.granularity_bytes, uint64_t{2} << 20);
+  EXPECT_EQ(d.budget_bytes, uint64_t{512} << 20);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, c->CreatePool(SmallPool("kv")));
+  EXPECT_EQ(p.state, PoolState::kAwake);
+  EXPECT_EQ(p.committed_blocks, 512u);
+  EXPECT_EQ(p.geometry.segments, 2u);
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolInfo> pools, c->ListPools());
+  ASSERT_EQ(pools.size(), 1u);
+  EXPECT_EQ(pools[0].name, "kv");
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus after, c->DeviceInfo());
+  EXPECT_EQ(after.committed_bytes, uint64_t{4} << 20);
+  EXPECT_EQ(after.pool_count, 1u);
+}
+
+TEST_F(ClientTest, TwoClientsShareBytesThroughLayerViews) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, engine->CreatePool(SmallPool("kv")));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv"));
+  EXPECT_NE(a->base(), b->base());  // two reservations of one address space
+  EXPECT_EQ(a->committed_blocks(), 512u);
+  EXPECT_EQ(a->state(), Mapping::State::kAwake);
+  EXPECT_EQ(a->chunks().size(), 2u);
+
+  const Geometry& g = a->geometry();
+  EXPECT_EQ(g.layout, p.geometry.layout);
+  for (uint64_t l = 0; l < g.dims.layers; ++l) {
+    LayerView va = a->layer(l);
+    LayerView vb = b->layer(l);
+    // The view is the geometry's formula.
+    EXPECT_EQ(va.data, static_cast<unsigned char*>(a->base()) + g.offset + l * g.stride_l);
+    EXPECT_EQ(va.stride_b, g.stride_b);
+    EXPECT_EQ(va.stride_h, g.stride_h);
+    EXPECT_EQ(va.stride_n, g.stride_n);
+    EXPECT_EQ(va.stride_c, g.stride_c);
+    EXPECT_EQ(va.dims.heads, 2u);
+    // Write element (l, b, h, n, c) through A's view for a few elements, read it through B's.
+    for (uint64_t blk : {uint64_t{0}, uint64_t{7}, uint64_t{511}}) {
+      for (uint64_t h = 0; h < 2; ++h) {
+        *At(va, blk, h, 15, 63) = static_cast<unsigned char>(l * 100 + blk + h);
+      }
+    }
+    for (uint64_t blk : {uint64_t{0}, uint64_t{7}, uint64_t{511}}) {
+      for (uint64_t h = 0; h < 2; ++h) {
+        EXPECT_EQ(*At(vb, blk, h, 15, 63), static_cast<unsigned char>(l * 100 + blk + h)) << l << " " << blk;
+      }
+    }
+  }
+  // Elements of distinct (l, b, h, n, c) never alias: the last byte of every layer of the last block
+  // lies inside the reservation.
+  EXPECT_LT(g.offset + (g.dims.layers - 1) * g.stride_l + (g.dims.capacity_blocks - 1) * g.stride_b +
+                (g.dims.heads - 1) * g.stride_h + (g.dims.block_tokens - 1) * g.stride_n +
+                (g.dims.channels - 1) * g.stride_c + g.dims.element_bytes,
+            g.reserved_bytes + 1);
+  EXPECT_EQ(a->layer(g.dims.layers).data, nullptr);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo seen, engine->GetPool("kv"));
+  EXPECT_EQ(seen.clients.size(), 2u);
+}
+
+TEST_F(ClientTest, GrowMapsForTheGrowerAndTheFollower) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange grown, engine->Grow("kv", 1024));
+  EXPECT_EQ(grown.pool.committed_blocks, 1024u);
+  EXPECT_EQ(grown.added.size(), 2u);
+  // The grower mapped its new chunks before Grow returned: block 1000 is usable at once.
+  EXPECT_EQ(a->committed_blocks(), 1024u);
+  EXPECT_EQ(a->chunks().size(), 4u);
+  LayerView va = a->layer(1);
+  *At(va, 1000, 1, 3, 5) = 0xab;
+
+  // The other client's follower maps the chunks and then calls on_grow.
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
+  {
+    absl::MutexLock lock(&eb.mu);
+    EXPECT_EQ(eb.last_blocks, 1024u);
+  }
+  EXPECT_EQ(b->committed_blocks(), 1024u);
+  EXPECT_EQ(b->chunks().size(), 4u);
+  EXPECT_EQ(*At(b->layer(1), 1000, 1, 3, 5), 0xab);
+  *At(b->layer(0), 900, 0, 0, 0) = 0x5a;
+  EXPECT_EQ(*At(a->layer(0), 900, 0, 0, 0), 0x5a);
+  absl::MutexLock lock(&ea.mu);
+  EXPECT_EQ(ea.grows, 0);  // the grower's lease came in the reply, not as an event
+}
+
+TEST_F(ClientTest, ShrinkWaitsForTheFollowersAcknowledgements) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+  ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange shrunk, engine->Shrink("kv", 512, /*wait=*/true));
+  EXPECT_NE(shrunk.release_id, 0u);
+  EXPECT_EQ(shrunk.released_chunk_ids.size(), 2u);
+  EXPECT_EQ(shrunk.pool.committed_blocks, 512u);
+  EXPECT_EQ(shrunk.pool.pending_release_bytes, 0u);  // both followers unmapped and acknowledged
+  ASSERT_TRUE(ea.WaitFor(&Events::releases, 1));
+  ASSERT_TRUE(eb.WaitFor(&Events::releases, 1));
+  EXPECT_EQ(a->committed_blocks(), 512u);
+  EXPECT_EQ(b->committed_blocks(), 512u);
+  EXPECT_EQ(b->chunks().size(), 2u);
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{4} << 20);
+}
+
+TEST_F(ClientTest, SleepAndWake) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+  *At(a->layer(0), 3, 0, 0, 0) = 0x77;
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolChange> slept, engine->Sleep("kv", /*wait=*/true));
+  ASSERT_EQ(slept.size(), 1u);
+  EXPECT_EQ(slept[0].pool.state, PoolState::kSleeping);
+  EXPECT_EQ(slept[0].pool.wake_blocks, 512u);
+  EXPECT_EQ(slept[0].pool.pending_release_bytes, 0u);
+  ASSERT_TRUE(ea.WaitFor(&Events::releases, 1));
+  ASSERT_TRUE(eb.WaitFor(&Events::releases, 1));
+  EXPECT_EQ(a->state(), Mapping::State::kSleeping);
+  EXPECT_EQ(b->state(), Mapping::State::kSleeping);
+  EXPECT_TRUE(a->chunks().empty());
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, 0u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolChange> woken, engine->Wake(""));  // every sleeping pool
+  ASSERT_EQ(woken.size(), 1u);
+  EXPECT_EQ(woken[0].pool.state, PoolState::kAwake);
+  EXPECT_EQ(a->state(), Mapping::State::kAwake);  // mapped before Wake returned
+  EXPECT_EQ(a->chunks().size(), 2u);
+  EXPECT_EQ(*At(a->layer(0), 3, 0, 0, 0), 0);  // woken memory reads back as zero
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
+  EXPECT_EQ(b->state(), Mapping::State::kAwake);
+  *At(a->layer(1), 511, 1, 15, 63) = 0x42;
+  EXPECT_EQ(*At(b->layer(1), 511, 1, 15, 63), 0x42);
+}
+
+TEST_F(ClientTest, DeleteWithForceLosesTheMapping) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+  EXPECT_THAT(engine->DeletePool("kv", /*force=*/false).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("")));
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t released, engine->DeletePool("kv", /*force=*/true));
+  EXPECT_EQ(released, uint64_t{4} << 20);
+  ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
+  EXPECT_EQ(b->state(), Mapping::State::kLost);
+  EXPECT_TRUE(b->chunks().empty());
+  absl::MutexLock lock(&eb.mu);
+  EXPECT_THAT(eb.why, StatusIs(absl::StatusCode::kNotFound, HasSubstr("deleted")));
+}
+
+TEST_F(ClientTest, OneMappingPerPoolPerClient) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+  EXPECT_THAT(engine->Attach("kv").status(), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("kv")));
+  a.reset();  // detaches
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, engine->GetPool("kv"));
+  EXPECT_TRUE(p.clients.empty());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> again, engine->Attach("kv"));
+  EXPECT_EQ(again->committed_blocks(), 512u);
+}
+
+// Every chunk FD is closed once imported, and a destroyed Mapping leaves no FD behind.
+TEST_F(ClientTest, MappingsLeaveNoFileDescriptorsBehind) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  {  // warm both clients' channels and devices up
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv"));
+  }
+  const int baseline = OpenFds();
+  for (int round = 0; round < 3; ++round) {
+    Events eb;
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+    ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());
+    ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
+    ASSERT_THAT(engine->Shrink("kv", 512, /*wait=*/true).status(), IsOk());
+    ASSERT_TRUE(eb.WaitFor(&Events::releases, 1));
+  }
+  EXPECT_EQ(OpenFds(), baseline);
+}
+
+std::vector<uint64_t> Ids(const std::vector<ChunkInfo>& chunks) {
+  std::vector<uint64_t> ids;
+  for (const ChunkInfo& c : chunks) ids.push_back(c.id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+// Resizes from two threads of two Clients while a third reads: afterwards every Mapping maps exactly the
+// daemon's chunk table.
+TEST_F(ClientTest, ConcurrentResizesKeepMappingsInStep) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv"));
+  auto resize = [](Client* c, uint64_t big) {
+    for (int i = 0; i < 10; ++i) {
+      // Either client may find the pool already at (or past) the size it asks for: INVALID_ARGUMENT.
+      absl::Status g = c->Grow("kv", big).status();
+      EXPECT_TRUE(g.ok() || g.code() == absl::StatusCode::kInvalidArgument) << g;
+      absl::Status s = c->Shrink("kv", 512, /*wait=*/true).status();
+      EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kInvalidArgument) << s;
+    }
+  };
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    while (!done.load()) {
+      EXPECT_LE(a->chunks().size(), 8u);
+      EXPECT_LE(b->committed_blocks(), 2048u);
+      EXPECT_THAT(engine->GetPool("kv").status(), IsOk());
+    }
+  });
+  std::thread t1(resize, engine.get(), 1024);
+  std::thread t2(resize, connector.get(), 2048);
+  t1.join();
+  t2.join();
+  done = true;
+  reader.join();
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, engine->GetPool("kv"));
+  const std::vector<uint64_t> want = Ids(p.chunks);
+  EXPECT_EQ(p.committed_blocks, 512u);
+  // The last release events may still be on their way to a follower: wait for the condition.
+  const absl::Time deadline = absl::Now() + kWait;
+  while ((Ids(a->chunks()) != want || Ids(b->chunks()) != want) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(Ids(a->chunks()), want);
+  EXPECT_EQ(Ids(b->chunks()), want);
+  EXPECT_EQ(a->committed_blocks(), 512u);
+  EXPECT_EQ(b->committed_blocks(), 512u);
+  EXPECT_EQ(p.pending_release_bytes, 0u);
+  *At(a->layer(1), 511, 1, 15, 63) = 9;
+  EXPECT_EQ(*At(b->layer(1), 511, 1, 15, 63), 9);
+}
+
+TEST_F(ClientTest, MappingOutlivesItsClient) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
+  engine.reset();
+  *At(a->layer(0), 1, 1, 1, 1) = 1;
+  EXPECT_EQ(a->state(), Mapping::State::kAwake);
+}
+
+TEST_F(ClientTest, DaemonErrorsKeepTheirCodeAndMessage) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Connect("engine"));
+  PoolOptions bad = SmallPool("kv");
+  bad.dims.heads = 0;
+  EXPECT_THAT(c->CreatePool(bad).status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dims.heads")));
+  EXPECT_THAT(c->GetPool("nope").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  ASSERT_THAT(c->CreatePool(SmallPool("kv")).status(), IsOk());
+  EXPECT_THAT(c->CreatePool(SmallPool("kv")).status(), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("kv")));
+  EXPECT_THAT(c->Grow("kv", 4096).status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("capacity")));
+  EXPECT_THAT(c->Shrink("kv", 600, false).status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("")));
+  EXPECT_THAT(c->Attach("nope").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  EXPECT_THAT(Client::Connect({.socket = "/nonexistent/kvd/gpu0.sock"}).status(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
+}
+
+TEST_F(ClientTest, DaemonStoppingLosesTheMapping) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events ea;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
+  daemon_.Terminate();
+  ASSERT_TRUE(ea.WaitFor(&Events::lost, 1));
+  EXPECT_EQ(a->state(), Mapping::State::kLost);
+  EXPECT_TRUE(a->chunks().empty());
+  EXPECT_EQ(a->committed_blocks(), 0u);
+  absl::MutexLock lock(&ea.mu);
+  EXPECT_THAT(ea.why, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("stopping")));
+}
+
+// KVD_SOCKET and KVD_KV_CACHE_LAYOUT are read from this process's environment.
+TEST_F(ClientTest, EnvironmentSocketAndLayout) {
+  ASSERT_EQ(setenv("KVD_SOCKET", daemon_.socket().c_str(), 1), 0);
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect({.client_name = "env"});
+  unsetenv("KVD_SOCKET");
+  ASSERT_THAT(c.status(), IsOk());
+  EXPECT_EQ((*c)->socket(), daemon_.socket());
+
+  ASSERT_EQ(setenv("KVD_KV_CACHE_LAYOUT", "BLHNC", 1), 0);
+  absl::StatusOr<ResolvedLayout> r = (*c)->ResolveLayout(LayoutRequest{});
+  absl::StatusOr<PoolInfo> p = (*c)->CreatePool(SmallPool("kv"));
+  unsetenv("KVD_KV_CACHE_LAYOUT");
+  ASSERT_THAT(r.status(), IsOk());
+  EXPECT_EQ(r->resolution.layout, "BLHNC");
+  EXPECT_EQ(r->resolution.rule, "client_env");
+  EXPECT_FALSE(r->has_geometry);
+  ASSERT_THAT(p.status(), IsOk());
+  EXPECT_EQ(p->geometry.layout, "BLHNC");
+  EXPECT_EQ(p->geometry.segments, 1u);
+
+  // An explicit env_layout wins over the process's environment; a backend requirement over both.
+  LayoutRequest req;
+  req.env_layout_set = true;
+  req.env_layout = "LHBNC";
+  PoolDims dims = SmallPool("x").dims;
+  KVD_ASSERT_OK_AND_ASSIGN(ResolvedLayout explicit_env, (*c)->ResolveLayout(req, &dims));
+  EXPECT_EQ(explicit_env.resolution.layout, "LHBNC");
+  EXPECT_TRUE(explicit_env.has_geometry);
+  EXPECT_EQ(explicit_env.geometry.segments, 4u);  // L*H
+  req.backend_requirements.push_back({"FLASH_ATTN", {"LBHNC", "LBNHC"}});
+  KVD_ASSERT_OK_AND_ASSIGN(ResolvedLayout required, (*c)->ResolveLayout(req));
+  EXPECT_EQ(required.resolution.layout, "LBNHC");
+  EXPECT_EQ(required.resolution.rule, "default");
+  EXPECT_THAT(required.resolution.allowed_layouts, ::testing::ElementsAre("LBHNC", "LBNHC"));
+  ASSERT_EQ(required.resolution.warnings.size(), 1u);  // the env layout outside the allowed set
+  EXPECT_THAT(required.resolution.warnings[0], HasSubstr("LHBNC"));
+}
+
+}  // namespace
+}  // namespace kvd

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""kvctl end to end: the real kvctl binary against a real kvd on the host backend.
+
+Checks every verb's --json output fields and exit status, the human output of a few verbs, and that a
+failure prints exactly one line "kvctl: <reason>" on stderr with a non-zero exit status.
+$KVD_BINARY and $KVCTL_BINARY name the binaries (ctest sets both).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+KVD = os.environ.get("KVD_BINARY", "kvd")
+KVCTL = os.environ.get("KVCTL_BINARY", "kvctl")
+WAIT_S = 30
+MiB = 1 << 20
+
+# 2 layers x 2 heads x 16 tokens x 64 channels x 2 bytes: 8 KiB per block.
+DIMS = ["--layers", "2", "--capacity-blocks", "2048", "--heads", "2", "--block-tokens", "16", "--channels", "64",
+        "--element-bytes", "2"]
+
+
+class KvctlTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="kvctl-test-")
+        self.socket = os.path.join(self.dir, "gpu0.sock")
+        self.log_path = os.path.join(self.dir, "kvd.log")
+        with open(self.log_path, "wb") as log:
+            self.kvd = subprocess.Popen([KVD, "--backend=host", "--socket=" + self.socket, "--host-capacity=1GiB",
+                                         "--budget=512MiB", "--host-granularity=2MiB"], stdout=log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT_S
+        while " ready: " not in self.log():
+            self.assertIsNone(self.kvd.poll(), "kvd exited: " + self.log())
+            self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self.log())
+            time.sleep(0.02)
+
+    def tearDown(self):
+        self.kvd.send_signal(signal.SIGTERM)
+        try:
+            self.kvd.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.kvd.kill()
+            self.kvd.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def log(self):
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def run_kvctl(self, *args, env=None, use_socket=True):
+        argv = [KVCTL] + (["--socket=" + self.socket] if use_socket else []) + list(args)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=env)
+
+    def ok(self, *args):
+        r = self.run_kvctl(*args)
+        self.assertEqual(r.returncode, 0, f"kvctl {' '.join(args)}: {r.stderr}")
+        self.assertEqual(r.stderr, "")
+        return r.stdout
+
+    def json(self, *args):
+        return json.loads(self.ok("--json", *args))
+
+    def fails(self, *args, code=1):
+        r = self.run_kvctl(*args)
+        self.assertEqual(r.returncode, code, r.stdout + r.stderr)
+        lines = r.stderr.splitlines()
+        self.assertEqual(len(lines), 1, r.stderr)
+        self.assertTrue(lines[0].startswith("kvctl: "), r.stderr)
+        return lines[0]
+
+    def test_status(self):
+        s = self.json("status")
+        self.assertEqual(s["backend"], "host")
+        self.assertEqual(s["socket"], self.socket)
+        self.assertEqual(s["budget_bytes"], 512 * MiB)
+        self.assertEqual(s["granularity_bytes"], 2 * MiB)
+        self.assertEqual(s["committed_bytes"], 0)
+        self.assertEqual(s["pool_count"], 0)
+        for key in ["device_index", "device_name", "device_uuid", "total_bytes", "free_bytes", "reserved_bytes",
+                    "max_chunk_bytes", "daemon_version", "driver_version"]:
+            self.assertIn(key, s)
+        human = self.ok("status")
+        self.assertIn("512 MiB budget", human)
+
+    def test_socket_from_environment(self):
+        env = dict(os.environ, KVD_SOCKET=self.socket)
+        r = self.run_kvctl("--json", "status", env=env, use_socket=False)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(json.loads(r.stdout)["socket"], self.socket)
+
+    def test_pool_lifecycle(self):
+        p = self.json("create", "kv", *DIMS, "--initial-blocks", "1024", "--require", "FLASH_ATTN=layer-outermost",
+                      "--connector", "nixl=LHBNC")
+        self.assertEqual(p["name"], "kv")
+        self.assertEqual(p["state"], "awake")
+        self.assertEqual(p["geometry"]["layout"], "LHBNC")
+        self.assertEqual(p["layout"]["rule"], "connector_preference")
+        self.assertEqual(p["geometry"]["segments"], 4)
+        self.assertEqual(p["geometry"]["dims"]["capacity_blocks"], 2048)
+        self.assertEqual(p["committed_blocks"], 1024)  # one 2 MiB chunk per segment
+
+        pools = self.json("pools")["pools"]
+        self.assertEqual([x["name"] for x in pools], ["kv"])
+        table = self.ok("pools").splitlines()
+        self.assertEqual(table[0].split(), ["NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"])
+        self.assertEqual(table[1].split()[:4], ["kv", "awake", "LHBNC", "1024/2048"])
+
+        d = self.json("describe", "kv")
+        self.assertEqual(len(d["chunks"]), 4)
+        for key in ["stride_l", "stride_b", "stride_h", "stride_n", "stride_c", "segment_stride", "reserved_bytes"]:
+            self.assertIn(key, d["geometry"])
+        self.assertEqual(d["clients"], [])
+        self.assertIn("strides", self.ok("describe", "kv"))
+
+        g = self.json("grow", "kv", "--bytes", "16MiB")  # 8 KiB blocks: 2048
+        self.assertEqual(g["pool"]["committed_blocks"], 2048)
+        self.assertEqual(g["pool"]["committed_bytes"], 16 * MiB)
+        self.assertEqual(len(g["added"]), 4)
+        self.assertGreaterEqual(g["round_trip_ms"], 0)
+        self.assertIn("elapsed_us", g)
+
+        s = self.json("shrink", "kv", "--blocks", "1024", "--wait")
+        self.assertEqual(s["pool"]["committed_blocks"], 1024)
+        self.assertEqual(len(s["released_chunk_ids"]), 4)
+        self.assertEqual(s["pool"]["pending_release_bytes"], 0)
+        human = self.ok("grow", "kv", "--blocks", "2048")
+        self.assertRegex(human, r"^grew kv to 2048 blocks \(16\.0 MiB\) in [0-9.]+ ms")
+
+        slept = self.json("sleep", "kv", "--wait")["updates"]
+        self.assertEqual(len(slept), 1)
+        self.assertEqual(slept[0]["pool"]["state"], "sleeping")
+        self.assertEqual(slept[0]["pool"]["wake_blocks"], 2048)
+        self.assertEqual(self.json("status")["committed_bytes"], 0)
+        woken = self.json("wake", "--all")["updates"]
+        self.assertEqual([u["pool"]["state"] for u in woken], ["awake"])
+        self.assertEqual(woken[0]["pool"]["committed_blocks"], 2048)
+        self.assertEqual(self.json("sleep", "--all")["updates"][0]["pool"]["name"], "kv")
+        self.assertEqual(self.json("wake", "kv")["updates"][0]["pool"]["state"], "awake")
+
+        deleted = self.json("delete", "kv")
+        self.assertEqual(deleted, {"pool": "kv", "released_bytes": 16 * MiB})
+        self.assertEqual(self.json("pools")["pools"], [])
+
+    def test_layout_resolve(self):
+        r = self.json("layout", "resolve", "--require", "FA=LBHNC,LBNHC", "--connector", "nixl=LBNHC")
+        self.assertEqual(r["resolution"]["layout"], "LBNHC")
+        self.assertEqual(r["resolution"]["rule"], "connector_preference")
+        self.assertEqual(r["resolution"]["allowed_layouts"], ["LBHNC", "LBNHC"])
+        self.assertIsNone(r["geometry"])
+        r = self.json("layout", "resolve", "--env", "BLHNC", *DIMS)
+        self.assertEqual(r["resolution"]["rule"], "client_env")
+        self.assertEqual(r["geometry"]["layout"], "BLHNC")
+        self.assertEqual(r["geometry"]["segments"], 1)
+        r = self.json("layout", "resolve", "--override", "BHLNC", "--require", "FA=LBHNC")
+        self.assertEqual(r["resolution"]["layout"], "BHLNC")
+        self.assertEqual(r["resolution"]["rule"], "request_override")
+        self.assertTrue(r["resolution"]["warnings"])
+        human = self.ok("layout", "resolve", "--override", "BHLNC", "--require", "FA=LBHNC")
+        self.assertIn("warning", human)
+
+    def test_failures_are_one_line(self):
+        line = self.fails("describe", "missing")
+        self.assertIn("NOT_FOUND", line)
+        self.assertIn("missing", line)
+        line = self.fails("create", "kv", *DIMS[:-2], "--element-bytes", "0")
+        self.assertIn("INVALID_ARGUMENT", line)
+        self.assertIn("dims.element_bytes", line)
+        self.ok("create", "kv", *DIMS, "--initial-blocks", "512")
+        self.assertIn("capacity", self.fails("grow", "kv", "--blocks", "4096"))
+        self.assertIn("ALREADY_EXISTS", self.fails("create", "kv", *DIMS))
+        self.fails("grow", "kv", code=2)  # neither --blocks nor --bytes: the library says why
+        self.fails("grow", "kv", "--blocks", "1", "--bytes", "1MiB", code=2)
+        self.fails("frobnicate", code=2)
+        self.fails("layout", "resolve", "--require", "nonsense")
+        r = subprocess.run([KVCTL, "--socket=" + os.path.join(self.dir, "none.sock"), "status"], capture_output=True,
+                           text=True, timeout=WAIT_S)
+        self.assertEqual(r.returncode, 1)
+        self.assertEqual(len(r.stderr.splitlines()), 1)
+        self.assertIn("UNAVAILABLE", r.stderr)
+
+    def test_help_on_every_verb(self):
+        for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
+                     ["delete"], ["layout"], ["layout", "resolve"]]:
+            r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
+            self.assertEqual(r.returncode, 0, verb)
+            self.assertIn("Usage", r.stdout, verb)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,372 @@
+"""The Python package kvd against a real kvd child on the host backend.
+
+Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     /usr/bin/python3 kvd_python_test.py
+The second process is this file again (`--peer SOCKET POOL`), driven line by line over stdin/stdout.
+No sleeps as assertions: waits are bounded polls.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import kvd
+
+POLL_S = 20.0
+
+# 4 layers, 8 heads, 16 tokens, 128 channels, fp16: 128 KiB a block, 16 blocks per 2 MiB chunk.
+DIMS = dict(layers=4, capacity_blocks=256, heads=8, block_tokens=16, channels=128, element_bytes=2)
+
+
+def poll(fn, what, timeout=POLL_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def memfd_fds():
+    """Open FDs of chunks (memfds); gRPC's own FDs vary by version and are not counted."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
+
+
+def memfd_maps():
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "memfd:" in line)
+
+
+# --- the peer process ----------------------------------------------------------------------------
+
+def peer_main(socket_path, pool):
+    c = kvd.connect(socket_path, client_name="peer")
+    m = c.attach(pool)
+    out = sys.stdout
+    print(json.dumps({"ok": True, "result": "attached"}), file=out, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "write":
+                m.layer(cmd["layer"])[cmd["block"]] = cmd["value"]
+                r = True
+            elif op == "read":
+                r = float(m.layer(cmd["layer"])[cmd["block"]].max())
+            elif op == "state":
+                r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "gone": m.gone}
+            elif op == "exit":
+                m.close()
+                c.close()
+                print(json.dumps({"ok": True}), file=out, flush=True)
+                return 0
+            else:
+                r = None
+            print(json.dumps({"ok": True, "result": r}), file=out, flush=True)
+        except Exception as e:  # reported to the test, which fails on it
+            print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}), file=out, flush=True)
+    return 0
+
+
+class Peer:
+    def __init__(self, socket_path, pool):
+        env = dict(os.environ)
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer", socket_path, pool],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._reply()  # "attached": the peer has mapped the pool and follows it
+
+    def _reply(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"peer died (exit {self.p.wait()})")
+        r = json.loads(line)
+        if not r["ok"]:
+            raise AssertionError("peer: " + r["error"])
+        return r.get("result")
+
+    def __call__(self, op, **kw):
+        kw["op"] = op
+        self.p.stdin.write(json.dumps(kw) + "\n")
+        self.p.stdin.flush()
+        return self._reply()
+
+    def close(self):
+        if self.p.poll() is None and not self.p.stdin.closed:
+            try:
+                self("exit")
+            except Exception:
+                pass
+            try:
+                self.p.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        for f in (self.p.stdin, self.p.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+
+class Daemon:
+    def __init__(self):
+        binary = os.environ.get("KVD_BINARY")
+        if not binary:
+            raise unittest.SkipTest("KVD_BINARY is not set")
+        self.dir = tempfile.mkdtemp(prefix="kvdpy-")
+        os.chmod(self.dir, 0o750)
+        self.socket = os.path.join(self.dir, "gpu0.sock")
+        self.log_path = os.path.join(self.dir, "kvd.log")
+        self.log = open(self.log_path, "w")
+        self.p = subprocess.Popen([binary, "--backend=host", f"--socket={self.socket}", "--host-capacity=1GiB",
+                                   "--budget=512MiB", "--host-granularity=2MiB"], stdout=self.log,
+                                  stderr=subprocess.STDOUT)
+        poll(lambda: " ready: " in self.read_log() or self.p.poll() is not None, "kvd ready")
+        if self.p.poll() is not None:
+            raise AssertionError("kvd exited: " + self.read_log())
+
+    def read_log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        self.p.terminate()
+        try:
+            self.p.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class KvdPythonTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def setUp(self):
+        self.c = kvd.connect(self.daemon.socket, client_name="test")
+        self.addCleanup(self.c.close)
+
+    def create(self, name, initial=16):
+        p = self.c.create_pool(name, initial_blocks=initial, backend_requirements={"FLASHINFER": ["block-outermost"]},
+                               connector_preferences=[("nixl", "BLNHC")], **DIMS)
+        self.addCleanup(self._delete, name)
+        return p
+
+    def _delete(self, name):
+        try:
+            self.c.delete(name, force=True)
+        except kvd.KvdError:
+            pass
+
+    def peer(self, pool):
+        p = Peer(self.daemon.socket, pool)
+        self.addCleanup(p.close)
+        return p
+
+    def test_device_info_and_layout(self):
+        info = self.c.device_info()
+        self.assertEqual(info.backend, kvd.v1_pb2.BACKEND_HOST)
+        self.assertEqual(info.budget_bytes, 512 << 20)
+        p = self.create("layout")
+        self.assertEqual(p.geometry.layout, "BLNHC")  # the connector's wish, inside FLASHINFER's class
+        self.assertEqual(p.layout.rule, kvd.v1_pb2.LAYOUT_RULE_CONNECTOR_PREFERENCE)
+        r = self.c.resolve_layout(backend_requirements={"FLASHINFER": ["block-outermost"]},
+                                  connector_preferences=[("nixl", "BLNHC")], dims=DIMS)
+        self.assertEqual(r.resolution.layout, "BLNHC")
+        self.assertEqual(r.geometry.reserved_bytes, p.geometry.reserved_bytes)
+        self.assertIn("layout", [x.name for x in self.c.pools()])
+
+    def test_two_processes_share_grow_sleep_wake(self):
+        self.create("shared")
+        with self.c.attach("shared") as m:
+            self.assertEqual(m.committed_blocks, 16)
+            self.assertEqual(len(m.mapped_chunks), 1)
+            peer = self.peer("shared")
+            self.assertEqual(peer("state")["committed"], 16)
+            # Each writes, the other reads.
+            m.layer(1)[3] = 7
+            self.assertEqual(peer("read", layer=1, block=3), 7.0)
+            peer("write", layer=2, block=5, value=9)
+            self.assertEqual(float(m.layer(2)[5].max()), 9.0)
+            self.assertEqual(float(m.layer(2)[5].min()), 9.0)
+
+            # Grow through this process: mapped before grow() returns; the peer's follower maps it.
+            u = self.c.grow("shared", 48)
+            self.assertEqual(m.events_seen, 0)  # our own grow was mapped from the reply, not an event
+            self.assertEqual(m.committed_blocks, 48)
+            self.assertEqual(len(m.mapped_chunks), 2)
+            self.assertEqual(len(u.added), 1)
+            poll(lambda: len(peer("state")["chunks"]) == 2 and peer("state")["committed"] == 48, "peer maps the grow")
+            peer("write", layer=3, block=40, value=11)
+            self.assertEqual(float(m.layer(3)[40].max()), 11.0)
+            m.layer(0)[47] = 4
+            self.assertEqual(peer("read", layer=0, block=47), 4.0)
+
+            # Shrink with wait: both followers unmap and acknowledge before the reply.
+            u = self.c.shrink("shared", 16, wait=True)
+            self.assertEqual(u.pool.pending_release_bytes, 0)
+            self.assertNotEqual(u.release_id, 0)
+            self.assertEqual(len(m.mapped_chunks), 1)
+            self.assertEqual(len(peer("state")["chunks"]), 1)
+            self.assertEqual(peer("read", layer=1, block=3), 7.0)  # the kept prefix keeps its bytes
+
+            # Sleep (wait: every client acknowledged) and wake on fresh, zeroed memory.
+            [s] = self.c.sleep("shared", wait=True)
+            self.assertEqual(s.pool.pending_release_bytes, 0)
+            self.assertEqual(m.mapped_chunks, [])
+            self.assertEqual(peer("state")["chunks"], [])
+            [w] = self.c.wake()
+            self.assertEqual(w.pool.committed_blocks, 16)
+            self.assertEqual(len(m.mapped_chunks), 1)
+            self.assertEqual(float(m.layer(1)[3].max()), 0.0)
+            poll(lambda: len(peer("state")["chunks"]) == 1, "peer maps the wake")
+            peer("write", layer=1, block=3, value=5)
+            self.assertEqual(float(m.layer(1)[3].max()), 5.0)
+            m.layer(2)[6] = 2
+            self.assertEqual(peer("read", layer=2, block=6), 2.0)
+
+            # Growth made by the OTHER process reaches this one through Watch.
+            peer.close()
+            poll(lambda: len(self.c.pool("shared").clients) == 1, "the peer detached")
+
+    def test_grow_by_another_session(self):
+        self.create("other")
+        seen = []
+        def on_release(mp, ids):
+            seen.append(ids)
+            raise RuntimeError("a failing callback must not stop the follower")
+
+        with self.c.attach("other", on_grow=lambda mp, chunks: seen.append([c.id for c in chunks]),
+                           on_release=on_release) as m:
+            with kvd.connect(self.daemon.socket, client_name="operator") as op:
+                op.grow("other", 64)
+                poll(lambda: m.committed_blocks == 64 and len(m.mapped_chunks) == 2, "the follower maps the grow")
+                self.assertEqual(len(seen), 1)
+                m.layer(3)[63] = 1
+                self.assertEqual(float(m.layer(3)[63].sum()), 8 * 16 * 128)
+                u = op.shrink("other", 16, wait=True)  # returns once our follower acknowledged
+                self.assertEqual(u.pool.pending_release_bytes, 0)
+                self.assertEqual(len(m.mapped_chunks), 1)
+                poll(lambda: len(seen) == 2, "on_release (it runs after the acknowledgement)")
+                op.grow("other", 32)  # still following after the callback raised
+                poll(lambda: m.committed_blocks == 32 and len(m.mapped_chunks) == 2, "the follower maps again")
+                self.assertIsNone(m.gone)
+
+    def test_errors_carry_code_and_message(self):
+        self.create("err")
+        with self.assertRaises(kvd.KvdError) as e:
+            self.create("err")
+        self.assertEqual(e.exception.code, "ALREADY_EXISTS")
+        self.assertIn("err", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.pool("nope")
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.assertIn("pool nope does not exist", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.create_pool("bad", **dict(DIMS, heads=0))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("dims.heads", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.grow("err", DIMS["capacity_blocks"] + 1)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.grow("err", 200 * 1024)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        with self.c.attach("err"):
+            with self.assertRaises(kvd.KvdError) as e:
+                self.c.delete("err")
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            with self.assertRaises(kvd.KvdError) as e:
+                self.c.attach("err")
+            self.assertEqual(e.exception.code, "ALREADY_EXISTS")
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.connect(os.path.join(self.daemon.dir, "missing.sock"))
+        self.assertEqual(e.exception.code, "UNAVAILABLE")
+        # Handle-channel errors too: a lease is single-use.
+        r = self.c._call("Attach", kvd.v1_pb2.AttachRequest(pool="err"))
+        for _, fd in self.c.session.fetch(r.lease.token):
+            os.close(fd)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.session.fetch(r.lease.token)
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.c._call("Detach", kvd.v1_pb2.DetachRequest(pool="err", client_id=r.client_id))
+
+    def test_fds_closed_and_memory_unmapped(self):
+        self.create("fds")
+        self.c.pools()  # the channel is connected: its socket is in the baseline
+        before, maps_before = fd_count(), memfd_maps()
+        self.assertEqual(memfd_fds(), 0)
+        m = self.c.attach("fds")
+        self.assertEqual(memfd_fds(), 0)  # the chunk FDs were closed after mmap
+        self.assertGreater(memfd_maps(), maps_before)
+        self.c.grow("fds", 64)
+        self.assertEqual(memfd_fds(), 0)
+        self.c.shrink("fds", 32, wait=True)
+        self.c.sleep("fds", wait=True)
+        self.c.wake("fds")
+        self.assertEqual(memfd_fds(), 0)
+        # Nothing of ours stays open (gRPC may keep a few of its own: at most 4 more than at the start).
+        self.assertLessEqual(fd_count(), before + 4)
+        m.close()
+        self.assertEqual(memfd_fds(), 0)
+        self.assertLessEqual(fd_count(), before + 4)
+        self.assertEqual(memfd_maps(), maps_before)
+
+    def test_close_detaches(self):
+        self.create("detach")
+        m = self.c.attach("detach")
+        self.assertEqual(len(self.c.pool("detach").clients), 1)
+        m.close()
+        self.assertTrue(m.closed)
+        self.assertEqual(len(self.c.pool("detach").clients), 0)
+        m.close()  # idempotent
+        # A peer process that exits without closing is detached by the daemon (its session died).
+        peer = self.peer("detach")
+        self.assertEqual(len(self.c.pool("detach").clients), 1)
+        peer.p.kill()
+        peer.p.wait()
+        poll(lambda: len(self.c.pool("detach").clients) == 0, "the killed peer detached")
+        self.c.delete("detach")
+
+    def test_pool_deleted_unmaps(self):
+        self.create("gone")
+        lost = []
+        m = self.c.attach("gone", on_lost=lambda mp, why: lost.append(why))
+        with kvd.connect(self.daemon.socket, client_name="operator") as op:
+            op.delete("gone", force=True)
+        poll(lambda: lost == ["POOL_DELETED"], "on_lost(POOL_DELETED)")
+        self.assertEqual(m.gone, "POOL_DELETED")
+        self.assertEqual(m.mapped_chunks, [])
+        m.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--peer":
+        sys.exit(peer_main(sys.argv[2], sys.argv[3]))
+    unittest.main(verbosity=2)
