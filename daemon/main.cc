@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -46,6 +47,7 @@
 #include "daemon/core/layout.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/pool_manager.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
@@ -338,9 +340,6 @@ absl::Status Run(const Flags& f) {
                                                    " is not a positive multiple of the granularity ",
                                                    FormatBytes(granularity)));
   }
-  if (!f.metrics_address.empty()) {
-    spdlog::warn("--metrics-address={}: the metrics endpoint is not served yet (a later release)", f.metrics_address);
-  }
 
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,
@@ -348,7 +347,15 @@ absl::Status Run(const Flags& f) {
                                                    .layout_policy = layout_policy,
                                                    .daemon_uid = static_cast<uint32_t>(getuid())});
   ManagerBackend backend(&manager);
-  KvdService service(&manager, KvdService::Options{.granularity = granularity});
+  // /metrics is bound before any socket listens: a taken --metrics-address stops kvd here.
+  std::unique_ptr<Metrics> metrics;
+  if (!f.metrics_address.empty()) {
+    KVD_ASSIGN_OR_RETURN(metrics, Metrics::Serve(f.metrics_address, &manager,
+                                                 BuildInfo{.version = KVD_VERSION,
+                                                           .backend = BackendName(device->kind())}));
+    spdlog::info("metrics on http://{}/metrics", f.metrics_address);
+  }
+  KvdService service(&manager, KvdService::Options{.granularity = granularity, .metrics = metrics.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -374,6 +381,9 @@ absl::Status Run(const Flags& f) {
       "granularity {}, pid {}",
       KVD_VERSION, BackendName(device->kind()), info.name, info.index, socket_path, handles_path, FormatBytes(budget),
       FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
+  // systemd Type=notify (deploy/systemd/kvd@.service): both sockets exist now. No-op without NOTIFY_SOCKET.
+  sd_notifyf(0, "READY=1\nSTATUS=serving unix:%s, budget %s\nMAINPID=%d", socket_path.c_str(),
+             FormatBytes(budget).c_str(), static_cast<int>(getpid()));
 
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -384,6 +394,7 @@ absl::Status Run(const Flags& f) {
     if (errno != EINTR) return ErrnoStatus("sigwaitinfo", errno);
   }
   spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
+  sd_notify(0, "STOPPING=1\nSTATUS=stopping: releasing all memory");
 
   // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
   // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
@@ -420,7 +431,8 @@ int Main(int argc, char** argv) {
   app.add_option("--socket", f.socket,
                  "gRPC Unix socket (default /run/kvd/gpu<N>.sock); the handle channel is the same path with .sock "
                  "replaced by .handles");
-  app.add_option("--metrics-address", f.metrics_address, "HOST:PORT for /metrics (accepted; not served yet)");
+  app.add_option("--metrics-address", f.metrics_address,
+                 "HOST:PORT to serve Prometheus /metrics on (default: not served)");
   app.add_option("--budget", f.budget, "Most memory committed at once: SIZE (100GiB) or PCT% of the device")
       ->capture_default_str();
   app.add_option("--host-capacity", f.host_capacity, "Host backend: memory it may commit (default: physical memory)");

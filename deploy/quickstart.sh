@@ -37,11 +37,19 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   hipcc libamdhip64-dev
   python3 python3-grpcio python3-protobuf python3-numpy
+  prometheus  # promtool and a real Prometheus server for the metrics tests
+  systemd yamllint  # tests/deploy/validate.sh: systemd-analyze, systemd-sysusers, yamllint
 )
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
+# tests/deploy/validate.sh checks the Kubernetes manifests with npm packages: the test mode needs node and
+# npm, Debian's unless some are already on the PATH (e.g. NodeSource's nodejs, which bundles npm).
+if [[ $mode == test ]]; then
+  command -v node >/dev/null || missing+=(nodejs)
+  command -v npm >/dev/null || missing+=(npm)
+fi
 if ((${#missing[@]})); then
   say "installing ${#missing[@]} missing packages: ${missing[*]}"
   sudo=()

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status.h"
 #include "kvd/status.h"
@@ -31,12 +33,13 @@ absl::Status RequireNonEmpty(const std::string& value, absl::string_view field) 
   return absl::OkStatus();
 }
 
-// The edge: every RPC's status passes here once, and a failure is logged once.
-grpc::Status Finish(const char* method, const absl::Status& status) {
-  if (!status.ok()) {
-    spdlog::warn("rpc {} failed: {}: {}", method, Sv(absl::StatusCodeToString(status.code())), Sv(status.message()));
-  }
-  return ToGrpcStatus(status);
+// Times one core call for kvd_operations_total / kvd_operation_duration_seconds (no-op without metrics).
+template <typename T>
+T Timed(Metrics* metrics, Operation op, const std::function<T()>& call) {
+  const absl::Time start = absl::Now();
+  T result = call();
+  if (metrics != nullptr) metrics->ObserveOperation(op, absl::Now() - start, result.ok());
+  return result;
 }
 
 std::string Elapsed(absl::Duration d) { return absl::FormatDuration(d); }
@@ -50,6 +53,14 @@ void LogUpdate(const char* verb, const PoolUpdate& u) {
 }  // namespace
 
 KvdService::KvdService(PoolManager* manager, Options options) : manager_(manager), options_(options) {}
+
+grpc::Status KvdService::Finish(const char* method, const absl::Status& status) const {
+  if (!status.ok()) {
+    spdlog::warn("rpc {} failed: {}: {}", method, Sv(absl::StatusCodeToString(status.code())), Sv(status.message()));
+  }
+  if (options_.metrics != nullptr) options_.metrics->CountRpc(method, status.code());
+  return ToGrpcStatus(status);
+}
 
 absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& context) const {
   const auto& metadata = context.client_metadata();
@@ -160,7 +171,10 @@ grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRe
   absl::Status status = [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(AttachResult attached, manager_->Attach(caller, request->pool(), request->client_name()));
+    KVD_ASSIGN_OR_RETURN(AttachResult attached,
+                         Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
+                           return manager_->Attach(caller, request->pool(), request->client_name());
+                         }));
     response->set_client_id(attached.client_id);
     *response->mutable_pool() = ToProto(attached.pool);
     *response->mutable_lease() = ToProto(attached.lease);
@@ -186,7 +200,9 @@ grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowReques
   absl::Status status = [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, manager_->Grow(caller, request->pool(), request->target_blocks()));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kGrow, [&] {
+                           return manager_->Grow(caller, request->pool(), request->target_blocks());
+                         }));
     *response = ToProto(update);
     LogUpdate("grew", update);
     return absl::OkStatus();
@@ -199,8 +215,11 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
   absl::Status status = [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, manager_->Shrink(caller, request->pool(), request->target_blocks(),
-                                                             request->wait_for_release(), ReleaseDeadline(*context)));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update,
+                         Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kShrink, [&] {
+                           return manager_->Shrink(caller, request->pool(), request->target_blocks(),
+                                                   request->wait_for_release(), ReleaseDeadline(*context));
+                         }));
     *response = ToProto(update);
     LogUpdate("shrank", update);
     return absl::OkStatus();
@@ -225,7 +244,9 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
     }
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
-                         manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context)));
+                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(options_.metrics, Operation::kSleep, [&] {
+                           return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context));
+                         }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
       LogUpdate("put to sleep", u);
@@ -250,7 +271,9 @@ grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeReques
       case v1::WakeRequest::TARGET_NOT_SET:
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
     }
-    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, manager_->Wake(caller, pool));
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
+                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(options_.metrics, Operation::kWake,
+                                                                        [&] { return manager_->Wake(caller, pool); }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
       LogUpdate("woke", u);
@@ -300,6 +323,8 @@ grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequ
   absl::Status detached = manager_->Detach(*caller, request->client_id());
   spdlog::info("watch of client {} ended: {}{}", request->client_id(), reason,
                detached.ok() ? "; client detached" : "");
+  if (options_.metrics != nullptr)
+    options_.metrics->CountRpc("Watch", static_cast<absl::StatusCode>(result.error_code()));
   return result;
 }
 

@@ -23,6 +23,8 @@
 
 namespace kvd {
 
+class Metrics;
+
 class KvdService final : public v1::Kvd::Service {
  public:
   struct Options {
@@ -31,6 +33,9 @@ class KvdService final : public v1::Kvd::Service {
     absl::Duration watch_poll = absl::Milliseconds(200);
     // Shrink/Sleep with wait_for_release and no RPC deadline wait at most this long.
     absl::Duration default_release_wait = absl::Seconds(60);
+    // Not owned; may be null (no metrics). Counts every RPC's status and times grow, shrink, sleep,
+    // wake and attach.
+    Metrics* metrics = nullptr;
   };
 
   KvdService(PoolManager* manager, Options options);
@@ -69,6 +74,8 @@ class KvdService final : public v1::Kvd::Service {
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
   absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
+  // The edge: every RPC's status passes here once; a failure is logged once and every status counted.
+  grpc::Status Finish(const char* method, const absl::Status& status) const;
 
   PoolManager* const manager_;
   const Options options_;

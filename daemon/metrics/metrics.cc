@@ -1,0 +1,225 @@
+#include "daemon/metrics/metrics.h"
+
+#include <array>
+#include <exception>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/client_metric.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+
+namespace kvd {
+namespace {
+
+constexpr std::array<Operation, 5> kOperations = {Operation::kGrow, Operation::kShrink, Operation::kSleep,
+                                                  Operation::kWake, Operation::kAttach};
+
+// From a cheap attach (~100 us) to a shrink that waits a minute for clients to release.
+const prometheus::Histogram::BucketBoundaries& DurationBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+  return kBuckets;
+}
+
+prometheus::MetricFamily Gauge(std::string name, std::string help) {
+  prometheus::MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = prometheus::MetricType::Gauge;
+  return family;
+}
+
+void Add(prometheus::MetricFamily& family, std::vector<prometheus::ClientMetric::Label> labels, double value) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  family.metric.push_back(std::move(m));
+}
+
+// Pool, client and device gauges and kvd_build_info, built from PoolManager snapshots at every scrape
+// (Note: no stale series: a deleted pool simply is not in the next snapshot).
+class SnapshotCollector final : public prometheus::Collectable {
+ public:
+  SnapshotCollector(const PoolManager* manager, BuildInfo build) : manager_(manager), build_(std::move(build)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out;
+
+    prometheus::MetricFamily build_info =
+        Gauge("kvd_build_info", "kvd's version and memory backend; always 1 (join on it for labels).");
+    Add(build_info, {{"version", build_.version}, {"backend", build_.backend}}, 1);
+    out.push_back(std::move(build_info));
+
+    absl::StatusOr<DeviceStatus> device = manager_->GetDeviceStatus();
+    if (device.ok()) {
+      const std::vector<prometheus::ClientMetric::Label> labels = {{"device", absl::StrCat(device->info.index)},
+                                                                   {"backend", BackendName(device->info.backend)}};
+      prometheus::MetricFamily total = Gauge("kvd_device_total_bytes", "Physical memory of the device.");
+      prometheus::MetricFamily free =
+          Gauge("kvd_device_free_bytes", "Free memory of the device as its driver reports it now.");
+      prometheus::MetricFamily committed =
+          Gauge("kvd_device_committed_bytes", "Memory committed to kvd's pools, including bytes pending release.");
+      prometheus::MetricFamily budget =
+          Gauge("kvd_device_budget_bytes", "Most memory kvd commits at once on the device (--budget).");
+      Add(total, labels, static_cast<double>(device->info.total_bytes));
+      Add(free, labels, static_cast<double>(device->info.free_bytes));
+      Add(committed, labels, static_cast<double>(device->committed_bytes));
+      Add(budget, labels, static_cast<double>(device->budget_bytes));
+      for (auto* f : {&total, &free, &committed, &budget}) out.push_back(std::move(*f));
+    }
+
+    // Root sees every pool.
+    const std::vector<PoolView> pools =
+        manager_->ListPools(Caller{.uid = 0, .pid = 0, .session = "", .name = "metrics"});
+    prometheus::MetricFamily committed_bytes =
+        Gauge("kvd_pool_committed_bytes", "Physical memory committed to the pool, including bytes pending release.");
+    prometheus::MetricFamily reserved_bytes =
+        Gauge("kvd_pool_reserved_bytes", "Virtual address space reserved for the pool.");
+    prometheus::MetricFamily committed_blocks = Gauge("kvd_pool_committed_blocks", "Blocks backed by memory now.");
+    prometheus::MetricFamily capacity_blocks =
+        Gauge("kvd_pool_capacity_blocks", "Blocks the pool can hold at most (its geometry's capacity).");
+    prometheus::MetricFamily state =
+        Gauge("kvd_pool_state", "1 for the pool's current state (state=awake|sleeping), 0 for the other.");
+    prometheus::MetricFamily clients = Gauge("kvd_pool_attached_clients", "Clients attached to the pool.");
+    prometheus::MetricFamily pending = Gauge(
+        "kvd_pool_pending_release_bytes", "Released bytes not yet acknowledged by every client; still in the budget.");
+    prometheus::MetricFamily mapped =
+        Gauge("kvd_client_mapped_bytes", "Bytes handed to the client and not yet acknowledged as released.");
+    for (const PoolView& p : pools) {
+      const std::vector<prometheus::ClientMetric::Label> pool = {{"pool", p.name}};
+      Add(committed_bytes, pool, static_cast<double>(p.committed_bytes));
+      Add(reserved_bytes, pool, static_cast<double>(p.reserved_bytes));
+      Add(committed_blocks, pool, static_cast<double>(p.committed_blocks));
+      Add(capacity_blocks, pool, static_cast<double>(p.geometry.dims().capacity_blocks));
+      Add(state, {{"pool", p.name}, {"state", "awake"}}, p.state == PoolState::kAwake ? 1 : 0);
+      Add(state, {{"pool", p.name}, {"state", "sleeping"}}, p.state == PoolState::kSleeping ? 1 : 0);
+      Add(clients, pool, static_cast<double>(p.clients.size()));
+      Add(pending, pool, static_cast<double>(p.pending_release_bytes));
+      for (const ClientView& c : p.clients) {
+        Add(mapped,
+            {{"pool", p.name},
+             {"client", c.id},
+             {"pid", absl::StrCat(c.pid)},
+             {"uid", absl::StrCat(c.uid)},
+             {"name", c.name}},
+            static_cast<double>(c.mapped_bytes));
+      }
+    }
+    for (auto* f : {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &clients, &pending,
+                    &mapped}) {
+      out.push_back(std::move(*f));
+    }
+    return out;
+  }
+
+ private:
+  const PoolManager* const manager_;
+  const BuildInfo build_;
+};
+
+}  // namespace
+
+const char* OperationName(Operation op) {
+  switch (op) {
+    case Operation::kGrow:
+      return "grow";
+    case Operation::kShrink:
+      return "shrink";
+    case Operation::kSleep:
+      return "sleep";
+    case Operation::kWake:
+      return "wake";
+    case Operation::kAttach:
+      return "attach";
+  }
+  return "unknown";
+}
+
+struct Metrics::Impl {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::shared_ptr<SnapshotCollector> snapshots;
+  prometheus::Family<prometheus::Counter>* operations = nullptr;
+  prometheus::Family<prometheus::Histogram>* durations = nullptr;
+  prometheus::Family<prometheus::Counter>* rpcs = nullptr;
+  // Pre-created so every op has series (at 0) from the start; indexed by Operation.
+  std::array<prometheus::Counter*, kOperations.size()> ok{};
+  std::array<prometheus::Counter*, kOperations.size()> failed{};
+  std::array<prometheus::Histogram*, kOperations.size()> duration{};
+  // Declared last: destroyed first, so no scrape runs while the rest goes away.
+  std::unique_ptr<prometheus::Exposer> exposer;
+};
+
+Metrics::Metrics(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& address, const PoolManager* manager,
+                                                        BuildInfo build) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-address: \"", address, "\" is not HOST:PORT (e.g. 127.0.0.1:9400)"));
+  }
+
+  auto impl = std::make_unique<Impl>();
+  impl->snapshots = std::make_shared<SnapshotCollector>(manager, std::move(build));
+  impl->operations = &prometheus::BuildCounter()
+                          .Name("kvd_operations_total")
+                          .Help("Pool operations (grow, shrink, sleep, wake, attach) by result (ok, error).")
+                          .Register(*impl->registry);
+  impl->durations = &prometheus::BuildHistogram()
+                         .Name("kvd_operation_duration_seconds")
+                         .Help("Time one pool operation took in the core, successful or not.")
+                         .Register(*impl->registry);
+  impl->rpcs = &prometheus::BuildCounter()
+                    .Name("kvd_rpc_requests_total")
+                    .Help("Finished gRPC requests by method and status code.")
+                    .Register(*impl->registry);
+  for (size_t i = 0; i < kOperations.size(); ++i) {
+    const std::string op = OperationName(kOperations[i]);
+    impl->ok[i] = &impl->operations->Add({{"op", op}, {"result", "ok"}});
+    impl->failed[i] = &impl->operations->Add({{"op", op}, {"result", "error"}});
+    impl->duration[i] = &impl->durations->Add({{"op", op}}, DurationBuckets());
+  }
+
+  // prometheus-cpp reports a failed bind (civetweb) by throwing; this is the one place it is caught.
+  try {
+    impl->exposer = std::make_unique<prometheus::Exposer>(address, 2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics-address=", address, ": cannot listen: ", e.what()));
+  }
+  impl->exposer->RegisterCollectable(impl->registry);
+  impl->exposer->RegisterCollectable(impl->snapshots);
+  return std::unique_ptr<Metrics>(new Metrics(std::move(impl)));
+}
+
+int Metrics::port() const {
+  const std::vector<int> ports = impl_->exposer->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+void Metrics::CountRpc(absl::string_view method, absl::StatusCode code) {
+  impl_->rpcs->Add({{"method", std::string(method)}, {"code", absl::StatusCodeToString(code)}}).Increment();
+}
+
+void Metrics::ObserveOperation(Operation op, absl::Duration elapsed, bool ok) {
+  const size_t i = static_cast<size_t>(op);
+  if (i >= kOperations.size()) return;
+  (ok ? impl_->ok[i] : impl_->failed[i])->Increment();
+  impl_->duration[i]->Observe(absl::ToDoubleSeconds(elapsed));
+}
+
+}  // namespace kvd

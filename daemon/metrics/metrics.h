@@ -1,0 +1,64 @@
+// Metrics: kvd's Prometheus endpoint (DESIGN.md section 8, docs/metrics.md) behind a narrow interface.
+// prometheus-cpp stays inside metrics.cc; callers see only this header.
+//
+// What is exported. Pool, client and device gauges are built at scrape time from PoolManager
+// snapshots (GetDeviceStatus and ListPools as root), so a deleted pool or a detached client leaves no
+// stale series. Counters and histograms (operations, RPCs) and kvd_build_info live in a registry fed
+// by the rpc layer through CountRpc and ObserveOperation.
+//
+// Ownership. Serve binds HOST:PORT and serves GET /metrics on prometheus-cpp's (civetweb's) own
+// threads until the Metrics object is destroyed. `manager` is not owned and must outlive it.
+//
+// Threads. Every method is thread-safe; a scrape takes the manager's locks only through its public,
+// thread-safe snapshot calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "daemon/core/pool_manager.h"
+
+namespace kvd {
+
+struct BuildInfo {
+  std::string version;
+  std::string backend;  // "host", "cuda", "hip"
+};
+
+// The timed operations: label op of kvd_operations_total and kvd_operation_duration_seconds.
+enum class Operation { kGrow, kShrink, kSleep, kWake, kAttach };
+
+class Metrics {
+ public:
+  // Serves /metrics on `address` ("HOST:PORT"; "127.0.0.1:9400", "[::1]:9400", "0.0.0.0:0").
+  // INVALID_ARGUMENT for an address that is not HOST:PORT; UNAVAILABLE when it cannot be bound; both
+  // messages name --metrics-address.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Metrics>> Serve(const std::string& address,
+                                                                      const PoolManager* manager, BuildInfo build);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The TCP port actually bound (useful with port 0).
+  int port() const;
+
+  // One finished RPC: kvd_rpc_requests_total{method, code} (code as absl::StatusCodeToString: "OK",
+  // "NOT_FOUND", ...).
+  void CountRpc(absl::string_view method, absl::StatusCode code);
+  // One core operation that took `elapsed`: kvd_operations_total{op, result="ok"|"error"} and, for
+  // every call, kvd_operation_duration_seconds{op}.
+  void ObserveOperation(Operation op, absl::Duration elapsed, bool ok);
+
+ private:
+  struct Impl;
+  explicit Metrics(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+const char* OperationName(Operation op);
+
+}  // namespace kvd

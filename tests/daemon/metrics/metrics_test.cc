@@ -1,0 +1,99 @@
+// Tests daemon/metrics/metrics.cc: Serve's address handling and what a scrape of /metrics contains,
+// on a PoolManager over the real host backend. (The real kvd is tested by kvd_metrics_test.py.)
+#include "daemon/metrics/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/core/pool_manager.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvd/device.h"
+
+namespace kvd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// The body of GET /metrics on 127.0.0.1:`port` (HTTP/1.0: the server closes when done).
+std::string Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "socket failed";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return response;
+}
+
+class MetricsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> host =
+        OpenDevice({.backend = "host", .host_capacity = 256 * kMiB, .host_granularity = 2 * kMiB});
+    ASSERT_TRUE(host.ok()) << host.status();
+    device_ = *std::move(host);
+    manager_ = std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 128 * kMiB});
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<PoolManager> manager_;
+};
+
+TEST_F(MetricsTest, AddressWithoutPortIsInvalidAndNamesTheFlag) {
+  absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Serve("localhost", manager_.get(), {"1", "host"});
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(m.status().message()), HasSubstr("--metrics-address"));
+}
+
+TEST_F(MetricsTest, TakenPortIsUnavailableAndNamesTheFlag) {
+  absl::StatusOr<std::unique_ptr<Metrics>> first = Metrics::Serve("127.0.0.1:0", manager_.get(), {"1", "host"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_GT((*first)->port(), 0);
+  absl::StatusOr<std::unique_ptr<Metrics>> second =
+      Metrics::Serve(absl::StrCat("127.0.0.1:", (*first)->port()), manager_.get(), {"1", "host"});
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("--metrics-address"));
+}
+
+TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenThereAreNone) {
+  absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host"});
+  ASSERT_TRUE(m.ok()) << m.status();
+  (*m)->CountRpc("Grow", absl::StatusCode::kResourceExhausted);
+  (*m)->CountRpc("Grow", absl::StatusCode::kResourceExhausted);
+  (*m)->ObserveOperation(Operation::kShrink, absl::Milliseconds(3), /*ok=*/false);
+
+  const std::string body = Scrape((*m)->port());
+  EXPECT_THAT(body, HasSubstr("200 OK"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_rpc_requests_total{code="RESOURCE_EXHAUSTED",method="Grow"} 2)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{op="shrink",result="error"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{op="grow",result="ok"} 0)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_count{op="shrink"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_bucket{op="shrink",le="0.005"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_build_info{version="9.9.9",backend="host"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_device_budget_bytes{device="0",backend="host"} 134217728)"));
+  EXPECT_THAT(body, Not(HasSubstr("kvd_pool_committed_bytes{")));
+}
+
+}  // namespace
+}  // namespace kvd
