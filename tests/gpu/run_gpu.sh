@@ -51,7 +51,8 @@ rm -rf "$dir"
 if [[ -d $bundle/python ]]; then
   step "Python package on CUDA: torch views shared by two processes, grow, sleep/wake; kvctl"
   dir=$(mktemp -d)
-  kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB >"$out/kvd-python.log" 2>&1 &
+  kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB --metrics-address=127.0.0.1:9500 \
+    >"$out/kvd-python.log" 2>&1 &
   daemon=$!
   for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
   export KVD_SOCKET=$dir/gpu0.sock PYTHONPATH=$bundle/python
@@ -66,6 +67,9 @@ if [[ -d $bundle/python ]]; then
     run kvctl_sleep kvctl sleep --all
     run kvctl_wake kvctl wake --all
     run kvctl_json kvctl --json describe demo
+    step "metrics scraped from the CUDA daemon"
+    python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9500/metrics").read().decode())' |
+      grep -E '^kvd_(device_|pool_committed_bytes|pool_state)' || status=1
   fi
   kill -TERM "$daemon"
   wait "$daemon"
