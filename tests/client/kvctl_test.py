@@ -7,14 +7,13 @@ $KVD_BINARY and $KVCTL_BINARY name the binaries (ctest sets both).
 """
 import json
 import os
-import shutil
-import signal
 import subprocess
-import tempfile
-import time
+import sys
 import unittest
 
-KVD = os.environ.get("KVD_BINARY", "kvd")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testing"))
+from kvd_daemon import KvdDaemonCase  # noqa: E402
+
 KVCTL = os.environ.get("KVCTL_BINARY", "kvctl")
 WAIT_S = 30
 MiB = 1 << 20
@@ -24,34 +23,7 @@ DIMS = ["--layers", "2", "--capacity-blocks", "2048", "--heads", "2", "--block-t
         "--element-bytes", "2"]
 
 
-class KvctlTest(unittest.TestCase):
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="kvctl-test-")
-        self.socket = os.path.join(self.dir, "gpu0.sock")
-        self.log_path = os.path.join(self.dir, "kvd.log")
-        with open(self.log_path, "wb") as log:
-            self.kvd = subprocess.Popen([KVD, "--backend=host", "--socket=" + self.socket, "--host-capacity=1GiB",
-                                         "--budget=512MiB", "--host-granularity=2MiB"], stdout=log,
-                                        stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        while " ready: " not in self.log():
-            self.assertIsNone(self.kvd.poll(), "kvd exited: " + self.log())
-            self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self.log())
-            time.sleep(0.02)
-
-    def tearDown(self):
-        self.kvd.send_signal(signal.SIGTERM)
-        try:
-            self.kvd.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.kvd.kill()
-            self.kvd.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def log(self):
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
+class KvctlTest(KvdDaemonCase):
     def run_kvctl(self, *args, env=None, use_socket=True):
         argv = [KVCTL] + (["--socket=" + self.socket] if use_socket else []) + list(args)
         return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=env)

@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testing"))
+from kvd_daemon import KvdDaemonCase  # noqa: E402
 import urllib.parse
 import urllib.request
 
@@ -64,36 +66,10 @@ def parse_samples(text):
     return samples
 
 
-class KvdFixture(unittest.TestCase):
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="kvd-metrics-test-")
-        os.chmod(self.dir, 0o750)
-        self.socket = os.path.join(self.dir, "gpu0.sock")
-        self.log_path = os.path.join(self.dir, "kvd.log")
+class KvdFixture(KvdDaemonCase):
+    def kvd_args(self):
         self.metrics_port = free_port()
-        with open(self.log_path, "wb") as log:
-            self.kvd = subprocess.Popen([KVD, "--backend=host", "--socket=" + self.socket, "--host-capacity=1GiB",
-                                         "--budget=512MiB", "--host-granularity=2MiB",
-                                         f"--metrics-address=127.0.0.1:{self.metrics_port}"],
-                                        stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        while " ready: " not in self.log():
-            self.assertIsNone(self.kvd.poll(), "kvd exited: " + self.log())
-            self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self.log())
-            time.sleep(0.02)
-
-    def tearDown(self):
-        self.kvd.send_signal(signal.SIGTERM)
-        try:
-            self.kvd.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.kvd.kill()
-            self.kvd.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def log(self):
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        return [f"--metrics-address=127.0.0.1:{self.metrics_port}"]
 
     def kvctl_json(self, *args):
         r = subprocess.run([KVCTL, "--socket=" + self.socket, "--json"] + list(args), capture_output=True, text=True,
