@@ -40,7 +40,23 @@ absl::Status Gone(absl::string_view pool) {
   return absl::NotFoundError(absl::StrCat("pool ", pool, " does not exist"));
 }
 
+constexpr size_t kMaxAbortedRecords = 1024;
+
 }  // namespace
+
+const char* GroupOpName(GroupOp op) {
+  switch (op) {
+    case GroupOp::kGrow:
+      return "grow";
+    case GroupOp::kShrink:
+      return "shrink";
+    case GroupOp::kSleep:
+      return "sleep";
+    case GroupOp::kWake:
+      return "wake";
+  }
+  return "?";
+}
 
 // ---------------------------------------------------------------------------------------------
 // EventQueue
@@ -79,6 +95,23 @@ struct PoolManager::ChunkRecord {
   int fd = -1;  // exported once at creation; consumers get dup()s
 };
 
+// Memory made for a grow or wake that no client can see yet.
+struct PoolManager::Staged {
+  std::vector<ChunkRecord> chunks;
+  uint64_t bytes = 0;  // counted in committed_bytes_ (the budget) from the start
+};
+
+// A prepared group operation holding one pool.
+struct PoolManager::Transaction {
+  std::string id;
+  GroupOp op = GroupOp::kGrow;
+  uint64_t target_blocks = 0;
+  std::string session;
+  int32_t pid = 0;
+  absl::Time expires;
+  Staged staged;
+};
+
 struct PoolManager::Client {
   std::string id;
   std::string name;
@@ -86,6 +119,7 @@ struct PoolManager::Client {
   int32_t pid = 0;
   std::string session;
   absl::Time attached_at;
+  std::string device_uuid;
   std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes, until acknowledged as released
   std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
   bool watching = false;
@@ -99,6 +133,9 @@ struct PoolManager::Pool {
   PoolPlan plan;
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
+  GroupMembership group;
+  std::vector<std::string> peer_devices;
+  std::optional<Transaction> txn;
   uint64_t base = 0;  // the daemon's own VA reservation
   PoolState state = PoolState::kAwake;
   uint64_t prefix_bytes = 0;  // committed bytes of every segment
@@ -148,6 +185,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options) : device_(devic
   device_info_.granularity = device_->granularity();
   device_info_.backend = device_->kind();
   budget_bytes_ = options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes;
+  reaper_ = std::thread([this] { ReapExpired(); });
 }
 
 PoolManager::~PoolManager() { Shutdown(); }
@@ -160,6 +198,22 @@ std::string PoolManager::OpenSession(uint32_t uid, int32_t pid, std::string name
 }
 
 void PoolManager::CloseSession(absl::string_view session) {
+  std::vector<std::shared_ptr<Pool>> held;  // by a transaction of this session: aborted below
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, pool] : pools_) {
+      if (pool->txn.has_value() && pool->txn->session == session) held.push_back(pool);
+    }
+  }
+  for (const std::shared_ptr<Pool>& pool : held) {
+    absl::MutexLock op(&pool->op_mu);
+    std::string id;
+    {
+      absl::MutexLock lock(&mu_);
+      if (pool->txn.has_value() && pool->txn->session == session) id = pool->txn->id;
+    }
+    if (!id.empty()) AbortLocked(*pool, id, "its session closed (the coordinator ended or died) before Commit");
+  }
   absl::MutexLock lock(&mu_);
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return;
@@ -276,12 +330,20 @@ PoolView PoolManager::ViewLocked(const Pool& pool) const {
              .owner_uid = pool.owner_uid,
              .allowed_uids = pool.allowed_uids,
              .generation = pool.generation,
-             .created_at = pool.created_at};
+             .created_at = pool.created_at,
+             .group = pool.group,
+             .peer_devices = pool.peer_devices,
+             .transaction = pool.txn.has_value() ? pool.txn->id : std::string()};
   for (const auto& [id, c] : pool.clients) {
     uint64_t mapped = 0;
     for (const auto& [chunk, bytes] : c.handed) mapped += bytes;
-    v.clients.push_back(
-        {.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid, .mapped_bytes = mapped, .attached_at = c.attached_at});
+    v.clients.push_back({.id = c.id,
+                         .name = c.name,
+                         .uid = c.uid,
+                         .pid = c.pid,
+                         .mapped_bytes = mapped,
+                         .attached_at = c.attached_at,
+                         .device_uuid = c.device_uuid});
   }
   for (const ChunkRecord& r : pool.chunks) v.chunks.push_back(r.info);
   return v;
@@ -302,7 +364,24 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     if (pools_.contains(spec.name)) {
       return absl::AlreadyExistsError(absl::StrCat("name: pool ", spec.name, " already exists"));
     }
+    if (!spec.group.name.empty()) {
+      for (const auto& [other_name, other] : pools_) {
+        if (other->group.name != spec.group.name) continue;
+        if (other->group.size != spec.group.size) {
+          return absl::InvalidArgumentError(absl::StrCat("group.size: group ", spec.group.name, " has size ",
+                                                         other->group.size, " here (pool ", other_name, "), not ",
+                                                         spec.group.size));
+        }
+        if (other->group.rank == spec.group.rank) {
+          return absl::AlreadyExistsError(absl::StrCat("group.rank: rank ", spec.group.rank, " of group ",
+                                                       spec.group.name, " is already pool ", other_name,
+                                                       " on this daemon"));
+        }
+      }
+    }
     pool->name = spec.name;
+    pool->group = spec.group;
+    pool->peer_devices = spec.peer_devices;
     pool->plan = std::move(plan);
     pool->owner_uid = caller.uid;
     pool->allowed_uids = spec.allowed_uids;
@@ -351,6 +430,7 @@ absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::str
   {
     absl::MutexLock lock(&mu_);
     if (pool->deleted) return Gone(name);
+    if (!force) KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
     if (!pool->clients.empty() && !force) {
       return absl::FailedPreconditionError(absl::StrCat("pool ", name, " has ", pool->clients.size(),
                                                         " attached clients: detach them or delete with force"));
@@ -364,9 +444,16 @@ absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::str
 
 void PoolManager::DestroyLocked(Pool& pool, EventType why) {
   std::vector<ChunkRecord> chunks;
+  std::optional<Transaction> txn;
   {
     absl::MutexLock lock(&mu_);
     pool.deleted = true;
+    if (pool.txn.has_value()) {
+      transactions_.erase(pool.txn->id);
+      committed_bytes_ -= pool.txn->staged.bytes;
+      txn = std::move(pool.txn);
+      pool.txn.reset();
+    }
     for (auto& [id, client] : pool.clients) {
       client.events->Push(pool.Event(why));
       client.events->Close();
@@ -383,6 +470,9 @@ void PoolManager::DestroyLocked(Pool& pool, EventType why) {
     }
   }
   for (ChunkRecord& r : chunks) DiscardChunk(pool, r);
+  if (txn.has_value()) {
+    for (ChunkRecord& r : txn->staged.chunks) DiscardChunk(pool, r);
+  }
   if (pool.base != 0) device_->Free(pool.base, pool.plan.geometry.reserved_bytes()).IgnoreError();
   pool.base = 0;
 }
@@ -391,19 +481,28 @@ void PoolManager::DestroyLocked(Pool& pool, EventType why) {
 // Attach, detach, watch, acknowledge
 
 absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::string_view pool_name,
-                                                 absl::string_view client_name) {
+                                                 absl::string_view client_name, absl::string_view device_uuid) {
   if (!client_name.empty()) KVD_RETURN_IF_ERROR(ValidateName(client_name, "client_name"));
+  const bool peer = !device_uuid.empty() && device_uuid != device_info_.uuid;
+  if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
   absl::MutexLock op(&pool->op_mu);
   absl::MutexLock lock(&mu_);
   if (pool->deleted) return Gone(pool_name);
+  if (peer && std::none_of(pool->peer_devices.begin(), pool->peer_devices.end(),
+                           [&](const std::string& d) { return d == "*" || d == device_uuid; })) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "device_uuid: pool ", pool_name, " lives on device ", device_info_.uuid, " and is not granted to device ",
+        device_uuid, " (grant it: kvctl grant ", pool_name, " ", device_uuid, ", or create it with peer_devices)"));
+  }
   if (!sessions_.contains(caller.session)) return absl::UnauthenticatedError("kvd-session: the session has closed");
   Client c{.id = RandomToken("c-"),
            .name = client_name.empty() ? caller.name : std::string(client_name),
            .uid = caller.uid,
            .pid = caller.pid,
            .session = caller.session,
-           .attached_at = absl::Now()};
+           .attached_at = absl::Now(),
+           .device_uuid = peer ? std::string(device_uuid) : std::string()};
   std::vector<uint64_t> ids;
   for (const ChunkRecord& r : pool->chunks) {
     ids.push_back(r.info.id);
@@ -501,12 +600,21 @@ absl::StatusOr<uint64_t> PoolManager::Acknowledge(const Caller& caller, absl::st
 // ---------------------------------------------------------------------------------------------
 // Grow, shrink, sleep, wake
 
+absl::Status PoolManager::CheckNotHeldLocked(const Pool& pool) const {
+  if (!pool.txn.has_value()) return absl::OkStatus();
+  return absl::AbortedError(
+      absl::StrCat("pool ", pool.name, " is held by group transaction ", pool.txn->id, " (", GroupOpName(pool.txn->op),
+                   ", prepared by pid ", pool.txn->pid, ") until it commits or aborts (at the latest in ",
+                   absl::FormatDuration(absl::Trunc(pool.txn->expires - absl::Now(), absl::Milliseconds(1))), ")"));
+}
+
 absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_view name, uint64_t target_blocks) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   {
     absl::MutexLock lock(&mu_);
     if (pool->deleted) return Gone(name);
+    KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
     if (pool->state == PoolState::kSleeping) return Sleeping(name);
     if (target_blocks <= pool->committed_blocks()) {
       return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not more than the ",
@@ -519,35 +627,59 @@ absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_
 
 absl::StatusOr<PoolUpdate> PoolManager::GrowLocked(Pool& pool, const Caller& caller, uint64_t target_blocks) {
   const absl::Time start = absl::Now();
+  KVD_ASSIGN_OR_RETURN(Staged staged, StageLocked(pool, target_blocks));
+  absl::MutexLock lock(&mu_);
+  return PublishLocked(pool, caller, std::move(staged), target_blocks, start);
+}
+
+absl::StatusOr<PoolManager::Staged> PoolManager::StageLocked(Pool& pool, uint64_t target_blocks) {
   std::vector<PlannedChunk> plan;
-  uint64_t bytes = 0;
+  Staged staged;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
     KVD_ASSIGN_OR_RETURN(plan, pool.plan.geometry.PlanGrow(pool.prefix_bytes, target_blocks, options_.max_chunk_bytes));
-    for (const PlannedChunk& p : plan) bytes += p.bytes;
-    if (committed_bytes_ + bytes > budget_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "pool ", pool.name, ": growing to ", target_blocks, " blocks needs ", bytes, " bytes (", FormatBytes(bytes),
-          ") but only ", budget_bytes_ - committed_bytes_, " bytes (", FormatBytes(budget_bytes_ - committed_bytes_),
-          ") of the daemon's budget of ", FormatBytes(budget_bytes_), " are free"));
+    for (const PlannedChunk& p : plan) staged.bytes += p.bytes;
+    if (committed_bytes_ + staged.bytes > budget_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pool ", pool.name, ": growing to ", target_blocks, " blocks needs ", staged.bytes, " bytes (",
+                       FormatBytes(staged.bytes), ") but only ", budget_bytes_ - committed_bytes_, " bytes (",
+                       FormatBytes(budget_bytes_ - committed_bytes_), ") of the daemon's budget of ",
+                       FormatBytes(budget_bytes_), " are free"));
     }
-    committed_bytes_ += bytes;  // reserved now so that concurrent grows of other pools see it
+    committed_bytes_ += staged.bytes;  // reserved now so that concurrent grows of other pools see it
   }
   absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(pool, plan);
-  absl::MutexLock lock(&mu_);
   if (!made.ok()) {
-    committed_bytes_ -= bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      committed_bytes_ -= staged.bytes;
+    }
     if (absl::IsResourceExhausted(made.status())) {
       absl::StatusOr<DeviceInfo> info = device_->Info();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "pool ", pool.name, ": growing to ", target_blocks, " blocks needs ", bytes, " bytes (", FormatBytes(bytes),
-          ") but the device has ", info.ok() ? info->free_bytes : 0, " bytes free: ", made.status().message()));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pool ", pool.name, ": growing to ", target_blocks, " blocks needs ", staged.bytes, " bytes (",
+                       FormatBytes(staged.bytes), ") but the device has ", info.ok() ? info->free_bytes : 0,
+                       " bytes free: ", made.status().message()));
     }
     return made.status();
   }
+  staged.chunks = *std::move(made);
+  return staged;
+}
+
+void PoolManager::Unstage(const Pool& pool, Staged& staged) {
+  for (ChunkRecord& r : staged.chunks) DiscardChunk(pool, r);
+  staged.chunks.clear();
+  absl::MutexLock lock(&mu_);
+  committed_bytes_ -= staged.bytes;
+  staged.bytes = 0;
+}
+
+PoolUpdate PoolManager::PublishLocked(Pool& pool, const Caller& caller, Staged staged, uint64_t target_blocks,
+                                      absl::Time start) {
   PoolUpdate update;
-  for (ChunkRecord& r : *made) {
+  for (ChunkRecord& r : staged.chunks) {
     r.info.id = next_chunk_id_++;
     update.added.push_back(r.info);
     pool.chunks.push_back(std::move(r));
@@ -647,6 +779,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     {
       absl::MutexLock lock(&mu_);
       if (pool->deleted) return Gone(name);
+      KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
       if (pool->state == PoolState::kSleeping) return Sleeping(name);
       if (target_blocks >= pool->committed_blocks()) {
         return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not less than the ",
@@ -686,6 +819,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller,
         if (pool->deleted) return Gone(name);
         return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is already sleeping"));
       }
+      KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
       pool->wake_blocks = pool->committed_blocks();
       pool->state = PoolState::kSleeping;
     }
@@ -717,6 +851,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
   std::vector<PoolUpdate> updates;
   for (const std::shared_ptr<Pool>& pool : targets) {
     absl::MutexLock op(&pool->op_mu);
+    const absl::Time start = absl::Now();
     uint64_t blocks = 0;
     {
       absl::MutexLock lock(&mu_);
@@ -725,28 +860,279 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
         if (pool->deleted) return Gone(name);
         return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is already awake"));
       }
+      KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
       blocks = pool->wake_blocks;
-      // Awake before the grow, so the CHUNKS_ADDED events it sends say so; back on failure.
-      pool->state = PoolState::kAwake;
     }
-    // One chunk per segment for the whole previous size: sleep/wake also defragments.
-    PoolUpdate update;
+    // One chunk per segment for the whole previous size: sleep/wake also defragments. On failure the
+    // pools woken so far stay awake and this one stays asleep.
+    Staged staged;
     if (blocks > 0) {
-      absl::StatusOr<PoolUpdate> grown = GrowLocked(*pool, caller, blocks);
-      if (!grown.ok()) {
-        // The pools woken so far stay awake; this one stays asleep with nothing committed.
-        absl::MutexLock lock(&mu_);
-        pool->state = PoolState::kSleeping;
-        return grown.status();
-      }
-      update = *std::move(grown);
+      KVD_ASSIGN_OR_RETURN(staged, StageLocked(*pool, blocks));
     }
     absl::MutexLock lock(&mu_);
+    // Awake before publishing, so that the CHUNKS_ADDED events say so.
+    pool->state = PoolState::kAwake;
     pool->wake_blocks = 0;
-    update.pool = ViewLocked(*pool);
-    updates.push_back(std::move(update));
+    if (blocks > 0) {
+      updates.push_back(PublishLocked(*pool, caller, std::move(staged), blocks, start));
+    } else {
+      updates.push_back(PoolUpdate{.pool = ViewLocked(*pool), .elapsed = absl::Now() - start});
+    }
   }
   return updates;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine groups: prepare, commit, abort
+
+absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::string_view name, GroupOp op,
+                                                uint64_t target_blocks, absl::Duration ttl) {
+  const absl::Time start = absl::Now();
+  if ((op == GroupOp::kSleep || op == GroupOp::kWake) && target_blocks != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_blocks: must be unset for ", GroupOpName(op), " (it applies to grow and shrink)"));
+  }
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  absl::MutexLock op_lock(&pool->op_mu);
+  uint64_t stage_blocks = 0;  // grow and wake: the committed blocks after Commit
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return Stopping();
+    if (pool->deleted) return Gone(name);
+    KVD_RETURN_IF_ERROR(CheckNotHeldLocked(*pool));
+    const uint64_t committed = pool->committed_blocks();
+    const bool awake = pool->state == PoolState::kAwake;
+    switch (op) {
+      case GroupOp::kGrow:
+        if (!awake) return Sleeping(name);
+        if (target_blocks <= committed) {
+          return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not more than the ",
+                                                         committed, " blocks pool ", name, " has committed"));
+        }
+        stage_blocks = target_blocks;
+        break;
+      case GroupOp::kShrink:
+        if (!awake) return Sleeping(name);
+        if (target_blocks >= committed) {
+          return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not less than the ",
+                                                         committed, " blocks pool ", name, " has committed"));
+        }
+        break;
+      case GroupOp::kSleep:
+        if (!awake) return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is already sleeping"));
+        break;
+      case GroupOp::kWake:
+        if (awake) return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is already awake"));
+        stage_blocks = pool->wake_blocks;
+        break;
+    }
+  }
+  Transaction txn{
+      .id = RandomToken("t-"), .op = op, .target_blocks = target_blocks, .session = caller.session, .pid = caller.pid};
+  if (stage_blocks > 0) {
+    KVD_ASSIGN_OR_RETURN(txn.staged, StageLocked(*pool, stage_blocks));
+  }
+  bool session_open = false;
+  {
+    absl::MutexLock lock(&mu_);
+    session_open = sessions_.contains(caller.session);
+  }
+  if (!session_open) {
+    // The session closed while the memory was made (CloseSession found nothing to abort): nobody
+    // could commit this.
+    Unstage(*pool, txn.staged);
+    return absl::UnauthenticatedError("kvd-session: the session has closed");
+  }
+  absl::MutexLock lock(&mu_);
+  txn.expires = absl::Now() + ttl;
+  PreparedOp prepared{.transaction = txn.id, .prepared_bytes = txn.staged.bytes, .expires = txn.expires};
+  transactions_[txn.id] = pool->name;
+  pool->txn = std::move(txn);
+  reaper_kick_ = true;
+  prepared.pool = ViewLocked(*pool);
+  prepared.elapsed = absl::Now() - start;
+  return prepared;
+}
+
+absl::StatusOr<std::shared_ptr<PoolManager::Pool>> PoolManager::FindTransactionLocked(
+    const Caller& caller, absl::string_view transaction) const {
+  auto t = transactions_.find(transaction);
+  if (t == transactions_.end()) {
+    auto a = aborted_.find(transaction);
+    if (a != aborted_.end()) {
+      return absl::NotFoundError(absl::StrCat("transaction: ", transaction, " was aborted by the daemon: ", a->second));
+    }
+    return absl::NotFoundError(absl::StrCat("transaction: ", transaction, " is unknown or already ended"));
+  }
+  auto p = pools_.find(t->second);
+  if (p == pools_.end() || !p->second->txn.has_value() || p->second->txn->id != transaction) {
+    return absl::NotFoundError(absl::StrCat("transaction: ", transaction, " ended with its pool ", t->second));
+  }
+  if (p->second->txn->session != caller.session) {
+    return absl::PermissionDeniedError(absl::StrCat("transaction: ", transaction,
+                                                    " was prepared by another session (pid ", p->second->txn->pid,
+                                                    "); only it may commit or abort"));
+  }
+  return p->second;
+}
+
+uint64_t PoolManager::AbortLocked(Pool& pool, absl::string_view transaction, absl::string_view why) {
+  std::optional<Transaction> txn;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!pool.txn.has_value() || (!transaction.empty() && pool.txn->id != transaction)) return 0;
+    txn = std::move(pool.txn);
+    pool.txn.reset();
+    transactions_.erase(txn->id);
+    if (!why.empty()) {
+      if (aborted_order_.size() >= kMaxAbortedRecords) {
+        aborted_.erase(aborted_order_.front());
+        aborted_order_.erase(aborted_order_.begin());
+      }
+      aborted_[txn->id] = std::string(why);
+      aborted_order_.push_back(txn->id);
+    }
+  }
+  const uint64_t bytes = txn->staged.bytes;
+  Unstage(pool, txn->staged);
+  return bytes;
+}
+
+absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::string_view transaction, bool wait,
+                                                absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  std::shared_ptr<Pool> pool;
+  {
+    absl::MutexLock lock(&mu_);
+    KVD_ASSIGN_OR_RETURN(pool, FindTransactionLocked(caller, transaction));
+  }
+  CommittedOp result;
+  {
+    absl::MutexLock op(&pool->op_mu);
+    uint64_t release_prefix = 0;
+    absl::Duration late = absl::ZeroDuration();
+    {
+      absl::MutexLock lock(&mu_);
+      // Ended (reaper, a closed session, a forced delete) between the lookup and op_mu?
+      KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> again, FindTransactionLocked(caller, transaction));
+      (void)again;
+      late = absl::Now() - pool->txn->expires;
+    }
+    if (late > absl::ZeroDuration()) {
+      AbortLocked(*pool, transaction, "not committed within its ttl");
+      return absl::AbortedError(absl::StrCat("transaction: ", transaction, " expired ",
+                                             absl::FormatDuration(absl::Trunc(late, absl::Milliseconds(1))),
+                                             " ago and was aborted; prepare again"));
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      Transaction txn = *std::move(pool->txn);
+      pool->txn.reset();
+      transactions_.erase(txn.id);
+      result.op = txn.op;
+      switch (txn.op) {
+        case GroupOp::kGrow:
+          result.update = PublishLocked(*pool, caller, std::move(txn.staged), txn.target_blocks, start);
+          break;
+        case GroupOp::kWake: {
+          const uint64_t blocks = pool->wake_blocks;
+          pool->state = PoolState::kAwake;
+          pool->wake_blocks = 0;
+          if (blocks > 0) {
+            result.update = PublishLocked(*pool, caller, std::move(txn.staged), blocks, start);
+          } else {
+            result.update.pool = ViewLocked(*pool);
+          }
+          break;
+        }
+        case GroupOp::kShrink:
+          release_prefix = pool->plan.geometry.PrefixBytes(txn.target_blocks);
+          break;
+        case GroupOp::kSleep:
+          pool->wake_blocks = pool->committed_blocks();
+          pool->state = PoolState::kSleeping;
+          break;
+      }
+    }
+    if (result.op == GroupOp::kShrink || result.op == GroupOp::kSleep) {
+      result.update = ReleaseLocked(*pool, release_prefix);
+    }
+  }
+  if (wait) {
+    AwaitRelease(*pool, result.update.release_id, deadline);
+    absl::MutexLock lock(&mu_);
+    result.update.pool = ViewLocked(*pool);
+  }
+  result.update.elapsed = absl::Now() - start;
+  return result;
+}
+
+absl::StatusOr<uint64_t> PoolManager::Abort(const Caller& caller, absl::string_view transaction) {
+  std::shared_ptr<Pool> pool;
+  {
+    absl::MutexLock lock(&mu_);
+    KVD_ASSIGN_OR_RETURN(pool, FindTransactionLocked(caller, transaction));
+  }
+  absl::MutexLock op(&pool->op_mu);
+  {
+    absl::MutexLock lock(&mu_);
+    KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> again, FindTransactionLocked(caller, transaction));
+    (void)again;
+  }
+  return AbortLocked(*pool, transaction, "");
+}
+
+void PoolManager::ReapExpired() {
+  mu_.Lock();
+  while (!stopping_) {
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    std::vector<std::shared_ptr<Pool>> expired;
+    for (const auto& [name, pool] : pools_) {
+      if (!pool->txn.has_value()) continue;
+      if (pool->txn->expires <= now) {
+        expired.push_back(pool);
+      } else {
+        next = std::min(next, pool->txn->expires);
+      }
+    }
+    if (!expired.empty()) {
+      mu_.Unlock();
+      for (const std::shared_ptr<Pool>& pool : expired) {
+        absl::MutexLock op(&pool->op_mu);
+        std::string id;
+        {
+          absl::MutexLock lock(&mu_);
+          if (pool->txn.has_value() && pool->txn->expires <= absl::Now()) id = pool->txn->id;
+        }
+        if (!id.empty()) AbortLocked(*pool, id, "not committed within its ttl");
+      }
+      mu_.Lock();
+      continue;
+    }
+    reaper_kick_ = false;
+    auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || reaper_kick_; };
+    mu_.AwaitWithDeadline(absl::Condition(&woken), next);
+  }
+  mu_.Unlock();
+}
+
+absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl::string_view name,
+                                                      absl::string_view device_uuid, bool revoke) {
+  KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", true));
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  absl::MutexLock lock(&mu_);
+  if (pool->deleted) return Gone(name);
+  auto it = std::find(pool->peer_devices.begin(), pool->peer_devices.end(), device_uuid);
+  if (revoke) {
+    if (it == pool->peer_devices.end()) {
+      return absl::NotFoundError(absl::StrCat("device_uuid: ", device_uuid, " is not granted on pool ", name));
+    }
+    pool->peer_devices.erase(it);
+  } else if (it == pool->peer_devices.end()) {
+    pool->peer_devices.emplace_back(device_uuid);
+  }
+  return ViewLocked(*pool);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -833,6 +1219,7 @@ void PoolManager::Shutdown() {
     for (auto& [name, pool] : pools_) pools.push_back(pool);
     pools_.clear();
   }
+  if (reaper_.joinable()) reaper_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {
     absl::MutexLock op(&pool->op_mu);
     DestroyLocked(*pool, EventType::kDaemonStopping);

@@ -14,9 +14,17 @@
 // memory is free when every client that was handed it has acknowledged (or died). Until then its
 // bytes are "pending release" and still count against the budget.
 //
-// Errors are absl::Status with the field or pool named: NOT_FOUND (pool, client), ALREADY_EXISTS,
-// INVALID_ARGUMENT, FAILED_PRECONDITION (wrong state), RESOURCE_EXHAUSTED (asked and free bytes),
-// PERMISSION_DENIED, UNAUTHENTICATED (unknown session), and the device's own codes.
+// Engine groups. A coordinator resizes the pools of one engine's ranks on several daemons in two
+// phases: Prepare does everything that can fail (state checks, budget, creating, mapping and exporting
+// a grow's or wake's memory) and holds the pool; Commit makes the change visible and cannot fail for
+// want of memory; Abort gives the prepared memory back. While held, other resizes and deletes of the
+// pool fail with ABORTED. A transaction belongs to the session that prepared it: closing that session
+// (the coordinator died) or letting its ttl pass aborts it (presumed abort).
+//
+// Errors are absl::Status with the field or pool named: NOT_FOUND (pool, client, transaction),
+// ALREADY_EXISTS, INVALID_ARGUMENT, FAILED_PRECONDITION (wrong state), RESOURCE_EXHAUSTED (asked and
+// free bytes), PERMISSION_DENIED, UNAUTHENTICATED (unknown session), ABORTED (held by a transaction,
+// or the transaction expired), and the device's own codes.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -70,6 +79,7 @@ struct ClientView {
   int32_t pid = 0;
   uint64_t mapped_bytes = 0;  // handed to the client and not yet acknowledged as released
   absl::Time attached_at;
+  std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
 };
 
 // A consistent snapshot of one pool.
@@ -89,6 +99,9 @@ struct PoolView {
   std::vector<ChunkInfo> chunks;  // by (segment, offset)
   uint64_t generation = 0;
   absl::Time created_at;
+  GroupMembership group;
+  std::vector<std::string> peer_devices;
+  std::string transaction;  // the prepared transaction holding the pool, if any
 };
 
 // The result of one change to a pool's chunk table.
@@ -99,6 +112,23 @@ struct PoolUpdate {
   std::vector<uint64_t> released_chunk_ids;
   uint64_t release_id = 0;  // 0: nothing to acknowledge
   absl::Duration elapsed;
+};
+
+enum class GroupOp { kGrow, kShrink, kSleep, kWake };
+// "grow", "shrink", "sleep", "wake".
+const char* GroupOpName(GroupOp op);
+
+struct PreparedOp {
+  std::string transaction;
+  PoolView pool;
+  uint64_t prepared_bytes = 0;  // created for a grow or wake, not yet visible to clients
+  absl::Time expires;
+  absl::Duration elapsed;
+};
+
+struct CommittedOp {
+  GroupOp op = GroupOp::kGrow;
+  PoolUpdate update;
 };
 
 struct AttachResult {
@@ -182,8 +212,14 @@ class PoolManager {
   // FAILED_PRECONDITION while clients are attached unless `force`. Returns the bytes released.
   [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(const Caller& caller, absl::string_view name, bool force);
 
+  // `device_uuid`: the device the client maps from; empty or the daemon's own device needs no grant,
+  // any other must be granted by the pool (PERMISSION_DENIED naming both devices otherwise).
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view pool,
-                                                    absl::string_view client_name);
+                                                    absl::string_view client_name, absl::string_view device_uuid = {});
+  // Adds (or with `revoke` removes) a device UUID or "*" to the pool's peer devices. Attached clients
+  // keep their mappings when a grant is revoked.
+  [[nodiscard]] absl::StatusOr<PoolView> GrantPeerAccess(const Caller& caller, absl::string_view pool,
+                                                         absl::string_view device_uuid, bool revoke);
   [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id);
 
   // All-or-nothing: on failure every chunk this call made is released and the pool is as before.
@@ -196,6 +232,18 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
                                                               absl::Time deadline);
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool);
+
+  // Two-phase resizes for engine groups (see the top of this file). `target_blocks` is for kGrow and
+  // kShrink and must be 0 otherwise; `ttl` is how long the pool stays held before the daemon aborts.
+  [[nodiscard]] absl::StatusOr<PreparedOp> Prepare(const Caller& caller, absl::string_view pool, GroupOp op,
+                                                   uint64_t target_blocks, absl::Duration ttl);
+  // Only the preparing session may commit or abort. NOT_FOUND (with the reason when the daemon aborted
+  // it) for a transaction that is unknown or ended; ABORTED when its ttl passed. `wait` and `deadline`
+  // are Shrink's, for shrink and sleep.
+  [[nodiscard]] absl::StatusOr<CommittedOp> Commit(const Caller& caller, absl::string_view transaction, bool wait,
+                                                   absl::Time deadline);
+  // Returns the prepared bytes given back.
+  [[nodiscard]] absl::StatusOr<uint64_t> Abort(const Caller& caller, absl::string_view transaction);
 
   // The client's event stream; one watcher per client. Closing the stream is the client's death:
   // the caller of Watch calls Detach when its stream ends.
@@ -229,6 +277,8 @@ class PoolManager {
   struct Pool;
   struct Client;
   struct ChunkRecord;
+  struct Staged;
+  struct Transaction;
   struct LeaseRecord {
     std::string pool;
     std::string session;
@@ -242,9 +292,30 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(const Pool& pool,
                                                                     const std::vector<PlannedChunk>& plan);
   void DiscardChunk(const Pool& pool, ChunkRecord& record);
-  // Grows `pool` (op_mu held) to `target_blocks`: budget, chunks, table, leases and events.
+  // Grows `pool` (op_mu held) to `target_blocks`: StageLocked, then PublishLocked.
   [[nodiscard]] absl::StatusOr<PoolUpdate> GrowLocked(Pool& pool, const Caller& caller, uint64_t target_blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // The budget and memory for growing `pool` (op_mu held) from its prefix to `target_blocks`: chunks
+  // created, mapped in the daemon and exported, but not in the table. On failure nothing is left.
+  [[nodiscard]] absl::StatusOr<Staged> StageLocked(Pool& pool, uint64_t target_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Puts staged chunks into the table (mu_ held): prefix, generation, leases and events.
+  PoolUpdate PublishLocked(Pool& pool, const Caller& caller, Staged staged, uint64_t target_blocks, absl::Time start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives staged memory back (op_mu held, mu_ not).
+  void Unstage(const Pool& pool, Staged& staged);
+  // ABORTED while a transaction holds `pool` (mu_ held).
+  absl::Status CheckNotHeldLocked(const Pool& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The pool of `transaction` if `caller` may commit or abort it (mu_ held).
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransactionLocked(const Caller& caller,
+                                                                            absl::string_view transaction) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Aborts the transaction holding `pool` (op_mu held) if it is `transaction` (any when empty),
+  // recording `why` for a later Commit. Returns the prepared bytes given back.
+  uint64_t AbortLocked(Pool& pool, absl::string_view transaction, absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // The reaper thread: aborts transactions whose ttl passed.
+  void ReapExpired();
   // Takes every chunk at or past `prefix_bytes` of each segment out of the table (op_mu held), tells
   // the clients that were handed them (a lease naming such a chunk fails when redeemed), and
   // releases the daemon's own references.
@@ -278,6 +349,12 @@ class PoolManager {
   uint64_t committed_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // all pools, including bytes pending release
   uint64_t next_chunk_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::string, std::less<>> transactions_ ABSL_GUARDED_BY(mu_);  // id -> pool
+  // Why the daemon aborted recent transactions (the last kMaxAbortedRecords), for Commit's message.
+  std::map<std::string, std::string, std::less<>> aborted_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> aborted_order_ ABSL_GUARDED_BY(mu_);
+  bool reaper_kick_ ABSL_GUARDED_BY(mu_) = false;  // a transaction was prepared: recompute the deadline
+  std::thread reaper_;
 };
 
 }  // namespace kvd

@@ -103,7 +103,9 @@ PoolSpec FromProto(const v1::CreatePoolRequest& proto) {
           .dims = FromProto(proto.dims()),
           .initial_blocks = proto.initial_blocks(),
           .layout_request = FromProto(proto.layout_request()),
-          .allowed_uids = {proto.allowed_uids().begin(), proto.allowed_uids().end()}};
+          .allowed_uids = {proto.allowed_uids().begin(), proto.allowed_uids().end()},
+          .group = {.name = proto.group().name(), .rank = proto.group().rank(), .size = proto.group().size()},
+          .peer_devices = {proto.peer_devices().begin(), proto.peer_devices().end()}};
 }
 
 std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::BlockCopy>& proto) {
@@ -174,6 +176,7 @@ v1::ClientInfo ToProto(const ClientView& client) {
   p.set_pid(client.pid);
   p.set_mapped_bytes(client.mapped_bytes);
   p.set_attached_at_unix_ms(UnixMillis(client.attached_at));
+  p.set_device_uuid(client.device_uuid);
   return p;
 }
 
@@ -194,6 +197,13 @@ v1::Pool ToProto(const PoolView& pool) {
   for (const ChunkInfo& c : pool.chunks) *p.add_chunks() = ToProto(c);
   p.set_generation(pool.generation);
   p.set_created_at_unix_ms(UnixMillis(pool.created_at));
+  if (!pool.group.name.empty()) {
+    p.mutable_group()->set_name(pool.group.name);
+    p.mutable_group()->set_rank(pool.group.rank);
+    p.mutable_group()->set_size(pool.group.size);
+  }
+  for (const std::string& d : pool.peer_devices) p.add_peer_devices(d);
+  p.set_transaction(pool.transaction);
   return p;
 }
 

@@ -44,7 +44,40 @@ T Timed(Metrics* metrics, Operation op, const std::function<T()>& call) {
 
 std::string Elapsed(absl::Duration d) { return absl::FormatDuration(d); }
 
-void LogUpdate(const char* verb, const PoolUpdate& u) {
+constexpr uint64_t kDefaultTransactionTtlMs = 30'000;
+constexpr uint64_t kMaxTransactionTtlMs = 600'000;
+
+absl::StatusOr<GroupOp> FromProto(v1::Operation op) {
+  switch (op) {
+    case v1::OPERATION_GROW:
+      return GroupOp::kGrow;
+    case v1::OPERATION_SHRINK:
+      return GroupOp::kShrink;
+    case v1::OPERATION_SLEEP:
+      return GroupOp::kSleep;
+    case v1::OPERATION_WAKE:
+      return GroupOp::kWake;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("operation: ", static_cast<int>(op), " is not one of GROW, SHRINK, SLEEP, WAKE"));
+  }
+}
+
+Operation ToMetricsOperation(GroupOp op) {
+  switch (op) {
+    case GroupOp::kGrow:
+      return Operation::kGrow;
+    case GroupOp::kShrink:
+      return Operation::kShrink;
+    case GroupOp::kSleep:
+      return Operation::kSleep;
+    case GroupOp::kWake:
+      return Operation::kWake;
+  }
+  return Operation::kGrow;
+}
+
+void LogUpdate(const std::string& verb, const PoolUpdate& u) {
   spdlog::info("{} pool {}: {} blocks committed ({}), +{} / -{} chunks, {} pending release, {} elapsed", verb,
                u.pool.name, u.pool.committed_blocks, FormatBytes(u.pool.committed_bytes), u.added.size(),
                u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
@@ -171,15 +204,17 @@ grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRe
   absl::Status status = [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(AttachResult attached,
-                         Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
-                           return manager_->Attach(caller, request->pool(), request->client_name());
-                         }));
+    KVD_ASSIGN_OR_RETURN(
+        AttachResult attached, Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
+          return manager_->Attach(caller, request->pool(), request->client_name(), request->device_uuid());
+        }));
     response->set_client_id(attached.client_id);
     *response->mutable_pool() = ToProto(attached.pool);
     *response->mutable_lease() = ToProto(attached.lease);
-    spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}: {} chunks leased", attached.client_id,
-                 request->client_name(), caller.uid, caller.pid, request->pool(), attached.lease.chunk_ids.size());
+    spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
+                 request->client_name(), caller.uid, caller.pid, request->pool(),
+                 request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),
+                 attached.lease.chunk_ids.size());
     return absl::OkStatus();
   }();
   return Finish("Attach", status);
@@ -362,6 +397,80 @@ grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::Copy
     return manager_->CopyBlocks(caller, request->pool(), FromProto(request->copies()));
   }();
   return Finish("CopyBlocks", status);
+}
+
+grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
+                                 v1::PrepareResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(GroupOp op, FromProto(request->operation()));
+    if (request->ttl_ms() > kMaxTransactionTtlMs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ttl_ms: ", request->ttl_ms(), " exceeds the maximum of ", kMaxTransactionTtlMs));
+    }
+    const absl::Duration ttl =
+        absl::Milliseconds(request->ttl_ms() == 0 ? kDefaultTransactionTtlMs : request->ttl_ms());
+    KVD_ASSIGN_OR_RETURN(PreparedOp prepared,
+                         manager_->Prepare(caller, request->pool(), op, request->target_blocks(), ttl));
+    response->set_transaction(prepared.transaction);
+    *response->mutable_pool() = ToProto(prepared.pool);
+    response->set_prepared_bytes(prepared.prepared_bytes);
+    response->set_expires_at_unix_ms(static_cast<uint64_t>(absl::ToUnixMillis(prepared.expires)));
+    response->set_elapsed_us(absl::ToInt64Microseconds(prepared.elapsed));
+    spdlog::info("prepared {} of pool {} as transaction {} for pid {}: {} made ready, {} elapsed, ttl {}",
+                 GroupOpName(op), request->pool(), prepared.transaction, caller.pid,
+                 FormatBytes(prepared.prepared_bytes), Elapsed(prepared.elapsed), Elapsed(ttl));
+    return absl::OkStatus();
+  }();
+  return Finish("Prepare", status);
+}
+
+grpc::Status KvdService::Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
+                                v1::PoolUpdate* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
+    KVD_ASSIGN_OR_RETURN(
+        CommittedOp committed,
+        manager_->Commit(caller, request->transaction(), request->wait_for_release(), ReleaseDeadline(*context)));
+    if (options_.metrics != nullptr) {
+      options_.metrics->ObserveOperation(ToMetricsOperation(committed.op), committed.update.elapsed, true);
+    }
+    *response = ToProto(committed.update);
+    LogUpdate(absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
+              committed.update);
+    return absl::OkStatus();
+  }();
+  return Finish("Commit", status);
+}
+
+grpc::Status KvdService::Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
+                               v1::AbortResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
+    KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->Abort(caller, request->transaction()));
+    response->set_released_bytes(released);
+    spdlog::info("aborted transaction {}: {} given back", request->transaction(), FormatBytes(released));
+    return absl::OkStatus();
+  }();
+  return Finish("Abort", status);
+}
+
+grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1::GrantPeerAccessRequest* request,
+                                         v1::Pool* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PoolView pool,
+                         manager_->GrantPeerAccess(caller, request->pool(), request->device_uuid(), request->revoke()));
+    *response = ToProto(pool);
+    spdlog::info("pool {}: peer access {} device {} (uid {})", request->pool(),
+                 request->revoke() ? "revoked from" : "granted to", request->device_uuid(), caller.uid);
+    return absl::OkStatus();
+  }();
+  return Finish("GrantPeerAccess", status);
 }
 
 }  // namespace kvd

@@ -66,6 +66,14 @@ class KvdService final : public v1::Kvd::Service {
                            v1::AcknowledgeResponse* response) override;
   grpc::Status ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
                           v1::ZeroBlocksResponse* response) override;
+  grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
+                       v1::PrepareResponse* response) override;
+  grpc::Status Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
+                      v1::PoolUpdate* response) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
+                     v1::AbortResponse* response) override;
+  grpc::Status GrantPeerAccess(grpc::ServerContext* context, const v1::GrantPeerAccessRequest* request,
+                               v1::Pool* response) override;
   grpc::Status CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
                           v1::CopyBlocksResponse* response) override;
 

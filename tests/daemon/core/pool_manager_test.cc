@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fault_device.h"
@@ -472,6 +473,260 @@ TEST_F(PoolManagerTest, ConcurrentRequestsKeepTheAccountsStraight) {
   EXPECT_EQ(Committed(), sum);
   EXPECT_LE(Committed(), 200 * kMiB);
   EXPECT_EQ(device_->live_mappings(), device_->live_chunks());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine groups: prepare, commit, abort
+
+TEST_F(PoolManagerTest, APreparedGrowIsInvisibleUntilCommitAndHoldsThePool) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  Caller bob = Session(1000, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", ""));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+  const uint64_t before = Committed();
+
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared, manager_->Prepare(alice_, "p", GroupOp::kGrow, 128, absl::Seconds(30)));
+  EXPECT_EQ(prepared.prepared_bytes, 12 * kMiB);  // 2 segments from 2 MiB to 8 MiB
+  EXPECT_EQ(prepared.pool.transaction, prepared.transaction);
+  EXPECT_EQ(prepared.pool.committed_blocks, 32u);
+  EXPECT_EQ(Committed(), before + 12 * kMiB);  // counted against the budget at once
+  EXPECT_FALSE(events->Pop(absl::ZeroDuration()).has_value());
+  // Held: every other resize and a plain delete wait for the transaction.
+  EXPECT_THAT(manager_->Grow(alice_, "p", 200), StatusIs(absl::StatusCode::kAborted, HasSubstr(prepared.transaction)));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 0, false, absl::Now()), StatusIs(absl::StatusCode::kAborted, ::testing::_));
+  EXPECT_THAT(manager_->Sleep(alice_, "p", false, absl::Now()), StatusIs(absl::StatusCode::kAborted, ::testing::_));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kShrink, 0, absl::Seconds(30)),
+              StatusIs(absl::StatusCode::kAborted, ::testing::_));
+  EXPECT_THAT(manager_->DeletePool(alice_, "p", false), StatusIs(absl::StatusCode::kAborted, ::testing::_));
+
+  KVD_ASSERT_OK_AND_ASSIGN(CommittedOp committed, manager_->Commit(alice_, prepared.transaction, false, absl::Now()));
+  EXPECT_EQ(committed.op, GroupOp::kGrow);
+  EXPECT_EQ(committed.update.pool.committed_blocks, 128u);
+  EXPECT_THAT(committed.update.added, SizeIs(2));
+  EXPECT_TRUE(committed.update.pool.transaction.empty());
+  EXPECT_EQ(Committed(), before + 12 * kMiB);
+  std::optional<PoolEvent> added = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(added.has_value());
+  EXPECT_EQ(added->type, EventType::kChunksAdded);
+  EXPECT_EQ(added->committed_blocks, 128u);
+  // Ended: a second commit or an abort finds nothing.
+  EXPECT_THAT(manager_->Commit(alice_, prepared.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("transaction")));
+  EXPECT_THAT(manager_->Abort(alice_, prepared.transaction), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+TEST_F(PoolManagerTest, AbortGivesThePreparedMemoryBackAndLeavesThePoolAsItWas) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  const uint64_t committed = Committed();
+  const int chunks = device_->live_chunks();
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared, manager_->Prepare(alice_, "p", GroupOp::kGrow, 256, absl::Seconds(30)));
+  EXPECT_GT(device_->live_chunks(), chunks);
+  EXPECT_THAT(manager_->Abort(alice_, prepared.transaction), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(after.committed_blocks, before.committed_blocks);
+  EXPECT_EQ(after.generation, before.generation);
+  EXPECT_TRUE(after.transaction.empty());
+  EXPECT_EQ(Committed(), committed);
+  EXPECT_EQ(device_->live_chunks(), chunks);
+  EXPECT_THAT(manager_->Grow(alice_, "p", 256), IsOk());  // no longer held
+}
+
+TEST_F(PoolManagerTest, AFailedPrepareLeavesNothingPreparedOrHeld) {
+  Start({.budget_bytes = 20 * kMiB});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  const uint64_t committed = Committed();
+  const int chunks = device_->live_chunks();
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kGrow, 256, absl::Seconds(30)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("budget")));
+  device_->FailNth(FaultDevice::Op::kMap, 2, absl::ResourceExhaustedError("injected: out of memory"));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kGrow, 64, absl::Seconds(30)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("injected")));
+  EXPECT_EQ(Committed(), committed);
+  EXPECT_EQ(device_->live_chunks(), chunks);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_TRUE(pool.transaction.empty());
+  EXPECT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+}
+
+TEST_F(PoolManagerTest, TheDaemonAbortsATransactionWhoseTtlPasses) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  const uint64_t committed = Committed();
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared,
+                           manager_->Prepare(alice_, "p", GroupOp::kGrow, 128, absl::Milliseconds(50)));
+  // The reaper gives the memory back without anyone touching the pool (bounded wait, no timing asserted).
+  for (int i = 0; i < 1000 && Committed() != committed; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(Committed(), committed);
+  EXPECT_THAT(manager_->Commit(alice_, prepared.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("not committed within its ttl")));
+  EXPECT_THAT(manager_->Grow(alice_, "p", 128), IsOk());
+}
+
+TEST_F(PoolManagerTest, ClosingThePreparingSessionAbortsItsTransactions) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("a", 1)), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("b", 1)), IsOk());
+  const uint64_t committed = Committed();
+  Caller coordinator = Session(1000, "kvctl");
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp a, manager_->Prepare(coordinator, "a", GroupOp::kGrow, 64, absl::Minutes(5)));
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp b, manager_->Prepare(coordinator, "b", GroupOp::kSleep, 0, absl::Minutes(5)));
+  manager_->CloseSession(coordinator.session);
+  EXPECT_EQ(Committed(), committed);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pb, manager_->GetPool(alice_, "b"));
+  EXPECT_EQ(pb.state, PoolState::kAwake);
+  EXPECT_TRUE(pb.transaction.empty());
+  EXPECT_THAT(manager_->Commit(alice_, a.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("session closed")));
+}
+
+TEST_F(PoolManagerTest, OnlyThePreparingSessionCommitsOrAborts) {
+  PoolSpec spec = Spec("p", 1);
+  spec.allowed_uids = {2000};
+  ASSERT_THAT(manager_->CreatePool(alice_, spec), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared, manager_->Prepare(alice_, "p", GroupOp::kGrow, 64, absl::Seconds(30)));
+  Caller bob = Session(2000, "bob");
+  EXPECT_THAT(manager_->Commit(bob, prepared.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("another session")));
+  EXPECT_THAT(manager_->Abort(bob, prepared.transaction), StatusIs(absl::StatusCode::kPermissionDenied, ::testing::_));
+  EXPECT_THAT(manager_->Commit(alice_, prepared.transaction, false, absl::Now()), IsOk());
+}
+
+TEST_F(PoolManagerTest, ShrinkSleepAndWakeGoThroughPrepareAndCommit) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 128), IsOk());  // chunks past block 32 that a shrink can release
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp shrink, manager_->Prepare(alice_, "p", GroupOp::kShrink, 32, absl::Minutes(1)));
+  EXPECT_EQ(shrink.prepared_bytes, 0u);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView held, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(held.committed_blocks, 128u);  // nothing released before Commit
+  KVD_ASSERT_OK_AND_ASSIGN(CommittedOp shrunk, manager_->Commit(alice_, shrink.transaction, true, absl::Now()));
+  EXPECT_EQ(shrunk.update.pool.committed_blocks, 32u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp sleep, manager_->Prepare(alice_, "p", GroupOp::kSleep, 0, absl::Minutes(1)));
+  KVD_ASSERT_OK_AND_ASSIGN(CommittedOp slept, manager_->Commit(alice_, sleep.transaction, true, absl::Now()));
+  EXPECT_EQ(slept.update.pool.state, PoolState::kSleeping);
+  EXPECT_EQ(slept.update.pool.wake_blocks, 32u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp wake, manager_->Prepare(alice_, "p", GroupOp::kWake, 0, absl::Minutes(1)));
+  EXPECT_EQ(wake.prepared_bytes, 4 * kMiB);
+  EXPECT_EQ(wake.pool.state, PoolState::kSleeping);
+  KVD_ASSERT_OK_AND_ASSIGN(CommittedOp woken, manager_->Commit(alice_, wake.transaction, false, absl::Now()));
+  EXPECT_EQ(woken.update.pool.state, PoolState::kAwake);
+  EXPECT_EQ(woken.update.pool.committed_blocks, 32u);
+  EXPECT_EQ(woken.update.pool.wake_blocks, 0u);
+}
+
+TEST_F(PoolManagerTest, PrepareRefusesWhatTheOperationCannotDo) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kSleep, 5, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kGrow, 32, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kGrow, 257, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kShrink, 32, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target_blocks")));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kWake, 0, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already awake")));
+  EXPECT_THAT(manager_->Prepare(alice_, "nope", GroupOp::kSleep, 0, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(manager_->Commit(alice_, "t-nope", false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_TRUE(pool.transaction.empty());
+}
+
+TEST_F(PoolManagerTest, AForcedDeleteEndsThePreparedTransaction) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared, manager_->Prepare(alice_, "p", GroupOp::kGrow, 200, absl::Minutes(1)));
+  EXPECT_THAT(manager_->DeletePool(alice_, "p", true), IsOk());
+  EXPECT_EQ(Committed(), 0u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_THAT(manager_->Commit(alice_, prepared.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+TEST_F(PoolManagerTest, GroupRanksAreUniqueAndAgreeOnTheSizePerDaemon) {
+  PoolSpec r0 = Spec("llama-r0");
+  r0.group = {.name = "llama", .rank = 0, .size = 2};
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, r0));
+  EXPECT_EQ(pool.group, r0.group);
+  PoolSpec again = Spec("llama-again");
+  again.group = r0.group;
+  EXPECT_THAT(manager_->CreatePool(alice_, again),
+              StatusIs(absl::StatusCode::kAlreadyExists, AllOf(HasSubstr("group.rank"), HasSubstr("llama-r0"))));
+  again.group = {.name = "llama", .rank = 1, .size = 4};
+  EXPECT_THAT(manager_->CreatePool(alice_, again),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group.size")));
+  again.group = {.name = "llama", .rank = 2, .size = 2};
+  EXPECT_THAT(manager_->CreatePool(alice_, again),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group.rank")));
+  again.group = {.name = "", .rank = 1, .size = 2};
+  EXPECT_THAT(manager_->CreatePool(alice_, again),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group.name")));
+  again.group = {.name = "bad name", .rank = 0, .size = 1};
+  EXPECT_THAT(manager_->CreatePool(alice_, again),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("group.name")));
+}
+
+TEST_F(PoolManagerTest, AClientOnAnotherDeviceAttachesOnlyWhereGranted) {
+  PoolSpec spec = Spec("p", 1);
+  ASSERT_THAT(manager_->CreatePool(alice_, spec), IsOk());
+  const std::string own = manager_->GetDeviceStatus()->info.uuid;
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult same, manager_->Attach(alice_, "p", "local", own));
+  EXPECT_TRUE(same.pool.clients[0].device_uuid.empty());
+  EXPECT_THAT(manager_->Attach(alice_, "p", "peer", "GPU-peer-1"),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       AllOf(HasSubstr("device_uuid"), HasSubstr("GPU-peer-1"), HasSubstr("kvctl grant"))));
+  EXPECT_THAT(manager_->Attach(alice_, "p", "peer", "GPU/../x"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("device_uuid")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView granted, manager_->GrantPeerAccess(alice_, "p", "GPU-peer-1", false));
+  EXPECT_THAT(granted.peer_devices, ::testing::ElementsAre("GPU-peer-1"));
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult peer, manager_->Attach(alice_, "p", "peer", "GPU-peer-1"));
+  EXPECT_THAT(manager_->Attach(alice_, "p", "other", "GPU-peer-2"),
+              StatusIs(absl::StatusCode::kPermissionDenied, ::testing::_));
+  ASSERT_THAT(manager_->GrantPeerAccess(alice_, "p", "*", false), IsOk());
+  EXPECT_THAT(manager_->Attach(alice_, "p", "other", "GPU-peer-2"), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView revoked, manager_->GrantPeerAccess(alice_, "p", "GPU-peer-1", true));
+  EXPECT_THAT(revoked.peer_devices, ::testing::ElementsAre("*"));
+  EXPECT_THAT(manager_->GrantPeerAccess(alice_, "p", "GPU-peer-1", true),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(manager_->GrantPeerAccess(alice_, "p", "", false),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  const auto peer_client = std::find_if(revoked.clients.begin(), revoked.clients.end(),
+                                        [&](const ClientView& c) { return c.id == peer.client_id; });
+  ASSERT_NE(peer_client, revoked.clients.end());
+  EXPECT_EQ(peer_client->device_uuid, "GPU-peer-1");  // keeps its mapping after the revoke
+}
+
+TEST_F(PoolManagerTest, ConcurrentTransactionsOnManyPoolsKeepTheAccountsStraight) {
+  constexpr int kPools = 6;
+  for (int i = 0; i < kPools; ++i) ASSERT_THAT(manager_->CreatePool(alice_, Spec(absl::StrCat("p", i), 1)), IsOk());
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kPools; ++i) {
+    threads.emplace_back([&, i] {
+      Caller me = Session(1000, absl::StrCat("t", i));
+      const std::string name = absl::StrCat("p", i);
+      for (int round = 0; round < 20; ++round) {
+        absl::StatusOr<PreparedOp> p = manager_->Prepare(me, name, GroupOp::kGrow, 64, absl::Minutes(1));
+        if (!p.ok()) continue;  // the budget is shared: some prepares fail, which is the point
+        if (round % 2 == 0) {
+          EXPECT_THAT(manager_->Abort(me, p->transaction), IsOk());
+        } else {
+          EXPECT_THAT(manager_->Commit(me, p->transaction, false, absl::Now()), IsOk());
+          absl::StatusOr<PreparedOp> s = manager_->Prepare(me, name, GroupOp::kShrink, 0, absl::Minutes(1));
+          EXPECT_THAT(s, IsOk());
+          if (s.ok()) {
+            EXPECT_THAT(manager_->Commit(me, s->transaction, true, absl::Now()), IsOk());
+          }
+        }
+      }
+      manager_->CloseSession(me.session);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  uint64_t sum = 0;
+  for (const PoolView& p : manager_->ListPools(alice_)) sum += p.committed_bytes + p.pending_release_bytes;
+  EXPECT_EQ(Committed(), sum);
 }
 
 }  // namespace
