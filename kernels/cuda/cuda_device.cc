@@ -2,14 +2,18 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "backends.h"
 #include "kvd/status.h"
 
@@ -44,7 +48,66 @@ bool MulAdd(uint64_t a, uint64_t b, uint64_t c, uint64_t* out) {
   return !__builtin_mul_overflow(b, c, &product) && !__builtin_add_overflow(a, product, out);
 }
 
+// cuInit, then the number of devices: UNAVAILABLE ("no CUDA device" / "no usable CUDA driver") when
+// there is none.
+absl::StatusOr<int> InitAndCount(const CudaDriver& d) {
+  if (const CUresult r = d.cuInit_(0); r != CUDA_SUCCESS) {
+    absl::Status s = CudaStatus(d, r, "cuInit");
+    if (!absl::IsUnavailable(s)) return s;
+    return absl::UnavailableError(
+        absl::StrCat(r == CUDA_ERROR_NO_DEVICE ? "no CUDA device: " : "no usable CUDA driver: ", s.message()));
+  }
+  int count = 0;
+  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetCount_(&count), "cuDeviceGetCount"));
+  if (count == 0) return absl::UnavailableError("no CUDA device: cuDeviceGetCount found none");
+  return count;
+}
+
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it.
+absl::StatusOr<std::string> DeviceUuid(const CudaDriver& d, CUdevice device) {
+  CUuuid uuid{};
+  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetUuid_(&uuid, device), "cuDeviceGetUuid"));
+  const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
+                         u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
+absl::StatusOr<std::string> DeviceName(const CudaDriver& d, CUdevice device) {
+  char name[256] = {};
+  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetName_(name, sizeof(name) - 1, device), "cuDeviceGetName"));
+  return std::string(name);
+}
+
+absl::StatusOr<std::string> DriverVersion(const CudaDriver& d) {
+  int version = 0;
+  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDriverGetVersion_(&version), "cuDriverGetVersion"));
+  return absl::StrCat(version / 1000, ".", (version % 1000) / 10);
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<DeviceInfo>> ListCudaDevices() {
+  KVD_ASSIGN_OR_RETURN(const CudaDriver* loaded, LoadCudaDriver());
+  const CudaDriver& d = *loaded;
+  KVD_ASSIGN_OR_RETURN(const int count, InitAndCount(d));
+  KVD_ASSIGN_OR_RETURN(const std::string driver_version, DriverVersion(d));
+  std::vector<DeviceInfo> out;
+  for (int i = 0; i < count; ++i) {
+    DeviceInfo info;
+    info.backend = BackendKind::kCuda;
+    info.index = i;
+    info.driver_version = driver_version;
+    CUdevice device = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGet_(&device, i), "cuDeviceGet"));
+    KVD_ASSIGN_OR_RETURN(info.name, DeviceName(d, device));
+    KVD_ASSIGN_OR_RETURN(info.uuid, DeviceUuid(d, device));
+    size_t total = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceTotalMem_(&total, device), "cuDeviceTotalMem"));
+    info.total_bytes = total;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int index) {
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<CudaDevice> device, CudaDevice::Open(index));
@@ -56,15 +119,7 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int ordinal) : driver_(driver),
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
   KVD_ASSIGN_OR_RETURN(const CudaDriver* loaded, LoadCudaDriver());
   const CudaDriver& d = *loaded;
-  if (const CUresult r = d.cuInit_(0); r != CUDA_SUCCESS) {
-    absl::Status s = CudaStatus(d, r, "cuInit");
-    if (!absl::IsUnavailable(s)) return s;
-    return absl::UnavailableError(
-        absl::StrCat(r == CUDA_ERROR_NO_DEVICE ? "no CUDA device: " : "no usable CUDA driver: ", s.message()));
-  }
-  int count = 0;
-  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetCount_(&count), "cuDeviceGetCount"));
-  if (count == 0) return absl::UnavailableError("no CUDA device: cuDeviceGetCount found none");
+  KVD_ASSIGN_OR_RETURN(const int count, InitAndCount(d));
   if (index < 0 || index >= count) {
     return absl::InvalidArgumentError(
         absl::StrCat("device index ", index, ": this machine has ", count, " CUDA device(s), 0..", count - 1));
@@ -96,18 +151,9 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
   KVD_ASSIGN_OR_RETURN(dev->multiprocessors_,
                        attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "MULTIPROCESSOR_COUNT"));
 
-  char name[256] = {};
-  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetName_(name, sizeof(name) - 1, dev->device_), "cuDeviceGetName"));
-  dev->name_ = name;
-  CUuuid uuid{};
-  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGetUuid_(&uuid, dev->device_), "cuDeviceGetUuid"));
-  const auto* u = reinterpret_cast<const unsigned char*>(uuid.bytes);
-  dev->uuid_ =
-      absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
-                      u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
-  int version = 0;
-  KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDriverGetVersion_(&version), "cuDriverGetVersion"));
-  dev->driver_version_ = absl::StrCat(version / 1000, ".", (version % 1000) / 10);
+  KVD_ASSIGN_OR_RETURN(dev->name_, DeviceName(d, dev->device_));
+  KVD_ASSIGN_OR_RETURN(dev->uuid_, DeviceUuid(d, dev->device_));
+  KVD_ASSIGN_OR_RETURN(dev->driver_version_, DriverVersion(d));
 
   auto granularity = [&](CUmemAllocationHandleType types) -> absl::StatusOr<uint64_t> {
     const CUmemAllocationProp prop = AllocationProp(index, types);
@@ -203,6 +249,43 @@ absl::StatusOr<DeviceInfo> CudaDevice::Info() {
   info.granularity = granularity_;
   info.fabric_handles = fabric_handles_;
   return info;
+}
+
+absl::Status CudaDevice::CheckPeerAccess(absl::string_view owner_uuid) {
+  if (owner_uuid.empty()) return absl::InvalidArgumentError("CheckPeerAccess: owner_uuid is empty");
+  if (absl::EqualsIgnoreCase(owner_uuid, uuid_)) return absl::OkStatus();
+  const std::string self = absl::StrCat("CheckPeerAccess: CUDA device ", ordinal_, " (", uuid_, ")");
+  if (!absl::StartsWithIgnoreCase(owner_uuid, "GPU-")) {
+    return absl::FailedPreconditionError(absl::StrCat(self, " cannot import memory of device ", owner_uuid,
+                                                      ": it belongs to another backend (CUDA UUIDs start with GPU-)"));
+  }
+  int count = 0;
+  KVD_RETURN_IF_ERROR(CudaStatus(driver_, driver_.cuDeviceGetCount_(&count), "cuDeviceGetCount"));
+  std::vector<std::string> visible;
+  for (int i = 0; i < count; ++i) {
+    CUdevice peer = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(driver_, driver_.cuDeviceGet_(&peer, i), "cuDeviceGet"));
+    KVD_ASSIGN_OR_RETURN(std::string uuid, DeviceUuid(driver_, peer));
+    if (!absl::EqualsIgnoreCase(owner_uuid, uuid)) {
+      visible.push_back(absl::StrCat(i, " ", uuid));
+      continue;
+    }
+    // Whether this device can access memory that lives on `peer`: the importer is this device.
+    int can_access = 0;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuDeviceCanAccessPeer_(&can_access, device_, peer), [&] {
+      return absl::StrCat("cuDeviceCanAccessPeer(device ", ordinal_, ", peer ", i, ")");
+    }));
+    if (can_access == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(self, " has no peer access to CUDA device ", i, " (", uuid,
+                                                        ") that owns the memory (cuDeviceCanAccessPeer = 0)"));
+    }
+    return absl::OkStatus();
+  }
+  const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
+  return absl::NotFoundError(
+      absl::StrCat(self, ": the owner ", owner_uuid, " is not among the CUDA devices this process sees (",
+                   absl::StrJoin(visible, ", "), "); an importer must see both devices: check CUDA_VISIBLE_DEVICES",
+                   env != nullptr ? absl::StrCat(" (now \"", env, "\")") : std::string(" (unset)")));
 }
 
 CudaDevice::Reservation* CudaDevice::FindReservation(uint64_t va, uint64_t bytes) {

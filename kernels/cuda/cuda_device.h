@@ -4,8 +4,9 @@
 //   Reserve  cuMemAddressReserve (aligned to the granularity); Free: cuMemAddressFree.
 //   Create   cuMemCreate, pinned device memory exportable as a POSIX FD, and also as a fabric handle
 //            where the device supports it (probed once at open); Release: cuMemRelease.
-//   Map      cuMemMap + cuMemSetAccess for this device (the mapping is undone if SetAccess fails);
-//            Unmap: cuMemUnmap.
+//   Map      cuMemMap + cuMemSetAccess for this device's own ordinal (the mapping is undone if
+//            SetAccess fails), also for chunks imported from another GPU: that access descriptor is
+//            the peer-access grant (CheckPeerAccess says whether the pair supports it); Unmap: cuMemUnmap.
 //   Export   cuMemExportToShareableHandle(POSIX FD); Import: cuMemImportFromShareableHandle.
 //   Blocks   the kernels of block_kernels.cu, embedded as a fatbin, on a stream this device owns;
 //            each operation waits for its kernel before returning.
@@ -44,6 +45,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "cuda/block_kernels.h"
@@ -105,6 +107,13 @@ class CudaDevice final : public Device {
                                         uint64_t dst) override;
   [[nodiscard]] absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
                                           absl::Span<const uint64_t> blocks) override;
+
+  // The owner is this device (by UUID), or a CUDA device of this process for which
+  // cuDeviceCanAccessPeer(this device, owner) is 1. Map's cuMemSetAccess for this device's ordinal is
+  // then the whole grant: with VMM no cuCtxEnablePeerAccess is needed. NOT_FOUND (naming
+  // CUDA_VISIBLE_DEVICES) when no visible device has the UUID; FAILED_PRECONDITION for a non-CUDA UUID
+  // or a pair without peer access.
+  [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
   // CUDA only: fabric handles (multi-node NVLink). Chunks are created fabric-exportable only when
   // fabric_handles() is true; otherwise both calls are FAILED_PRECONDITION.

@@ -45,6 +45,8 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuDeviceGetName)                    \
   X(cuDeviceGetUuid)                    \
   X(cuDeviceGetAttribute)               \
+  X(cuDeviceTotalMem)                   \
+  X(cuDeviceCanAccessPeer)              \
   X(cuDevicePrimaryCtxRetain)           \
   X(cuDevicePrimaryCtxRelease)          \
   X(cuCtxSetCurrent)                    \

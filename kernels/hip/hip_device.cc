@@ -6,13 +6,17 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <string>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/memory/memory.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "backends.h"
 #include "block_kernels.h"
 #include "kvd/status.h"
@@ -96,22 +100,75 @@ uint64_t AccessUnit(uint64_t bits) {
 
 }  // namespace
 
+namespace {
+
+// "hip (libamdhip64.so.7): " before every message about the runtime as a whole.
+std::string Where(const HipRuntimeTable& hip) { return absl::StrCat("hip (", hip.library, "): "); }
+
+// hipInit, then the number of devices. What an operator sees on a machine without a usable GPU is
+// UNAVAILABLE saying so first, then the raw error.
+absl::StatusOr<int> InitAndCount(const HipRuntimeTable& hip) {
+  const auto no_gpu = [&hip](absl::Status s) {
+    if (!absl::IsUnavailable(s)) return absl::Status(s.code(), absl::StrCat(Where(hip), s.message()));
+    return absl::UnavailableError(absl::StrCat(Where(hip), "no usable AMD GPU (", s.message(),
+                                               "); is the amdgpu driver loaded and /dev/kfd accessible?"));
+  };
+  if (HipError e = hip.hipInit(0); e != kHipSuccess) return no_gpu(HipStatus(hip, e, "hipInit"));
+  int count = 0;
+  if (HipError e = hip.hipGetDeviceCount(&count); e != kHipSuccess) {
+    return no_gpu(HipStatus(hip, e, "hipGetDeviceCount"));
+  }
+  if (count == 0)
+    return absl::UnavailableError(absl::StrCat(Where(hip), "no HIP device: hipGetDeviceCount found none"));
+  return count;
+}
+
+// The UUID of device `ordinal`, "" when the runtime has none (hipDeviceGetUuid was "beta" for long).
+std::string DeviceUuid(const HipRuntimeTable& hip, int ordinal) {
+  HipDeviceHandle device = 0;
+  HipUuid uuid{};
+  if (hip.hipDeviceGet(&device, ordinal) != kHipSuccess || hip.hipDeviceGetUuid(&uuid, device) != kHipSuccess) {
+    return "";
+  }
+  return FormatUuid(uuid);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<DeviceInfo>> ListVisibleDevices() {
+  KVD_ASSIGN_OR_RETURN(const HipRuntimeTable* hip, LoadHipRuntime());
+  KVD_ASSIGN_OR_RETURN(const int count, InitAndCount(*hip));
+  int runtime_version = 0;
+  (void)hip->hipRuntimeGetVersion(&runtime_version);
+  std::vector<DeviceInfo> out;
+  for (int i = 0; i < count; ++i) {
+    DeviceInfo info;
+    info.backend = BackendKind::kHip;
+    info.index = i;
+    info.driver_version = absl::StrCat("HIP runtime ", FormatHipVersion(runtime_version));
+    HipDeviceHandle device = 0;
+    if (HipError e = hip->hipDeviceGet(&device, i); e != kHipSuccess) return HipStatus(*hip, e, "hipDeviceGet");
+    std::array<char, 256> name{};
+    if (HipError e = hip->hipDeviceGetName(name.data(), static_cast<int>(name.size() - 1), device); e != kHipSuccess) {
+      return HipStatus(*hip, e, "hipDeviceGetName");
+    }
+    info.name = name.data();
+    info.uuid = DeviceUuid(*hip, i);
+    size_t total = 0;
+    if (HipError e = hip->hipDeviceTotalMem(&total, device); e != kHipSuccess) {
+      return HipStatus(*hip, e, "hipDeviceTotalMem");
+    }
+    info.total_bytes = total;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<HipDevice>> HipDevice::Open(int index) {
   if (index < 0) return absl::InvalidArgumentError(absl::StrCat("hip: device index ", index, " must be >= 0"));
   KVD_ASSIGN_OR_RETURN(const HipRuntimeTable* hip, LoadHipRuntime());
-
-  const std::string where = absl::StrCat("hip (", hip->library, "): ");
-  // What an operator sees on a machine without a usable GPU: say so first, then the raw error.
-  const auto no_gpu = [&where](absl::Status s) {
-    if (!absl::IsUnavailable(s)) return absl::Status(s.code(), absl::StrCat(where, s.message()));
-    return absl::UnavailableError(absl::StrCat(where, "no usable AMD GPU (", s.message(),
-                                               "); is the amdgpu driver loaded and /dev/kfd accessible?"));
-  };
-  if (HipError e = hip->hipInit(0); e != kHipSuccess) return no_gpu(HipStatus(*hip, e, "hipInit"));
-  int count = 0;
-  if (HipError e = hip->hipGetDeviceCount(&count); e != kHipSuccess) {
-    return no_gpu(HipStatus(*hip, e, "hipGetDeviceCount"));
-  }
+  const std::string where = Where(*hip);
+  KVD_ASSIGN_OR_RETURN(const int count, InitAndCount(*hip));
   if (index >= count) {
     return absl::UnavailableError(absl::StrCat(where, "no HIP device ", index, " (the runtime sees ", count, " device",
                                                count == 1 ? "" : "s", ")"));
@@ -186,7 +243,7 @@ absl::Status HipDevice::Init() {
   }
   name_ = name.data();
   // hipDeviceGetUuid is informational and was "beta" for a long time: without it the UUID stays empty.
-  if (HipUuid uuid{}; hip_.hipDeviceGetUuid(&uuid, device_) == kHipSuccess) uuid_ = FormatUuid(uuid);
+  uuid_ = DeviceUuid(hip_, index_);
 
   const HipMemAllocationProp prop = AllocationProp(index_);
   size_t reported = 0;
@@ -258,6 +315,49 @@ absl::StatusOr<DeviceInfo> HipDevice::Info() {
   info.granularity = granularity_;
   info.fabric_handles = false;  // HIP has no fabric handle type.
   return info;
+}
+
+absl::Status HipDevice::CheckPeerAccess(absl::string_view owner_uuid) {
+  if (owner_uuid.empty()) return absl::InvalidArgumentError("CheckPeerAccess: owner_uuid is empty");
+  if (!uuid_.empty() && absl::EqualsIgnoreCase(owner_uuid, uuid_)) return absl::OkStatus();
+  const std::string self = absl::StrCat("CheckPeerAccess: HIP device ", index_, " (", uuid_, ")");
+  if (!absl::StartsWithIgnoreCase(owner_uuid, "GPU-")) {
+    return absl::FailedPreconditionError(absl::StrCat(self, " cannot import memory of device ", owner_uuid,
+                                                      ": it belongs to another backend (HIP UUIDs start with GPU-)"));
+  }
+  int count = 0;
+  if (HipError e = hip_.hipGetDeviceCount(&count); e != kHipSuccess) return Error(e, "hipGetDeviceCount");
+  std::vector<std::string> visible;
+  for (int i = 0; i < count; ++i) {
+    const std::string uuid = DeviceUuid(hip_, i);
+    if (uuid.empty() || !absl::EqualsIgnoreCase(owner_uuid, uuid)) {
+      visible.push_back(absl::StrCat(i, " ", uuid.empty() ? "(no UUID)" : uuid));
+      continue;
+    }
+    if (i == index_) return absl::OkStatus();
+    // Whether this device (the importer) can access memory that lives on device i.
+    int can_access = 0;
+    if (HipError e = hip_.hipDeviceCanAccessPeer(&can_access, index_, i); e != kHipSuccess) {
+      return Error(e, absl::StrCat("hipDeviceCanAccessPeer(", index_, ", ", i, ")"));
+    }
+    if (can_access == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(self, " has no peer access to HIP device ", i, " (", uuid,
+                                                        ") that owns the memory (hipDeviceCanAccessPeer = 0)"));
+    }
+    return absl::OkStatus();
+  }
+  std::string env;
+  for (const char* var : {"ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"}) {
+    const char* value = std::getenv(var);
+    absl::StrAppend(&env, env.empty() ? " (" : ", ", var,
+                    value != nullptr ? absl::StrCat("=\"", value, "\"") : " unset");
+  }
+  return absl::NotFoundError(absl::StrCat(self, ": the owner ", owner_uuid,
+                                          " is not among the HIP devices this process sees (",
+                                          absl::StrJoin(visible, ", "),
+                                          "); an importer must see both devices: check ROCR_VISIBLE_DEVICES and "
+                                          "HIP_VISIBLE_DEVICES",
+                                          env, ")"));
 }
 
 absl::StatusOr<uint64_t> HipDevice::Reserve(uint64_t bytes) {
@@ -613,5 +713,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenHipDevice(int index) {
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<hip::HipDevice> device, hip::HipDevice::Open(index));
   return std::unique_ptr<Device>(std::move(device));
 }
+
+absl::StatusOr<std::vector<DeviceInfo>> ListHipDevices() { return hip::ListVisibleDevices(); }
 
 }  // namespace kvd

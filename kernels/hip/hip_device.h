@@ -49,6 +49,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "hip_abi.h"
@@ -61,6 +62,9 @@ namespace kvd::hip {
 inline constexpr int kMultiMappingRuntimeVersion = HipVersion(7, 12);
 // Every chunk and mapping is at least this large, whatever the runtime reports.
 inline constexpr uint64_t kMinGranularity = uint64_t{2} << 20;
+
+// Every HIP device this process sees, without making any current (device.h, ListDevices).
+[[nodiscard]] absl::StatusOr<std::vector<DeviceInfo>> ListVisibleDevices();
 
 class HipDevice final : public Device {
  public:
@@ -100,6 +104,12 @@ class HipDevice final : public Device {
                                         uint64_t dst) override;
   [[nodiscard]] absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
                                           absl::Span<const uint64_t> blocks) override;
+
+  // The owner is this device (by UUID), or a HIP device of this process for which
+  // hipDeviceCanAccessPeer(this device, owner) is 1; Map's hipMemSetAccess for this device is then the
+  // grant. NOT_FOUND (naming ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) when no visible device has the
+  // UUID; FAILED_PRECONDITION for a non-HIP UUID or a pair without peer access.
+  [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
  private:
   // One Reserve(): [va, va + bytes), and the mappings inside it (offset from va -> bytes).

@@ -38,6 +38,8 @@ namespace kvd::hip {
   X(hipDeviceGet, HipError, (HipDeviceHandle * device, int ordinal))                                                   \
   X(hipDeviceGetName, HipError, (char* name, int len, HipDeviceHandle device))                                         \
   X(hipDeviceGetUuid, HipError, (HipUuid * uuid, HipDeviceHandle device))                                              \
+  X(hipDeviceTotalMem, HipError, (size_t * bytes, HipDeviceHandle device))                                             \
+  X(hipDeviceCanAccessPeer, HipError, (int* can_access_peer, int device, int peer_device))                             \
   X(hipMemGetInfo, HipError, (size_t * free, size_t * total))                                                          \
   X(hipMemGetAllocationGranularity, HipError,                                                                          \
     (size_t * granularity, const HipMemAllocationProp* prop, HipMemAllocationGranularityFlags option))                 \

@@ -17,6 +17,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -85,17 +86,17 @@ std::optional<uint64_t> MemAvailableBytes() {
   return std::nullopt;
 }
 
-// "host-<boot id>": stable until reboot, different on every machine.
-std::string HostUuid() {
+// The kernel's boot id: stable until reboot, different on every machine; else the host name.
+std::string ReadBootId() {
   std::ifstream file("/proc/sys/kernel/random/boot_id");
   std::string boot_id;
   if (std::getline(file, boot_id)) {
     absl::StripAsciiWhitespace(&boot_id);
-    if (!boot_id.empty()) return absl::StrCat("host-", boot_id);
+    if (!boot_id.empty()) return boot_id;
   }
   char hostname[HOST_NAME_MAX + 1] = {};
-  if (gethostname(hostname, sizeof(hostname) - 1) == 0 && hostname[0] != '\0') return absl::StrCat("host-", hostname);
-  return "host-unknown";
+  if (gethostname(hostname, sizeof(hostname) - 1) == 0 && hostname[0] != '\0') return hostname;
+  return "unknown";
 }
 
 std::byte* Address(uint64_t va) { return reinterpret_cast<std::byte*>(static_cast<uintptr_t>(va)); }
@@ -125,6 +126,22 @@ std::byte* SegmentBlock(const BlockSpan& span, uint64_t s, uint64_t id) {
 
 }  // namespace
 
+const std::string& HostBootId() {
+  static const std::string* const boot_id = new std::string(ReadBootId());
+  return *boot_id;
+}
+
+std::optional<int> ParseHostDeviceUuid(absl::string_view uuid) {
+  const std::string prefix = absl::StrCat("host-", HostBootId(), "-");
+  if (uuid.size() <= prefix.size() || !absl::StartsWithIgnoreCase(uuid, prefix)) return std::nullopt;
+  const absl::string_view digits = uuid.substr(prefix.size());
+  int index = 0;
+  if (!std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit) || !absl::SimpleAtoi(digits, &index)) {
+    return std::nullopt;
+  }
+  return index;
+}
+
 absl::StatusOr<std::unique_ptr<Device>> OpenHostDevice(const DeviceOptions& options) {
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostDevice> device, HostDevice::Open(options));
   return std::unique_ptr<Device>(std::move(device));
@@ -145,7 +162,11 @@ absl::StatusOr<std::unique_ptr<HostDevice>> HostDevice::Open(const DeviceOptions
     if (pages <= 0) return absl::InternalError("sysconf(_SC_PHYS_PAGES): no physical memory size");
     capacity = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
   }
-  return std::unique_ptr<HostDevice>(new HostDevice(options.index, capacity, granularity, HostUuid()));
+  if (options.index < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("index: host device ", options.index, " is negative"));
+  }
+  return std::unique_ptr<HostDevice>(
+      new HostDevice(options.index, capacity, granularity, absl::StrCat("host-", HostBootId(), "-", options.index)));
 }
 
 HostDevice::HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid)
@@ -236,6 +257,20 @@ absl::StatusOr<DeviceInfo> HostDevice::Info() {
   info.granularity = granularity_;
   info.fabric_handles = false;
   return info;
+}
+
+absl::Status HostDevice::CheckPeerAccess(absl::string_view owner_uuid) {
+  if (owner_uuid.empty()) return absl::InvalidArgumentError("CheckPeerAccess: owner_uuid is empty");
+  // Host memory is reachable from every host "device" of this boot: a memfd is a memfd.
+  if (ParseHostDeviceUuid(owner_uuid).has_value()) return absl::OkStatus();
+  if (absl::StartsWithIgnoreCase(owner_uuid, "host-")) {
+    return absl::FailedPreconditionError(absl::StrCat("CheckPeerAccess: host device ", index_, " (", uuid_,
+                                                      ") cannot import memory of ", owner_uuid,
+                                                      ": that is host memory of another machine or boot"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat("CheckPeerAccess: host device ", index_, " (", uuid_,
+                                                    ") cannot import memory of device ", owner_uuid,
+                                                    ": it belongs to another backend (host chunks are memfds)"));
 }
 
 absl::StatusOr<uint64_t> HostDevice::Reserve(uint64_t bytes) {

@@ -49,6 +49,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kvd/device.h"
@@ -58,7 +59,8 @@ namespace kvd {
 class HostDevice final : public Device {
  public:
   // INVALID_ARGUMENT naming `host_granularity` when it is not a power of two and a multiple of the
-  // page size.
+  // page size; INVALID_ARGUMENT naming `index` when it is negative. Any other index opens: each is a
+  // distinct device (its own UUID) standing in for one GPU of a node, all backed by host memory.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<HostDevice>> Open(const DeviceOptions& options);
 
   HostDevice(const HostDevice&) = delete;
@@ -68,7 +70,7 @@ class HostDevice final : public Device {
   BackendKind kind() const override { return BackendKind::kHost; }
   uint64_t granularity() const override { return granularity_; }
   // total_bytes is the capacity; free_bytes is min(capacity - committed, MemAvailable); the UUID is
-  // "host-<boot id>", stable until the machine reboots.
+  // "host-<boot id>-<index>", stable until the machine reboots and distinct for every index.
   [[nodiscard]] absl::StatusOr<DeviceInfo> Info() override;
 
   [[nodiscard]] absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override;
@@ -99,6 +101,10 @@ class HostDevice final : public Device {
                                         uint64_t dst) override;
   [[nodiscard]] absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
                                           absl::Span<const uint64_t> blocks) override;
+
+  // OK for every "host-<this boot id>-<N>" (host memory is reachable from every host device);
+  // FAILED_PRECONDITION for a host UUID of another boot or machine, or a device of another backend.
+  [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
  private:
   struct Mapping {

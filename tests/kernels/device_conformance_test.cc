@@ -32,6 +32,8 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -52,6 +54,7 @@ namespace {
 
 using ::kvd::testing::IsOk;
 using ::kvd::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -187,7 +190,8 @@ class PeerProcess {
     if (pid_ > 0) Kill();
   }
 
-  absl::Status Start(const std::string& backend) {
+  // Runs device_peer on device `index` of `backend`.
+  absl::Status Start(const std::string& backend, int index = 0) {
     int ends[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, ends) != 0) {
       return absl::InternalError(absl::StrCat("socketpair: ", std::strerror(errno)));
@@ -211,8 +215,9 @@ class PeerProcess {
       path = (std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "device_peer").string();
     }
     std::string backend_arg = absl::StrCat("--backend=", backend);
+    std::string index_arg = absl::StrCat("--index=", index);
     std::string socket_arg = absl::StrCat("--socket_fd=", kChildFd);
-    char* argv[] = {path.data(), backend_arg.data(), socket_arg.data(), nullptr};
+    char* argv[] = {path.data(), backend_arg.data(), index_arg.data(), socket_arg.data(), nullptr};
     const int rc = posix_spawn(&pid_, path.c_str(), &actions, nullptr, argv, environ);
     if (rc != 0) {
       pid_ = -1;
@@ -467,6 +472,98 @@ TEST_P(DeviceConformanceTest, ExportedChunkIsTheSameMemoryInAnotherProcess) {
   EXPECT_EQ(*reply, "RELEASED");
   KVD_ASSERT_OK_AND_ASSIGN(int exit_code, peer.Finish());
   EXPECT_EQ(exit_code, 0);
+}
+
+// One kvd per GPU: an importer may be another device of the node. On host the peer opens index 1 (a
+// distinct device with its own UUID), so a peer-device import runs in every CI build; on a GPU node it
+// opens device 1 when this process sees two or more, else the same device.
+TEST_P(DeviceConformanceTest, PeerDeviceChecksAccessAndImportsTheOwnersMemory) {
+  KVD_ASSERT_OK_AND_ASSIGN(const DeviceInfo owner, device_->Info());
+  KVD_ASSERT_OK_AND_ASSIGN(const std::vector<DeviceInfo> devices, ListDevices({.backend = GetParam()}));
+  const int peer_index = host() || devices.size() > 1 ? 1 : 0;
+  DeviceScope scope(device_.get());
+  const uint64_t bytes = 2 * granularity_;
+  Chunk chunk;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.MapNew(bytes, &chunk));
+  const std::vector<uint8_t> ours = Pattern(31, bytes);
+  ASSERT_THAT(device_->CopyFromHost(va, ours.data(), bytes), IsOk());
+
+  PeerProcess peer;
+  ASSERT_THAT(peer.Start(GetParam(), peer_index), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::string reply, peer.Call(absl::StrCat("PEER ", owner.uuid)));
+  if (!host() && peer_index != 0 && absl::StrContains(reply, "FAILED_PRECONDITION")) {
+    GTEST_SKIP() << "devices 0 and 1 of this node have no peer access: " << reply;
+  }
+  ASSERT_TRUE(absl::StartsWith(reply, "PEER_OK ")) << reply;
+  const std::string peer_uuid = reply.substr(std::string("PEER_OK ").size());
+  if (peer_index != 0) {
+    EXPECT_NE(peer_uuid, owner.uuid) << "the peer is another device";
+  } else {
+    EXPECT_EQ(peer_uuid, owner.uuid);
+  }
+  if (host()) {
+    EXPECT_EQ(peer_uuid, absl::StrCat(owner.uuid.substr(0, owner.uuid.rfind('-')), "-1"));
+  }
+
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->Export(chunk));
+  absl::StatusOr<std::string> imported =
+      peer.Call(absl::StrCat("IMPORT ", bytes, " ", bytes, " ", bytes / 2, " 31 32"), {fd});
+  close(fd);
+  ASSERT_THAT(imported, IsOk());
+  ASSERT_EQ(*imported, "MAPPED") << "the peer device maps the owner's chunk and reads every byte the owner wrote";
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(va, bytes));
+  std::vector<uint8_t> expected = ours;
+  const std::vector<uint8_t> theirs = Pattern(32, bytes / 2);
+  std::copy(theirs.begin(), theirs.end(), expected.begin());
+  EXPECT_TRUE(SameBytes(back, expected)) << "the peer device's writes show through the owner's mapping";
+
+  KVD_ASSERT_OK_AND_ASSIGN(reply, peer.Call("RELEASE"));
+  EXPECT_EQ(reply, "RELEASED");
+  KVD_ASSERT_OK_AND_ASSIGN(int exit_code, peer.Finish());
+  EXPECT_EQ(exit_code, 0);
+}
+
+TEST_P(DeviceConformanceTest, PeerAccessRefusesOwnersOfOtherBackendsAndUnknownDevices) {
+  KVD_ASSERT_OK_AND_ASSIGN(const DeviceInfo self, device_->Info());
+  EXPECT_THAT(device_->CheckPeerAccess(self.uuid), IsOk()) << "a device reaches its own memory";
+  EXPECT_THAT(device_->CheckPeerAccess(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("owner_uuid")));
+  // A UUID of another backend: host memory on a GPU, a GPU's memory on host.
+  const std::string foreign = host() ? "GPU-5f3a1b2c-0000-0000-0000-000000000000" : "host-0-0";
+  EXPECT_THAT(device_->CheckPeerAccess(foreign),
+              StatusIs(absl::StatusCode::kFailedPrecondition, AllOf(HasSubstr(self.uuid), HasSubstr(foreign))));
+  if (host()) return;
+  // A GPU UUID that no device of this process has: NOT_FOUND, naming the visibility variable.
+  const std::string unseen = "GPU-00000000-0000-0000-0000-000000000000";
+  EXPECT_THAT(device_->CheckPeerAccess(unseen),
+              StatusIs(absl::StatusCode::kNotFound, AllOf(HasSubstr(unseen), HasSubstr("VISIBLE_DEVICES"))));
+}
+
+TEST_P(DeviceConformanceTest, ListedDevicesIncludeThisOneAndItsUuidSelectsIt) {
+  KVD_ASSERT_OK_AND_ASSIGN(const DeviceInfo self, device_->Info());
+  KVD_ASSERT_OK_AND_ASSIGN(const std::vector<DeviceInfo> devices, ListDevices({.backend = GetParam()}));
+  ASSERT_FALSE(devices.empty());
+  for (size_t i = 0; i < devices.size(); ++i) {
+    EXPECT_EQ(devices[i].index, static_cast<int>(i));
+    EXPECT_EQ(devices[i].backend, self.backend);
+    EXPECT_FALSE(devices[i].name.empty());
+    EXPECT_GT(devices[i].total_bytes, 0u);
+  }
+  EXPECT_EQ(devices[0].uuid, self.uuid) << "the suite's device is index 0";
+  EXPECT_EQ(devices[0].name, self.name);
+  EXPECT_EQ(devices[0].total_bytes, self.total_bytes);
+  const DeviceOptions options{.backend = GetParam()};
+  for (const std::string& selector : {self.uuid, absl::AsciiStrToLower(self.uuid), std::string("0")}) {
+    absl::StatusOr<int> index = ResolveDeviceSelector(options, selector);
+    ASSERT_THAT(index, IsOk()) << selector;
+    EXPECT_EQ(*index, 0) << selector;
+  }
+  const std::string count = absl::StrCat(host() ? 1 : devices.size());
+  if (!host()) {
+    EXPECT_THAT(ResolveDeviceSelector(options, count),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr(absl::StrCat("device ", count, ": this node has"))));
+  }
+  EXPECT_THAT(ResolveDeviceSelector(options, "GPU-zz"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(host() ? self.uuid.substr(0, 20) : self.uuid)));
 }
 
 // Memory accounting is machine-wide (other processes move it too), so each check compares two

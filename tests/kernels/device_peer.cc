@@ -2,8 +2,11 @@
 //
 // Started by the test with posix_spawn (a real exec'd process, so it also works for GPU backends,
 // whose drivers do not survive a bare fork) with one end of a SOCK_SEQPACKET socket pair as
-// --socket_fd. It opens the same backend and answers one text command per message:
+// --socket_fd. It opens the same backend (device --index, default 0; a different index than the test's
+// makes it a peer device of the owner) and answers one text command per message:
 //
+//   PEER <owner_uuid>
+//       Device::CheckPeerAccess(owner_uuid) of its device.                       -> "PEER_OK <own uuid>"
 //   IMPORT <bytes> <verify_bytes> <write_bytes> <parent_seed> <peer_seed>   (with one FD)
 //       imports the FD as a chunk of <bytes>, closes the FD at once, reserves and maps the chunk,
 //       checks that its first <verify_bytes> bytes hold the pattern <parent_seed>, then writes the
@@ -57,6 +60,11 @@ class Peer {
     };
     std::vector<absl::string_view> words = absl::StrSplit(message.payload, ' ');
     if (words[0] == "IMPORT") return Import(words, message.fds);
+    if (words[0] == "PEER" && words.size() == 2) {
+      KVD_RETURN_IF_ERROR(device_->CheckPeerAccess(words[1]));
+      KVD_ASSIGN_OR_RETURN(DeviceInfo info, device_->Info());
+      return absl::StrCat("PEER_OK ", info.uuid);
+    }
     if (words[0] == "RELEASE") {
       KVD_RETURN_IF_ERROR(Release());
       return std::string("RELEASED");

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +35,9 @@ namespace {
 
 using ::kvd::testing::IsOk;
 using ::kvd::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 constexpr uint64_t kKiB = uint64_t{1} << 10;
@@ -42,6 +45,13 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 
 uint64_t PageSize() { return static_cast<uint64_t>(sysconf(_SC_PAGESIZE)); }
+
+std::string BootId() {
+  std::ifstream file("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(file, boot_id);
+  return std::string(absl::StripAsciiWhitespace(boot_id));
+}
 
 absl::StatusOr<std::unique_ptr<Device>> OpenHostWith(uint64_t capacity, uint64_t granularity) {
   return OpenDevice(DeviceOptions{.backend = "host", .host_capacity = capacity, .host_granularity = granularity});
@@ -142,10 +152,8 @@ TEST_P(HostDeviceTest, InfoDescribesTheHostMemory) {
   EXPECT_EQ(info.backend, BackendKind::kHost);
   EXPECT_EQ(device->kind(), BackendKind::kHost);
   EXPECT_EQ(info.name, "host memory (memfd)");
-  std::ifstream boot_id_file("/proc/sys/kernel/random/boot_id");
-  std::string boot_id;
-  ASSERT_TRUE(std::getline(boot_id_file, boot_id));
-  EXPECT_EQ(info.uuid, absl::StrCat("host-", absl::StripAsciiWhitespace(boot_id)));
+  EXPECT_EQ(info.index, 0);
+  EXPECT_EQ(info.uuid, absl::StrCat("host-", BootId(), "-0"));
   EXPECT_TRUE(info.driver_version.empty());
   EXPECT_EQ(info.total_bytes, 64 * kMiB) << "the configured capacity";
   EXPECT_EQ(info.free_bytes, 64 * kMiB) << "nothing committed, and the machine has more than 64 MiB available";
@@ -460,6 +468,94 @@ TEST_P(HostDeviceTest, ConcurrentUseFromManyThreadsIsSafe) {
   EXPECT_EQ(failures.load(), 0);
   KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device->Info());
   EXPECT_EQ(info.free_bytes, 64 * kMiB) << "every byte given back";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device indices and selectors: the host backend stands in for a node's GPUs.
+
+TEST(HostDeviceIndexTest, EachIndexIsADistinctDeviceWithItsOwnUuid) {
+  ASSERT_FALSE(BootId().empty());
+  std::set<std::string> uuids;
+  for (int index : {0, 1, 7, 1000}) {
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenDevice({.backend = "host", .index = index}));
+    KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device->Info());
+    EXPECT_EQ(info.index, index);
+    EXPECT_EQ(info.uuid, absl::StrCat("host-", BootId(), "-", index));
+    uuids.insert(info.uuid);
+  }
+  EXPECT_EQ(uuids.size(), 4u);
+  EXPECT_THAT(OpenDevice({.backend = "host", .index = -1}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("index")));
+}
+
+TEST(HostDeviceIndexTest, ListDevicesReportsIndexZeroWithItsMemory) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<DeviceInfo> devices,
+                           ListDevices({.backend = "host", .index = 5, .host_capacity = 64 * kMiB}));
+  ASSERT_EQ(devices.size(), 1u);
+  EXPECT_EQ(devices[0].backend, BackendKind::kHost);
+  EXPECT_EQ(devices[0].index, 0) << "whatever options.index says";
+  EXPECT_EQ(devices[0].uuid, absl::StrCat("host-", BootId(), "-0"));
+  EXPECT_EQ(devices[0].name, "host memory (memfd)");
+  EXPECT_EQ(devices[0].total_bytes, 64 * kMiB);
+  EXPECT_EQ(devices[0].granularity, 2 * kMiB);
+  EXPECT_THAT(ListDevices({.backend = "tpu"}), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tpu")));
+}
+
+// The index `selector` resolves to on host, or the error as a string.
+std::string Resolved(absl::string_view selector) {
+  absl::StatusOr<int> index = ResolveDeviceSelector({.backend = "host"}, selector);
+  return index.ok() ? absl::StrCat(*index) : index.status().ToString();
+}
+
+TEST(HostDeviceIndexTest, SelectorsNameIndicesAndUuids) {
+  const std::string uuid1 = absl::StrCat("host-", BootId(), "-1");
+  EXPECT_EQ(Resolved("0"), "0");
+  EXPECT_EQ(Resolved("6"), "6") << "any index opens on host";
+  EXPECT_EQ(Resolved(uuid1), "1");
+  EXPECT_EQ(Resolved(absl::StrCat("host-", BootId(), "-12")), "12") << "host-<boot id>-1 is exact, not a prefix";
+  EXPECT_EQ(Resolved(absl::AsciiStrToUpper(uuid1)), "1") << "case-insensitive";
+  EXPECT_EQ(Resolved(absl::StrCat(BootId(), "-3")), "3") << "without host-";
+}
+
+TEST(HostDeviceIndexTest, BadSelectorsAreRefusedWithTheCandidates) {
+  const DeviceOptions host{.backend = "host"};
+  const std::string family = absl::StrCat("host-", BootId(), "-");
+  EXPECT_THAT(ResolveDeviceSelector(host, ""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+  EXPECT_THAT(ResolveDeviceSelector(host, "99999999999999999999"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("device 99999999999999999999: not a device")));
+  // Short of the index, a prefix is every host device's.
+  for (const std::string& prefix :
+       {std::string("host-"), absl::StrCat("host-", BootId().substr(0, 8)), family, BootId().substr(0, 8)}) {
+    EXPECT_THAT(ResolveDeviceSelector(host, prefix),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(absl::StrCat("device ", prefix, ": ambiguous")), HasSubstr(family + "1"))))
+        << prefix;
+  }
+  for (const std::string& unknown :
+       {std::string("GPU-5f3a"), std::string("host-00000000-0000-0000-0000-000000000000-1"), absl::StrCat(family, "1x"),
+        std::string("-1")}) {
+    EXPECT_THAT(ResolveDeviceSelector(host, unknown),
+                StatusIs(absl::StatusCode::kNotFound,
+                         AllOf(HasSubstr(absl::StrCat("device ", unknown, ": no host device")), HasSubstr(family))))
+        << unknown;
+  }
+}
+
+TEST(HostDeviceIndexTest, PeerAccessCoversEveryHostDeviceOfThisBootOnly) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenDevice({.backend = "host", .index = 1}));
+  const std::string family = absl::StrCat("host-", BootId(), "-");
+  EXPECT_THAT(device->CheckPeerAccess(family + "0"), IsOk());
+  EXPECT_THAT(device->CheckPeerAccess(family + "1"), IsOk()) << "itself";
+  EXPECT_THAT(device->CheckPeerAccess(absl::AsciiStrToUpper(family + "42")), IsOk());
+  EXPECT_THAT(device->CheckPeerAccess("host-00000000-0000-0000-0000-000000000000-0"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(family + "1"), HasSubstr("host-00000000-0000-0000-0000-000000000000-0"),
+                             HasSubstr("another machine or boot"))));
+  EXPECT_THAT(device->CheckPeerAccess("GPU-5f3a1b2c-0000-0000-0000-000000000000"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(family + "1"), HasSubstr("GPU-5f3a1b2c"), HasSubstr("another backend"))));
+  EXPECT_THAT(device->CheckPeerAccess(family), Not(IsOk())) << "no index";
+  EXPECT_THAT(device->CheckPeerAccess(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("owner_uuid")));
 }
 
 std::string GranularityName(const ::testing::TestParamInfo<uint64_t>& info) {

@@ -69,6 +69,7 @@ class FaultDevice final : public Device {
     return inner_->Export(chunk);
   }
   absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override { return inner_->Import(fd, bytes); }
+  absl::Status CheckPeerAccess(absl::string_view owner_uuid) override { return inner_->CheckPeerAccess(owner_uuid); }
   absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
     return inner_->CopyToHost(dst, src_va, bytes);
   }

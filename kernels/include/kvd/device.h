@@ -18,9 +18,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace kvd {
@@ -34,7 +36,7 @@ struct DeviceInfo {
   BackendKind backend = BackendKind::kHost;
   int index = 0;
   std::string name;             // "NVIDIA H200", "host memory (memfd)"
-  std::string uuid;             // "GPU-…" on CUDA
+  std::string uuid;             // "GPU-…" on CUDA and HIP, "host-<boot id>-<index>" on host
   std::string driver_version;   // empty on host
   uint64_t total_bytes = 0;     // physical memory of the device (host: the configured capacity)
   uint64_t free_bytes = 0;      // as the driver reports it now
@@ -112,11 +114,23 @@ class Device {
                                                 uint64_t dst) = 0;
   [[nodiscard]] virtual absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
                                                   absl::Span<const uint64_t> blocks) = 0;
+
+  // OK when memory created on the device whose DeviceInfo::uuid is `owner_uuid` (another device of this
+  // node, or this one) can be imported here and mapped with access for this device (peer access).
+  // FAILED_PRECONDITION naming both devices when the pair has no peer access (CUDA:
+  // cuDeviceCanAccessPeer == 0; HIP: hipDeviceCanAccessPeer) or the owner belongs to another backend;
+  // NOT_FOUND when this process cannot see the owner (say so: CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES).
+  // INVALID_ARGUMENT for an empty `owner_uuid`. Map of an imported chunk grants this device access
+  // (docs/backends.md, "Peer access"); no other call is needed.
+  [[nodiscard]] virtual absl::Status CheckPeerAccess(absl::string_view owner_uuid) = 0;
 };
 
 struct DeviceOptions {
   // "auto" (CUDA when a driver and device are present, else host), "host", "cuda", "hip".
   std::string backend = "auto";
+  // The device ordinal as the backend enumerates it (CUDA/HIP: after CUDA_VISIBLE_DEVICES /
+  // ROCR_VISIBLE_DEVICES). The host backend opens any non-negative index: each is a distinct stand-in
+  // for one GPU of a node, with its own UUID, all backed by the same host memory.
   int index = 0;
   // Host backend only: the most bytes it commits at once (0: the machine's physical memory) and
   // its allocation granularity (a multiple of the page size).
@@ -127,6 +141,23 @@ struct DeviceOptions {
 // Opens the backend `options` asks for. UNAVAILABLE when its driver or device is missing,
 // UNIMPLEMENTED when it was not built, INVALID_ARGUMENT for an unknown name.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const DeviceOptions& options);
+
+// Every device of options.backend ("host", "cuda", "hip"; "auto": CUDA when a driver and device answer,
+// else host) that this process can see, by index, with name/uuid/memory filled in. GPU backends fill
+// index, name, uuid, driver_version and total_bytes without creating a context on any device, so
+// free_bytes and granularity stay 0 there (open the device for them). The host backend opens any index
+// but reports index 0 only (with its capacity, free bytes and granularity from `options`).
+// UNAVAILABLE / UNIMPLEMENTED / INVALID_ARGUMENT as OpenDevice.
+[[nodiscard]] absl::StatusOr<std::vector<DeviceInfo>> ListDevices(const DeviceOptions& options);
+
+// The device index `selector` names for options.backend: a decimal index, or a device UUID or a unique,
+// case-insensitive prefix of one ("GPU-5f3a"; the "GPU-" may be left out). NOT_FOUND listing the visible
+// UUIDs when nothing matches; INVALID_ARGUMENT naming the candidates when a prefix is ambiguous.
+// An exact UUID wins over a longer UUID it is a prefix of. On host any non-negative index exists, and
+// "host-<boot id>-<N>" names index N for any N; other prefixes match the listed index 0. Messages start
+// with "device <selector>: ", so that a caller can prefix its flag's dashes ("--device 3: this node has
+// 1 CUDA device ...").
+[[nodiscard]] absl::StatusOr<int> ResolveDeviceSelector(const DeviceOptions& options, absl::string_view selector);
 
 // Checks block ids and copy pairs against `span` (shared by every backend): INVALID_ARGUMENT naming
 // the offending id.

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -122,6 +123,67 @@ TEST_F(CudaDeviceTest, AutoPicksCudaWhenPresent) {
   options.backend = "auto";
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenDevice(options));
   EXPECT_EQ(device->kind(), BackendKind::kCuda);
+}
+
+TEST_F(CudaDeviceTest, ListsDevicesAndSelectsThemByUuid) {
+  KVD_ASSERT_OK_AND_ASSIGN(const DeviceInfo self, device_->Info());
+  for (const char* backend : {"cuda", "auto"}) {
+    SCOPED_TRACE(backend);
+    KVD_ASSERT_OK_AND_ASSIGN(const std::vector<DeviceInfo> devices, ListDevices({.backend = backend}));
+    ASSERT_FALSE(devices.empty());
+    std::cout << "--backend=" << backend << ":";
+    for (const DeviceInfo& d : devices) std::cout << " [" << d.index << " " << d.uuid << " " << d.name << "]";
+    std::cout << "\n";
+    for (size_t i = 0; i < devices.size(); ++i) {
+      const DeviceInfo& d = devices[i];
+      EXPECT_EQ(d.backend, BackendKind::kCuda);
+      EXPECT_EQ(d.index, static_cast<int>(i));
+      EXPECT_THAT(d.uuid, StartsWith("GPU-"));
+      EXPECT_EQ(d.uuid.size(), 40u);
+      EXPECT_EQ(d.driver_version, self.driver_version);
+      EXPECT_GT(d.total_bytes, 0u);
+      // Every visible device is selected by its UUID, by a prefix without "GPU-", and by its index.
+      for (const std::string& selector : {d.uuid, d.uuid.substr(4, 13), absl::StrCat(i)}) {
+        absl::StatusOr<int> index = ResolveDeviceSelector({.backend = backend}, selector);
+        ASSERT_THAT(index, IsOk()) << selector;
+        EXPECT_EQ(*index, d.index) << selector;
+      }
+    }
+    EXPECT_EQ(devices[0].uuid, self.uuid);
+    EXPECT_EQ(devices[0].name, self.name);
+    EXPECT_EQ(devices[0].total_bytes, self.total_bytes) << "cuDeviceTotalMem and cuMemGetInfo agree";
+    const std::string past = absl::StrCat(devices.size());
+    EXPECT_THAT(ResolveDeviceSelector({.backend = backend}, past),
+                StatusIs(absl::StatusCode::kNotFound,
+                         AllOf(HasSubstr(absl::StrCat("device ", past, ": this node has ", devices.size(), " CUDA")),
+                               HasSubstr(self.uuid))));
+    EXPECT_THAT(ResolveDeviceSelector({.backend = backend}, "GPU-zzzz"),
+                StatusIs(absl::StatusCode::kNotFound, AllOf(HasSubstr("device GPU-zzzz"), HasSubstr(self.uuid))));
+    if (devices.size() > 1) {
+      EXPECT_THAT(ResolveDeviceSelector({.backend = backend}, "GPU-"),
+                  StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("ambiguous"), HasSubstr(self.uuid))))
+          << "\"GPU-\" starts every UUID";
+    }
+  }
+}
+
+TEST_F(CudaDeviceTest, PeerAccessToItselfIsOkAndToAnUnseenUuidIsNotFound) {
+  KVD_ASSERT_OK_AND_ASSIGN(const DeviceInfo self, device_->Info());
+  EXPECT_THAT(device_->CheckPeerAccess(self.uuid), IsOk());
+  EXPECT_THAT(device_->CheckPeerAccess(absl::AsciiStrToUpper(self.uuid)), IsOk()) << "case-insensitive";
+  const std::string bogus = "GPU-00000000-0000-0000-0000-000000000000";
+  EXPECT_THAT(device_->CheckPeerAccess(bogus),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr(bogus), HasSubstr(self.uuid), HasSubstr("CUDA_VISIBLE_DEVICES"))));
+  EXPECT_THAT(device_->CheckPeerAccess("host-abc-0"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another backend")));
+  // Every other visible device: OK or FAILED_PRECONDITION as cuDeviceCanAccessPeer says; never NOT_FOUND.
+  KVD_ASSERT_OK_AND_ASSIGN(const std::vector<DeviceInfo> devices, ListDevices({.backend = "cuda"}));
+  for (const DeviceInfo& d : devices) {
+    const absl::Status s = device_->CheckPeerAccess(d.uuid);
+    std::cout << "peer access from " << self.uuid << " to " << d.uuid << ": " << s << "\n";
+    EXPECT_TRUE(s.ok() || absl::IsFailedPrecondition(s)) << s;
+  }
 }
 
 TEST_F(CudaDeviceTest, WritesAndReadsBack) {
