@@ -133,9 +133,13 @@ PoolInfo FromProto(const v1::Pool& p) {
                                      .uid = c.uid(),
                                      .pid = c.pid(),
                                      .mapped_bytes = c.mapped_bytes(),
-                                     .attached_at_unix_ms = c.attached_at_unix_ms()});
+                                     .attached_at_unix_ms = c.attached_at_unix_ms(),
+                                     .device_uuid = c.device_uuid()});
   }
   for (const v1::Chunk& c : p.chunks()) out.chunks.push_back(FromProto(c));
+  out.group = GroupMembership{.name = p.group().name(), .rank = p.group().rank(), .size = p.group().size()};
+  out.peer_devices.assign(p.peer_devices().begin(), p.peer_devices().end());
+  out.transaction = p.transaction();
   return out;
 }
 
@@ -144,6 +148,20 @@ PoolChange FromProto(const v1::PoolUpdate& u) {
   for (const v1::Chunk& c : u.added()) out.added.push_back(FromProto(c));
   out.released_chunk_ids.assign(u.released_chunk_ids().begin(), u.released_chunk_ids().end());
   return out;
+}
+
+v1::Operation ToProto(GroupOp op) {
+  switch (op) {
+    case GroupOp::kGrow:
+      return v1::OPERATION_GROW;
+    case GroupOp::kShrink:
+      return v1::OPERATION_SHRINK;
+    case GroupOp::kSleep:
+      return v1::OPERATION_SLEEP;
+    case GroupOp::kWake:
+      return v1::OPERATION_WAKE;
+  }
+  return v1::OPERATION_UNSPECIFIED;
 }
 
 const char* BackendString(v1::Backend b) {
@@ -171,6 +189,20 @@ std::string HandlesPathFor(absl::string_view socket) {
   return absl::StrCat(socket, ".handles");
 }
 
+const char* GroupOpName(GroupOp op) {
+  switch (op) {
+    case GroupOp::kGrow:
+      return "grow";
+    case GroupOp::kShrink:
+      return "shrink";
+    case GroupOp::kSleep:
+      return "sleep";
+    case GroupOp::kWake:
+      return "wake";
+  }
+  return "unknown";
+}
+
 const char* PoolStateName(PoolState state) {
   switch (state) {
     case PoolState::kAwake:
@@ -194,8 +226,8 @@ struct Client::Impl {
   std::unique_ptr<v1::Kvd::Stub> stub;
 
   absl::Mutex mu;
-  // Opened on first Attach with the daemon's backend; never reset while the Impl lives.
-  std::unique_ptr<Device> device ABSL_GUARDED_BY(mu);
+  // Opened on first use with the daemon's backend, by index; never reset while the Impl lives.
+  std::map<int, std::unique_ptr<Device>> devices ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::weak_ptr<Mapping::Impl>> mappings ABSL_GUARDED_BY(mu);
 
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
@@ -206,23 +238,49 @@ struct Client::Impl {
   }
   std::unique_ptr<grpc::ClientContext> Context() const { return Context(options.timeout); }
 
-  absl::StatusOr<Device*> GetDevice();
+  // The device this process maps from (AttachOptions::device; empty: the daemon's), opened once.
+  struct LocalDevice {
+    Device* device = nullptr;
+    std::string peer_uuid;  // set when it is not the daemon's device: the AttachRequest's device_uuid
+  };
+  absl::StatusOr<LocalDevice> GetDevice(absl::string_view selector);
   std::shared_ptr<Mapping::Impl> FindMapping(const std::string& pool);
   // Maps the lease of `update` into this client's Mapping of its pool, if it has one.
   absl::Status Route(const v1::PoolUpdate& update);
 };
 
-absl::StatusOr<Device*> Client::Impl::GetDevice() {
-  absl::MutexLock lock(&mu);
-  if (device != nullptr) return device.get();
+absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_view selector) {
   v1::DeviceInfo info;
   KVD_RETURN_IF_ERROR(FromGrpc(stub->GetDeviceInfo(Context().get(), v1::GetDeviceInfoRequest(), &info)));
   DeviceOptions opts{.backend = BackendString(info.backend()), .index = static_cast<int>(info.device_index())};
   if (info.backend() == v1::BACKEND_HOST && info.granularity_bytes() > 0) {
     opts.host_granularity = info.granularity_bytes();
   }
-  KVD_ASSIGN_OR_RETURN(device, OpenDevice(opts));
-  return device.get();
+  if (!selector.empty()) {
+    absl::StatusOr<int> index = ResolveDeviceSelector(opts, selector);
+    if (!index.ok()) {
+      return absl::Status(index.status().code(), absl::StrCat("AttachOptions.", index.status().message()));
+    }
+    opts.index = *index;
+  }
+  absl::MutexLock lock(&mu);
+  std::unique_ptr<Device>& device = devices[opts.index];
+  if (device == nullptr) {
+    absl::StatusOr<std::unique_ptr<Device>> opened = OpenDevice(opts);
+    if (!opened.ok()) {
+      devices.erase(opts.index);
+      return opened.status();
+    }
+    device = *std::move(opened);
+  }
+  KVD_ASSIGN_OR_RETURN(kvd::DeviceInfo local, device->Info());
+  LocalDevice out{.device = device.get()};
+  if (local.uuid != info.device_uuid()) {
+    // Peer access: this process maps another device's memory with access for its own device.
+    KVD_RETURN_IF_ERROR(device->CheckPeerAccess(info.device_uuid()));
+    out.peer_uuid = local.uuid;
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -568,6 +626,12 @@ absl::StatusOr<PoolInfo> Client::CreatePool(const PoolOptions& options) {
   req.set_initial_blocks(options.initial_blocks);
   ToProto(options.layout, req.mutable_layout_request());
   for (uint32_t uid : options.allowed_uids) req.add_allowed_uids(uid);
+  if (!options.group.name.empty() || options.group.size != 0 || options.group.rank != 0) {
+    req.mutable_group()->set_name(options.group.name);
+    req.mutable_group()->set_rank(options.group.rank);
+    req.mutable_group()->set_size(options.group.size);
+  }
+  for (const std::string& d : options.peer_devices) req.add_peer_devices(d);
   v1::Pool pool;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->CreatePool(impl_->Context().get(), req, &pool)));
   return FromProto(pool);
@@ -661,11 +725,13 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   if (impl_->FindMapping(name) != nullptr) {
     return absl::AlreadyExistsError(absl::StrCat("pool ", name, " is already attached by this client"));
   }
-  KVD_ASSIGN_OR_RETURN(Device * device, impl_->GetDevice());
+  KVD_ASSIGN_OR_RETURN(Impl::LocalDevice local, impl_->GetDevice(options.device));
+  Device* device = local.device;
 
   v1::AttachRequest req;
   req.set_pool(name);
   req.set_client_name(options.client_name);
+  req.set_device_uuid(local.peer_uuid);
   v1::AttachResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(impl_->Context().get(), req, &resp)));
 
@@ -719,6 +785,51 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   std::move(detach).Cancel();
   std::move(free_va).Cancel();
   return std::unique_ptr<Mapping>(new Mapping(std::move(m)));
+}
+
+absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::string_view device_uuid, bool revoke) {
+  v1::GrantPeerAccessRequest req;
+  req.set_pool(std::string(pool));
+  req.set_device_uuid(std::string(device_uuid));
+  req.set_revoke(revoke);
+  v1::Pool resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GrantPeerAccess(impl_->Context().get(), req, &resp)));
+  return FromProto(resp);
+}
+
+absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
+                                               absl::Duration ttl) {
+  v1::PrepareRequest req;
+  req.set_pool(std::string(pool));
+  req.set_operation(ToProto(op));
+  req.set_target_blocks(target_blocks);
+  req.set_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(absl::ToInt64Milliseconds(ttl), 1)));
+  v1::PrepareResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Prepare(impl_->Context().get(), req, &resp)));
+  return PreparedChange{.transaction = resp.transaction(),
+                        .pool = FromProto(resp.pool()),
+                        .prepared_bytes = resp.prepared_bytes(),
+                        .expires_at_unix_ms = resp.expires_at_unix_ms(),
+                        .elapsed_us = resp.elapsed_us()};
+}
+
+absl::StatusOr<PoolChange> Client::Commit(absl::string_view transaction, bool wait) {
+  v1::CommitRequest req;
+  req.set_transaction(std::string(transaction));
+  req.set_wait_for_release(wait);
+  v1::PoolUpdate update;
+  KVD_RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->Commit(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  KVD_RETURN_IF_ERROR(impl_->Route(update));
+  return FromProto(update);
+}
+
+absl::StatusOr<uint64_t> Client::Abort(absl::string_view transaction) {
+  v1::AbortRequest req;
+  req.set_transaction(std::string(transaction));
+  v1::AbortResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Abort(impl_->Context().get(), req, &resp)));
+  return resp.released_bytes();
 }
 
 }  // namespace kvd

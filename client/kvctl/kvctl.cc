@@ -23,7 +23,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 #include "kvd/client.h"
+#include "kvd/group.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
 
@@ -181,11 +183,19 @@ Json PoolJson(const PoolInfo& p) {
                                           .Set("uid", Json::Num(c.uid))
                                           .Set("pid", Json::Int(c.pid))
                                           .Set("mapped_bytes", Json::Num(c.mapped_bytes))
-                                          .Set("attached_at_unix_ms", Json::Num(c.attached_at_unix_ms));
+                                          .Set("attached_at_unix_ms", Json::Num(c.attached_at_unix_ms))
+                                          .Set("device_uuid", Json::Str(c.device_uuid));
                                     }))
       .Set("chunks", Json::ArrayOf(p.chunks, ChunkJson))
       .Set("generation", Json::Num(p.generation))
-      .Set("created_at_unix_ms", Json::Num(p.created_at_unix_ms));
+      .Set("created_at_unix_ms", Json::Num(p.created_at_unix_ms))
+      .Set("group", p.group.name.empty() ? Json::Null()
+                                         : Json::Object()
+                                               .Set("name", Json::Str(p.group.name))
+                                               .Set("rank", Json::Num(p.group.rank))
+                                               .Set("size", Json::Num(p.group.size)))
+      .Set("peer_devices", StrArray(p.peer_devices))
+      .Set("transaction", Json::Str(p.transaction));
 }
 
 Json ChangeJson(const PoolChange& c, double round_trip_ms) {
@@ -278,6 +288,12 @@ struct Flags {
   uint64_t initial_blocks = 0;
   std::vector<uint32_t> allowed_uids;
   LayoutFlags layout;
+  GroupMembership group;
+  std::vector<std::string> peers;
+  std::string device_uuid;           // grant / revoke
+  std::vector<std::string> sockets;  // group: the daemons to search
+  std::string socket_dir;
+  std::string ttl = "30s";
 };
 
 // --blocks or --bytes -> a target block count for `pool`.
@@ -385,6 +401,11 @@ absl::Status Describe(Client& client, const Flags& f) {
   }
   std::printf("pool         %s (%s), owner uid %u, generation %lu\n", p.name.c_str(), PoolStateName(p.state),
               p.owner_uid, p.generation);
+  if (!p.group.name.empty()) {
+    std::printf("group        %s, rank %u of %u\n", p.group.name.c_str(), p.group.rank, p.group.size);
+  }
+  if (!p.peer_devices.empty()) std::printf("peers        %s\n", absl::StrJoin(p.peer_devices, ", ").c_str());
+  if (!p.transaction.empty()) std::printf("held by      group transaction %s\n", p.transaction.c_str());
   PrintResolution(p.layout);
   PrintGeometry(p.geometry);
   std::printf("committed    %lu/%lu blocks, %s", p.committed_blocks, p.geometry.dims.capacity_blocks,
@@ -397,8 +418,9 @@ absl::Status Describe(Client& client, const Flags& f) {
   }
   std::printf("clients      %zu\n", p.clients.size());
   for (const ClientInfo& c : p.clients) {
-    std::printf("  %s %s uid %u pid %d, %s mapped\n", c.client_id.c_str(), c.name.c_str(), c.uid, c.pid,
-                FormatBytes(c.mapped_bytes).c_str());
+    std::printf("  %s %s uid %u pid %d, %s mapped%s\n", c.client_id.c_str(), c.name.c_str(), c.uid, c.pid,
+                FormatBytes(c.mapped_bytes).c_str(),
+                c.device_uuid.empty() ? "" : absl::StrCat(", from device ", c.device_uuid).c_str());
   }
   return absl::OkStatus();
 }
@@ -407,6 +429,8 @@ absl::Status Create(Client& client, const Flags& f) {
   KVD_ASSIGN_OR_RETURN(LayoutRequest layout, f.layout.Build());
   PoolOptions options{.name = f.pool, .dims = f.dims, .initial_blocks = f.initial_blocks, .layout = layout};
   options.allowed_uids = f.allowed_uids;
+  options.group = f.group;
+  options.peer_devices = f.peers;
   Timer t;
   KVD_ASSIGN_OR_RETURN(PoolInfo p, client.CreatePool(options));
   if (f.json) {
@@ -498,6 +522,141 @@ absl::Status Resolve(Client& client, const Flags& f) {
   return absl::OkStatus();
 }
 
+absl::Status Grant(Client& client, const Flags& f, bool revoke) {
+  KVD_ASSIGN_OR_RETURN(PoolInfo p, client.GrantPeerAccess(f.pool, f.device_uuid, revoke));
+  if (f.json) {
+    Print(PoolJson(p).Render() + "\n");
+    return absl::OkStatus();
+  }
+  std::printf("%s %s %s %s; peer devices now: %s\n", revoke ? "revoked" : "granted", f.device_uuid.c_str(),
+              revoke ? "from" : "on", p.name.c_str(),
+              p.peer_devices.empty() ? "none" : absl::StrJoin(p.peer_devices, ", ").c_str());
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// kvctl group: one engine's ranks on several daemons, as one unit.
+
+absl::StatusOr<std::unique_ptr<Group>> OpenGroup(const Flags& f) {
+  absl::Duration ttl;
+  if (!absl::ParseDuration(f.ttl, &ttl) || ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--ttl: \"", f.ttl, "\" is not a positive duration (e.g. 30s)"));
+  }
+  std::vector<std::string> sockets;
+  for (const std::string& s : f.sockets) {
+    for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) sockets.emplace_back(part);
+  }
+  if (sockets.empty()) {
+    KVD_ASSIGN_OR_RETURN(sockets, Group::NodeSockets(f.socket_dir));
+  }
+  return Group::Open(f.pool, sockets, {.connect = {.client_name = "kvctl"}, .ttl = ttl});
+}
+
+Json RankJson(const GroupRank& r) {
+  return Json::Object()
+      .Set("rank", Json::Num(r.rank))
+      .Set("socket", Json::Str(r.socket))
+      .Set("device_uuid", Json::Str(r.device_uuid))
+      .Set("pool", PoolJson(r.pool));
+}
+
+// Every rank in the same state with the same committed blocks.
+bool Consistent(const std::vector<GroupRank>& ranks) {
+  for (const GroupRank& r : ranks) {
+    if (r.pool.state != ranks.front().pool.state || r.pool.committed_blocks != ranks.front().pool.committed_blocks) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void PrintRanks(const std::vector<GroupRank>& ranks) {
+  for (const GroupRank& r : ranks) {
+    std::printf("  rank %-3u %-20s %-9s %8lu blocks %10s  %zu clients  %s (%s)%s\n", r.rank, r.pool.name.c_str(),
+                PoolStateName(r.pool.state), r.pool.committed_blocks, FormatBytes(r.pool.committed_bytes).c_str(),
+                r.pool.clients.size(), r.socket.c_str(), r.device_uuid.c_str(),
+                r.pool.transaction.empty() ? "" : absl::StrCat(" held by ", r.pool.transaction).c_str());
+  }
+}
+
+absl::Status GroupStatus(Group& group, const Flags& f) {
+  KVD_ASSIGN_OR_RETURN(std::vector<GroupRank> ranks, group.Refresh());
+  const bool consistent = Consistent(ranks);
+  if (f.json) {
+    Print(Json::Object()
+              .Set("group", Json::Str(group.name()))
+              .Set("size", Json::Num(ranks.size()))
+              .Set("consistent", Json::Bool(consistent))
+              .Set("ranks", Json::ArrayOf(ranks, RankJson))
+              .Render() +
+          "\n");
+    return absl::OkStatus();
+  }
+  std::printf("group %s: %zu ranks, %s\n", group.name().c_str(), ranks.size(),
+              consistent ? absl::StrCat(PoolStateName(ranks.front().pool.state), ", ",
+                                        ranks.front().pool.committed_blocks, " blocks on every rank")
+                               .c_str()
+                         : "INCONSISTENT: the ranks differ in state or committed blocks");
+  PrintRanks(ranks);
+  return absl::OkStatus();
+}
+
+absl::Status GroupChangeVerb(Group& group, const Flags& f, GroupOp op) {
+  uint64_t target = f.blocks;
+  if ((op == GroupOp::kGrow || op == GroupOp::kShrink) && !f.bytes.empty()) {
+    KVD_ASSIGN_OR_RETURN(uint64_t bytes, ParseBytes(f.bytes, "--bytes"));
+    const uint64_t per_block = group.ranks().front().pool.geometry.block_bytes();
+    if (per_block == 0) return absl::InternalError("rank 0's geometry has zero-sized blocks");
+    target = op == GroupOp::kGrow ? (bytes + per_block - 1) / per_block : bytes / per_block;
+  }
+  Timer t;
+  absl::StatusOr<GroupChange> change;
+  switch (op) {
+    case GroupOp::kGrow:
+      change = group.Grow(target);
+      break;
+    case GroupOp::kShrink:
+      change = group.Shrink(target, f.wait);
+      break;
+    case GroupOp::kSleep:
+      change = group.Sleep(f.wait);
+      break;
+    case GroupOp::kWake:
+      change = group.Wake();
+      break;
+  }
+  KVD_RETURN_IF_ERROR(change.status());
+  const double ms = t.ms();
+  const std::vector<GroupRank> ranks = group.ranks();
+  if (f.json) {
+    Print(Json::Object()
+              .Set("group", Json::Str(group.name()))
+              .Set("operation", Json::Str(GroupOpName(op)))
+              .Set("ranks", Json::ArrayOf(change->ranks, [ms](const PoolChange& c) { return ChangeJson(c, ms); }))
+              .Set("prepared_bytes", Json::Num(change->prepared_bytes))
+              .Set("prepare_us", Json::Num(change->prepare_us))
+              .Set("commit_us", Json::Num(change->commit_us))
+              .Set("round_trip_ms", Json::Double(ms))
+              .Render() +
+          "\n");
+    return absl::OkStatus();
+  }
+  uint64_t bytes = 0;
+  for (const GroupRank& r : ranks) bytes += r.pool.committed_bytes;
+  const PoolInfo& first = ranks.front().pool;
+  const char* verb = op == GroupOp::kGrow     ? "grew"
+                     : op == GroupOp::kShrink ? "shrank"
+                     : op == GroupOp::kSleep  ? "put to sleep"
+                                              : "woke";
+  std::printf("%s group %s: %zu ranks, %s, %lu blocks per rank, %s committed in all, in %s (prepare %s, commit %s)\n",
+              verb, group.name().c_str(), ranks.size(), PoolStateName(first.state),
+              first.state == PoolState::kSleeping ? first.wake_blocks : first.committed_blocks,
+              FormatBytes(bytes).c_str(), Ms(ms).c_str(), Ms(change->prepare_us / 1000.0).c_str(),
+              Ms(change->commit_us / 1000.0).c_str());
+  PrintRanks(ranks);
+  return absl::OkStatus();
+}
+
 void AddDims(CLI::App* app, Flags& f, bool required) {
   auto opt = [&](const char* name, uint64_t& v, const char* help) {
     CLI::Option* o = app->add_option(name, v, help);
@@ -540,6 +699,10 @@ int Main(int argc, char** argv) {
   create->add_option("--initial-blocks", f.initial_blocks, "Blocks committed at creation");
   create->add_option("--layout", f.layout.override_layout, "Explicit layout (overrides everything)");
   create->add_option("--allow-uid", f.allowed_uids, "Further uid that may attach and resize (repeatable)");
+  create->add_option("--group", f.group.name, "Engine group this pool is one rank of (see kvctl group)");
+  create->add_option("--rank", f.group.rank, "This pool's rank in --group");
+  create->add_option("--group-size", f.group.size, "The number of ranks in --group");
+  create->add_option("--peer", f.peers, "Device UUID (or '*') whose clients may attach (repeatable)");
   f.layout.Add(create);
 
   CLI::App* grow = app.add_subcommand("grow", "Grow a pool to --blocks or --bytes (rounded up to whole blocks)");
@@ -564,6 +727,39 @@ int Main(int argc, char** argv) {
   del->add_option("pool", f.pool, "Pool name")->required();
   del->add_flag("--force", f.force, "Delete even with clients attached");
 
+  CLI::App* grant = app.add_subcommand("grant", "Let clients on another device of the node attach a pool");
+  CLI::App* revoke = app.add_subcommand("revoke", "Take a peer-access grant back (attached clients keep theirs)");
+  for (CLI::App* sub : {grant, revoke}) {
+    sub->add_option("pool", f.pool, "Pool name")->required();
+    sub->add_option("device", f.device_uuid, "Device UUID as `kvctl status` of that device's kvd shows it, or '*'")
+        ->required();
+  }
+
+  CLI::App* group = app.add_subcommand("group", "One engine's pools on several daemons (its tensor-parallel ranks)");
+  group->require_subcommand(1);
+  CLI::App* group_status = group->add_subcommand("status", "Every rank of a group and whether they agree");
+  CLI::App* group_grow = group->add_subcommand("grow", "Grow every rank to --blocks or --bytes, or none of them");
+  CLI::App* group_shrink = group->add_subcommand("shrink", "Shrink every rank to --blocks or --bytes, or none");
+  CLI::App* group_sleep = group->add_subcommand("sleep", "Put every rank to sleep, or none");
+  CLI::App* group_wake = group->add_subcommand("wake", "Wake every rank, or none");
+  for (CLI::App* sub : {group_status, group_grow, group_shrink, group_sleep, group_wake}) {
+    sub->add_option("group", f.pool, "Group name (the pools' --group)")->required();
+    sub->add_option("--sockets", f.sockets,
+                    "The daemons to search, comma-separated (default: every *.sock in --socket-dir)");
+    sub->add_option("--socket-dir", f.socket_dir,
+                    "Where the node's kvd sockets are (default: $KVD_SOCKET_DIR, else /run/kvd)");
+    sub->add_option("--ttl", f.ttl, "How long each daemon holds a prepared rank before aborting it")
+        ->capture_default_str();
+  }
+  for (CLI::App* sub : {group_grow, group_shrink}) {
+    CLI::Option* b = sub->add_option("--blocks", f.blocks, "Target committed blocks per rank");
+    CLI::Option* s = sub->add_option("--bytes", f.bytes, "Target committed size per rank (e.g. 10GiB)");
+    b->excludes(s);
+  }
+  for (CLI::App* sub : {group_shrink, group_sleep}) {
+    sub->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+  }
+
   CLI::App* layout = app.add_subcommand("layout", "Layout tools");
   layout->require_subcommand(1);
   CLI::App* resolve = layout->add_subcommand("resolve", "Dry run of the layout precedence chain (and geometry)");
@@ -583,11 +779,32 @@ int Main(int argc, char** argv) {
     return Fail(e.what(), 2);
   }
   f.layout.env_given = env->count() > 0;
-  if ((grow->parsed() || shrink->parsed()) && f.bytes.empty() == (f.blocks == 0)) {
+  if ((grow->parsed() || shrink->parsed() || group_grow->parsed() || group_shrink->parsed()) &&
+      f.bytes.empty() == (f.blocks == 0)) {
     return Fail("give exactly one of --blocks and --bytes", 2);
   }
   if ((sleep->parsed() || wake->parsed()) && f.pool.empty() == !f.all) {
     return Fail("give exactly one of POOL and --all", 2);
+  }
+
+  if (group->parsed()) {
+    absl::StatusOr<std::unique_ptr<Group>> g = OpenGroup(f);
+    if (!g.ok()) return Fail(g.status().ToString(), 1);
+    absl::Status s;
+    if (group_status->parsed()) {
+      s = GroupStatus(**g, f);
+    } else if (group_grow->parsed()) {
+      s = GroupChangeVerb(**g, f, GroupOp::kGrow);
+    } else if (group_shrink->parsed()) {
+      s = GroupChangeVerb(**g, f, GroupOp::kShrink);
+    } else if (group_sleep->parsed()) {
+      s = GroupChangeVerb(**g, f, GroupOp::kSleep);
+    } else {
+      s = GroupChangeVerb(**g, f, GroupOp::kWake);
+    }
+    if (!s.ok()) return Fail(s.ToString(), 1);
+    std::fflush(stdout);
+    return 0;
   }
 
   absl::StatusOr<std::unique_ptr<Client>> client =
@@ -611,6 +828,8 @@ int Main(int argc, char** argv) {
     s = Delete(c, f);
   } else if (resolve->parsed()) {
     s = Resolve(c, f);
+  } else if (grant->parsed() || revoke->parsed()) {
+    s = Grant(c, f, revoke->parsed());
   }
   if (!s.ok()) return Fail(s.ToString(), 1);
   std::fflush(stdout);

@@ -32,9 +32,8 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/kvd_process.h"
 #include "tests/testing/status_matchers.h"
-
-extern char** environ;
 
 #ifndef KVD_BINARY
 #define KVD_BINARY "kvd"
@@ -49,70 +48,10 @@ using ::testing::HasSubstr;
 
 constexpr absl::Duration kWait = absl::Seconds(30);
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// A kvd on the host backend in its own temporary directory, SIGTERMed and reaped when destroyed.
-class Daemon {
+// A kvd on the host backend in its own temporary directory (tests/testing/kvd_process.h).
+class Daemon : public ::kvd::testing::KvdProcess {
  public:
-  ~Daemon() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-    std::error_code ec;
-    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
-  }
-
-  absl::Status Start() {
-    char tmpl[] = "/tmp/kvd-client-test-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
-    dir_ = tmpl;
-    socket_ = dir_ + "/gpu0.sock";
-    log_ = dir_ + "/kvd.log";
-    std::vector<std::string> argv = {
-        KVD_BINARY,        "--backend=host",         "--socket=" + socket_, "--host-capacity=1GiB",
-        "--budget=512MiB", "--host-granularity=2MiB"};
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    const int rc = posix_spawn(&pid_, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) {
-      pid_ = -1;
-      return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
-    }
-    const absl::Time deadline = absl::Now() + kWait;
-    while (absl::Now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return absl::UnavailableError(absl::StrCat("kvd exited: ", log()));
-      }
-      if (absl::StrContains(log(), " ready: ")) return absl::OkStatus();
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return absl::DeadlineExceededError(absl::StrCat("kvd did not become ready: ", log()));
-  }
-
-  // SIGTERM; kvd then tells every watcher DAEMON_STOPPING. The destructor reaps it.
-  void Terminate() const { kill(pid_, SIGTERM); }
-
-  const std::string& socket() const { return socket_; }
-  std::string log() const { return ReadFile(log_); }
-
- private:
-  std::string dir_, socket_, log_;
-  pid_t pid_ = -1;
+  absl::Status Start() { return KvdProcess::Start(KVD_BINARY); }
 };
 
 // What a Mapping's callbacks reported, waited on with a bound.

@@ -23,19 +23,21 @@ DIMS = ["--layers", "2", "--capacity-blocks", "2048", "--heads", "2", "--block-t
         "--element-bytes", "2"]
 
 
-class KvctlTest(KvdDaemonCase):
-    def run_kvctl(self, *args, env=None, use_socket=True):
-        argv = [KVCTL] + (["--socket=" + self.socket] if use_socket else []) + list(args)
+class KvctlCase(KvdDaemonCase):
+    """Runs the real kvctl against the case's daemon."""
+
+    def run_kvctl(self, *args, env=None, use_socket=True, socket=None):
+        argv = [KVCTL] + (["--socket=" + (socket or self.socket)] if use_socket else []) + list(args)
         return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S, env=env)
 
-    def ok(self, *args):
-        r = self.run_kvctl(*args)
+    def ok(self, *args, socket=None):
+        r = self.run_kvctl(*args, socket=socket)
         self.assertEqual(r.returncode, 0, f"kvctl {' '.join(args)}: {r.stderr}")
         self.assertEqual(r.stderr, "")
         return r.stdout
 
-    def json(self, *args):
-        return json.loads(self.ok("--json", *args))
+    def json(self, *args, socket=None):
+        return json.loads(self.ok("--json", *args, socket=socket))
 
     def fails(self, *args, code=1):
         r = self.run_kvctl(*args)
@@ -45,6 +47,8 @@ class KvctlTest(KvdDaemonCase):
         self.assertTrue(lines[0].startswith("kvctl: "), r.stderr)
         return lines[0]
 
+
+class KvctlTest(KvctlCase):
     def test_status(self):
         s = self.json("status")
         self.assertEqual(s["backend"], "host")
@@ -157,10 +161,91 @@ class KvctlTest(KvdDaemonCase):
 
     def test_help_on_every_verb(self):
         for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
-                     ["delete"], ["layout"], ["layout", "resolve"]]:
+                     ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
+                     ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
+                     ["group", "wake"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)
+
+
+class KvctlGroupTest(KvctlCase):
+    """kvctl group and grant against two daemons of one "node" (devices 0 and 1 of the host backend)."""
+
+    def setUp(self):
+        super().setUp()
+        # GPU 1 may commit 8 MiB: 1024 blocks of a rank (4 MiB per segment) fit, 2048 do not.
+        self.socket1 = self.start_daemon(1, "--budget=8MiB")
+        for rank, socket in enumerate([self.socket, self.socket1]):
+            r = subprocess.run([KVCTL, "--socket=" + socket, "--json", "create", f"llama-r{rank}", *DIMS,
+                                "--initial-blocks", "256", "--group", "llama", "--rank", str(rank),
+                                "--group-size", "2"], capture_output=True, text=True, timeout=WAIT_S)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(json.loads(r.stdout)["group"], {"name": "llama", "rank": rank, "size": 2})
+
+    def group(self, *args):
+        return self.json("group", *args[:2], "--socket-dir", self.dir, *args[2:])
+
+    def test_group_operations_move_every_rank(self):
+        s = self.group("status", "llama")
+        self.assertTrue(s["consistent"])
+        self.assertEqual([r["rank"] for r in s["ranks"]], [0, 1])
+        self.assertEqual([r["socket"] for r in s["ranks"]], [self.socket, self.socket1])
+        self.assertEqual(s["ranks"][1]["pool"]["name"], "llama-r1")
+
+        g = self.group("grow", "llama", "--blocks", "1024")
+        self.assertEqual(g["operation"], "grow")
+        self.assertEqual([r["pool"]["committed_blocks"] for r in g["ranks"]], [1024, 1024])
+        self.assertEqual(g["prepared_bytes"], 2 * 4 * MiB)
+        for key in ["prepare_us", "commit_us", "round_trip_ms"]:
+            self.assertIn(key, g)
+
+        g = self.group("sleep", "llama", "--wait")
+        self.assertEqual([r["pool"]["state"] for r in g["ranks"]], ["sleeping", "sleeping"])
+        self.assertEqual(self.json("status")["committed_bytes"], 0)
+        g = self.group("wake", "llama")
+        self.assertEqual([r["pool"]["committed_blocks"] for r in g["ranks"]], [1024, 1024])
+
+        human = self.ok("group", "status", "llama", "--sockets", f"{self.socket},{self.socket1}")
+        self.assertIn("group llama: 2 ranks, awake, 1024 blocks on every rank", human)
+        self.assertIn("rank 1", human)
+        human = self.ok("group", "shrink", "llama", "--bytes", "4MiB", "--socket-dir", self.dir)
+        self.assertIn("shrank group llama: 2 ranks", human)
+
+    def test_a_rank_that_cannot_grow_changes_no_rank(self):
+        line = self.fails("group", "grow", "llama", "--blocks", "2048", "--socket-dir", self.dir)
+        self.assertIn("RESOURCE_EXHAUSTED", line)
+        self.assertIn("failed on rank 1 (llama-r1 on " + self.socket1, line)
+        self.assertIn("no rank changed", line)
+        s = self.group("status", "llama")
+        self.assertTrue(s["consistent"])
+        self.assertEqual([r["pool"]["committed_blocks"] for r in s["ranks"]], [512, 512])
+        self.assertEqual([r["pool"]["transaction"] for r in s["ranks"]], ["", ""])
+        self.assertEqual(self.json("status")["committed_bytes"], 4 * MiB)
+
+    def test_group_failures_are_one_line(self):
+        self.assertIn("NOT_FOUND", self.fails("group", "status", "mistral", "--socket-dir", self.dir))
+        self.assertIn("--ttl", self.fails("group", "grow", "llama", "--blocks", "9", "--ttl", "soon",
+                                          "--socket-dir", self.dir))
+        empty = os.path.join(self.dir, "empty")
+        os.mkdir(empty)
+        self.assertIn("no kvd socket", self.fails("group", "status", "llama", "--socket-dir", empty))
+        self.assertIn("socket directory", self.fails("group", "status", "llama", "--socket-dir", empty + "-not"))
+        self.fails("group", "grow", "llama", "--socket-dir", self.dir, code=2)
+        self.ok("delete", "llama-r1", socket=self.socket1)
+        self.assertIn("rank 1 of 2 not found", self.fails("group", "sleep", "llama", "--socket-dir", self.dir))
+
+    def test_grant_and_revoke_peer_access(self):
+        peer = self.json("status", socket=self.socket1)["device_uuid"]
+        self.assertNotEqual(peer, self.json("status")["device_uuid"])
+        p = self.json("grant", "llama-r0", peer)
+        self.assertEqual(p["peer_devices"], [peer])
+        self.assertIn("granted * on llama-r0; peer devices now: " + peer + ", *", self.ok("grant", "llama-r0", "*"))
+        self.assertIn(peer, self.ok("describe", "llama-r0"))
+        p = self.json("revoke", "llama-r0", peer)
+        self.assertEqual(p["peer_devices"], ["*"])
+        self.assertIn("NOT_FOUND", self.fails("revoke", "llama-r0", peer))
+        self.assertIn("device_uuid", self.fails("grant", "llama-r0", "not a uuid"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
             return ["--metrics-address=127.0.0.1:9500"]
 
 $KVD_BINARY names the daemon (ctest sets it). The daemon gets a fresh 0750 directory holding its
-sockets (self.socket, self.dir) and its log (self.log()).
+sockets (self.socket, self.dir) and its log (self.log()). start_daemon(N) adds the daemon of "GPU" N
+of the same node (device N of the host backend, socket gpuN.sock in self.dir).
 """
 import os
 import shutil
@@ -26,28 +27,44 @@ class KvdDaemonCase(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="kvd-test-")
         os.chmod(self.dir, 0o750)
-        self.socket = os.path.join(self.dir, "gpu0.sock")
-        self.log_path = os.path.join(self.dir, "kvd.log")
-        with open(self.log_path, "wb") as log:
-            self.kvd = subprocess.Popen([KVD, "--backend=host", "--socket=" + self.socket, "--host-capacity=1GiB",
-                                         "--budget=512MiB", "--host-granularity=2MiB", *self.kvd_args()],
-                                        stdout=log, stderr=subprocess.STDOUT)
-        self.addCleanup(self._stop)
-        deadline = time.monotonic() + WAIT_S
-        while " ready: " not in self.log():
-            self.assertIsNone(self.kvd.poll(), "kvd exited: " + self.log())
-            self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self.log())
-            time.sleep(0.02)
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+        self.socket = self.start_daemon(0, *self.kvd_args())
+        self.log_path = os.path.join(self.dir, "kvd0.log")
 
-    def _stop(self):
-        self.kvd.send_signal(signal.SIGTERM)
+    def start_daemon(self, device, *args):
+        """Starts kvd for device `device` with `args` (which may replace --budget); returns its socket."""
+        socket = os.path.join(self.dir, f"gpu{device}.sock")
+        log_path = os.path.join(self.dir, f"kvd{device}.log")
+        defaults = ["--host-capacity=1GiB", "--budget=512MiB", "--host-granularity=2MiB"]
+        given = {a.split("=", 1)[0] for a in args}
+        argv = [KVD, "--backend=host", f"--device={device}", "--socket=" + socket,
+                *[d for d in defaults if d.split("=", 1)[0] not in given], *args]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.addCleanup(self._stop, proc)
+        deadline = time.monotonic() + WAIT_S
+        while " ready: " not in self._read(log_path):
+            self.assertIsNone(proc.poll(), "kvd exited: " + self._read(log_path))
+            self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self._read(log_path))
+            time.sleep(0.02)
+        if device == 0:
+            self.kvd = proc
+        return socket
+
+    @staticmethod
+    def _stop(proc):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
-            self.kvd.wait(WAIT_S)
+            proc.wait(WAIT_S)
         except subprocess.TimeoutExpired:
-            self.kvd.kill()
-            self.kvd.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            proc.kill()
+            proc.wait()
+
+    @staticmethod
+    def _read(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def log(self):
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        return self._read(self.log_path)

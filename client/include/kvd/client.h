@@ -143,6 +143,15 @@ struct ClientInfo {
   int32_t pid = 0;
   uint64_t mapped_bytes = 0;
   uint64_t attached_at_unix_ms = 0;
+  std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
+};
+
+// One rank of an engine group: the pools of one engine's tensor-parallel ranks, one per daemon
+// (kvd/group.h resizes them together). An empty name: the pool is in no group.
+struct GroupMembership {
+  std::string name;
+  uint32_t rank = 0;
+  uint32_t size = 0;
 };
 
 enum class PoolState { kUnknown, kAwake, kSleeping };
@@ -166,6 +175,9 @@ struct PoolInfo {
   std::vector<ChunkInfo> chunks;
   uint64_t generation = 0;
   uint64_t created_at_unix_ms = 0;
+  GroupMembership group;
+  std::vector<std::string> peer_devices;  // device UUIDs (or "*") whose clients may attach
+  std::string transaction;                // the prepared group operation holding the pool, if any
 };
 
 struct PoolOptions {
@@ -174,6 +186,21 @@ struct PoolOptions {
   uint64_t initial_blocks = 0;
   LayoutRequest layout;
   std::vector<uint32_t> allowed_uids;
+  GroupMembership group;
+  std::vector<std::string> peer_devices;
+};
+
+// The two-phase operations a group coordinator drives on each daemon (kvd/group.h).
+enum class GroupOp { kGrow, kShrink, kSleep, kWake };
+// "grow", "shrink", "sleep", "wake".
+const char* GroupOpName(GroupOp op);
+
+struct PreparedChange {
+  std::string transaction;
+  PoolInfo pool;                // as it is now, held by the transaction
+  uint64_t prepared_bytes = 0;  // memory made ready for a grow or wake, not yet visible
+  uint64_t expires_at_unix_ms = 0;
+  uint64_t elapsed_us = 0;
 };
 
 // The result of one change (proto PoolUpdate).
@@ -206,6 +233,11 @@ struct LayerView {
 struct AttachOptions {
   // Empty: the session's name.
   std::string client_name;
+  // The device this process maps the pool from: empty for the daemon's own device; else a device index
+  // or UUID (prefix) of the daemon's backend as this process numbers them. Another device than the
+  // daemon's is peer access: the pool must grant it (PoolOptions::peer_devices, GrantPeerAccess) and
+  // the pair must support it (FAILED_PRECONDITION naming both devices otherwise).
+  std::string device;
   // New chunks are mapped (grow or wake by another session; this Client's own Grow/Wake map before
   // they return and do not call it). Argument: the committed blocks now.
   std::function<void(uint64_t committed_blocks)> on_grow;
@@ -281,6 +313,18 @@ class Client {
   // Attaches the pool and maps its committed chunks. One Mapping per pool per Client:
   // ALREADY_EXISTS for a second one.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Mapping>> Attach(absl::string_view pool, AttachOptions options = {});
+  // Grants (or with `revoke` takes back) peer access to the pool for a device UUID or "*".
+  [[nodiscard]] absl::StatusOr<PoolInfo> GrantPeerAccess(absl::string_view pool, absl::string_view device_uuid,
+                                                         bool revoke = false);
+
+  // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
+  // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.
+  [[nodiscard]] absl::StatusOr<PreparedChange> Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
+                                                       absl::Duration ttl);
+  // Commit maps this client's new chunks into its Mapping of the pool, as Grow does.
+  [[nodiscard]] absl::StatusOr<PoolChange> Commit(absl::string_view transaction, bool wait);
+  // Returns the prepared bytes given back.
+  [[nodiscard]] absl::StatusOr<uint64_t> Abort(absl::string_view transaction);
 
   struct Impl;
 
