@@ -350,9 +350,11 @@ absl::Status Run(const Flags& f) {
   // /metrics is bound before any socket listens: a taken --metrics-address stops kvd here.
   std::unique_ptr<Metrics> metrics;
   if (!f.metrics_address.empty()) {
-    KVD_ASSIGN_OR_RETURN(metrics,
-                         Metrics::Serve(f.metrics_address, &manager,
-                                        BuildInfo{.version = KVD_VERSION, .backend = BackendName(device->kind())}));
+    KVD_ASSIGN_OR_RETURN(metrics, Metrics::Serve(f.metrics_address, &manager,
+                                                 BuildInfo{.version = KVD_VERSION,
+                                                           .backend = BackendName(device->kind()),
+                                                           .device = absl::StrCat(info.index),
+                                                           .uuid = info.uuid}));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
   }
   KvdService service(&manager, KvdService::Options{.granularity = granularity, .metrics = metrics.get()});

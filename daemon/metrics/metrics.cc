@@ -16,6 +16,7 @@
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
+#include "prometheus/labels.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 
@@ -57,14 +58,16 @@ class SnapshotCollector final : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> out;
 
     prometheus::MetricFamily build_info =
-        Gauge("kvd_build_info", "kvd's version and memory backend; always 1 (join on it for labels).");
-    Add(build_info, {{"version", build_.version}, {"backend", build_.backend}}, 1);
+        Gauge("kvd_build_info", "kvd's version, memory backend and device; always 1 (join on it for labels).");
+    Add(build_info,
+        {{"version", build_.version}, {"backend", build_.backend}, {"device", build_.device}, {"uuid", build_.uuid}},
+        1);
     out.push_back(std::move(build_info));
 
     absl::StatusOr<DeviceStatus> device = manager_->GetDeviceStatus();
     if (device.ok()) {
-      const std::vector<prometheus::ClientMetric::Label> labels = {{"device", absl::StrCat(device->info.index)},
-                                                                   {"backend", BackendName(device->info.backend)}};
+      const std::vector<prometheus::ClientMetric::Label> labels = {
+          {"device", build_.device}, {"backend", BackendName(device->info.backend)}, {"uuid", device->info.uuid}};
       prometheus::MetricFamily total = Gauge("kvd_device_total_bytes", "Physical memory of the device.");
       prometheus::MetricFamily free =
           Gauge("kvd_device_free_bytes", "Free memory of the device as its driver reports it now.");
@@ -97,18 +100,21 @@ class SnapshotCollector final : public prometheus::Collectable {
     prometheus::MetricFamily mapped =
         Gauge("kvd_client_mapped_bytes", "Bytes handed to the client and not yet acknowledged as released.");
     for (const PoolView& p : pools) {
-      const std::vector<prometheus::ClientMetric::Label> pool = {{"pool", p.name}};
+      const std::vector<prometheus::ClientMetric::Label> pool = {{"device", build_.device}, {"pool", p.name}};
       Add(committed_bytes, pool, static_cast<double>(p.committed_bytes));
       Add(reserved_bytes, pool, static_cast<double>(p.reserved_bytes));
       Add(committed_blocks, pool, static_cast<double>(p.committed_blocks));
       Add(capacity_blocks, pool, static_cast<double>(p.geometry.dims().capacity_blocks));
-      Add(state, {{"pool", p.name}, {"state", "awake"}}, p.state == PoolState::kAwake ? 1 : 0);
-      Add(state, {{"pool", p.name}, {"state", "sleeping"}}, p.state == PoolState::kSleeping ? 1 : 0);
+      Add(state, {{"device", build_.device}, {"pool", p.name}, {"state", "awake"}},
+          p.state == PoolState::kAwake ? 1 : 0);
+      Add(state, {{"device", build_.device}, {"pool", p.name}, {"state", "sleeping"}},
+          p.state == PoolState::kSleeping ? 1 : 0);
       Add(clients, pool, static_cast<double>(p.clients.size()));
       Add(pending, pool, static_cast<double>(p.pending_release_bytes));
       for (const ClientView& c : p.clients) {
         Add(mapped,
-            {{"pool", p.name},
+            {{"device", build_.device},
+             {"pool", p.name},
              {"client", c.id},
              {"pid", absl::StrCat(c.pid)},
              {"uid", absl::StrCat(c.uid)},
@@ -175,18 +181,23 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
   }
 
   auto impl = std::make_unique<Impl>();
+  // Every series carries the device, like the snapshot gauges.
+  const prometheus::Labels device = {{"device", build.device}};
   impl->snapshots = std::make_shared<SnapshotCollector>(manager, std::move(build));
   impl->operations = &prometheus::BuildCounter()
                           .Name("kvd_operations_total")
                           .Help("Pool operations (grow, shrink, sleep, wake, attach) by result (ok, error).")
+                          .Labels(device)
                           .Register(*impl->registry);
   impl->durations = &prometheus::BuildHistogram()
                          .Name("kvd_operation_duration_seconds")
                          .Help("Time one pool operation took in the core, successful or not.")
+                         .Labels(device)
                          .Register(*impl->registry);
   impl->rpcs = &prometheus::BuildCounter()
                     .Name("kvd_rpc_requests_total")
                     .Help("Finished gRPC requests by method and status code.")
+                    .Labels(device)
                     .Register(*impl->registry);
   for (size_t i = 0; i < kOperations.size(); ++i) {
     const std::string op = OperationName(kOperations[i]);

@@ -24,9 +24,13 @@
 
 namespace kvd {
 
+// What every scrape is labelled with, so that one Prometheus scraping every kvd of a node tells the
+// devices apart without relying on ports.
 struct BuildInfo {
   std::string version;
   std::string backend;  // "host", "cuda", "hip"
+  std::string device;   // the device index ("0"): label `device` of every kvd_ series
+  std::string uuid;     // the device UUID: label `uuid` of kvd_build_info and the device gauges
 };
 
 // The timed operations: label op of kvd_operations_total and kvd_operation_duration_seconds.

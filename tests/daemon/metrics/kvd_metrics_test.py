@@ -66,6 +66,11 @@ def parse_samples(text):
     return samples
 
 
+def L(*pairs, device="0"):
+    """The label set of a kvd series: `pairs` plus the device every kvd_ series carries."""
+    return frozenset(pairs) | {("device", device)}
+
+
 class KvdFixture(KvdDaemonCase):
     def kvd_args(self):
         self.metrics_port = free_port()
@@ -96,7 +101,7 @@ class MetricsScrapeTest(KvdFixture):
         self.assertEqual(check.returncode, 0, "promtool check metrics:\n" + check.stdout + check.stderr + text)
 
         s = parse_samples(text)
-        pool = frozenset({("pool", "kv")})
+        pool = L(("pool", "kv"))
         self.assertEqual(s[("kvd_pool_committed_bytes", pool)], d["committed_bytes"])
         self.assertEqual(s[("kvd_pool_committed_bytes", pool)], 32 * MiB)
         self.assertEqual(s[("kvd_pool_reserved_bytes", pool)], d["reserved_bytes"])
@@ -104,22 +109,27 @@ class MetricsScrapeTest(KvdFixture):
         self.assertEqual(s[("kvd_pool_capacity_blocks", pool)], 4096)
         self.assertEqual(s[("kvd_pool_pending_release_bytes", pool)], 0)
         self.assertEqual(s[("kvd_pool_attached_clients", pool)], 0)
-        self.assertEqual(s[("kvd_pool_state", frozenset({("pool", "kv"), ("state", "awake")}))], 1)
-        self.assertEqual(s[("kvd_pool_state", frozenset({("pool", "kv"), ("state", "sleeping")}))], 0)
+        self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "awake")))], 1)
+        self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "sleeping")))], 0)
         # A deleted pool leaves no series behind.
         self.assertFalse([k for k in s if ("pool", "gone") in k[1]], text)
 
-        dev = frozenset({("device", "0"), ("backend", "host")})
+        dev = L(("backend", "host"), ("uuid", status["device_uuid"]))
+        self.assertTrue(status["device_uuid"].startswith("host-") and status["device_uuid"].endswith("-0"), status)
         self.assertEqual(s[("kvd_device_budget_bytes", dev)], 512 * MiB)
         self.assertEqual(s[("kvd_device_total_bytes", dev)], status["total_bytes"])
         self.assertEqual(s[("kvd_device_committed_bytes", dev)], status["committed_bytes"])
         self.assertIn(("kvd_device_free_bytes", dev), s)
         self.assertEqual([v for k, v in s.items() if k[0] == "kvd_build_info"], [1])
+        build = [dict(k[1]) for k in s if k[0] == "kvd_build_info"][0]
+        self.assertEqual((build["device"], build["uuid"], build["backend"]), ("0", status["device_uuid"], "host"))
+        # Every kvd series names its device, so several kvds of one node stay apart without the port.
+        self.assertEqual([k for k in s if k[0].startswith("kvd_") and ("device", "0") not in k[1]], [])
 
-        self.assertEqual(s[("kvd_operations_total", frozenset({("op", "grow"), ("result", "ok")}))], 1)
-        self.assertEqual(s[("kvd_operation_duration_seconds_count", frozenset({("op", "grow")}))], 1)
-        self.assertEqual(s[("kvd_rpc_requests_total", frozenset({("method", "Grow"), ("code", "OK")}))], 1)
-        self.assertEqual(s[("kvd_rpc_requests_total", frozenset({("method", "CreatePool"), ("code", "OK")}))], 2)
+        self.assertEqual(s[("kvd_operations_total", L(("op", "grow"), ("result", "ok")))], 1)
+        self.assertEqual(s[("kvd_operation_duration_seconds_count", L(("op", "grow")))], 1)
+        self.assertEqual(s[("kvd_rpc_requests_total", L(("method", "Grow"), ("code", "OK")))], 1)
+        self.assertEqual(s[("kvd_rpc_requests_total", L(("method", "CreatePool"), ("code", "OK")))], 2)
 
         # A failed RPC is counted by its code; sleep and wake are timed.
         r = subprocess.run([KVCTL, "--socket=" + self.socket, "grow", "missing", "--blocks", "1"],
@@ -128,13 +138,13 @@ class MetricsScrapeTest(KvdFixture):
         self.kvctl_json("sleep", "kv")
         s = parse_samples(self.scrape())
         self.assertGreaterEqual(
-            s[("kvd_rpc_requests_total", frozenset({("method", "Grow"), ("code", "NOT_FOUND")}))], 1)
-        self.assertEqual(s[("kvd_pool_state", frozenset({("pool", "kv"), ("state", "sleeping")}))], 1)
-        self.assertEqual(s[("kvd_operations_total", frozenset({("op", "sleep"), ("result", "ok")}))], 1)
+            s[("kvd_rpc_requests_total", L(("method", "Grow"), ("code", "NOT_FOUND")))], 1)
+        self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "sleeping")))], 1)
+        self.assertEqual(s[("kvd_operations_total", L(("op", "sleep"), ("result", "ok")))], 1)
         self.kvctl_json("wake", "kv")
         s = parse_samples(self.scrape())
-        self.assertEqual(s[("kvd_operations_total", frozenset({("op", "wake"), ("result", "ok")}))], 1)
-        self.assertEqual(s[("kvd_pool_state", frozenset({("pool", "kv"), ("state", "awake")}))], 1)
+        self.assertEqual(s[("kvd_operations_total", L(("op", "wake"), ("result", "ok")))], 1)
+        self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "awake")))], 1)
 
     def test_attached_client_has_series_with_its_pid_and_uid(self):
         self.kvctl_json("create", "kv", *DIMS, "--initial-blocks", "1024")
@@ -144,7 +154,7 @@ class MetricsScrapeTest(KvdFixture):
             deadline = time.monotonic() + WAIT_S
             while True:
                 s = parse_samples(self.scrape())
-                if s.get(("kvd_pool_attached_clients", frozenset({("pool", "kv")}))) == 1:
+                if s.get(("kvd_pool_attached_clients", L(("pool", "kv")))) == 1:
                     break
                 self.assertIsNone(holder.poll(), "kvd_probe attach exited early")
                 self.assertLess(time.monotonic(), deadline, "the probe never attached")
@@ -156,7 +166,7 @@ class MetricsScrapeTest(KvdFixture):
             self.assertEqual(labels["uid"], str(os.getuid()))
             self.assertTrue(labels["client"])
             self.assertEqual(value, self.kvctl_json("describe", "kv")["committed_bytes"])
-            self.assertEqual(s[("kvd_operations_total", frozenset({("op", "attach"), ("result", "ok")}))], 1)
+            self.assertEqual(s[("kvd_operations_total", L(("op", "attach"), ("result", "ok")))], 1)
             r = subprocess.run([KVD_PROBE, "--socket=" + self.socket, "attach", "kv", "--write=9"],
                                capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
@@ -165,6 +175,37 @@ class MetricsScrapeTest(KvdFixture):
             if holder.poll() is None:
                 holder.kill()
                 holder.wait()
+
+    def test_the_kvd_of_another_device_labels_every_series_with_it(self):
+        port = free_port()
+        second = os.path.join(self.dir, "second")
+        os.mkdir(second, 0o750)
+        with open(os.path.join(second, "kvd.log"), "wb") as log:
+            kvd = subprocess.Popen([KVD, "--backend=host", "--device=1", "--socket=" + os.path.join(second, "gpu1.sock"),
+                                    "--host-capacity=1GiB", f"--metrics-address=127.0.0.1:{port}"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                try:
+                    text = http_get(f"http://127.0.0.1:{port}/metrics")
+                    break
+                except OSError:
+                    self.assertIsNone(kvd.poll(), "the second kvd exited")
+                    self.assertLess(time.monotonic(), deadline, "the second kvd never served /metrics")
+                    time.sleep(0.05)
+            ours, theirs = parse_samples(self.scrape()), parse_samples(text)
+            kvd_series = [k for k in theirs if k[0].startswith("kvd_")]
+            self.assertTrue(kvd_series)
+            self.assertEqual([k for k in kvd_series if ("device", "1") not in k[1]], [], text)
+            uuids = {dict(k[1])["uuid"] for k in kvd_series if "uuid" in dict(k[1])}
+            self.assertEqual(len(uuids), 1, uuids)
+            self.assertTrue(uuids.pop().endswith("-1"))
+            # Both kvds' series together: none collides, as in one Prometheus without the instance label.
+            self.assertFalse(set(kvd_series) & set(k for k in ours if k[0].startswith("kvd_")))
+        finally:
+            kvd.send_signal(signal.SIGTERM)
+            kvd.wait(WAIT_S)
 
     def test_taken_metrics_address_refuses_to_start(self):
         r = subprocess.run([KVD, "--backend=host", "--socket=" + os.path.join(self.dir, "gpu1.sock"),
@@ -253,6 +294,7 @@ scrape_configs:
         result = self.wait_for(f"kvd_pool_committed_bytes{{pool=\"kv\"}} == {expected}", grown_value)
         self.assertEqual(len(result), 1)
         self.assertEqual(result[0]["metric"]["job"], "kvd")
+        self.assertEqual(result[0]["metric"]["device"], "0")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvd/device.h"
+#include "tests/testing/status_matchers.h"
 
 namespace kvd {
 namespace {
@@ -77,7 +78,9 @@ TEST_F(MetricsTest, TakenPortIsUnavailableAndNamesTheFlag) {
 }
 
 TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenThereAreNone) {
-  absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host"});
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device_->Info());
+  absl::StatusOr<std::unique_ptr<Metrics>> m =
+      Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host", "0", info.uuid});
   ASSERT_TRUE(m.ok()) << m.status();
   (*m)->CountRpc("Grow", absl::StatusCode::kResourceExhausted);
   (*m)->CountRpc("Grow", absl::StatusCode::kResourceExhausted);
@@ -85,13 +88,15 @@ TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenTher
 
   const std::string body = Scrape((*m)->port());
   EXPECT_THAT(body, HasSubstr("200 OK"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_rpc_requests_total{code="RESOURCE_EXHAUSTED",method="Grow"} 2)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{op="shrink",result="error"} 1)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{op="grow",result="ok"} 0)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_count{op="shrink"} 1)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_bucket{op="shrink",le="0.005"} 1)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_build_info{version="9.9.9",backend="host"} 1)"));
-  EXPECT_THAT(body, HasSubstr(R"(kvd_device_budget_bytes{device="0",backend="host"} 134217728)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_rpc_requests_total{device="0",code="RESOURCE_EXHAUSTED",method="Grow"} 2)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{device="0",op="shrink",result="error"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operations_total{device="0",op="grow",result="ok"} 0)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_count{device="0",op="shrink"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_operation_duration_seconds_bucket{device="0",op="shrink",le="0.005"} 1)"));
+  EXPECT_THAT(body, HasSubstr(absl::StrCat(R"(kvd_build_info{version="9.9.9",backend="host",device="0",uuid=")",
+                                           info.uuid, R"("} 1)")));
+  EXPECT_THAT(body, HasSubstr(absl::StrCat(R"(kvd_device_budget_bytes{device="0",backend="host",uuid=")", info.uuid,
+                                           R"("} 134217728)")));
   EXPECT_THAT(body, Not(HasSubstr("kvd_pool_committed_bytes{")));
 }
 
