@@ -19,6 +19,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +32,7 @@
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/cleanup/cleanup.h"
@@ -70,8 +72,8 @@ constexpr char kLayoutEnv[] = "KVD_KV_CACHE_LAYOUT";
 
 struct Flags {
   std::string backend = "auto";
-  int device = 0;
-  std::string socket;  // default /run/kvd/gpu<N>.sock
+  std::string device = "0";  // an index or a UUID (prefix): ResolveDeviceSelector
+  std::string socket;        // default /run/kvd/gpu<N>.sock
   std::string metrics_address;
   std::string budget = "90%";
   std::string host_capacity;  // default: physical memory
@@ -81,6 +83,8 @@ struct Flags {
   std::string layout_override;
   std::string log_format = "text";
   std::string log_level = "info";
+  bool list_devices = false;
+  bool json = false;
 };
 
 std::string_view Sv(absl::string_view s) { return {s.data(), s.size()}; }
@@ -217,6 +221,82 @@ absl::StatusOr<std::unique_ptr<Device>> OpenBackend(const Flags& f, DeviceOption
   return OpenDevice(options);
 }
 
+// The index --device names for --backend, and how it named it ("index", "UUID", "UUID prefix").
+// Errors name the flag: "--device 3: this node has 1 CUDA device (0 GPU-…)".
+absl::StatusOr<int> ResolveDevice(const Flags& f, const DeviceOptions& options, std::string* how) {
+  DeviceOptions resolve = options;
+  resolve.backend = f.backend;
+  absl::StatusOr<int> index = ResolveDeviceSelector(resolve, f.device);
+  if (!index.ok()) {
+    // ResolveDeviceSelector's own messages start "device <selector>: "; a driver's error does not.
+    const absl::string_view message = index.status().message();
+    return absl::Status(index.status().code(), absl::StartsWith(message, "device ")
+                                                   ? absl::StrCat("--", message)
+                                                   : absl::StrCat("--device ", f.device, ": ", message));
+  }
+  *how = std::all_of(f.device.begin(), f.device.end(), absl::ascii_isdigit) ? "index" : "UUID";
+  return index;
+}
+
+// Flag values that only matter for the host backend, into `options`.
+absl::Status ParseHostOptions(const Flags& f, DeviceOptions* options) {
+  if (!f.host_capacity.empty()) {
+    KVD_ASSIGN_OR_RETURN(options->host_capacity, ParseSize(f.host_capacity, "--host-capacity"));
+  }
+  KVD_ASSIGN_OR_RETURN(options->host_granularity, ParseSize(f.host_granularity, "--host-granularity"));
+  return absl::OkStatus();
+}
+
+// `text` as a JSON string literal.
+std::string JsonString(absl::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      absl::StrAppend(&out, absl::StrFormat("\\u%04x", c));
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out + "\"";
+}
+
+// --list-devices: every device of --backend this process sees, as a table (or JSON with --json).
+absl::Status PrintDevices(const Flags& f) {
+  DeviceOptions options{.backend = f.backend};
+  KVD_RETURN_IF_ERROR(ParseHostOptions(f, &options));
+  KVD_ASSIGN_OR_RETURN(std::vector<DeviceInfo> devices, ListDevices(options));
+  if (f.json) {
+    const char* backend = devices.empty() ? f.backend.c_str() : BackendName(devices.front().backend);
+    std::string out = absl::StrCat("{\"backend\":", JsonString(backend), ",\"devices\":[");
+    for (size_t i = 0; i < devices.size(); ++i) {
+      const DeviceInfo& d = devices[i];
+      absl::StrAppend(&out, i == 0 ? "" : ",", "{\"index\":", d.index, ",\"uuid\":", JsonString(d.uuid),
+                      ",\"name\":", JsonString(d.name), ",\"total_bytes\":", d.total_bytes, "}");
+    }
+    std::cout << out << "]}\n";
+    return absl::OkStatus();
+  }
+  int uuid_width = 4;
+  for (const DeviceInfo& d : devices) uuid_width = std::max(uuid_width, static_cast<int>(d.uuid.size()));
+  const auto row = [&](absl::string_view index, absl::string_view uuid, absl::string_view memory,
+                       absl::string_view name, absl::string_view kind) {
+    std::cout << absl::StrFormat("%-5s  %-7s  %-*s  %10s  %s\n", index, kind, uuid_width, uuid, memory, name);
+  };
+  row("INDEX", "UUID", "MEMORY", "NAME", "BACKEND");
+  for (const DeviceInfo& d : devices) {
+    row(absl::StrCat(d.index), d.uuid, FormatBytes(d.total_bytes), d.name, BackendName(d.backend));
+  }
+  if (!devices.empty() && devices.front().backend == BackendKind::kHost) {
+    const std::string& uuid = devices.front().uuid;  // host-<boot id>-0
+    std::cout << "(the host backend opens any --device index N, as device " << uuid.substr(0, uuid.rfind('-'))
+              << "-N: a stand-in for one GPU)\n";
+  }
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sockets
 
@@ -307,19 +387,21 @@ void RemoveSocket(const std::string& path, const std::optional<SocketId>& ours) 
 absl::Status Run(const Flags& f) {
   // Every start-up step that can fail does so before anything listens.
   KVD_ASSIGN_OR_RETURN(LayoutPolicy layout_policy, MakeLayoutPolicy(f));
-  DeviceOptions device_options{.index = f.device};
-  if (!f.host_capacity.empty()) {
-    KVD_ASSIGN_OR_RETURN(device_options.host_capacity, ParseSize(f.host_capacity, "--host-capacity"));
-  }
-  KVD_ASSIGN_OR_RETURN(device_options.host_granularity, ParseSize(f.host_granularity, "--host-granularity"));
+  DeviceOptions device_options;
+  KVD_RETURN_IF_ERROR(ParseHostOptions(f, &device_options));
+  std::string selected_by;
+  KVD_ASSIGN_OR_RETURN(device_options.index, ResolveDevice(f, device_options, &selected_by));
+  const std::string socket_path =
+      f.socket.empty() ? absl::StrCat("/run/kvd/gpu", device_options.index, ".sock") : f.socket;
+  const std::string handles_path = HandlesPath(socket_path);
+  spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index, selected_by,
+               socket_path, handles_path);
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
   absl::Duration lease_ttl;
   if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--lease-ttl: \"", f.lease_ttl, "\" is not a positive duration"));
   }
 
-  const std::string socket_path = f.socket.empty() ? absl::StrCat("/run/kvd/gpu", f.device, ".sock") : f.socket;
-  const std::string handles_path = HandlesPath(socket_path);
   KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
@@ -327,8 +409,8 @@ absl::Status Run(const Flags& f) {
   std::string why;
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenBackend(f, device_options, &why));
   KVD_ASSIGN_OR_RETURN(DeviceInfo info, device->Info());
-  spdlog::info("backend {} ({}): {} #{}, {} total, granularity {}", BackendName(device->kind()), why, info.name,
-               info.index, FormatBytes(info.total_bytes), FormatBytes(device->granularity()));
+  spdlog::info("backend {} ({}): {} #{} {}, {} total, granularity {}", BackendName(device->kind()), why, info.name,
+               info.index, info.uuid, FormatBytes(info.total_bytes), FormatBytes(device->granularity()));
   if (device->kind() != BackendKind::kHost && !f.host_capacity.empty()) {
     spdlog::warn("--host-capacity is ignored by the {} backend", BackendName(device->kind()));
   }
@@ -379,10 +461,10 @@ absl::Status Run(const Flags& f) {
   if (chmod(handles_path.c_str(), 0660) != 0) return ErrnoStatus(absl::StrCat("chmod 0660 ", handles_path), errno);
 
   spdlog::info(
-      "kvd {} ready: backend {}, device \"{}\" #{}, grpc unix:{}, handles {}, budget {} of {}, max chunk {}, "
+      "kvd {} ready: backend {}, device \"{}\" #{} {}, grpc unix:{}, handles {}, budget {} of {}, max chunk {}, "
       "granularity {}, pid {}",
-      KVD_VERSION, BackendName(device->kind()), info.name, info.index, socket_path, handles_path, FormatBytes(budget),
-      FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
+      KVD_VERSION, BackendName(device->kind()), info.name, info.index, info.uuid, socket_path, handles_path,
+      FormatBytes(budget), FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
   // systemd Type=notify (deploy/systemd/kvd@.service): both sockets exist now. No-op without NOTIFY_SOCKET.
   sd_notifyf(0, "READY=1\nSTATUS=serving unix:%s, budget %s\nMAINPID=%d", socket_path.c_str(),
              FormatBytes(budget).c_str(), static_cast<int>(getpid()));
@@ -429,10 +511,16 @@ int Main(int argc, char** argv) {
   app.add_option("--backend", f.backend, "Memory backend: auto (CUDA if a driver and device are present, else host)")
       ->check(CLI::IsMember({"auto", "host", "cuda", "hip"}))
       ->capture_default_str();
-  app.add_option("--device", f.device, "Device index")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--device", f.device,
+                 "The device to serve: an index (0, 1, ...) or a device UUID or unique prefix of one (GPU-5f3a; "
+                 "the GPU- may be left out). UUIDs do not change when devices are re-enumerated; see --list-devices")
+      ->capture_default_str();
+  app.add_flag("--list-devices", f.list_devices,
+               "Print index, UUID, memory and name of every device of --backend this process sees, and exit");
+  app.add_flag("--json", f.json, "With --list-devices: print JSON instead of a table");
   app.add_option("--socket", f.socket,
-                 "gRPC Unix socket (default /run/kvd/gpu<N>.sock); the handle channel is the same path with .sock "
-                 "replaced by .handles");
+                 "gRPC Unix socket (default /run/kvd/gpu<N>.sock, N the selected device's index); the handle channel "
+                 "is the same path with .sock replaced by .handles");
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT to serve Prometheus /metrics on (default: not served)");
   app.add_option("--budget", f.budget, "Most memory committed at once: SIZE (100GiB) or PCT% of the device")
@@ -459,6 +547,18 @@ int Main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     std::cerr << "kvd: " << e.what() << "\n";
+    return 2;
+  }
+
+  if (f.list_devices) {
+    if (absl::Status listed = PrintDevices(f); !listed.ok()) {
+      std::cerr << "kvd: --list-devices: " << listed.message() << "\n";
+      return 1;
+    }
+    return 0;
+  }
+  if (f.json) {
+    std::cerr << "kvd: --json only goes with --list-devices (use --log-format=json for JSON logs)\n";
     return 2;
   }
 

@@ -46,6 +46,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -1606,6 +1607,119 @@ TEST(KvdDaemonStartTest, DaemonLayoutEnvironmentReachesTheChain) {
   EXPECT_EQ(response.resolution().layout(), "BLNHC");
   EXPECT_EQ(response.resolution().rule(), v1::LAYOUT_RULE_DAEMON_ENV);
   ASSERT_TRUE(daemon.Stop().ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device selection: the host backend stands in for a node's GPUs (device.h): index N is the device
+// "host-<boot id>-N".
+
+std::string BootId() {
+  std::string boot_id = ReadFile("/proc/sys/kernel/random/boot_id");
+  while (!boot_id.empty() && (boot_id.back() == '\n' || boot_id.back() == ' ')) boot_id.pop_back();
+  return boot_id;
+}
+
+// Runs kvd with `args` to completion (stdout and stderr into `log_path`); its wait status.
+absl::StatusOr<int> RunKvd(const std::vector<std::string>& args, const std::string& log_path) {
+  std::vector<std::string> argv = {KvdBinary()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Child> child, Child::Spawn(argv, {}, log_path, /*pipes=*/false));
+  return child->Wait(kWait);
+}
+
+TEST(KvdDaemonDeviceTest, DeviceUuidSelectsThatIndex) {
+  ASSERT_FALSE(BootId().empty());
+  const std::string uuid = absl::StrCat("host-", BootId(), "-1");
+  // The UUID, and a case-changed spelling without "host-": both name device 1.
+  for (const std::string& selector : {uuid, absl::AsciiStrToUpper(absl::StrCat(BootId(), "-1"))}) {
+    SCOPED_TRACE(selector);
+    TempDir dir;
+    Daemon daemon(dir.path(), {.extra_args = {"--device=" + selector}});
+    absl::Status started = daemon.Start();
+    ASSERT_TRUE(started.ok()) << started;
+    v1::DeviceInfo info;
+    ASSERT_THAT(daemon.stub().GetDeviceInfo(Ctx().get(), {}, &info), GrpcOk());
+    EXPECT_EQ(info.device_index(), 1u);
+    EXPECT_EQ(info.device_uuid(), uuid);
+    EXPECT_THAT(daemon.log(), HasSubstr(absl::StrCat("--device=", selector, " selects device #1 (by UUID)")));
+    EXPECT_THAT(daemon.log(), HasSubstr(uuid));
+    ASSERT_TRUE(daemon.Stop().ok());
+  }
+}
+
+TEST(KvdDaemonDeviceTest, DeviceIndexNamesTheDevicesUuid) {
+  TempDir dir;
+  Daemon daemon(dir.path(), {.extra_args = {"--device=3"}});
+  absl::Status started = daemon.Start();
+  ASSERT_TRUE(started.ok()) << started;
+  v1::DeviceInfo info;
+  ASSERT_THAT(daemon.stub().GetDeviceInfo(Ctx().get(), {}, &info), GrpcOk());
+  EXPECT_EQ(info.device_index(), 3u);
+  EXPECT_EQ(info.device_uuid(), absl::StrCat("host-", BootId(), "-3"));
+  EXPECT_THAT(daemon.log(), HasSubstr("--device=3 selects device #3 (by index)"));
+  ASSERT_TRUE(daemon.Stop().ok());
+}
+
+// The default socket (no --socket) is named after the resolved index, not the selector's text. kvd
+// stops at a bad --lease-ttl, after naming its sockets and before creating anything under /run/kvd.
+TEST(KvdDaemonDeviceTest, DefaultSocketIsNamedAfterTheResolvedIndex) {
+  TempDir dir;
+  const std::string log = dir.path() + "/kvd.log";
+  const bool existed = Exists("/run/kvd/gpu7.sock");
+  KVD_ASSERT_OK_AND_ASSIGN(
+      int status, RunKvd({"--backend=host", absl::StrCat("--device=host-", BootId(), "-7"), "--lease-ttl=never"}, log));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), HasSubstr("selects device #7 (by UUID); sockets /run/kvd/gpu7.sock and "
+                                       "/run/kvd/gpu7.handles"));
+  EXPECT_THAT(ReadFile(log), HasSubstr("--lease-ttl"));
+  EXPECT_EQ(Exists("/run/kvd/gpu7.sock"), existed) << "nothing was created";
+}
+
+TEST(KvdDaemonDeviceTest, ListDevicesPrintsTheDevicesAndExits) {
+  TempDir dir;
+  const std::string table = dir.path() + "/table.txt";
+  KVD_ASSERT_OK_AND_ASSIGN(int status, RunKvd({"--backend=host", "--host-capacity=1GiB", "--list-devices"}, table));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFile(table);
+  const std::vector<std::string> lines = absl::StrSplit(ReadFile(table), '\n', absl::SkipEmpty());
+  ASSERT_GE(lines.size(), 2u) << ReadFile(table);
+  EXPECT_THAT(lines[0], ::testing::MatchesRegex("INDEX +BACKEND +UUID +MEMORY +NAME"));
+  EXPECT_THAT(lines[1], ::testing::MatchesRegex(
+                            absl::StrCat("0 +host +host-", BootId(), "-0 +1\\.00 GiB +host memory \\(memfd\\)")));
+  EXPECT_THAT(ReadFile(table), HasSubstr("any --device index"));
+
+  const std::string json = dir.path() + "/devices.json";
+  KVD_ASSERT_OK_AND_ASSIGN(status,
+                           RunKvd({"--backend=host", "--host-capacity=1GiB", "--list-devices", "--json"}, json));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFile(json);
+  EXPECT_EQ(ReadFile(json), absl::StrCat(R"({"backend":"host","devices":[{"index":0,"uuid":"host-)", BootId(),
+                                         R"j(-0","name":"host memory (memfd)","total_bytes":1073741824}]})j", "\n"));
+}
+
+TEST(KvdDaemonDeviceTest, UnknownOrAmbiguousDeviceRefusesToStartNamingTheFlag) {
+  const std::string family = absl::StrCat("host-", BootId(), "-");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"GPU-5f3a", "--device GPU-5f3a: no host device has this UUID"},
+      {"host-00000000-0000-0000-0000-000000000000-1", "no host device has this UUID; host devices are " + family},
+      {"-1", "--device -1: no host device"},
+      {family, absl::StrCat("--device ", family, ": ambiguous")},
+      {"host-" + BootId().substr(0, 4), "ambiguous, every host device's UUID"},
+  };
+  for (const auto& [selector, message] : cases) {
+    SCOPED_TRACE(selector);
+    TempDir dir;
+    Daemon daemon(dir.path(), {.extra_args = {"--device=" + selector}});
+    ASSERT_TRUE(daemon.Spawn().ok());
+    absl::StatusOr<int> status = daemon.process()->Wait(kWait);
+    ASSERT_TRUE(status.ok());
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << daemon.log();
+    EXPECT_THAT(daemon.log(), HasSubstr(message));
+    std::vector<std::string> errors;
+    for (absl::string_view line : absl::StrSplit(daemon.log(), '\n')) {
+      if (absl::StrContains(line, " error ")) errors.emplace_back(line);
+    }
+    EXPECT_EQ(errors.size(), 1u) << "one line: " << daemon.log();
+    EXPECT_FALSE(Exists(daemon.socket()));
+  }
 }
 
 }  // namespace
