@@ -9,8 +9,10 @@
 #      ldd reports for kvd and kvctl (each mapped to its Debian package with dpkg -S; a package is
 #      covered when listed or when a listed package depends on it, as apt then installs it too).
 #   3. yamllint --strict with deploy/.yamllint over deploy/.
-#   4. Kubernetes: each document under deploy/k8s against the API schema (kubernetes-models, npm ci
-#      from tests/deploy/package-lock.json into WORKDIR).
+#   4. Kubernetes: deploy/k8s/kvd-daemonset.yaml is exactly `deploy/k8s/render.sh --gpus 8` (one
+#      DaemonSet per GPU index, each with its own node affinity, socket and port), and each document under
+#      deploy/k8s against the API schema (kubernetes-models, npm ci from tests/deploy/package-lock.json
+#      into WORKDIR).
 #   5. Prometheus: promtool check config, check rules, test rules.
 set -uo pipefail
 
@@ -148,7 +150,34 @@ if need yamllint yamllint; then
   fi
 fi
 
-# --- 4. Kubernetes schema ---------------------------------------------------------------------------
+# --- 4. Kubernetes ----------------------------------------------------------------------------------
+step "Kubernetes: deploy/k8s/kvd-daemonset.yaml is render.sh --gpus 8"
+manifest=$deploy/k8s/kvd-daemonset.yaml
+if ! out=$("$deploy/k8s/render.sh" --gpus 8 2>&1 >"$tmp/rendered.yaml"); then
+  fail "deploy/k8s/render.sh --gpus 8: $out"
+elif ! out=$(diff -u "$manifest" "$tmp/rendered.yaml"); then
+  fail "kvd-daemonset.yaml differs from render.sh --gpus 8 (re-render: deploy/k8s/render.sh --gpus 8 >$manifest):"$'\n'"$out"
+else
+  ok "kvd-daemonset.yaml == render.sh --gpus 8"
+fi
+# What each GPU's DaemonSet must say, independently of the template's wording.
+for i in 0 1 2 3 4 5 6 7; do
+  doc=$(awk -v want="kvd-gpu$i" '/^---$/ {d++} {docs[d] = docs[d] $0 "\n"} /^  name: / && $2 == want {hit = d}
+    END {printf "%s", docs[hit]}' "$manifest")
+  missing=()
+  for want in "kind: DaemonSet" "- --device=$i" "- --socket=/run/kvd/gpu$i.sock" "- --metrics-address=0.0.0.0:95${i}0" \
+    "containerPort: 95${i}0" "prometheus.io/port: \"95${i}0\"" "key: nvidia.com/gpu.count" "operator: Gt" \
+    "values: [\"$i\"]" "\"--socket=/run/kvd/gpu$i.sock\", \"status\"" "instance: kvd-gpu$i"; do
+    grep -qF -- "$want" <<<"$doc" || missing+=("$want")
+  done
+  if ((${#missing[@]})); then fail "DaemonSet kvd-gpu$i lacks: ${missing[*]}"; else
+    ok "DaemonSet kvd-gpu$i: --device=$i, gpu$i.sock, port 95${i}0, nvidia.com/gpu.count > $i, probes"
+  fi
+done
+for bad in 0 11 x; do
+  if "$deploy/k8s/render.sh" --gpus "$bad" >/dev/null 2>&1; then fail "render.sh --gpus $bad was accepted"; fi
+done
+
 step "Kubernetes: deploy/k8s against the API schema (kubernetes-models)"
 if need node nodejs && need npm npm; then
   cp "$here/package.json" "$here/package-lock.json" "$here/validate_k8s.mjs" "$work/"
