@@ -227,12 +227,10 @@ absl::StatusOr<int> ResolveDevice(const Flags& f, const DeviceOptions& options, 
   DeviceOptions resolve = options;
   resolve.backend = f.backend;
   absl::StatusOr<int> index = ResolveDeviceSelector(resolve, f.device);
-  if (!index.ok()) {
-    // ResolveDeviceSelector's own messages start "device <selector>: "; a driver's error does not.
-    const absl::string_view message = index.status().message();
-    return absl::Status(index.status().code(), absl::StartsWith(message, "device ")
-                                                   ? absl::StrCat("--", message)
-                                                   : absl::StrCat("--device ", f.device, ": ", message));
+  // ResolveDeviceSelector's own messages start "device <selector>: "; the backend's errors (no driver,
+  // a bad --host-granularity) say what they are about and pass unchanged.
+  if (!index.ok() && absl::StartsWith(index.status().message(), "device ")) {
+    return absl::Status(index.status().code(), absl::StrCat("--", index.status().message()));
   }
   *how = std::all_of(f.device.begin(), f.device.end(), absl::ascii_isdigit) ? "index" : "UUID";
   return index;
