@@ -256,10 +256,14 @@ absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_v
   if (info.backend() == v1::BACKEND_HOST && info.granularity_bytes() > 0) {
     opts.host_granularity = info.granularity_bytes();
   }
-  if (!selector.empty()) {
-    absl::StatusOr<int> index = ResolveDeviceSelector(opts, selector);
+  // Device indices are per process (CUDA_VISIBLE_DEVICES renumbers them): the daemon's device is found
+  // here by its UUID.
+  const std::string& wanted = selector.empty() ? info.device_uuid() : std::string(selector);
+  if (!wanted.empty()) {
+    absl::StatusOr<int> index = ResolveDeviceSelector(opts, wanted);
     if (!index.ok()) {
-      return absl::Status(index.status().code(), absl::StrCat("AttachOptions.", index.status().message()));
+      return absl::Status(index.status().code(),
+                          absl::StrCat(selector.empty() ? "the daemon's " : "AttachOptions.", index.status().message()));
     }
     opts.index = *index;
   }
