@@ -2,6 +2,7 @@
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
 # build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
+# STEPS="device daemon group python" (the default: all) picks steps.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -18,12 +19,16 @@ run() {  # run NAME CMD...: log to $out/NAME.log, echo the tail, remember failur
   tail -n "${TAIL:-25}" "$out/$name.log"
   ((rc == 0)) || { echo "!!! $name exited $rc"; status=1; }
 }
+want() { [[ -z ${STEPS:-} || " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 
+if want device; then
 run conformance device_conformance_test --gtest_filter='*/cuda:*/host' --gtest_color=no
 run cuda_device cuda_device_test --gtest_color=no
 TAIL=45 run device_bench bash -c "kvd_device_bench --backend=cuda --json >$out/bench.json"
+fi
 
+if want daemon; then
 step "kvd on CUDA: a ${pool_size} pool attached by two more processes"
 dir=$(mktemp -d)
 kvd --backend=auto --socket="$dir/gpu0.sock" --log-level=info >"$out/kvd.log" 2>&1 &
@@ -47,8 +52,59 @@ echo "kvd exited $?"
 tail -n 8 "$out/kvd.log"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 rm -rf "$dir"
+fi
 
-if [[ -d $bundle/python ]]; then
+if want group; then
+step "one kvd per device: --list-devices, --device by UUID, an engine group over two daemons"
+# This node may have one GPU: both daemons then serve GPU 0, which exercises the group protocol on
+# CUDA memory (the multi-GPU case differs only in which device each daemon opens).
+run list_devices kvd --backend=cuda --list-devices --json
+uuid=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["devices"][0]["uuid"])' "$out/list_devices.log")
+ngpu=$(nvidia-smi -L | wc -l)
+dir=$(mktemp -d)
+kvd --backend=cuda --device="${uuid:0:12}" --socket="$dir/gpu0.sock" --budget=40GiB >"$out/kvd-group0.log" 2>&1 &
+d0=$!
+second=$((ngpu > 1 ? 1 : 0))
+kvd --backend=cuda --device="$second" --socket="$dir/gpu1.sock" --budget=20GiB >"$out/kvd-group1.log" 2>&1 &
+d1=$!
+for _ in $(seq 300); do [[ -S $dir/gpu0.handles && -S $dir/gpu1.handles ]] && break; sleep 0.1; done
+grep -h "ready" "$out/kvd-group0.log" "$out/kvd-group1.log"
+# 1 MiB blocks; 32 GiB of VA a rank.
+dims=(--layers=32 --capacity-blocks=32768 --heads=8 --block-tokens=16 --channels=128 --element-bytes=2)
+run group_create0 kvctl --socket="$dir/gpu0.sock" create llama-r0 "${dims[@]}" --group=llama --rank=0 --group-size=2
+run group_create1 kvctl --socket="$dir/gpu1.sock" create llama-r1 "${dims[@]}" --group=llama --rank=1 --group-size=2
+run group_grow kvctl group grow llama --bytes=16GiB --socket-dir="$dir"
+run group_status kvctl group status llama --socket-dir="$dir"
+# 24 GiB a rank fits the first daemon's budget (40 GiB) but not the second's (20 GiB): no rank may change.
+step "group grow past one rank's budget: refused, every rank unchanged"
+kvctl group grow llama --bytes=24GiB --socket-dir="$dir" && status=1
+run group_status_after kvctl --json group status llama --socket-dir="$dir"
+grep -q '"consistent": true' "$out/group_status_after.log" || status=1
+grep -c '"committed_blocks": 16384' "$out/group_status_after.log"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+run group_sleep kvctl group sleep llama --wait --socket-dir="$dir"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+run group_wake kvctl group wake llama --socket-dir="$dir"
+run group_json kvctl --json group grow llama --bytes=18GiB --socket-dir="$dir"
+grep -E '"(prepare_us|commit_us|prepared_bytes|round_trip_ms)"' "$out/group_json.log"
+# The grown rank's memory is real and shared: one process writes, another reads it back.
+kvd_probe --socket="$dir/gpu0.sock" attach llama-r0 --write=5 --wait-for=6 >"$out/group-holder.log" 2>&1 &
+holder=$!
+for attempt in $(seq 100); do
+  kvd_probe --socket="$dir/gpu0.sock" attach llama-r0 --expect=5 --write=6 2>"$out/group-reader.err" && break
+  grep -q "pattern 5 not found" "$out/group-reader.err" || { cat "$out/group-reader.err"; status=1; break; }
+  sleep 0.2
+done
+wait "$holder" || status=1
+cat "$out/group-holder.log"
+kill -TERM "$d0" "$d1"
+wait "$d0"; echo "kvd (group rank 0) exited $?"
+wait "$d1"; echo "kvd (group rank 1) exited $?"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+rm -rf "$dir"
+fi
+
+if want python && [[ -d $bundle/python ]]; then
   step "Python package on CUDA: torch views shared by two processes, grow, sleep/wake; kvctl"
   dir=$(mktemp -d)
   kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB --metrics-address=127.0.0.1:9500 \
