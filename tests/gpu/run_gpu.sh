@@ -97,6 +97,8 @@ for attempt in $(seq 100); do
 done
 wait "$holder" || status=1
 cat "$out/group-holder.log"
+kvctl --socket="$dir/gpu0.sock" delete llama-r0 >/dev/null && kvctl --socket="$dir/gpu1.sock" delete llama-r1 >/dev/null
+TAIL=10 run group_bench kvd_group_bench --sockets="$dir/gpu0.sock,$dir/gpu1.sock" --bytes=16GiB --rounds=5
 kill -TERM "$d0" "$d1"
 wait "$d0"; echo "kvd (group rank 0) exited $?"
 wait "$d1"; echo "kvd (group rank 1) exited $?"
