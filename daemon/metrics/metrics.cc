@@ -97,6 +97,10 @@ class SnapshotCollector final : public prometheus::Collectable {
     prometheus::MetricFamily clients = Gauge("kvd_pool_attached_clients", "Clients attached to the pool.");
     prometheus::MetricFamily pending = Gauge(
         "kvd_pool_pending_release_bytes", "Released bytes not yet acknowledged by every client; still in the budget.");
+    prometheus::MetricFamily held = Gauge(
+        "kvd_pool_held", "1 while a prepared group transaction holds the pool (other resizes of it are refused).");
+    prometheus::MetricFamily group =
+        Gauge("kvd_pool_group_info", "1 for a pool that is one rank of an engine group (labels group, rank, size).");
     prometheus::MetricFamily mapped =
         Gauge("kvd_client_mapped_bytes", "Bytes handed to the client and not yet acknowledged as released.");
     for (const PoolView& p : pools) {
@@ -111,6 +115,16 @@ class SnapshotCollector final : public prometheus::Collectable {
           p.state == PoolState::kSleeping ? 1 : 0);
       Add(clients, pool, static_cast<double>(p.clients.size()));
       Add(pending, pool, static_cast<double>(p.pending_release_bytes));
+      Add(held, pool, p.transaction.empty() ? 0 : 1);
+      if (!p.group.name.empty()) {
+        Add(group,
+            {{"device", build_.device},
+             {"pool", p.name},
+             {"group", p.group.name},
+             {"rank", absl::StrCat(p.group.rank)},
+             {"size", absl::StrCat(p.group.size)}},
+            1);
+      }
       for (const ClientView& c : p.clients) {
         Add(mapped,
             {{"device", build_.device},
@@ -123,7 +137,7 @@ class SnapshotCollector final : public prometheus::Collectable {
       }
     }
     for (auto* f : {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &clients, &pending,
-                    &mapped}) {
+                    &held, &group, &mapped}) {
       out.push_back(std::move(*f));
     }
     return out;

@@ -92,6 +92,7 @@ class MetricsScrapeTest(KvdFixture):
         self.kvctl_json("grow", "kv", "--bytes", "32MiB")
         self.kvctl_json("create", "gone", *DIMS, "--initial-blocks", "256")
         self.kvctl_json("delete", "gone")
+        self.kvctl_json("create", "rank1", *DIMS, "--group", "llama", "--rank", "1", "--group-size", "2")
         d = self.kvctl_json("describe", "kv")
         status = self.kvctl_json("status")
 
@@ -111,6 +112,9 @@ class MetricsScrapeTest(KvdFixture):
         self.assertEqual(s[("kvd_pool_attached_clients", pool)], 0)
         self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "awake")))], 1)
         self.assertEqual(s[("kvd_pool_state", L(("pool", "kv"), ("state", "sleeping")))], 0)
+        self.assertEqual(s[("kvd_pool_held", pool)], 0)
+        self.assertEqual([k for k in s if k[0] == "kvd_pool_group_info"],
+                         [("kvd_pool_group_info", L(("pool", "rank1"), ("group", "llama"), ("rank", "1"), ("size", "2")))])
         # A deleted pool leaves no series behind.
         self.assertFalse([k for k in s if ("pool", "gone") in k[1]], text)
 
@@ -129,7 +133,7 @@ class MetricsScrapeTest(KvdFixture):
         self.assertEqual(s[("kvd_operations_total", L(("op", "grow"), ("result", "ok")))], 1)
         self.assertEqual(s[("kvd_operation_duration_seconds_count", L(("op", "grow")))], 1)
         self.assertEqual(s[("kvd_rpc_requests_total", L(("method", "Grow"), ("code", "OK")))], 1)
-        self.assertEqual(s[("kvd_rpc_requests_total", L(("method", "CreatePool"), ("code", "OK")))], 2)
+        self.assertEqual(s[("kvd_rpc_requests_total", L(("method", "CreatePool"), ("code", "OK")))], 3)
 
         # A failed RPC is counted by its code; sleep and wake are timed.
         r = subprocess.run([KVCTL, "--socket=" + self.socket, "grow", "missing", "--blocks", "1"],
