@@ -5,14 +5,19 @@
         c.create_pool("kv", layers=32, capacity_blocks=4096, heads=8, block_tokens=16,
                       channels=128, element_bytes=2, initial_blocks=1024,
                       backend_requirements={"FLASHINFER": ["block-outermost"]},
-                      connector_preferences=[("nixl", "LBNHC")])
+                      connector_preferences=[("nixl", "LBNHC")],
+                      group=kvd.GroupMembership("llama", rank=0, size=2))  # optional: one TP rank
         with c.attach("kv") as m:                 # maps every chunk, follows grow/shrink/sleep/wake
             k0 = m.layer(0)                       # numpy on host, __cuda_array_interface__ on CUDA
+
+Peer access: a process on another device of the node maps a pool once it is granted:
+c.grant_peer_access("kv", uuid_of_gpu1), then c.attach("kv", device=1) from that process.
 """
 
 from ._errors import KvdError
 from ._proto import pb as v1_pb2  # noqa: F401  (the generated messages, for callers that need them)
-from ._client import Client, CudaArray, Geometry, Mapping, connect, default_socket
+from ._client import Client, CudaArray, Geometry, GroupMembership, Mapping, connect, default_socket
 
-__all__ = ["connect", "default_socket", "Client", "Mapping", "Geometry", "CudaArray", "KvdError", "v1_pb2"]
+__all__ = ["connect", "default_socket", "Client", "Mapping", "Geometry", "CudaArray", "KvdError", "v1_pb2",
+           "GroupMembership"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""kvd.connect() / Client / Mapping: the Python client of a kvd daemon."""
+"""kvd.connect() / Client / Mapping: the Python client of a kvd daemon (one daemon, one device)."""
 
 import dataclasses
 import logging
@@ -60,6 +60,45 @@ class Geometry:
                    granularity_bytes=g.granularity_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupMembership:
+    """One rank of an engine group (kvd.proto `GroupMembership`): the pools of one engine's
+    tensor-parallel ranks, one per daemon, carry the same name and size and distinct ranks.
+    create_pool(group=...) takes one of these or a (name, rank, size) tuple; kvd.Group resizes the
+    ranks together."""
+
+    name: str
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group):
+        """A GroupMembership, a (name, rank, size) tuple or a kvd.v1.GroupMembership -> GroupMembership."""
+        if isinstance(group, cls):
+            return group
+        if isinstance(group, pb.GroupMembership):
+            return cls(group.name, group.rank, group.size)
+        name, rank, size = group
+        return cls(str(name), int(rank), int(size))
+
+    def to_proto(self):
+        return pb.GroupMembership(name=self.name, rank=self.rank, size=self.size)
+
+
+# Client.prepare's operations by name.
+OPERATIONS = {"grow": pb.OPERATION_GROW, "shrink": pb.OPERATION_SHRINK, "sleep": pb.OPERATION_SLEEP,
+              "wake": pb.OPERATION_WAKE}
+
+
+def _operation(op):
+    if isinstance(op, str) and op.lower() in OPERATIONS:
+        return OPERATIONS[op.lower()]
+    if isinstance(op, int) and not isinstance(op, bool) and op in OPERATIONS.values():
+        return op
+    raise KvdError("INVALID_ARGUMENT", f"operation: {op!r} is not one of grow, shrink, sleep, wake "
+                   "(or a kvd.v1 Operation value)")
+
+
 class CudaArray:
     """A zero-copy view of device memory: `torch.as_tensor(view, device="cuda")` or
     `cupy.asarray(view)` use the memory in place (__cuda_array_interface__ version 3)."""
@@ -101,7 +140,7 @@ class Client:
         self._md = (("kvd-session", self.session.token),)
         self._lock = threading.Lock()
         self._mappings = {}  # pool name -> Mapping (at most one per pool: see attach)
-        self._memory = None
+        self._memories = {}  # local device index -> its mapper, opened on first use
         self._info = None
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -112,12 +151,23 @@ class Client:
         except grpc.RpcError as e:
             raise KvdError.from_rpc(e) from None
 
-    def _memory_backend(self):
+    def _memory_backend(self, device=None):
+        """The mapper for the local device `device` (None: the daemon's) -> (memory, peer_uuid);
+        peer_uuid is the local device's UUID when it is not the daemon's (the AttachRequest's
+        device_uuid), else ""."""
+        info = self.device_info()  # fresh: the daemon may have restarted on another device
+        local = _memory.resolve_device(info, pb, device)
+        peer_uuid = ""
+        if (device is not None or info.device_uuid) and not _memory.same_device(local.uuid, info.device_uuid):
+            # Peer access: this process maps memory of the daemon's device with access for its own.
+            _memory.check_peer_access(info, pb, local)
+            peer_uuid = local.uuid
         with self._lock:
-            if self._memory is None:
-                self._info = self._info or self.device_info()
-                self._memory = _memory.memory_for(self._info, pb)
-            return self._memory
+            self._info = info
+            memory = self._memories.get(local.index)
+            if memory is None:
+                memory = self._memories[local.index] = _memory.memory_for(info, pb, local)
+        return memory, peer_uuid
 
     # -- device and pools -----------------------------------------------------------------------
     def device_info(self):
@@ -151,14 +201,20 @@ class Client:
 
     def create_pool(self, name, layers, capacity_blocks, heads, block_tokens, channels, element_bytes,
                     initial_blocks=0, override=None, backend_requirements=None, connector_preferences=(),
-                    allowed_uids=(), env_layout=None):
+                    allowed_uids=(), env_layout=None, group=None, peer_devices=()):
         """CreatePool -> kvd.v1.Pool. backend_requirements: {"FLASHINFER": ["block-outermost"]};
-        connector_preferences: [("nixl", "LBNHC")]; $KVD_KV_CACHE_LAYOUT is forwarded as env_layout."""
+        connector_preferences: [("nixl", "LBNHC")]; $KVD_KV_CACHE_LAYOUT is forwarded as env_layout.
+        group: this pool is one rank of an engine group, a kvd.GroupMembership or (name, rank, size);
+        peer_devices: device UUIDs (or "*") whose processes may attach it (see grant_peer_access).
+        The returned Pool says both back (pool.group, pool.peer_devices), and pool.transaction while a
+        group operation holds it."""
         req = pb.CreatePoolRequest(
             name=name, dims=self._dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes),
             initial_blocks=initial_blocks,
             layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout),
-            allowed_uids=list(allowed_uids))
+            allowed_uids=list(allowed_uids), peer_devices=list(peer_devices))
+        if group is not None:
+            req.group.CopyFrom(GroupMembership.of(group).to_proto())
         return self._call("CreatePool", req)
 
     def resolve_layout(self, override=None, backend_requirements=None, connector_preferences=(), env_layout=None,
@@ -174,8 +230,16 @@ class Client:
         """DeletePool -> released bytes."""
         return self._call("DeletePool", pb.DeletePoolRequest(name=name, force=force)).released_bytes
 
-    def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name=""):
+    def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None):
         """Attach + map every chunk + start following the pool -> Mapping.
+
+        device: the device this process maps the pool from: None for the daemon's own (found by its
+        UUID: indices are per process), else an index or UUID (prefix) of this process's devices of
+        the daemon's backend (CUDA: as this process numbers them). Another device than the daemon's is
+        peer access: the pair must support it (FAILED_PRECONDITION naming both devices; NOT_FOUND when
+        this process does not see the daemon's device) and the pool must grant it (peer_devices,
+        grant_peer_access; PERMISSION_DENIED otherwise). The chunks are then mapped with access for
+        the local device.
 
         Callbacks run on the Mapping's follower thread, one at a time, for changes made by OTHER
         sessions (a grow/wake through this Client maps before returning and calls none):
@@ -189,8 +253,8 @@ class Client:
             if name in self._mappings and not self._mappings[name].closed:
                 raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this Client; "
                                "use the existing Mapping or another kvd.connect()")
-        memory = self._memory_backend()
-        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name))
+        memory, peer_uuid = self._memory_backend(device)
+        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid))
         try:
             m = Mapping(self, memory, resp, on_grow, on_release, on_lost)
         except BaseException:
@@ -255,6 +319,37 @@ class Client:
             self._absorb(u)
         return updates
 
+    # -- engine groups and peer access ----------------------------------------------------------
+    def grant_peer_access(self, name, device_uuid, revoke=False):
+        """GrantPeerAccess -> kvd.v1.Pool: lets processes on the device `device_uuid` (as that device's
+        daemon reports it, or "*" for every device) attach the pool; revoke takes the grant back
+        (mappings that exist stay)."""
+        return self._call("GrantPeerAccess", pb.GrantPeerAccessRequest(pool=name, device_uuid=device_uuid,
+                                                                        revoke=revoke))
+
+    def prepare(self, name, op, target_blocks=0, ttl=30.0):
+        """Phase one of a group operation on this daemon -> kvd.v1.PrepareResponse (transaction,
+        pool as it is now, prepared_bytes, expires_at_unix_ms). op: "grow", "shrink", "sleep", "wake"
+        (or a kvd.v1 Operation); target_blocks for grow and shrink. The daemon does everything that
+        can fail and holds the pool (other resizes get ABORTED) until commit() or abort() from this
+        Client, `ttl` seconds, or the end of this Client's session. kvd.Group drives it on every rank."""
+        req = pb.PrepareRequest(pool=name, operation=_operation(op), target_blocks=target_blocks,
+                                ttl_ms=max(int(round(ttl * 1000)), 1))
+        return self._call("Prepare", req)
+
+    def commit(self, transaction, wait=False):
+        """Phase two: makes a prepared change visible -> kvd.v1.PoolUpdate. As grow() and wake(), this
+        Client's Mapping of the pool has mapped the new chunks when it returns; wait is shrink()'s and
+        sleep()'s (reply once every attached client acknowledged)."""
+        update = self._call("Commit", pb.CommitRequest(transaction=transaction, wait_for_release=wait),
+                            timeout=max(self.timeout, 70.0) if wait else None)
+        self._absorb(update)
+        return update
+
+    def abort(self, transaction):
+        """Undoes a prepare -> the prepared bytes given back."""
+        return self._call("Abort", pb.AbortRequest(transaction=transaction)).released_bytes
+
     def _refresh(self, update):
         with self._lock:
             m = self._mappings.get(update.pool.name)
@@ -279,8 +374,8 @@ class Client:
         self._channel.close()
         self.session.close()
         with self._lock:
-            memory, self._memory = self._memory, None
-        if memory is not None:
+            memories, self._memories = list(self._memories.values()), {}
+        for memory in memories:
             memory.close()
 
     def _forget(self, mapping):
@@ -310,6 +405,7 @@ class Mapping:
         self.client_id = attached.client_id
         pool = attached.pool
         self.pool_name = pool.name
+        self.device_uuid = memory.device.uuid if memory.device is not None else ""
         self.geometry = Geometry.from_proto(pool.geometry, pool.layout)
         self.layout_resolution = pool.layout
         self.committed_blocks = pool.committed_blocks

@@ -1,14 +1,21 @@
-"""Address-space reservation and chunk mapping for one pool, per backend, through ctypes.
+"""The device this process maps pools from, and address-space reservation and chunk mapping, per
+backend, through ctypes.
 
+resolve_device() finds the local device (an index or UUID of this process's devices; by default the
+daemon's own, found by its UUID because indices are per process), check_peer_access() says whether it
+may map memory that lives on the daemon's device, and memory_for() opens the mapper for it:
 HostMemory: memfd chunks mmap'ed MAP_SHARED|MAP_FIXED into a PROT_NONE anonymous reservation.
 CudaMemory: cuMemAddressReserve / cuMemImportFromShareableHandle(POSIX FD) / cuMemMap /
-cuMemSetAccess on libcuda.so.1 (untested on this CPU-only host; exercised on the GPU machine).
+cuMemSetAccess (for the local device) on libcuda.so.1, exercised by kvd_cuda_check.py on a GPU machine.
+Mirrors kernels/device.cc (ResolveDeviceSelector) and the backends' CheckPeerAccess.
 """
 
 import ctypes
-import ctypes.util
+import dataclasses
 import mmap as _mmap
 import os
+import socket as _socket
+import threading
 
 from ._errors import KvdError
 
@@ -48,13 +55,168 @@ def _mmap_or_raise(what, addr, length, prot, flags, fd, offset):
     return p
 
 
+# --- which device -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LocalDevice:
+    """A device of this process: its index in this process's numbering and its UUID as the daemon of
+    that device reports it (GetDeviceInfo.device_uuid)."""
+
+    index: int
+    uuid: str
+
+
+def _boot_id():
+    """As kvd's host backend names its devices: host-<boot id>-<index> (kernels/host/host_device.cc)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        if boot:
+            return boot
+    except OSError:
+        pass
+    return _socket.gethostname() or "unknown"
+
+
+def host_uuid(index):
+    return f"host-{_boot_id()}-{index}"
+
+
+def parse_host_uuid(uuid):
+    """host-<this boot>-<N> -> N; None for anything else."""
+    prefix = f"host-{_boot_id()}-"
+    if len(uuid) <= len(prefix) or not uuid.lower().startswith(prefix.lower()):
+        return None
+    digits = uuid[len(prefix):]
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
+def _visibility_note(kind):
+    names = {"cuda": ["CUDA_VISIBLE_DEVICES"]}.get(kind, [])
+    note = "".join(f"; {n}={os.environ[n]}" for n in names if n in os.environ)
+    return note + " limits which devices this process sees" if note else ""
+
+
+def _listing(devices):
+    return ", ".join(f"{d.index} {d.uuid}" for d in devices)
+
+
+def _resolve_host(selector):
+    family = f"host-{_boot_id()}-"
+    for candidate in (selector, "host-" + selector):
+        index = parse_host_uuid(candidate)
+        if index is not None:
+            return index
+        if family.lower().startswith(candidate.lower()):  # short of the index, it names every host device
+            raise KvdError("INVALID_ARGUMENT", f"device {selector}: ambiguous, every host device's UUID ({family}0, "
+                           f"{family}1, ...) starts with it; add the index: {family}<N>")
+    raise KvdError("NOT_FOUND", f"device {selector}: no host device has this UUID; host devices are {family}<N> "
+                   "for any index N")
+
+
+def _resolve_gpu(selector, devices, kind):
+    vendor = {"cuda": "CUDA"}.get(kind, kind)
+    if selector.isascii() and selector.isdigit():
+        index = int(selector)
+        if not any(d.index == index for d in devices):
+            n = len(devices)
+            raise KvdError("NOT_FOUND", f"device {selector}: this node has {n} {vendor} device{'' if n == 1 else 's'} "
+                           f"({_listing(devices)}){_visibility_note(kind)}")
+        return index
+
+    # A UUID or a prefix of one, with or without the "GPU-" every GPU UUID starts with.
+    def matches(uuid, exact):
+        for u in (uuid, uuid[4:] if uuid.upper().startswith("GPU-") else None):
+            if u is not None and (u.lower() == selector.lower() if exact else u.lower().startswith(selector.lower())):
+                return True
+        return False
+
+    for d in devices:
+        if matches(d.uuid, True):
+            return d.index
+    found = [d for d in devices if matches(d.uuid, False)]
+    if len(found) == 1:
+        return found[0].index
+    if not found:
+        raise KvdError("NOT_FOUND", f"device {selector}: no {vendor} device visible to this process has this UUID "
+                       f"(visible: {_listing(devices)}){_visibility_note(kind)}")
+    raise KvdError("INVALID_ARGUMENT", f"device {selector}: ambiguous, it starts the UUIDs of {_listing(found)}; "
+                   "give more of the UUID")
+
+
+def resolve_device(device_info, pb, selector=None):
+    """The device this process maps from -> LocalDevice.
+
+    selector: a device index (int or digits) or a UUID (prefix) of this process's devices of the daemon's
+    backend; None: the daemon's own device, found by its UUID (indices are per process:
+    CUDA_VISIBLE_DEVICES renumbers them), or by its index when the daemon reports no UUID."""
+    if selector is None:
+        wanted = device_info.device_uuid
+        prefix = "the daemon's "
+    else:
+        wanted = str(selector).strip()
+        prefix = "attach: "
+    backend = device_info.backend
+    try:
+        if not wanted:
+            if selector is not None:
+                raise KvdError("INVALID_ARGUMENT",
+                               'device "": empty; give an index (0, 1, ...) or a device UUID (prefix)')
+            index = int(device_info.device_index)
+        elif backend == pb.BACKEND_HOST:
+            index = int(wanted) if wanted.isascii() and wanted.isdigit() else _resolve_host(wanted)
+        elif backend == pb.BACKEND_CUDA:
+            index = _resolve_gpu(wanted, cuda_devices(), "cuda")
+        else:
+            raise KvdError("UNIMPLEMENTED",
+                           f"the Python client does not map {pb.Backend.Name(backend)} pools yet")
+    except KvdError as e:
+        if e.code == "UNIMPLEMENTED":
+            raise
+        raise KvdError(e.code, prefix + e.message) from None
+    if backend == pb.BACKEND_HOST:
+        return LocalDevice(index, host_uuid(index))
+    devices = {d.index: d for d in cuda_devices()}
+    if index not in devices:
+        raise KvdError("NOT_FOUND", f"{prefix}device {wanted or index}: this process sees {len(devices)} CUDA devices "
+                       f"({_listing(devices.values())}){_visibility_note('cuda')}")
+    return devices[index]
+
+
+def same_device(a, b):
+    return a.lower() == b.lower()
+
+
+def check_peer_access(device_info, pb, local):
+    """Raises unless `local` can map memory that lives on the daemon's device (device_info.device_uuid)."""
+    owner = device_info.device_uuid
+    if not owner:
+        raise KvdError("FAILED_PRECONDITION", f"peer access: the daemon reports no device UUID, so device "
+                       f"{local.index} ({local.uuid}) cannot be checked against it")
+    if same_device(owner, local.uuid):
+        return
+    if device_info.backend == pb.BACKEND_HOST:
+        me = f"peer access: host device {local.index} ({local.uuid})"
+        if parse_host_uuid(owner) is not None:
+            return  # host memory is reachable from every host "device" of this boot: a memfd is a memfd
+        if owner.lower().startswith("host-"):
+            raise KvdError("FAILED_PRECONDITION", f"{me} cannot import memory of {owner}: that is host memory of "
+                           "another machine or boot")
+        raise KvdError("FAILED_PRECONDITION", f"{me} cannot import memory of device {owner}: it belongs to another "
+                       "backend (host chunks are memfds)")
+    if device_info.backend == pb.BACKEND_CUDA:
+        _cuda_check_peer_access(local, owner)
+        return
+    raise KvdError("UNIMPLEMENTED", f"the Python client does not map {pb.Backend.Name(device_info.backend)} pools yet")
+
+
 class HostMemory:
-    """The host backend: chunk FDs are memfds."""
+    """The host backend: chunk FDs are memfds, reachable from every host "device" alike."""
 
     kind = "host"
 
-    def __init__(self, device_info=None):
-        pass
+    def __init__(self, device=None):
+        self.device = device
 
     def reserve(self, nbytes, alignment):
         return _mmap_or_raise(f"mmap(PROT_NONE, {nbytes} bytes)", None, nbytes, PROT_NONE,
@@ -104,20 +266,33 @@ def _uuid_text(raw):
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-class CudaMemory:
-    """The CUDA backend, through libcuda.so.1 (the driver API; no CUDA toolkit needed).
+_cuda = None
+_cuda_lock = threading.Lock()
 
-    The device is the one whose UUID is the daemon's (so CUDA_VISIBLE_DEVICES renumbering is fine),
-    else ordinal `device_info.device_index`. Its primary context is made current on the calling thread."""
 
-    kind = "cuda"
-
-    def __init__(self, device_info):
+def _cuda_check(cu, r, what):
+    if r != 0:
+        name = ctypes.c_char_p()
         try:
-            self._cu = ctypes.CDLL("libcuda.so.1")
+            cu.cuGetErrorString(r, ctypes.byref(name))
+            text = name.value.decode() if name.value else f"CUresult {r}"
+        except Exception:
+            text = f"CUresult {r}"
+        code = "RESOURCE_EXHAUSTED" if r == 2 else "INTERNAL"
+        raise KvdError(code, f"{what}: {text} ({r})")
+
+
+def _cuda_driver():
+    """libcuda.so.1 with the argument types this module uses, initialised once per process."""
+    global _cuda
+    with _cuda_lock:
+        if _cuda is not None:
+            return _cuda
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
-            raise KvdError("FAILED_PRECONDITION", f"the daemon serves a CUDA device but libcuda.so.1 does not load: {e}")
-        cu = self._cu
+            raise KvdError("FAILED_PRECONDITION",
+                           f"the daemon serves a CUDA device but libcuda.so.1 does not load: {e}") from None
         u64 = ctypes.c_ulonglong
         cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), ctypes.c_size_t, ctypes.c_size_t, u64, u64]
         cu.cuMemAddressFree.argtypes = [u64, ctypes.c_size_t]
@@ -126,28 +301,72 @@ class CudaMemory:
         cu.cuMemUnmap.argtypes = [u64, ctypes.c_size_t]
         cu.cuMemRelease.argtypes = [u64]
         cu.cuMemSetAccess.argtypes = [u64, ctypes.c_size_t, ctypes.POINTER(_CUmemAccessDesc), ctypes.c_size_t]
-        self._check(cu.cuInit(0), "cuInit")
-        count = ctypes.c_int(0)
-        self._check(cu.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-        want = getattr(device_info, "device_uuid", "")
-        self.ordinal = None
-        get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or getattr(cu, "cuDeviceGetUuid", None)
-        for i in range(count.value):
-            dev = ctypes.c_int(0)
-            uuid = _CUuuid()
-            if cu.cuDeviceGet(ctypes.byref(dev), i) == 0 and get_uuid is not None and \
-                    get_uuid(ctypes.byref(uuid), dev) == 0 and _uuid_text(uuid.bytes) == want:
-                self.ordinal = i
-                break
-        if self.ordinal is None:
-            self.ordinal = int(getattr(device_info, "device_index", 0))
-        if self.ordinal >= count.value:
-            raise KvdError("FAILED_PRECONDITION", f"CUDA device {want or self.ordinal} is not visible to this process "
-                           f"({count.value} visible; check CUDA_VISIBLE_DEVICES)")
-        self._dev = ctypes.c_int(0)
-        self._check(cu.cuDeviceGet(ctypes.byref(self._dev), self.ordinal), f"cuDeviceGet({self.ordinal})")
+        cu.cuDeviceCanAccessPeer.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        _cuda_check(cu, cu.cuInit(0), "cuInit")
+        _cuda = cu
+        return cu
+
+
+def _cuda_device(cu, ordinal):
+    dev = ctypes.c_int(0)
+    _cuda_check(cu, cu.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+    return dev
+
+
+def cuda_devices():
+    """The CUDA devices this process sees -> [LocalDevice] in ordinal order."""
+    cu = _cuda_driver()
+    count = ctypes.c_int(0)
+    _cuda_check(cu, cu.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or getattr(cu, "cuDeviceGetUuid")
+    out = []
+    for i in range(count.value):
+        uuid = _CUuuid()
+        _cuda_check(cu, get_uuid(ctypes.byref(uuid), _cuda_device(cu, i)), f"cuDeviceGetUuid({i})")
+        out.append(LocalDevice(i, _uuid_text(uuid.bytes)))
+    return out
+
+
+def _cuda_check_peer_access(local, owner):
+    me = f"peer access: CUDA device {local.index} ({local.uuid})"
+    if not owner.upper().startswith("GPU-"):
+        raise KvdError("FAILED_PRECONDITION", f"{me} cannot import memory of device {owner}: it belongs to another "
+                       "backend (CUDA UUIDs start with GPU-)")
+    cu = _cuda_driver()
+    devices = cuda_devices()
+    for d in devices:
+        if not same_device(d.uuid, owner):
+            continue
+        # Whether the local device can access memory that lives on the owner: the importer is the local one.
+        can = ctypes.c_int(0)
+        _cuda_check(cu, cu.cuDeviceCanAccessPeer(ctypes.byref(can), _cuda_device(cu, local.index),
+                                                 _cuda_device(cu, d.index)),
+                    f"cuDeviceCanAccessPeer(device {local.index}, peer {d.index})")
+        if not can.value:
+            raise KvdError("FAILED_PRECONDITION", f"{me} has no peer access to CUDA device {d.index} ({d.uuid}) "
+                           "that owns the memory (cuDeviceCanAccessPeer = 0)")
+        return
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise KvdError("NOT_FOUND", f"{me}: the owner {owner} is not among the CUDA devices this process sees "
+                   f"({_listing([d for d in devices if d.index != local.index] or devices)}); an importer must see "
+                   "both devices: check CUDA_VISIBLE_DEVICES" + (f' (now "{env}")' if env is not None else " (unset)"))
+
+
+class CudaMemory:
+    """The CUDA backend on one local device, through libcuda.so.1 (the driver API; no CUDA toolkit
+    needed). Chunks are imported from their FDs (they may live on another device: peer access) and
+    mapped with read/write access for this device. Its primary context is made current on the
+    calling thread."""
+
+    kind = "cuda"
+
+    def __init__(self, device):
+        self._cu = _cuda_driver()
+        self.device = device
+        self.ordinal = device.index
+        self._dev = _cuda_device(self._cu, self.ordinal)
         self._ctx = ctypes.c_void_p()
-        self._check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), self._dev), "cuDevicePrimaryCtxRetain")
+        self._check(self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), self._dev), "cuDevicePrimaryCtxRetain")
 
     def close(self):
         """Drops this object's reference on the device's primary context."""
@@ -157,15 +376,7 @@ class CudaMemory:
             self._ctx = None
 
     def _check(self, r, what):
-        if r != 0:
-            name = ctypes.c_char_p()
-            try:
-                self._cu.cuGetErrorString(r, ctypes.byref(name))
-                text = name.value.decode() if name.value else f"CUresult {r}"
-            except Exception:
-                text = f"CUresult {r}"
-            code = "RESOURCE_EXHAUSTED" if r == 2 else "INTERNAL"
-            raise KvdError(code, f"{what}: {text} ({r})")
+        _cuda_check(self._cu, r, what)
 
     def _current(self):
         self._check(self._cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
@@ -190,7 +401,7 @@ class CudaMemory:
             r = self._cu.cuMemSetAccess(va, nbytes, ctypes.byref(desc), 1)
             if r != 0:
                 self._cu.cuMemUnmap(va, nbytes)
-                self._check(r, f"cuMemSetAccess({va:#x}, {nbytes}, READWRITE)")
+                self._check(r, f"cuMemSetAccess({va:#x}, {nbytes}, READWRITE for device {self.ordinal})")
         except BaseException:
             self._cu.cuMemRelease(handle)
             raise
@@ -206,9 +417,10 @@ class CudaMemory:
         self._check(self._cu.cuMemAddressFree(va, nbytes), f"cuMemAddressFree({va:#x}, {nbytes})")
 
 
-def memory_for(device_info, pb):
+def memory_for(device_info, pb, device):
+    """The mapper for pools of the daemon's backend on the local `device` (a LocalDevice)."""
     if device_info.backend == pb.BACKEND_HOST:
-        return HostMemory(device_info)
+        return HostMemory(device)
     if device_info.backend == pb.BACKEND_CUDA:
-        return CudaMemory(device_info)
+        return CudaMemory(device)
     raise KvdError("UNIMPLEMENTED", f"the Python client does not map {pb.Backend.Name(device_info.backend)} pools yet")

@@ -2,7 +2,8 @@
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
      /usr/bin/python3 kvd_python_test.py
-The second process is this file again (`--peer SOCKET POOL`), driven line by line over stdin/stdout.
+The second process is this file again (`--peer SOCKET POOL [DEVICE]`), driven line by line over
+stdin/stdout; kvd_python_group_test.py drives it too (DEVICE: attach(device=...), peer access).
 No sleeps as assertions: waits are bounded polls.
 """
 
@@ -56,9 +57,9 @@ def memfd_maps():
 
 # --- the peer process ----------------------------------------------------------------------------
 
-def peer_main(socket_path, pool):
+def peer_main(socket_path, pool, device=None):
     c = kvd.connect(socket_path, client_name="peer")
-    m = c.attach(pool)
+    m = c.attach(pool, device=device)
     out = sys.stdout
     print(json.dumps({"ok": True, "result": "attached"}), file=out, flush=True)
     for line in sys.stdin:
@@ -71,7 +72,8 @@ def peer_main(socket_path, pool):
             elif op == "read":
                 r = float(m.layer(cmd["layer"])[cmd["block"]].max())
             elif op == "state":
-                r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "gone": m.gone}
+                r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "gone": m.gone,
+                     "state": kvd.v1_pb2.PoolState.Name(m.state), "device_uuid": m.device_uuid}
             elif op == "exit":
                 m.close()
                 c.close()
@@ -86,9 +88,10 @@ def peer_main(socket_path, pool):
 
 
 class Peer:
-    def __init__(self, socket_path, pool):
+    def __init__(self, socket_path, pool, device=None):
         env = dict(os.environ)
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer", socket_path, pool],
+        extra = [str(device)] if device is not None else []
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer", socket_path, pool, *extra],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._reply()  # "attached": the peer has mapped the pool and follows it
 
@@ -368,5 +371,5 @@ class KvdPythonTest(unittest.TestCase):
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--peer":
-        sys.exit(peer_main(sys.argv[2], sys.argv[3]))
+        sys.exit(peer_main(*sys.argv[2:5]))
     unittest.main(verbosity=2)
