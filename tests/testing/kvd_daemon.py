@@ -6,7 +6,8 @@
 
 $KVD_BINARY names the daemon (ctest sets it). The daemon gets a fresh 0750 directory holding its
 sockets (self.socket, self.dir) and its log (self.log()). start_daemon(N) adds the daemon of "GPU" N
-of the same node (device N of the host backend, socket gpuN.sock in self.dir).
+of the same node (device N of the host backend, socket gpuN.sock in self.dir); self.daemons[N] is its
+process (to kill it mid-test).
 """
 import os
 import shutil
@@ -49,6 +50,9 @@ class KvdDaemonCase(unittest.TestCase):
             time.sleep(0.02)
         if device == 0:
             self.kvd = proc
+        if not hasattr(self, "daemons"):
+            self.daemons = {}
+        self.daemons[device] = proc
         return socket
 
     @staticmethod

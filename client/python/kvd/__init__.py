@@ -10,6 +10,12 @@
         with c.attach("kv") as m:                 # maps every chunk, follows grow/shrink/sleep/wake
             k0 = m.layer(0)                       # numpy on host, __cuda_array_interface__ on CUDA
 
+Engine groups: a coordinator resizes every rank's pool (one per daemon) or none, in two phases:
+
+    with kvd.Group.open("llama") as g:            # every *.sock in $KVD_SOCKET_DIR or /run/kvd
+        g.grow(8192)                              # each rank's Mappings follow
+        g.sleep(wait=True); g.wake()
+
 Peer access: a process on another device of the node maps a pool once it is granted:
 c.grant_peer_access("kv", uuid_of_gpu1), then c.attach("kv", device=1) from that process.
 """
@@ -17,7 +23,8 @@ c.grant_peer_access("kv", uuid_of_gpu1), then c.attach("kv", device=1) from that
 from ._errors import KvdError
 from ._proto import pb as v1_pb2  # noqa: F401  (the generated messages, for callers that need them)
 from ._client import Client, CudaArray, Geometry, GroupMembership, Mapping, connect, default_socket
+from ._group import Group, GroupChange, GroupRank, node_sockets
 
 __all__ = ["connect", "default_socket", "Client", "Mapping", "Geometry", "CudaArray", "KvdError", "v1_pb2",
-           "GroupMembership"]
+           "GroupMembership", "Group", "GroupRank", "GroupChange", "node_sockets"]
 __version__ = "0.1.0"

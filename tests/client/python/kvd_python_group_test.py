@@ -1,11 +1,11 @@
-"""Engine groups (Client.prepare/commit/abort) and peer access (grant_peer_access,
+"""Engine groups (kvd.Group, Client.prepare/commit/abort) and peer access (grant_peer_access,
 attach(device=...)) of the Python package against two real kvd daemons on the host backend: devices 0
 and 1 of one "node" (sockets gpu0.sock and gpu1.sock in one directory). Mirrors tests/client/group_test.cc.
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
      /usr/bin/python3 kvd_python_group_test.py
-Engines are Mappings in this process or engine processes (kvd_python_test.py --peer); the coordinator
-is a Client of its own, as kvctl would be. Every wait is a bounded poll for a condition; no test asserts
+Engines are Mappings in this process or engine processes (kvd_python_test.py --peer); the Group is a
+separate coordinator (Clients of its own), as kvctl would be. Every wait is a bounded poll for a condition; no test asserts
 on wall-clock time.
 """
 
@@ -54,10 +54,132 @@ class GroupCase(KvdDaemonCase):
         self.addCleanup(p.close)
         return p
 
+    def open_group(self, name="llama", **kw):
+        g = kvd.Group.open(name, **kw)
+        self.addCleanup(g.close)
+        return g
+
+
 class GroupTest(GroupCase):
     def setUp(self):
         super().setUp()
         self.start_node()
+
+    def test_grow_sleep_and_wake_move_every_rank_and_every_rank_follows(self):
+        c0, m0 = self.make_rank("llama", 0)
+        c1 = self.connect(self.socket1, "engine-rank1")
+        c1.create_pool("llama-r1", initial_blocks=32, override="LBNHC", group=("llama", 1, 2), **DIMS)
+        e1 = self.engine(self.socket1, "llama-r1")  # rank 1's engine is another process
+
+        g = self.open_group(socket_dir=self.dir)
+        self.assertEqual([r.rank for r in g.ranks], [0, 1])
+        self.assertEqual([r.socket for r in g.ranks], self.sockets)
+        self.assertEqual([r.pool.name for r in g.ranks], ["llama-r0", "llama-r1"])
+        self.assertEqual([r.device_uuid for r in g.ranks],
+                         [c0.device_info().device_uuid, c1.device_info().device_uuid])
+
+        change = g.grow(128)
+        self.assertEqual(change.op, "grow")
+        self.assertEqual([u.pool.committed_blocks for u in change.ranks], [128, 128])
+        self.assertEqual(change.prepared_bytes, 2 * 2 * (128 - 32) * BLOCK)  # 2 ranks x 2 segments
+        self.assertEqual([r.pool.committed_blocks for r in g.ranks], [128, 128])
+        # Both engines follow the coordinator's grow: the new blocks are backed in their views.
+        poll(lambda: m0.committed_blocks == 128 and len(m0.mapped_chunks) == 4, "rank 0 maps the grow")
+        poll(lambda: e1("state")["committed"] == 128 and len(e1("state")["chunks"]) == 4, "rank 1 maps the grow")
+        m0.layer(1)[100] = 3
+        self.assertEqual(float(m0.layer(1)[100].min()), 3.0)
+        e1("write", layer=1, block=120, value=5)
+        self.assertEqual(e1("read", layer=1, block=120), 5.0)
+        self.assertEqual(c1.pool("llama-r1").committed_blocks, 128)
+
+        # Shrink with wait: every engine has unmapped the chunks above 32 blocks and acknowledged.
+        change = g.shrink(32, wait=True)
+        self.assertEqual([u.pool.committed_blocks for u in change.ranks], [32, 32])
+        self.assertEqual([u.pool.pending_release_bytes for u in change.ranks], [0, 0])
+        self.assertEqual(len(m0.mapped_chunks), 2)
+        self.assertEqual(e1("state")["committed"], 32)
+        self.assertEqual(len(e1("state")["chunks"]), 2)
+
+        # Sleep with wait: every engine has unmapped and acknowledged when it returns.
+        m0.layer(1)[10] = 3
+        e1("write", layer=1, block=20, value=5)
+        change = g.sleep(wait=True)
+        self.assertEqual([u.pool.state for u in change.ranks], [kvd.v1_pb2.POOL_STATE_SLEEPING] * 2)
+        self.assertEqual(m0.mapped_chunks, [])
+        self.assertEqual(e1("state")["chunks"], [])
+        self.assertEqual([c0.device_info().committed_bytes, c1.device_info().committed_bytes], [0, 0])
+
+        change = g.wake()
+        self.assertEqual([u.pool.committed_blocks for u in change.ranks], [32, 32])
+        self.assertEqual(change.prepared_bytes, 2 * 2 * 32 * BLOCK)
+        poll(lambda: len(m0.mapped_chunks) == 2 and m0.state == kvd.v1_pb2.POOL_STATE_AWAKE, "rank 0 maps the wake")
+        poll(lambda: len(e1("state")["chunks"]) == 2, "rank 1 maps the wake")
+        self.assertEqual(float(m0.layer(1)[10].max()), 0.0)  # fresh memory at the same addresses
+        self.assertEqual(e1("read", layer=1, block=20), 0.0)
+        self.assertEqual([r.pool.committed_blocks for r in g.refresh()], [32, 32])
+        self.assertEqual([r.pool.state for r in g.ranks], [kvd.v1_pb2.POOL_STATE_AWAKE] * 2)
+        self.assertEqual([r.pool.transaction for r in g.ranks], ["", ""])
+
+    def test_a_commit_that_fails_puts_the_committed_ranks_back(self):
+        c0, m0 = self.make_rank("llama", 0)
+        self.make_rank("llama", 1)
+        before = c0.device_info().committed_bytes
+        # GPU 1's daemon dies between the phases: rank 0 commits, rank 1 cannot.
+        g = self.open_group(sockets=self.sockets, timeout=5.0, before_commit=self.daemons[1].kill)
+        with self.assertRaises(kvd.KvdError) as e:
+            g.grow(256)
+        self.assertEqual(e.exception.code, "ABORTED", e.exception.message)
+        self.assertIn("group llama: grow to 256 blocks: commit failed on rank 1 (llama-r1 on " + self.socket1,
+                      e.exception.message)
+        self.assertIn("put back: 0", e.exception.message)
+        after = c0.pool("llama-r0")
+        self.assertEqual(after.committed_blocks, 32)
+        self.assertEqual(after.transaction, "")
+        # The engine's follower mapped the committed chunks and released them again.
+        poll(lambda: m0.committed_blocks == 32 and len(m0.mapped_chunks) == 2, "rank 0 back at 32 blocks")
+        poll(lambda: c0.device_info().committed_bytes == before, "rank 0's memory given back")
+
+    def test_open_refuses_a_group_that_is_not_whole(self):
+        self.make_rank("llama", 0)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", self.sockets)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("group llama: rank 1 of 2 not found on " + self.socket, e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("mistral", socket_dir=self.dir)
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.assertIn("group mistral: no pool of it", e.exception.message)
+
+        c1 = self.connect(self.socket1, "engine-rank1")
+        c1.create_pool("llama-twin", group=("llama", 0, 2), **DIMS)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", self.sockets)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("rank 0 appears twice: rank 0 (llama-r0 on ", e.exception.message)
+        c1.delete("llama-twin")
+        c1.create_pool("llama-r1", group=kvd.GroupMembership("llama", 1, 3), **DIMS)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", self.sockets)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("says the group has 2 ranks but rank 1 (llama-r1 on " + self.socket1 + ") says 3",
+                      e.exception.message)
+
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", [os.path.join(self.dir, "gpu7.sock")])
+        self.assertEqual(e.exception.code, "UNAVAILABLE")
+        self.assertIn("gpu7.sock", e.exception.message)
+        empty = os.path.join(self.dir, "empty")
+        os.mkdir(empty)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", socket_dir=empty)
+        self.assertIn("no kvd socket (*.sock) in " + empty, e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.node_sockets(empty + "-not")
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.assertIn("socket directory", e.exception.message)
+        os.environ["KVD_SOCKET_DIR"] = self.dir
+        self.addCleanup(os.environ.pop, "KVD_SOCKET_DIR")
+        self.assertEqual(kvd.node_sockets(), self.sockets)
 
     def test_a_coordinator_that_closes_between_the_phases_leaves_nothing_held(self):
         c0, m0 = self.make_rank("llama", 0)
@@ -179,6 +301,37 @@ class GroupTest(GroupCase):
         with self.assertRaises(kvd.KvdError) as e:
             self.connect(self.socket, "late").attach("tp-r0", device="1")
         self.assertEqual(e.exception.code, "PERMISSION_DENIED")
+
+
+class GroupTightBudgetTest(GroupCase):
+    def setUp(self):
+        super().setUp()
+        self.start_node(budget1="16MiB")  # 256 blocks need 32 MiB a rank: GPU 0 prepares them, GPU 1 cannot
+
+    def test_a_rank_that_cannot_grow_leaves_every_rank_as_it_was(self):
+        c0, m0 = self.make_rank("llama", 0)
+        self.make_rank("llama", 1)
+        before = c0.pool("llama-r0")
+        device_before = c0.device_info().committed_bytes
+        g = self.open_group(sockets=self.sockets)
+        with self.assertRaises(kvd.KvdError) as e:
+            g.grow(256)
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        for part in ("group llama: grow to 256 blocks failed on rank 1 (llama-r1 on " + self.socket1 + ")",
+                     "budget", "no rank changed", "rolled back: 0"):
+            self.assertIn(part, e.exception.message)
+        after = c0.pool("llama-r0")
+        self.assertEqual(after.committed_blocks, before.committed_blocks)
+        self.assertEqual(after.generation, before.generation)  # rank 0's clients never saw the memory
+        self.assertEqual(after.transaction, "")
+        self.assertEqual(c0.device_info().committed_bytes, device_before)
+        self.assertEqual(m0.committed_blocks, 32)
+        self.assertEqual(len(m0.mapped_chunks), 2)
+
+        # What fits everywhere still works, and both ranks move.
+        change = g.grow(96)
+        self.assertEqual([u.pool.committed_blocks for u in change.ranks], [96, 96])
+        poll(lambda: m0.committed_blocks == 96, "rank 0 maps the grow")
 
 
 if __name__ == "__main__":
