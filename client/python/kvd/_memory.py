@@ -278,7 +278,8 @@ def _cuda_check(cu, r, what):
             text = name.value.decode() if name.value else f"CUresult {r}"
         except Exception:
             text = f"CUresult {r}"
-        code = "RESOURCE_EXHAUSTED" if r == 2 else "INTERNAL"
+        # CUDA_ERROR_OUT_OF_MEMORY; CUDA_ERROR_INSUFFICIENT_DRIVER and CUDA_ERROR_NO_DEVICE (no GPU visible).
+        code = {2: "RESOURCE_EXHAUSTED", 35: "UNAVAILABLE", 100: "UNAVAILABLE"}.get(r, "INTERNAL")
         raise KvdError(code, f"{what}: {text} ({r})")
 
 
@@ -348,7 +349,7 @@ def _cuda_check_peer_access(local, owner):
         return
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     raise KvdError("NOT_FOUND", f"{me}: the owner {owner} is not among the CUDA devices this process sees "
-                   f"({_listing([d for d in devices if d.index != local.index] or devices)}); an importer must see "
+                   f"({_listing(devices)}); an importer must see "
                    "both devices: check CUDA_VISIBLE_DEVICES" + (f' (now "{env}")' if env is not None else " (unset)"))
 
 

@@ -5,7 +5,10 @@
 
 Two processes share a pool through torch tensors built from Mapping.layer() (__cuda_array_interface__):
 each writes, the other reads; the peer follows a grow; sleep/wake gives fresh memory at the same
-addresses; FDs are closed; close() detaches. Exits 0 and prints PASS, or raises.
+addresses; FDs are closed; close() detaches. Then attach(device=...) by UUID, prefix and index (the
+daemon's device: no peer access), refusals of an unknown device and of a process that sees no GPU, a
+one-rank kvd.Group grow/sleep/wake, and, where a second GPU is visible, peer access from it (refused
+until granted, then it reads rank 0's bytes). Exits 0 and prints PASS, or raises.
 """
 
 import os
@@ -58,6 +61,88 @@ def peer(pool):
             c.close()
             print("bye", flush=True)
             return
+
+
+def expect_error(fn, *codes):
+    try:
+        fn()
+    except kvd.KvdError as e:
+        assert e.code in codes, f"expected {codes}, got {e}"
+        return e
+    raise AssertionError(f"expected a KvdError {codes}")
+
+
+def check_devices_and_group(c, info):
+    """attach(device=...), peer access where a second GPU is visible, and a one-rank kvd.Group on CUDA."""
+    from kvd import _memory
+    visible = _memory.cuda_devices()
+    own = next(d for d in visible if d.uuid == info.device_uuid)
+    pool = f"cuda-group-{os.getpid()}"
+    c.create_pool(pool, initial_blocks=64, group=kvd.GroupMembership(pool, 0, 1), override="LBNHC", **DIMS)
+    try:
+        m = c.attach(pool)
+        assert (m.cuda_device, m.device_uuid) == (own.index, own.uuid), (m.cuda_device, m.device_uuid)
+        kv = tensors(m)
+        kv[1][3] = 3.0
+        torch.cuda.synchronize()
+        for selector in (info.device_uuid, info.device_uuid[4:].upper(), info.device_uuid[:13], own.index):
+            with kvd.connect(client_name="by-device") as c2, c2.attach(pool, device=selector) as m2:
+                assert m2.cuda_device == own.index and m2.device_uuid == own.uuid, selector
+                assert float(tensors(m2)[1][3].float().max()) == 3.0
+                assert all(x.device_uuid == "" for x in c.pool(pool).clients), "the daemon's own device is no peer"
+        print(f"attach(device=...) by UUID, prefix and index {own.index} maps the daemon's device; no peer access")
+        e = expect_error(lambda: kvd.connect(client_name="bad").attach(pool, device="GPU-00000000-dead"), "NOT_FOUND")
+        print("unknown device:", e)
+        r = subprocess.run([sys.executable, "-c", "import kvd; kvd.connect().attach(%r)" % pool],
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True)
+        assert r.returncode != 0 and ("UNAVAILABLE" in r.stderr or "NOT_FOUND" in r.stderr), r.stderr
+        print("a process that sees no GPU:", r.stderr.strip().splitlines()[-1])
+
+        with kvd.Group.open(pool, [c.socket]) as g:
+            t = time.perf_counter()
+            change = g.grow(1024)
+            print(f"group grow to 1024 blocks in {(time.perf_counter() - t) * 1e3:.1f} ms "
+                  f"(prepare {change.prepare_us} us, commit {change.commit_us} us, {change.prepared_bytes} bytes)")
+            poll(lambda: m.committed_blocks == 1024, "the mapping follows the group grow")
+            kv[0][1000] = 6.0
+            torch.cuda.synchronize()
+            assert float(kv[0][1000].float().min()) == 6.0
+            g.sleep(wait=True)
+            assert m.mapped_chunks == []
+            g.wake()
+            poll(lambda: m.committed_blocks == 1024 and len(m.mapped_chunks) > 0, "the mapping follows the wake")
+            assert float(kv[0][1000].float().max()) == 0.0
+        print("kvd.Group grow / sleep / wake on CUDA; the engine's mapping followed")
+
+        others = [d for d in visible if d.uuid != own.uuid]
+        if not others:
+            print("peer access: skipped (one visible CUDA device)")
+            return
+        peer_dev = others[0]
+        reader = kvd.connect(client_name="peer-reader")
+        try:
+            e = expect_error(lambda: reader.attach(pool, device=peer_dev.index), "PERMISSION_DENIED",
+                             "FAILED_PRECONDITION")
+            if e.code == "FAILED_PRECONDITION":
+                print(f"peer access: skipped ({e.message})")
+                return
+            assert peer_dev.uuid in e.message and own.uuid in e.message, e
+            c.grant_peer_access(pool, peer_dev.uuid)
+            kv[1][5] = 8.0
+            torch.cuda.synchronize()
+            pm = reader.attach(pool, device=peer_dev.index)
+            assert pm.cuda_device == peer_dev.index and pm.device_uuid == peer_dev.uuid
+            with torch.cuda.device(peer_dev.index):
+                pv = torch.as_tensor(pm.layer(1), device=f"cuda:{peer_dev.index}")
+                assert float(pv[5].float().max()) == 8.0
+            assert peer_dev.uuid in [x.device_uuid for x in c.pool(pool).clients]
+            del pv
+            pm.close()
+            print(f"peer access: device {peer_dev.index} read rank 0's bytes once granted")
+        finally:
+            reader.close()
+    finally:
+        c.delete(pool, force=True)
 
 
 def main():
@@ -121,6 +206,7 @@ def main():
         fds1 = len(os.listdir("/proc/self/fd"))
         assert fds1 <= fds0, f"{fds1} FDs open after close, {fds0} before attach"
         print(f"no FD left open ({fds1} now, {fds0} before attach); the pool shows 0 clients after close()")
+        check_devices_and_group(c, info)
     finally:
         c.delete(pool, force=True)
         c.close()
