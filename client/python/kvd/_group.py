@@ -119,7 +119,8 @@ class Group:
         KvdError NOT_FOUND when no daemon has a pool of it; FAILED_PRECONDITION naming the missing or
         duplicated rank, or the disagreeing size; UNAVAILABLE naming the socket of a daemon that does
         not answer. ttl: seconds each daemon holds a prepared pool before it aborts on its own.
-        before_commit: called after every rank prepared and before the first commit (for tests)."""
+        before_commit: called after every rank prepared and before the first commit (for tests); if it
+        raises, every rank is aborted and the exception propagates."""
         if not name:
             raise KvdError("INVALID_ARGUMENT", "group: a group name is required")
         if sockets is not None and socket_dir is not None:
@@ -249,7 +250,11 @@ class Group:
 
             # Phase 2: every daemon makes its change visible.
             if self._before_commit is not None:
-                self._before_commit()
+                try:
+                    self._before_commit()
+                except BaseException:  # give the prepared memory back now, not at the ttl
+                    _each(n, lambda i: members[i][1].abort(prepared[i][0].transaction))
+                    raise
             committed = _each(n, lambda i: members[i][1].commit(prepared[i][0].transaction, wait))
             committed_at = time.monotonic()
             failed = next((i for i, (_, err) in enumerate(committed) if err is not None), None)

@@ -139,6 +139,22 @@ class GroupTest(GroupCase):
         poll(lambda: m0.committed_blocks == 32 and len(m0.mapped_chunks) == 2, "rank 0 back at 32 blocks")
         poll(lambda: c0.device_info().committed_bytes == before, "rank 0's memory given back")
 
+    def test_a_coordinator_that_fails_before_the_commit_aborts_every_rank(self):
+        c0, m0 = self.make_rank("llama", 0)
+        c1, _ = self.make_rank("llama", 1)
+
+        def fail():
+            raise RuntimeError("the coordinator gives up")
+
+        g = self.open_group(sockets=self.sockets, before_commit=fail)
+        with self.assertRaisesRegex(RuntimeError, "gives up"):
+            g.grow(128)
+        for c, name in ((c0, "llama-r0"), (c1, "llama-r1")):
+            p = c.pool(name)
+            self.assertEqual((p.committed_blocks, p.transaction), (32, ""))
+            self.assertEqual(c.device_info().committed_bytes, 2 * 32 * BLOCK)
+        self.assertEqual(m0.committed_blocks, 32)
+
     def test_open_refuses_a_group_that_is_not_whole(self):
         self.make_rank("llama", 0)
         with self.assertRaises(kvd.KvdError) as e:
