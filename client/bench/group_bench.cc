@@ -111,47 +111,54 @@ absl::Status Run(const Options& o) {
   }
 
   Row grow{"grow"}, shrink{"shrink"}, sleep{"sleep"}, wake{"wake"};
+  // One way of changing every rank: the plain RPCs at once, or the group.
+  struct Way {
+    std::function<absl::Status(uint64_t)> grow;
+    std::function<absl::Status(uint64_t)> shrink;  // waits for the release
+    std::function<absl::Status()> sleep;           // waits for the release
+    std::function<absl::Status()> wake;
+    std::vector<double> Row::*samples;
+  };
+  const Way plain{
+      .grow =
+          [&](uint64_t b) { return OnEveryRank(n, [&](size_t r) { return ranks[r]->Grow(pools[r], b).status(); }); },
+      .shrink =
+          [&](uint64_t b) {
+            return OnEveryRank(n, [&](size_t r) { return ranks[r]->Shrink(pools[r], b, true).status(); });
+          },
+      .sleep = [&] { return OnEveryRank(n, [&](size_t r) { return ranks[r]->Sleep(pools[r], true).status(); }); },
+      .wake = [&] { return OnEveryRank(n, [&](size_t r) { return ranks[r]->Wake(pools[r]).status(); }); },
+      .samples = &Row::baseline};
+  const Way grouped{.grow = [&](uint64_t b) { return group->Grow(b).status(); },
+                    .shrink = [&](uint64_t b) { return group->Shrink(b, true).status(); },
+                    .sleep = [&] { return group->Sleep(true).status(); },
+                    .wake = [&] { return group->Wake().status(); },
+                    .samples = &Row::group};
+  // From an empty pool: grow from one granule (so every round creates the same chunks), sleep, wake;
+  // then, since wake makes one chunk per segment and shrink releases whole chunks only, regrow from
+  // one granule and shrink back to it. Ends empty.
+  auto measure = [&](const Way& w) -> absl::Status {
+    KVD_RETURN_IF_ERROR(w.grow(1));
+    KVD_ASSIGN_OR_RETURN(double g, TimeMs([&] { return w.grow(blocks); }));
+    KVD_ASSIGN_OR_RETURN(double sl, TimeMs(w.sleep));
+    KVD_ASSIGN_OR_RETURN(double wk, TimeMs(w.wake));
+    KVD_RETURN_IF_ERROR(w.shrink(0));
+    KVD_RETURN_IF_ERROR(w.grow(1));
+    KVD_RETURN_IF_ERROR(w.grow(blocks));
+    KVD_ASSIGN_OR_RETURN(double sh, TimeMs([&] { return w.shrink(1); }));
+    KVD_RETURN_IF_ERROR(w.shrink(0));
+    (grow.*w.samples).push_back(g);
+    (sleep.*w.samples).push_back(sl);
+    (wake.*w.samples).push_back(wk);
+    (shrink.*w.samples).push_back(sh);
+    return absl::OkStatus();
+  };
   absl::Status status = [&]() -> absl::Status {
     for (int round = 0; round < o.rounds; ++round) {
-      // Baseline: the plain RPCs on every rank at once. Grow from 1 block, so every round creates the
-      // same chunks.
-      KVD_RETURN_IF_ERROR(OnEveryRank(n, [&](size_t r) { return ranks[r]->Grow(pools[r], 1).status(); }));
-      KVD_ASSIGN_OR_RETURN(double g, TimeMs([&] {
-                             return OnEveryRank(n, [&](size_t r) { return ranks[r]->Grow(pools[r], blocks).status(); });
-                           }));
-      KVD_ASSIGN_OR_RETURN(double sl, TimeMs([&] {
-                             return OnEveryRank(n, [&](size_t r) { return ranks[r]->Sleep(pools[r], true).status(); });
-                           }));
-      KVD_ASSIGN_OR_RETURN(double w, TimeMs([&] {
-                             return OnEveryRank(n, [&](size_t r) { return ranks[r]->Wake(pools[r]).status(); });
-                           }));
-      // Wake made one chunk per segment; shrink releases whole chunks only, so regrow from a small
-      // pool to measure a shrink that releases the grown chunks.
-      KVD_RETURN_IF_ERROR(OnEveryRank(n, [&](size_t r) { return ranks[r]->Shrink(pools[r], 0, true).status(); }));
-      KVD_RETURN_IF_ERROR(OnEveryRank(n, [&](size_t r) { return ranks[r]->Grow(pools[r], 1).status(); }));
-      KVD_RETURN_IF_ERROR(OnEveryRank(n, [&](size_t r) { return ranks[r]->Grow(pools[r], blocks).status(); }));
-      KVD_ASSIGN_OR_RETURN(double s, TimeMs([&] {
-                             return OnEveryRank(n,
-                                                [&](size_t r) { return ranks[r]->Shrink(pools[r], 1, true).status(); });
-                           }));
-      grow.baseline.push_back(g);
-      sleep.baseline.push_back(sl);
-      wake.baseline.push_back(w);
-      shrink.baseline.push_back(s);
-
-      // The same changes as group operations.
-      KVD_ASSIGN_OR_RETURN(double gg, TimeMs([&] { return group->Grow(blocks).status(); }));
-      KVD_ASSIGN_OR_RETURN(double gsl, TimeMs([&] { return group->Sleep(true).status(); }));
-      KVD_ASSIGN_OR_RETURN(double gw, TimeMs([&] { return group->Wake().status(); }));
-      KVD_RETURN_IF_ERROR(group->Shrink(0, true).status());
-      KVD_RETURN_IF_ERROR(group->Grow(1).status());
-      KVD_RETURN_IF_ERROR(group->Grow(blocks).status());
-      KVD_ASSIGN_OR_RETURN(double gs, TimeMs([&] { return group->Shrink(1, true).status(); }));
-      KVD_RETURN_IF_ERROR(group->Shrink(0, true).status());
-      grow.group.push_back(gg);
-      sleep.group.push_back(gsl);
-      wake.group.push_back(gw);
-      shrink.group.push_back(gs);
+      // Alternate which goes first, so that neither always follows the other's releases.
+      const bool plain_first = round % 2 == 0;
+      KVD_RETURN_IF_ERROR(measure(plain_first ? plain : grouped));
+      KVD_RETURN_IF_ERROR(measure(plain_first ? grouped : plain));
     }
     return absl::OkStatus();
   }();
