@@ -198,11 +198,24 @@ std::string PoolManager::OpenSession(uint32_t uid, int32_t pid, std::string name
 }
 
 void PoolManager::CloseSession(absl::string_view session) {
-  std::vector<std::shared_ptr<Pool>> held;  // by a transaction of this session: aborted below
+  // The session goes first, in the same critical section that collects its transactions: a Prepare
+  // of it that finishes later finds the session gone and gives its memory back itself.
+  std::vector<std::shared_ptr<Pool>> held;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, pool] : pools_) {
+    auto s = sessions_.find(session);
+    if (s == sessions_.end()) return;
+    sessions_.erase(s);
+    for (auto& [name, pool] : pools_) {
+      std::vector<std::string> gone;
+      for (const auto& [id, client] : pool->clients) {
+        if (client.session == session) gone.push_back(id);
+      }
+      for (const std::string& id : gone) DetachLocked(*pool, id);
       if (pool->txn.has_value() && pool->txn->session == session) held.push_back(pool);
+    }
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      it = it->second.session == session ? leases_.erase(it) : std::next(it);
     }
   }
   for (const std::shared_ptr<Pool>& pool : held) {
@@ -213,20 +226,6 @@ void PoolManager::CloseSession(absl::string_view session) {
       if (pool->txn.has_value() && pool->txn->session == session) id = pool->txn->id;
     }
     if (!id.empty()) AbortLocked(*pool, id, "its session closed (the coordinator ended or died) before Commit");
-  }
-  absl::MutexLock lock(&mu_);
-  auto s = sessions_.find(session);
-  if (s == sessions_.end()) return;
-  sessions_.erase(s);
-  for (auto& [name, pool] : pools_) {
-    std::vector<std::string> gone;
-    for (const auto& [id, client] : pool->clients) {
-      if (client.session == session) gone.push_back(id);
-    }
-    for (const std::string& id : gone) DetachLocked(*pool, id);
-  }
-  for (auto it = leases_.begin(); it != leases_.end();) {
-    it = it->second.session == session ? leases_.erase(it) : std::next(it);
   }
 }
 
@@ -932,26 +931,24 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
   if (stage_blocks > 0) {
     KVD_ASSIGN_OR_RETURN(txn.staged, StageLocked(*pool, stage_blocks));
   }
-  bool session_open = false;
   {
     absl::MutexLock lock(&mu_);
-    session_open = sessions_.contains(caller.session);
+    // Installed only while the session lives; CloseSession erases it under mu_ before it looks for
+    // the transactions to abort, so no transaction outlives its session.
+    if (sessions_.contains(caller.session)) {
+      txn.expires = absl::Now() + ttl;
+      PreparedOp prepared{.transaction = txn.id, .prepared_bytes = txn.staged.bytes, .expires = txn.expires};
+      transactions_[txn.id] = pool->name;
+      pool->txn = std::move(txn);
+      reaper_kick_ = true;
+      prepared.pool = ViewLocked(*pool);
+      prepared.elapsed = absl::Now() - start;
+      return prepared;
+    }
   }
-  if (!session_open) {
-    // The session closed while the memory was made (CloseSession found nothing to abort): nobody
-    // could commit this.
-    Unstage(*pool, txn.staged);
-    return absl::UnauthenticatedError("kvd-session: the session has closed");
-  }
-  absl::MutexLock lock(&mu_);
-  txn.expires = absl::Now() + ttl;
-  PreparedOp prepared{.transaction = txn.id, .prepared_bytes = txn.staged.bytes, .expires = txn.expires};
-  transactions_[txn.id] = pool->name;
-  pool->txn = std::move(txn);
-  reaper_kick_ = true;
-  prepared.pool = ViewLocked(*pool);
-  prepared.elapsed = absl::Now() - start;
-  return prepared;
+  // The session closed while the memory was made: nobody could commit this.
+  Unstage(*pool, txn.staged);
+  return absl::UnauthenticatedError("kvd-session: the session has closed");
 }
 
 absl::StatusOr<std::shared_ptr<PoolManager::Pool>> PoolManager::FindTransactionLocked(
