@@ -80,17 +80,22 @@ absl::StatusOr<std::unique_ptr<Group>> Group::Open(absl::string_view name, const
     return client;
   };
   std::vector<Member> members;
+  std::vector<std::string> answered, silent;  // silent: "socket: why" of daemons that could not be read
   for (const std::string& socket : sockets) {
-    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> scan, connect_to(socket));
-    absl::StatusOr<DeviceStatus> device = scan->DeviceInfo();
-    if (!device.ok())
-      return absl::Status(device.status().code(), absl::StrCat(socket, ": ", device.status().message()));
-    absl::StatusOr<std::vector<PoolInfo>> pools = scan->ListPools();
-    if (!pools.ok()) return absl::Status(pools.status().code(), absl::StrCat(socket, ": ", pools.status().message()));
+    absl::StatusOr<std::unique_ptr<Client>> scan = connect_to(socket);
+    absl::StatusOr<DeviceStatus> device = scan.ok() ? (*scan)->DeviceInfo() : scan.status();
+    absl::StatusOr<std::vector<PoolInfo>> pools = device.ok() ? (*scan)->ListPools() : device.status();
+    if (!pools.ok()) {
+      // A node's socket directory may hold a stopped or foreign kvd: the group may live elsewhere.
+      silent.push_back(scan.ok() ? absl::StrCat(socket, ": ", pools.status().message())
+                                 : std::string(pools.status().message()));  // connect_to named it
+      continue;
+    }
+    answered.push_back(socket);
     for (PoolInfo& pool : *pools) {
       if (pool.group.name != name) continue;
       // Every rank gets a session of its own; the first one on a daemon reuses the scanning one.
-      std::unique_ptr<Client> client = std::move(scan);
+      std::unique_ptr<Client> client = std::move(*scan);
       if (client == nullptr) {
         KVD_ASSIGN_OR_RETURN(client, connect_to(socket));
       }
@@ -100,8 +105,15 @@ absl::StatusOr<std::unique_ptr<Group>> Group::Open(absl::string_view name, const
                  .client = std::move(client)});
     }
   }
+  const std::string searched =
+      absl::StrCat(answered.empty() ? std::string("no daemon") : absl::StrJoin(answered, ", "),
+                   silent.empty() ? "" : absl::StrCat(" (not answering: ", absl::StrJoin(silent, "; "), ")"));
   if (members.empty()) {
-    return absl::NotFoundError(absl::StrCat("group ", name, ": no pool of it on ", absl::StrJoin(sockets, ", ")));
+    if (answered.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("group ", name, ": no daemon answered: ", absl::StrJoin(silent, "; ")));
+    }
+    return absl::NotFoundError(absl::StrCat("group ", name, ": no pool of it on ", searched));
   }
   std::sort(members.begin(), members.end(), [](const Member& a, const Member& b) { return a.rank.rank < b.rank.rank; });
   const uint32_t size = members.front().rank.pool.group.size;
@@ -127,8 +139,7 @@ absl::StatusOr<std::unique_ptr<Group>> Group::Open(absl::string_view name, const
   }
   if (!missing.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("group ", name, ": rank", missing.size() > 1 ? "s " : " ",
-                                                      RankList(missing), " of ", size, " not found on ",
-                                                      absl::StrJoin(sockets, ", ")));
+                                                      RankList(missing), " of ", size, " not found on ", searched));
   }
   return std::unique_ptr<Group>(new Group(std::string(name), std::move(options), std::move(members)));
 }

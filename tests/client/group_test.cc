@@ -213,7 +213,22 @@ TEST_F(GroupTest, OpenRefusesAGroupThatIsNotWhole) {
   ASSERT_THAT(c1->CreatePool(RankPool("llama", 1, 3)), IsOk());
   EXPECT_THAT(Group::Open("llama", Sockets()), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("says 3")));
   EXPECT_THAT(Group::Open("llama", {daemon0_.dir() + "/gpu7.sock"}),
-              StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("gpu7.sock")));
+}
+
+TEST_F(GroupTest, ADaemonThatDoesNotAnswerIsPassedOverButNamed) {
+  Rank r0 = MakeRank("llama", 0), r1 = MakeRank("llama", 1);
+  const std::string stale = daemon0_.dir() + "/gpu5.sock";  // a stopped kvd's leftover, say
+  std::vector<std::string> sockets = Sockets();
+  sockets.push_back(stale);
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Group> group, Group::Open("llama", sockets));
+  EXPECT_THAT(group->ranks(), SizeIs(2));
+  group.reset();
+  daemon1_.Kill();
+  EXPECT_THAT(Group::Open("llama", sockets),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("rank 1 of 2 not found on " + daemon0_.socket()),
+                             HasSubstr("not answering: " + daemon1_.socket()), HasSubstr("gpu5.sock"))));
 }
 
 TEST_F(GroupTest, ACoordinatorThatDiesBetweenThePhasesLeavesNothingHeld) {

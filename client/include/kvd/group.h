@@ -58,9 +58,11 @@ struct GroupChange {
 class Group {
  public:
   // Finds the pools of group `name` on the daemons at `sockets` (every pool whose membership names
-  // it) and checks that they form the whole group: one size, every rank 0..size-1 exactly once.
-  // NOT_FOUND when no daemon has a pool of it; FAILED_PRECONDITION naming the missing or duplicated
-  // rank, or the disagreeing size; UNAVAILABLE naming the socket of a daemon that does not answer.
+  // it) and checks that they form the whole group: one size, every rank 0..size-1 exactly once. A
+  // daemon that does not answer (or refuses this uid) is passed over: the group may live on the
+  // others. NOT_FOUND when no daemon that answered has a pool of it; UNAVAILABLE when none answered;
+  // FAILED_PRECONDITION naming the missing or duplicated rank, or the disagreeing size. The messages
+  // name the daemons searched and why any did not answer.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Group>> Open(absl::string_view name,
                                                                    const std::vector<std::string>& sockets,
                                                                    GroupOptions options = {});

@@ -116,9 +116,10 @@ class Group:
         """Finds the pools of group `name` on the daemons at `sockets` (default: node_sockets(socket_dir))
         -> Group, and checks that they form the whole group: one size, every rank 0..size-1 exactly once.
 
-        KvdError NOT_FOUND when no daemon has a pool of it; FAILED_PRECONDITION naming the missing or
-        duplicated rank, or the disagreeing size; UNAVAILABLE naming the socket of a daemon that does
-        not answer. ttl: seconds each daemon holds a prepared pool before it aborts on its own.
+        A daemon that does not answer (or refuses this uid) is passed over: the group may live on the
+        others. KvdError NOT_FOUND when no daemon that answered has a pool of it; UNAVAILABLE when none
+        answered; FAILED_PRECONDITION naming the missing or duplicated rank, or the disagreeing size.
+        The messages name the daemons searched and why any did not answer. ttl: seconds each daemon holds a prepared pool before it aborts on its own.
         before_commit: called after every rank prepared and before the first commit (for tests); if it
         raises, every rank is aborted and the exception propagates."""
         if not name:
@@ -136,15 +137,23 @@ class Group:
                 raise KvdError(e.code, f"{socket}: {e.message}") from None
 
         members, spare = [], []
+        answered, silent = [], []  # silent: "socket: why" of daemons that could not be read
         try:
             for socket in sockets:
-                scan = connect(socket)
+                # A node's socket directory may hold a stopped or foreign kvd: the group may live elsewhere.
+                try:
+                    scan = connect(socket)
+                except KvdError as e:
+                    silent.append(e.message)  # connect() named the socket
+                    continue
                 try:
                     device = scan.device_info()
                     pools = scan.pools()
                 except KvdError as e:
                     scan.close()
-                    raise KvdError(e.code, f"{socket}: {e.message}") from None
+                    silent.append(f"{socket}: {e.message}")
+                    continue
+                answered.append(socket)
                 for pool in pools:
                     if pool.group.name != name:
                         continue
@@ -153,7 +162,10 @@ class Group:
                     members.append((GroupRank(pool.group.rank, socket, device.device_uuid, pool), client))
                 if scan is not None:
                     spare.append(scan)
-            cls._check_whole(name, sockets, members)
+            if not answered:
+                raise KvdError("UNAVAILABLE", f"group {name}: no daemon answered: {'; '.join(silent)}")
+            searched = ", ".join(answered) + (f" (not answering: {'; '.join(silent)})" if silent else "")
+            cls._check_whole(name, searched, members)
         except BaseException:
             for _, client in members:
                 client.close()
@@ -164,9 +176,9 @@ class Group:
         return cls(name, members, ttl, before_commit)
 
     @staticmethod
-    def _check_whole(name, sockets, members):
+    def _check_whole(name, searched, members):
         if not members:
-            raise KvdError("NOT_FOUND", f"group {name}: no pool of it on {', '.join(sockets)}")
+            raise KvdError("NOT_FOUND", f"group {name}: no pool of it on {searched}")
         members.sort(key=lambda m: m[0].rank)
         ranks = [r for r, _ in members]
         size = ranks[0].pool.group.size
@@ -181,7 +193,7 @@ class Group:
         missing = sorted(set(range(size)) - {r.rank for r in ranks})
         if missing:
             raise KvdError("FAILED_PRECONDITION", f"group {name}: rank{'s ' if len(missing) > 1 else ' '}"
-                           f"{_rank_list(missing)} of {size} not found on {', '.join(sockets)}")
+                           f"{_rank_list(missing)} of {size} not found on {searched}")
 
     # -- reading ---------------------------------------------------------------------------------------
     @property

@@ -184,6 +184,12 @@ class GroupTest(GroupCase):
             kvd.Group.open("llama", [os.path.join(self.dir, "gpu7.sock")])
         self.assertEqual(e.exception.code, "UNAVAILABLE")
         self.assertIn("gpu7.sock", e.exception.message)
+        # A daemon that does not answer is passed over, and named when the group is then incomplete.
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.Group.open("llama", [self.socket, os.path.join(self.dir, "gpu7.sock")])
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("rank 1 of 2 not found on " + self.socket + " (not answering: ", e.exception.message)
+        self.assertIn("gpu7.sock", e.exception.message)
         empty = os.path.join(self.dir, "empty")
         os.mkdir(empty)
         with self.assertRaises(kvd.KvdError) as e:
