@@ -117,6 +117,19 @@ if want python && [[ -d $bundle/python ]]; then
   python3 -c 'import sys, grpc, torch; print("python", sys.version.split()[0], "grpc", grpc.__version__, "torch", torch.__version__)'
   run engine_worker timeout 180 python3 "$bundle/python/examples/engine_worker.py" --layers 32
   run cuda_check timeout 180 python3 "$bundle/kvd_cuda_check.py"
+  # Tensor-parallel ranks as one group, torch views on CUDA: two more kvds (both on GPU 0 on a
+  # one-GPU node), the second with a small budget for the demonstrated all-or-nothing failure.
+  tp=$(mktemp -d)
+  second=$(( $(nvidia-smi -L | wc -l) > 1 ? 1 : 0 ))
+  kvd --backend=cuda --device=0 --socket="$tp/gpu0.sock" --budget=8GiB >"$out/kvd-tp0.log" 2>&1 &
+  tp0=$!
+  kvd --backend=cuda --device="$second" --socket="$tp/gpu1.sock" --budget=2GiB >"$out/kvd-tp1.log" 2>&1 &
+  tp1=$!
+  for _ in $(seq 300); do [[ -S $tp/gpu0.handles && -S $tp/gpu1.handles ]] && break; sleep 0.1; done
+  TAIL=40 run tp_group timeout 300 python3 "$bundle/python/examples/tp_group.py" --socket-dir "$tp" --ranks 2 --demo-failure
+  kill -TERM "$tp0" "$tp1"
+  wait "$tp0" "$tp1"
+  rm -rf "$tp"
   if command -v kvctl >/dev/null; then
     run kvctl_create kvctl create demo --layers=32 --capacity-blocks=8192 --heads=8 --block-tokens=16 --channels=128 --element-bytes=2
     run kvctl_grow kvctl grow demo --bytes=8GiB
