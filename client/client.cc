@@ -1,10 +1,13 @@
 #include "kvd/client.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <thread>
 #include <utility>
@@ -15,6 +18,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/handle_client.h"
 #include "grpcpp/grpcpp.h"
@@ -189,6 +193,52 @@ std::string HandlesPathFor(absl::string_view socket) {
   return absl::StrCat(socket, ".handles");
 }
 
+absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory) {
+  std::string dir(directory);
+  if (dir.empty()) {
+    const char* env = std::getenv("KVD_SOCKET_DIR");
+    dir = env != nullptr && *env != '\0' ? env : "/run/kvd";
+  }
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return absl::NotFoundError(absl::StrCat("socket directory ", dir, ": ", std::strerror(errno)));
+  std::vector<std::string> sockets;
+  while (dirent* e = readdir(d)) {
+    if (absl::EndsWith(e->d_name, ".sock")) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
+  }
+  closedir(d);
+  std::sort(sockets.begin(), sockets.end());
+  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*.sock) in ", dir));
+  return sockets;
+}
+
+absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory) {
+  if (device_uuid.empty()) return absl::InvalidArgumentError("device_uuid: must not be empty");
+  const std::string want = absl::AsciiStrToLower(device_uuid);
+  KVD_ASSIGN_OR_RETURN(std::vector<std::string> sockets, NodeSockets(directory));
+  std::vector<std::string> seen, matches;
+  for (const std::string& socket : sockets) {
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect({.socket = socket, .client_name = "find-socket"});
+    absl::StatusOr<DeviceStatus> d = c.ok() ? (*c)->DeviceInfo() : c.status();
+    if (!d.ok()) {
+      seen.push_back(absl::StrCat(socket, " (not answering)"));
+      continue;
+    }
+    seen.push_back(absl::StrCat(socket, " ", d->uuid));
+    const std::string uuid = absl::AsciiStrToLower(d->uuid);
+    if (uuid == want || uuid == "gpu-" + want) return socket;  // an exact UUID wins
+    if (absl::StartsWith(uuid, want) || absl::StartsWith(uuid, "gpu-" + want)) {
+      matches.push_back(absl::StrCat(socket, " ", d->uuid));
+    }
+  }
+  if (matches.size() == 1) return matches.front().substr(0, matches.front().find(' '));
+  if (matches.size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device_uuid, ": matches several daemons: ", absl::StrJoin(matches, ", ")));
+  }
+  return absl::NotFoundError(
+      absl::StrCat("device ", device_uuid, ": no kvd serves it; seen: ", absl::StrJoin(seen, ", ")));
+}
+
 const char* GroupOpName(GroupOp op) {
   switch (op) {
     case GroupOp::kGrow:
@@ -262,8 +312,8 @@ absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_v
   if (!wanted.empty()) {
     absl::StatusOr<int> index = ResolveDeviceSelector(opts, wanted);
     if (!index.ok()) {
-      return absl::Status(index.status().code(),
-                          absl::StrCat(selector.empty() ? "the daemon's " : "AttachOptions.", index.status().message()));
+      return absl::Status(index.status().code(), absl::StrCat(selector.empty() ? "the daemon's " : "AttachOptions.",
+                                                              index.status().message()));
     }
     opts.index = *index;
   }

@@ -1,7 +1,5 @@
 #include "kvd/group.h"
 
-#include <dirent.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -19,8 +17,6 @@
 
 namespace kvd {
 namespace {
-
-constexpr char kDefaultSocketDir[] = "/run/kvd";
 
 // Runs fn(i) for every i in [0, n) on its own thread and waits for all: the daemons work in parallel.
 template <typename T>
@@ -45,26 +41,6 @@ std::string RankList(const std::vector<uint32_t>& ranks) {
 }
 
 }  // namespace
-
-absl::StatusOr<std::vector<std::string>> Group::NodeSockets(absl::string_view directory) {
-  std::string dir(directory);
-  if (dir.empty()) {
-    const char* env = std::getenv("KVD_SOCKET_DIR");
-    dir = env != nullptr && *env != '\0' ? env : kDefaultSocketDir;
-  }
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) {
-    return absl::NotFoundError(absl::StrCat("socket directory ", dir, ": ", std::strerror(errno)));
-  }
-  std::vector<std::string> sockets;
-  while (dirent* e = readdir(d)) {
-    if (absl::EndsWith(e->d_name, ".sock")) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
-  }
-  closedir(d);
-  std::sort(sockets.begin(), sockets.end());
-  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*.sock) in ", dir));
-  return sockets;
-}
 
 absl::StatusOr<std::unique_ptr<Group>> Group::Open(absl::string_view name, const std::vector<std::string>& sockets,
                                                    GroupOptions options) {

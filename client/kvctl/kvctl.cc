@@ -276,7 +276,7 @@ struct LayoutFlags {
 
 struct Flags {
   std::string socket;
-  int device = 0;
+  std::string device = "0";
   bool json = false;
   std::string pool;
   bool all = false;
@@ -547,7 +547,7 @@ absl::StatusOr<std::unique_ptr<Group>> OpenGroup(const Flags& f) {
     for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) sockets.emplace_back(part);
   }
   if (sockets.empty()) {
-    KVD_ASSIGN_OR_RETURN(sockets, Group::NodeSockets(f.socket_dir));
+    KVD_ASSIGN_OR_RETURN(sockets, NodeSockets(f.socket_dir));
   }
   return Group::Open(f.pool, sockets, {.connect = {.client_name = "kvctl"}, .ttl = ttl});
 }
@@ -684,7 +684,10 @@ int Main(int argc, char** argv) {
   app.require_subcommand(1);
   Flags f;
   app.add_option("--socket", f.socket, "kvd's gRPC socket (default: $KVD_SOCKET, else /run/kvd/gpu<device>.sock)");
-  app.add_option("--device", f.device, "Device index, for the default socket")->check(CLI::NonNegativeNumber);
+  app.add_option("--device", f.device,
+                 "The device whose kvd to use: an index (socket /run/kvd/gpu<N>.sock), or a device UUID or unique "
+                 "prefix of one, looked up among the kvds in $KVD_SOCKET_DIR (default /run/kvd)")
+      ->capture_default_str();
   app.add_flag("--json", f.json, "Machine-readable JSON output (see docs/integrating.md)");
   app.fallthrough();
 
@@ -807,8 +810,17 @@ int Main(int argc, char** argv) {
     return 0;
   }
 
+  // --device: an index names the default socket; anything else is a device UUID (prefix) to look up.
+  int device_index = 0;
+  std::string socket = f.socket;
+  if (socket.empty() && !absl::SimpleAtoi(f.device, &device_index)) {
+    absl::StatusOr<std::string> found = FindSocket(f.device);
+    if (!found.ok()) return Fail(absl::StrCat("--device: ", found.status().ToString()), 1);
+    socket = *found;
+  }
+  if (device_index < 0) return Fail("--device: an index must not be negative", 2);
   absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect({.socket = f.socket, .device = f.device, .client_name = "kvctl"});
+      Client::Connect({.socket = socket, .device = device_index, .client_name = "kvctl"});
   if (!client.ok()) return Fail(client.status().ToString(), 1);
   Client& c = **client;
   absl::Status s;

@@ -6,6 +6,7 @@
 // Every wait is bounded and waits for a condition; no test asserts on wall-clock time.
 #include "kvd/group.h"
 
+#include <cctype>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -29,6 +30,7 @@ namespace kvd {
 namespace {
 
 using ::kvd::testing::IsOk;
+using ::kvd::testing::IsOkAndHolds;
 using ::kvd::testing::KvdProcess;
 using ::kvd::testing::StatusIs;
 using ::testing::AllOf;
@@ -99,7 +101,7 @@ class GroupTest : public ::testing::Test {
 TEST_F(GroupTest, GrowSleepAndWakeMoveEveryRankAndEveryRankFollows) {
   Rank r0 = MakeRank("llama", 0), r1 = MakeRank("llama", 1);
   // Found by name in the node's socket directory, ranks in order.
-  KVD_ASSERT_OK_AND_ASSIGN(std::vector<std::string> sockets, Group::NodeSockets(daemon0_.dir()));
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<std::string> sockets, NodeSockets(daemon0_.dir()));
   EXPECT_EQ(sockets, Sockets());
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Group> group, Group::Open("llama", sockets));
   ASSERT_THAT(group->ranks(), SizeIs(2));
@@ -195,6 +197,21 @@ TEST_F(GroupTest, ACommitThatFailsPutsTheCommittedRanksBack) {
     absl::StatusOr<DeviceStatus> d = r0.client->DeviceInfo();
     return d.ok() && d->committed_bytes == device0.committed_bytes;
   }));
+}
+
+TEST_F(GroupTest, FindSocketFindsTheKvdOfADeviceByItsUuid) {
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d1, Connect(daemon1_, "probe")->DeviceInfo());
+  EXPECT_THAT(FindSocket(d1.uuid, daemon0_.dir()), IsOkAndHolds(daemon1_.socket()));
+  // A unique prefix: everything but the index digit is shared, so take the whole UUID in upper case.
+  std::string upper = d1.uuid;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  EXPECT_THAT(FindSocket(upper, daemon0_.dir()), IsOkAndHolds(daemon1_.socket()));
+  EXPECT_THAT(FindSocket(d1.uuid.substr(0, d1.uuid.size() - 2), daemon0_.dir()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("matches several daemons")));
+  EXPECT_THAT(FindSocket("GPU-0000", daemon0_.dir()),
+              StatusIs(absl::StatusCode::kNotFound, AllOf(HasSubstr("no kvd serves it"), HasSubstr(d1.uuid))));
+  EXPECT_THAT(FindSocket("GPU-0000", daemon0_.dir() + "/none"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("socket directory")));
 }
 
 TEST_F(GroupTest, OpenRefusesAGroupThatIsNotWhole) {

@@ -235,6 +235,17 @@ class KvctlGroupTest(KvctlCase):
         self.ok("delete", "llama-r1", socket=self.socket1)
         self.assertIn("rank 1 of 2 not found", self.fails("group", "sleep", "llama", "--socket-dir", self.dir))
 
+    def test_device_by_uuid_finds_its_kvd(self):
+        uuid1 = self.json("status", socket=self.socket1)["device_uuid"]
+        env = dict(os.environ, KVD_SOCKET_DIR=self.dir)
+        r = self.run_kvctl("--json", "--device=" + uuid1, "status", env=env, use_socket=False)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(json.loads(r.stdout)["socket"], self.socket1)
+        r = self.run_kvctl("--device=GPU-0000", "status", env=env, use_socket=False)
+        self.assertEqual(r.returncode, 1)
+        self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+        self.assertIn("--device: NOT_FOUND: device GPU-0000: no kvd serves it", r.stderr)
+
     def test_grant_and_revoke_peer_access(self):
         peer = self.json("status", socket=self.socket1)["device_uuid"]
         self.assertNotEqual(peer, self.json("status")["device_uuid"])

@@ -31,6 +31,15 @@ MATCHER_P2(StatusIs, code, message_matcher, "has the status code and a matching 
                                                            std::string(s.message()), result_listener);
 }
 
+// An OK absl::StatusOr whose value matches `value_matcher`.
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 }  // namespace kvd::testing
 
 // Asserts that `rexpr` (an absl::StatusOr) is OK and moves its value into `lhs`.

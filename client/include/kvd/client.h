@@ -35,6 +35,16 @@ std::string DefaultSocket(int device);
 // The handle channel beside a gRPC socket: "X.sock" -> "X.handles" (else `socket` + ".handles").
 std::string HandlesPathFor(absl::string_view socket);
 
+// The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else /run/kvd),
+// sorted. NOT_FOUND when the directory cannot be read or holds none.
+[[nodiscard]] absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory = {});
+
+// The socket of the kvd that serves the device `device_uuid` — a UUID as GetDeviceInfo reports it, or
+// a unique case-insensitive prefix of one ("GPU-" may be left out) — among NodeSockets(directory).
+// Processes number GPUs differently (CUDA_VISIBLE_DEVICES), so an engine finds its kvd by its GPU's
+// UUID. NOT_FOUND naming the daemons and devices seen; INVALID_ARGUMENT when the prefix is ambiguous.
+[[nodiscard]] absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory = {});
+
 struct ConnectOptions {
   // The daemon's gRPC socket. Empty: $KVD_SOCKET, else DefaultSocket(device).
   std::string socket;

@@ -66,10 +66,6 @@ class Group {
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Group>> Open(absl::string_view name,
                                                                    const std::vector<std::string>& sockets,
                                                                    GroupOptions options = {});
-  // The kvd sockets of this node: every *.sock in `directory` (default /run/kvd; $KVD_SOCKET_DIR
-  // overrides the default), sorted.
-  [[nodiscard]] static absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory = {});
-
   const std::string& name() const { return name_; }
   // Every rank as last seen (Open, or the last operation), by rank.
   std::vector<GroupRank> ranks() const;

@@ -24,8 +24,13 @@ def default_socket(device=0):
 
 
 def connect(socket=None, device=0, client_name=None, timeout=10.0):
-    """Opens a session with the kvd daemon of `device` (or at `socket`) -> Client."""
-    return Client(socket or default_socket(device), client_name=client_name, timeout=timeout)
+    """Opens a session with the kvd daemon of `device` (or at `socket`) -> Client. `device` is an index
+    (socket /run/kvd/gpu<N>.sock) or a device UUID (prefix), looked up among the node's kvds
+    (find_socket): the way to find the kvd of a GPU whose index differs in this process."""
+    if socket is None and isinstance(device, str) and not device.isdigit():
+        from ._group import find_socket  # noqa: PLC0415 (_group imports this module)
+        socket = find_socket(device, timeout=timeout)
+    return Client(socket or default_socket(int(device)), client_name=client_name, timeout=timeout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,36 @@ def node_sockets(directory=None):
     return sockets
 
 
+def find_socket(device_uuid, socket_dir=None, timeout=10.0):
+    """The socket of the kvd that serves the device `device_uuid` -- a UUID as device_info() reports
+    it, or a unique case-insensitive prefix of one ("GPU-" may be left out) -- among
+    node_sockets(socket_dir). Processes number GPUs differently (CUDA_VISIBLE_DEVICES), so an engine
+    finds its kvd by its GPU's UUID. KvdError NOT_FOUND naming the daemons and devices seen;
+    INVALID_ARGUMENT when the prefix is ambiguous. Mirrors kvd::FindSocket."""
+    if not device_uuid:
+        raise KvdError("INVALID_ARGUMENT", "device_uuid: must not be empty")
+    want = device_uuid.lower()
+    seen, matches = [], []
+    for socket in node_sockets(socket_dir):
+        try:
+            with Client(socket, client_name="find-socket", timeout=timeout) as c:
+                uuid = c.device_info().device_uuid
+        except KvdError:
+            seen.append(f"{socket} (not answering)")
+            continue
+        seen.append(f"{socket} {uuid}")
+        if uuid.lower() in (want, "gpu-" + want):
+            return socket  # an exact UUID wins
+        if uuid.lower().startswith(want) or uuid.lower().startswith("gpu-" + want):
+            matches.append((socket, uuid))
+    if len(matches) == 1:
+        return matches[0][0]
+    if matches:
+        raise KvdError("INVALID_ARGUMENT", f"device {device_uuid}: matches several daemons: "
+                       + ", ".join(f"{s} {u}" for s, u in matches))
+    raise KvdError("NOT_FOUND", f"device {device_uuid}: no kvd serves it; seen: {', '.join(seen)}")
+
+
 def _rank_name(r):
     return f"rank {r.rank} ({r.pool.name} on {r.socket})"
 

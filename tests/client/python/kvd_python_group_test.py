@@ -155,6 +155,24 @@ class GroupTest(GroupCase):
             self.assertEqual(c.device_info().committed_bytes, 2 * 32 * BLOCK)
         self.assertEqual(m0.committed_blocks, 32)
 
+    def test_find_socket_and_connect_by_device_uuid(self):
+        c1 = self.connect(self.socket1, "probe")
+        uuid1 = c1.device_info().device_uuid
+        self.assertEqual(kvd.find_socket(uuid1, socket_dir=self.dir), self.socket1)
+        self.assertEqual(kvd.find_socket(uuid1.upper(), socket_dir=self.dir), self.socket1)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.find_socket(uuid1[:-2], socket_dir=self.dir)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("matches several daemons", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            kvd.find_socket("GPU-0000", socket_dir=self.dir)
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.assertIn(uuid1, e.exception.message)
+        os.environ["KVD_SOCKET_DIR"] = self.dir
+        self.addCleanup(os.environ.pop, "KVD_SOCKET_DIR")
+        with kvd.connect(device=uuid1, client_name="by-uuid") as c:
+            self.assertEqual(c.device_info().device_uuid, uuid1)
+
     def test_open_refuses_a_group_that_is_not_whole(self):
         self.make_rank("llama", 0)
         with self.assertRaises(kvd.KvdError) as e:
