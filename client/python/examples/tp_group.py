@@ -478,7 +478,7 @@ def main():
     if error:
         print(f"tp_group: {error}", file=sys.stderr)
         return 1
-    print(f"done: {a.ranks} ranks grew, slept and woke as one group"
+    print(f"done: {a.ranks} rank{'s' if a.ranks != 1 else ''} grew, slept and woke as one group"
           f"{' and a grow that did not fit changed no rank' if a.demo_failure else ''}")
     return 0
 
