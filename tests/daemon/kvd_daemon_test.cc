@@ -1316,6 +1316,15 @@ TEST_F(KvdDaemonTest, MalformedRequestsGetTheRightCodeAndTheDaemonKeepsServing) 
     return stub().GetPool(Ctx(session).get(), r, &p);
   };
 
+  // A Prepare of pool "p" (64 blocks, awake) after `edit`.
+  auto prepare = [&](const std::function<void(v1::PrepareRequest&)>& edit) {
+    v1::PrepareRequest q;
+    q.set_pool("p");
+    edit(q);
+    v1::PrepareResponse r;
+    return stub().Prepare(Ctx(admin()).get(), q, &r);
+  };
+
   struct Case {
     std::string what;
     std::function<grpc::Status()> call;
@@ -1467,6 +1476,95 @@ TEST_F(KvdDaemonTest, MalformedRequestsGetTheRightCodeAndTheDaemonKeepsServing) 
          return stub().ResolveLayout(Ctx().get(), q, &r);
        },
        C::INVALID_ARGUMENT, "layout_request.backend_requirements[0].layouts[0]"},
+      // Engine groups and peer access (docs/api.md): what libkvd never sends.
+      {"prepare with no operation", [&] { return prepare([](auto&) {}); }, C::INVALID_ARGUMENT, "operation"},
+      {"prepare an unknown operation",
+       [&] { return prepare([](auto& q) { q.set_operation(static_cast<v1::Operation>(42)); }); }, C::INVALID_ARGUMENT,
+       "operation"},
+      {"prepare with no pool",
+       [&] {
+         return prepare([](auto& q) {
+           q.set_operation(v1::OPERATION_SLEEP);
+           q.clear_pool();
+         });
+       },
+       C::INVALID_ARGUMENT, "pool"},
+      {"prepare a sleep with target_blocks",
+       [&] {
+         return prepare([](auto& q) {
+           q.set_operation(v1::OPERATION_SLEEP);
+           q.set_target_blocks(8);
+         });
+       },
+       C::INVALID_ARGUMENT, "target_blocks"},
+      {"prepare a grow past capacity",
+       [&] {
+         return prepare([](auto& q) {
+           q.set_operation(v1::OPERATION_GROW);
+           q.set_target_blocks(4097);
+         });
+       },
+       C::INVALID_ARGUMENT, "target_blocks"},
+      {"prepare a grow past the budget",
+       [&] {
+         return prepare([](auto& q) {
+           q.set_pool("big");
+           q.set_operation(v1::OPERATION_GROW);
+           q.set_target_blocks(16384);
+         });
+       },
+       C::RESOURCE_EXHAUSTED, "budget"},
+      {"prepare with a ttl past the maximum",
+       [&] {
+         return prepare([](auto& q) {
+           q.set_operation(v1::OPERATION_SLEEP);
+           q.set_ttl_ms(600'001);
+         });
+       },
+       C::INVALID_ARGUMENT, "ttl_ms"},
+      {"prepare a wake of an awake pool", [&] { return prepare([](auto& q) { q.set_operation(v1::OPERATION_WAKE); }); },
+       C::FAILED_PRECONDITION, "already awake"},
+      {"commit with no transaction",
+       [&] {
+         v1::PoolUpdate r;
+         return stub().Commit(Ctx(admin()).get(), {}, &r);
+       },
+       C::INVALID_ARGUMENT, "transaction"},
+      {"abort an unknown transaction",
+       [&] {
+         v1::AbortRequest q;
+         q.set_transaction("t-unknown");
+         v1::AbortResponse r;
+         return stub().Abort(Ctx(admin()).get(), q, &r);
+       },
+       C::NOT_FOUND, "transaction"},
+      {"grant a malformed device",
+       [&] {
+         v1::GrantPeerAccessRequest q;
+         q.set_pool("p");
+         q.set_device_uuid("GPU 1; rm -rf");
+         v1::Pool r;
+         return stub().GrantPeerAccess(Ctx(admin()).get(), q, &r);
+       },
+       C::INVALID_ARGUMENT, "device_uuid"},
+      {"attach from an ungranted device",
+       [&] {
+         v1::AttachRequest q;
+         q.set_pool("p");
+         q.set_device_uuid("GPU-another");
+         v1::AttachResponse r;
+         return stub().Attach(Ctx(admin()).get(), q, &r);
+       },
+       C::PERMISSION_DENIED, "device_uuid"},
+      {"create a group rank past its size",
+       [&] {
+         return create([](auto& r) {
+           r.mutable_group()->set_name("g");
+           r.mutable_group()->set_rank(2);
+           r.mutable_group()->set_size(2);
+         });
+       },
+       C::INVALID_ARGUMENT, "group.rank"},
   };
   for (const Case& c : cases) {
     EXPECT_THAT(c.call(), GrpcIs(c.code, c.substring)) << c.what;
@@ -1493,6 +1591,11 @@ TEST_F(KvdDaemonTest, MalformedRequestsGetTheRightCodeAndTheDaemonKeepsServing) 
   const v1::DeviceInfo info = DeviceInfo();
   EXPECT_EQ(info.pool_count(), 3u);
   EXPECT_EQ(info.committed_bytes(), 4 * kMiB);
+  {  // and no refused Prepare left a pool held
+    v1::ListPoolsResponse pools;
+    ASSERT_THAT(stub().ListPools(Ctx(admin()).get(), {}, &pools), GrpcOk());
+    for (const v1::Pool& p : pools.pools()) EXPECT_EQ(p.transaction(), "") << p.name();
+  }
   EXPECT_EQ(kill(daemon_->pid(), 0), 0);
   EXPECT_TRUE(daemon_->process()->running());
 }

@@ -549,6 +549,38 @@ TEST_F(PoolManagerTest, AFailedPrepareLeavesNothingPreparedOrHeld) {
   EXPECT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
 }
 
+TEST_F(PoolManagerTest, AWakeThatCannotBePreparedLeavesThePoolAsleepWithItsSize) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 96)), IsOk());
+  ASSERT_THAT(manager_->Sleep(alice_, "p", true, absl::Now()), IsOk());
+  device_->FailNth(FaultDevice::Op::kExport, 2, absl::InternalError("injected: export failed"));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kWake, 0, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("injected")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.state, PoolState::kSleeping);
+  EXPECT_EQ(pool.wake_blocks, 96u);
+  EXPECT_TRUE(pool.transaction.empty());
+  EXPECT_EQ(Committed(), 0u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  // The same wake works once the fault is gone.
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp wake, manager_->Prepare(alice_, "p", GroupOp::kWake, 0, absl::Minutes(1)));
+  KVD_ASSERT_OK_AND_ASSIGN(CommittedOp woken, manager_->Commit(alice_, wake.transaction, false, absl::Now()));
+  EXPECT_EQ(woken.update.pool.committed_blocks, 96u);
+}
+
+TEST_F(PoolManagerTest, ShutdownWithAPreparedTransactionReleasesItsMemory) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp prepared, manager_->Prepare(alice_, "p", GroupOp::kGrow, 200, absl::Minutes(10)));
+  EXPECT_GT(device_->live_chunks(), 2);
+  manager_->Shutdown();
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_mappings(), 0);
+  EXPECT_EQ(device_->live_reservations(), 0);
+  EXPECT_THAT(manager_->Commit(alice_, prepared.transaction, false, absl::Now()),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kGrow, 8, absl::Minutes(1)),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
 TEST_F(PoolManagerTest, TheDaemonAbortsATransactionWhoseTtlPasses) {
   ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 1)), IsOk());
   const uint64_t committed = Committed();

@@ -100,5 +100,34 @@ TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenTher
   EXPECT_THAT(body, Not(HasSubstr("kvd_pool_committed_bytes{")));
 }
 
+TEST_F(MetricsTest, APoolHeldByAGroupTransactionAndItsGroupAreScraped) {
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device_->Info());
+  absl::StatusOr<std::unique_ptr<Metrics>> m =
+      Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host", "0", info.uuid});
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string session = manager_->OpenSession(1000, 4242, "coordinator");
+  KVD_ASSERT_OK_AND_ASSIGN(Caller caller, manager_->Authenticate(session));
+  PoolSpec spec{
+      .name = "llama-r1",
+      .dims = {.layers = 2, .capacity_blocks = 64, .heads = 1, .block_tokens = 16, .channels = 64, .element_bytes = 2},
+      .group = {.name = "llama", .rank = 1, .size = 2}};
+  ASSERT_TRUE(manager_->CreatePool(caller, spec).ok());
+  spec.name = "solo";
+  spec.group = {};
+  ASSERT_TRUE(manager_->CreatePool(caller, spec).ok());
+  KVD_ASSERT_OK_AND_ASSIGN(PreparedOp held,
+                           manager_->Prepare(caller, "llama-r1", GroupOp::kGrow, 32, absl::Minutes(1)));
+
+  std::string body = Scrape((*m)->port());
+  EXPECT_THAT(body, HasSubstr(R"(kvd_pool_held{device="0",pool="llama-r1"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_pool_held{device="0",pool="solo"} 0)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_pool_group_info{device="0",pool="llama-r1",group="llama",rank="1",size="2"} 1)"));
+  EXPECT_THAT(body, Not(HasSubstr(R"(kvd_pool_group_info{device="0",pool="solo")")));
+
+  ASSERT_TRUE(manager_->Abort(caller, held.transaction).ok());
+  body = Scrape((*m)->port());
+  EXPECT_THAT(body, HasSubstr(R"(kvd_pool_held{device="0",pool="llama-r1"} 0)"));
+}
+
 }  // namespace
 }  // namespace kvd
