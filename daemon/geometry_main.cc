@@ -19,7 +19,7 @@
 #include "kvd/status.h"
 #include "kvd/units.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 struct Flags {
@@ -104,10 +104,10 @@ absl::Status Run(const Flags& f) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon
 
 int main(int argc, char** argv) {
-  kvd::Flags f;
+  kvd::daemon::Flags f;
   if (const char* env = std::getenv("KVD_KV_CACHE_LAYOUT")) f.env_layout = env;
   CLI::App app{
       "kvd-geometry: resolve a KV-cache pool's layout through kvd's precedence chain\n"
@@ -129,7 +129,7 @@ int main(int argc, char** argv) {
   app.add_option("--connector", f.connectors, "rule 4: CONNECTOR=LAYOUT, in preference order");
   app.add_flag("--json", f.json, "print JSON (the v1 API's LayoutResolution and Geometry messages)");
   CLI11_PARSE(app, argc, argv);
-  absl::Status s = kvd::Run(f);
+  absl::Status s = kvd::daemon::Run(f);
   if (!s.ok()) {
     std::fprintf(stderr, "kvd-geometry: %s\n", std::string(s.message()).c_str());
     return 1;

@@ -65,7 +65,7 @@
 #define KVD_VERSION "unknown"
 #endif
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 constexpr char kLayoutEnv[] = "KVD_KV_CACHE_LAYOUT";
@@ -574,6 +574,6 @@ int Main(int argc, char** argv) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon
 
-int main(int argc, char** argv) { return kvd::Main(argc, argv); }
+int main(int argc, char** argv) { return kvd::daemon::Main(argc, argv); }

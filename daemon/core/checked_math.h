@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace kvd {
+namespace kvd::daemon {
 
 inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
   uint64_t r;
@@ -25,4 +25,4 @@ inline std::optional<uint64_t> CheckedRoundUp(uint64_t value, uint64_t align) {
   return *r & ~(align - 1);
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/core/checked_math.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 constexpr std::array<const char*, kNumDims> kDimFields = {"dims.layers", "dims.capacity_blocks", "dims.heads",
@@ -141,4 +141,4 @@ BlockSpan Geometry::Span(uint64_t base, uint64_t committed_blocks) const {
                    .blocks = std::min(committed_blocks, dims_.capacity_blocks)};
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -16,7 +16,7 @@
 #include "daemon/core/layout.h"
 #include "kvd/device.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 // The logical dims [L, B, H, N, C] and the element size e of one pool.
 struct PoolDims {
@@ -93,4 +93,4 @@ class Geometry {
   uint64_t reserved_bytes_ = 0;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -4,7 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using D = Dim;
@@ -84,4 +84,4 @@ std::string LayoutSet::ToString() const {
   return absl::StrCat("{", absl::StrJoin(names, ", "), "}");
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

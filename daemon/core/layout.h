@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 // Logical dims of one KV-cache tensor: layers, blocks, heads, tokens per block, channels.
 enum class Dim : uint8_t { kL = 0, kB = 1, kH = 2, kN = 3, kC = 4 };
@@ -70,4 +70,4 @@ class LayoutSet {
   uint32_t bits_;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

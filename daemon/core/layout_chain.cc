@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 constexpr absl::string_view kField = "layout_request";
@@ -180,4 +180,4 @@ absl::StatusOr<LayoutResolution> ResolveLayout(const LayoutRequest& request, con
   return r;
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/core/layout.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 enum class LayoutRule {
   kRequestOverride,
@@ -69,4 +69,4 @@ struct LayoutResolution {
 // backends when the requirements have no layout in common and no override decides.
 [[nodiscard]] absl::StatusOr<LayoutResolution> ResolveLayout(const LayoutRequest& request, const LayoutPolicy& policy);
 
-}  // namespace kvd
+}  // namespace kvd::daemon

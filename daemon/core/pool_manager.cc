@@ -15,7 +15,7 @@
 #include "kvd/status.h"
 #include "kvd/units.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 // 128 random bits as hex: session tokens, lease tokens and client ids.
@@ -252,7 +252,7 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
 }
 
 absl::StatusOr<LayoutResolution> PoolManager::ResolveLayout(const LayoutRequest& request) const {
-  return kvd::ResolveLayout(request, options_.layout_policy);
+  return daemon::ResolveLayout(request, options_.layout_policy);
 }
 
 absl::StatusOr<std::shared_ptr<PoolManager::Pool>> PoolManager::Find(const Caller& caller,
@@ -1223,4 +1223,4 @@ void PoolManager::Shutdown() {
   }
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

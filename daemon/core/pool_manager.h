@@ -46,7 +46,7 @@
 #include "daemon/core/pool_spec.h"
 #include "kvd/device.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 // Who is asking: from the session token the RPC carried.
 struct Caller {
@@ -357,4 +357,4 @@ class PoolManager {
   std::thread reaper_;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -4,7 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvd/status.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 absl::Status ValidateName(absl::string_view name, absl::string_view field) {
   if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
@@ -80,4 +80,4 @@ absl::StatusOr<PoolPlan> PlanPool(const PoolSpec& spec, const LayoutPolicy& poli
   return PoolPlan{std::move(layout), std::move(geometry)};
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -13,7 +13,7 @@
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 inline constexpr size_t kMaxNameLength = 64;
 
@@ -64,4 +64,4 @@ struct PoolPlan {
 [[nodiscard]] absl::StatusOr<PoolPlan> PlanPool(const PoolSpec& spec, const LayoutPolicy& policy,
                                                 const DeviceLimits& limits);
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -20,7 +20,7 @@
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 constexpr std::array<Operation, 5> kOperations = {Operation::kGrow, Operation::kShrink, Operation::kSleep,
@@ -247,4 +247,4 @@ void Metrics::ObserveOperation(Operation op, absl::Duration elapsed, bool ok) {
   impl_->duration[i]->Observe(absl::ToDoubleSeconds(elapsed));
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

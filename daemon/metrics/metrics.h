@@ -22,7 +22,7 @@
 #include "absl/time/time.h"
 #include "daemon/core/pool_manager.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 // What every scrape is labelled with, so that one Prometheus scraping every kvd of a node tells the
 // devices apart without relying on ports.
@@ -65,4 +65,4 @@ class Metrics {
 
 const char* OperationName(Operation op);
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -6,7 +6,7 @@
 #define KVD_VERSION "unknown"
 #endif
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 uint64_t UnixMillis(absl::Time t) {
@@ -253,4 +253,4 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   return p;
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -11,7 +11,7 @@
 #include "kvd/device.h"
 #include "kvd/v1/kvd.pb.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 LayoutRequest FromProto(const v1::LayoutRequest& proto);
 PoolDims FromProto(const v1::PoolDims& proto);
@@ -38,4 +38,4 @@ v1::PoolEvent ToProto(const PoolEvent& event);
 // the device exports fabric handles.
 v1::DeviceInfo ToProto(const DeviceStatus& status);
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -22,7 +22,7 @@
 #include "kvd/fd_passing.h"
 #include "kvd/v1/kvd.pb.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 using Clock = std::chrono::steady_clock;
 
@@ -624,4 +624,4 @@ void HandleChannel::CloseConnection(int fd) {
   connections_.fetch_sub(1, std::memory_order_relaxed);
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

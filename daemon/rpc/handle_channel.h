@@ -39,7 +39,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 // What the channel needs from the daemon (PoolManager implements it through a small adapter).
 // Called from the channel's threads, concurrently: implementations must be thread-safe.
@@ -167,4 +167,4 @@ class HandleChannel {
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

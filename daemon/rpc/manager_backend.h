@@ -14,7 +14,7 @@
 #include "daemon/rpc/handle_channel.h"
 #include "kvd/status.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 class ManagerBackend final : public HandleChannelBackend {
  public:
@@ -39,4 +39,4 @@ class ManagerBackend final : public HandleChannelBackend {
   PoolManager* const manager_;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

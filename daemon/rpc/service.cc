@@ -20,7 +20,7 @@
 #include "kvd/units.h"
 #include "spdlog/spdlog.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 constexpr char kSessionMetadata[] = "kvd-session";
@@ -473,4 +473,4 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
   return Finish("GrantPeerAccess", status);
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -21,7 +21,7 @@
 #include "daemon/core/pool_manager.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 class Metrics;
 
@@ -89,4 +89,4 @@ class KvdService final : public v1::Kvd::Service {
   const Options options_;
 };
 
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -2,7 +2,7 @@
 
 #include <string>
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 // Both enums number the canonical codes 0 (OK) .. 16 (UNAUTHENTICATED) identically.
@@ -26,4 +26,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
-}  // namespace kvd
+}  // namespace kvd::daemon

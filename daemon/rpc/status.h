@@ -7,9 +7,9 @@
 
 #include "absl/status/status.h"
 
-namespace kvd {
+namespace kvd::daemon {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-}  // namespace kvd
+}  // namespace kvd::daemon

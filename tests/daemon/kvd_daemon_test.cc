@@ -70,7 +70,7 @@ extern char** environ;
 #define KVD_BINARY ""
 #endif
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::testing::HasSubstr;
@@ -1826,11 +1826,11 @@ TEST(KvdDaemonDeviceTest, UnknownOrAmbiguousDeviceRefusesToStartNamingTheFlag) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon
 
 // The test binary doubles as the peer client process (see PeerMain).
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "--kvd-peer") return kvd::PeerMain(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "--kvd-peer") return kvd::daemon::PeerMain(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -54,6 +54,9 @@ namespace {
 
 using ::kvd::testing::IsOk;
 using ::kvd::testing::StatusIs;
+using ::kvd::daemon::Geometry;
+using ::kvd::daemon::Layout;
+using ::kvd::daemon::PoolDims;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;

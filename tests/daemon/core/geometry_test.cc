@@ -8,7 +8,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::IsOk;
@@ -371,4 +371,4 @@ TEST(GeometryTest, WorkedExampleMatchesDocsLayoutsTable) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -4,7 +4,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::StatusIs;
@@ -190,4 +190,4 @@ TEST(LayoutChainTest, RuleNamesAreReadable) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

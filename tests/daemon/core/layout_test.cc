@@ -4,7 +4,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::StatusIs;
@@ -68,4 +68,4 @@ TEST(LayoutSetTest, IteratesInCanonicalOrder) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

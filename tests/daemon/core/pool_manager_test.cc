@@ -13,7 +13,7 @@
 #include "tests/testing/fault_device.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::FaultDevice;
@@ -762,4 +762,4 @@ TEST_F(PoolManagerTest, ConcurrentTransactionsOnManyPoolsKeepTheAccountsStraight
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -4,7 +4,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::IsOk;
@@ -77,4 +77,4 @@ TEST(PlanPoolTest, RejectsBadFieldsNamingThem) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -17,7 +17,7 @@
 #include "kvd/device.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::testing::HasSubstr;
@@ -130,4 +130,4 @@ TEST_F(MetricsTest, APoolHeldByAGroupTransactionAndItsGroupAreScraped) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -6,7 +6,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 TEST(ConvertTest, LayoutRequestKeepsEveryFieldInOrder) {
@@ -66,4 +66,4 @@ TEST(ConvertTest, EveryRuleHasItsOwnWireValue) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon

@@ -38,7 +38,7 @@
 #include "kvd/v1/kvd.pb.h"
 #include "tests/testing/status_matchers.h"
 
-namespace kvd {
+namespace kvd::daemon {
 namespace {
 
 using ::kvd::testing::IsOk;
@@ -691,4 +691,4 @@ TEST(HandleSessionTest, ADaemonThatGoesAwayBeforeAcceptingIsUnavailable) {
 }
 
 }  // namespace
-}  // namespace kvd
+}  // namespace kvd::daemon
