@@ -2,9 +2,20 @@
 // their VA reservations, chunks (created, mapped into the daemon's own address space, exported once),
 // attached clients, leases for the handle channel, release acknowledgements and the budget.
 //
-// Threads. Every method is thread-safe. Requests on one pool are serialised; requests on different
-// pools proceed in parallel (the budget is the only state they share). Methods that wait (Shrink and
-// Sleep with wait_for_release) hold no lock while waiting.
+// Rooms. The manager finds pools and makes and releases their memory on the device; the state lives
+// in rooms with their own locks: each Pool (pool.h: its table, clients, releases and held transaction,
+// and the resize state machine's bookkeeping), the SessionTable and LeaseTable (sessions.h), the
+// Budget (budget.h), the TransactionTable (transactions.h) and each client's EventQueue. The manager's
+// own lock guards only its maps of pools and clients. Note [Lock order] in docs/architecture.md.
+//
+// One resize state machine. Grow, Shrink, Sleep and Wake are a Prepare and a Commit in one call:
+// Pool::Check, then (grow, wake) the memory is staged, then Pool::Apply. Engine groups run the same
+// two steps across an RPC boundary, with the pool held in between.
+//
+// Threads. Every method is thread-safe. Requests on one pool are serialised by its op_mu; requests on
+// different pools share no lock across device calls (the budget is the only state they share, and
+// its lock is held for an addition). Methods that wait (Shrink and Sleep with wait_for_release) hold
+// no lock while waiting.
 //
 // Identity. Every pool-facing call takes the Caller, whose uid the handle channel learned from
 // SO_PEERCRED (a session). A caller may see and change a pool when its uid is the pool's owner, one of
@@ -27,6 +38,7 @@
 // or the transaction expired), and the device's own codes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -41,140 +53,18 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/core/budget.h"
+#include "daemon/core/event_queue.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/pool.h"
 #include "daemon/core/pool_spec.h"
+#include "daemon/core/pool_types.h"
+#include "daemon/core/sessions.h"
+#include "daemon/core/transactions.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
-
-// Who is asking: from the session token the RPC carried.
-struct Caller {
-  uint32_t uid = 0;
-  int32_t pid = 0;
-  std::string session;  // the session token
-  std::string name;     // what the client called itself when it opened the session
-};
-
-struct ChunkInfo {
-  uint64_t id = 0;  // unique for the daemon's lifetime
-  uint64_t segment = 0;
-  uint64_t offset = 0;  // from the pool's base
-  uint64_t bytes = 0;
-};
-
-// A single-use capability to fetch the FDs of `chunk_ids` on the handle channel, for `uid`.
-struct Lease {
-  std::string token;
-  std::vector<uint64_t> chunk_ids;
-  absl::Time expires;
-};
-
-enum class PoolState { kAwake, kSleeping };
-
-struct ClientView {
-  std::string id;
-  std::string name;
-  uint32_t uid = 0;
-  int32_t pid = 0;
-  uint64_t mapped_bytes = 0;  // handed to the client and not yet acknowledged as released
-  absl::Time attached_at;
-  std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
-};
-
-// A consistent snapshot of one pool.
-struct PoolView {
-  std::string name;
-  PoolState state = PoolState::kAwake;
-  Geometry geometry;
-  LayoutResolution layout;
-  uint64_t committed_blocks = 0;
-  uint64_t committed_bytes = 0;
-  uint64_t reserved_bytes = 0;
-  uint64_t pending_release_bytes = 0;
-  uint64_t wake_blocks = 0;
-  uint32_t owner_uid = 0;
-  std::vector<uint32_t> allowed_uids;
-  std::vector<ClientView> clients;
-  std::vector<ChunkInfo> chunks;  // by (segment, offset)
-  uint64_t generation = 0;
-  absl::Time created_at;
-  GroupMembership group;
-  std::vector<std::string> peer_devices;
-  std::string transaction;  // the prepared transaction holding the pool, if any
-};
-
-// The result of one change to a pool's chunk table.
-struct PoolUpdate {
-  PoolView pool;
-  std::vector<ChunkInfo> added;
-  std::optional<Lease> lease;  // the caller's FDs of `added`
-  std::vector<uint64_t> released_chunk_ids;
-  uint64_t release_id = 0;  // 0: nothing to acknowledge
-  absl::Duration elapsed;
-};
-
-enum class GroupOp { kGrow, kShrink, kSleep, kWake };
-// "grow", "shrink", "sleep", "wake".
-const char* GroupOpName(GroupOp op);
-
-struct PreparedOp {
-  std::string transaction;
-  PoolView pool;
-  uint64_t prepared_bytes = 0;  // created for a grow or wake, not yet visible to clients
-  absl::Time expires;
-  absl::Duration elapsed;
-};
-
-struct CommittedOp {
-  GroupOp op = GroupOp::kGrow;
-  PoolUpdate update;
-};
-
-struct AttachResult {
-  std::string client_id;
-  PoolView pool;
-  Lease lease;  // every chunk of pool.chunks
-};
-
-enum class EventType { kChunksAdded, kChunksReleased, kPoolDeleted, kDaemonStopping };
-
-struct PoolEvent {
-  uint64_t sequence = 0;
-  std::string pool;
-  EventType type = EventType::kChunksAdded;
-  std::vector<ChunkInfo> chunks;
-  std::optional<Lease> lease;  // kChunksAdded: this client's FDs of `chunks`
-  uint64_t release_id = 0;     // kChunksReleased: what to acknowledge
-  uint64_t committed_blocks = 0;
-  PoolState state = PoolState::kAwake;
-};
-
-// One attached client's events, in order. Closed when the client detaches, its pool is deleted or
-// the daemon stops; Pop then drains what is left and returns nullopt.
-class EventQueue {
- public:
-  void Push(PoolEvent event);
-  void Close();
-  // The next event, or nullopt after `timeout` or once closed and drained.
-  std::optional<PoolEvent> Pop(absl::Duration timeout);
-  bool closed() const;
-
- private:
-  mutable absl::Mutex mu_;
-  std::vector<PoolEvent> events_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-};
-
-struct DeviceStatus {
-  DeviceInfo info;
-  uint64_t committed_bytes = 0;  // all pools, including bytes pending release
-  uint64_t pending_release_bytes = 0;
-  uint64_t reserved_bytes = 0;
-  uint64_t budget_bytes = 0;
-  uint64_t max_chunk_bytes = 0;
-  uint32_t pools = 0;
-};
 
 struct ManagerOptions {
   uint64_t budget_bytes = 0;                             // 0: the device's total memory
@@ -262,10 +152,7 @@ class PoolManager {
   // PERMISSION_DENIED when `peer_uid` (SO_PEERCRED of the fetching connection) is not the session's
   // uid or the lease was issued to another session; NOT_FOUND for unknown or used leases;
   // DEADLINE_EXCEEDED for expired ones; FAILED_PRECONDITION if a chunk was released since.
-  struct LeasedFd {
-    uint64_t chunk_id;
-    int fd;
-  };
+  using LeasedFd = Pool::LeasedFd;
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
                                                                   absl::string_view lease_token, uint32_t peer_uid);
 
@@ -274,86 +161,61 @@ class PoolManager {
   void Shutdown();
 
  private:
-  struct Pool;
-  struct Client;
-  struct ChunkRecord;
-  struct Staged;
-  struct Transaction;
-  struct LeaseRecord {
-    std::string pool;
-    std::string session;
-    std::vector<uint64_t> chunk_ids;
-    absl::Time expires;
-  };
-
   // The pool `name` if `caller` may see and change it: NOT_FOUND / PERMISSION_DENIED otherwise.
-  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> Find(const Caller& caller, absl::string_view name) const;
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> Find(const Caller& caller, absl::string_view name) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The pool attached client `client_id` belongs to; NOT_FOUND naming client_id otherwise.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindClient(absl::string_view client_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::shared_ptr<Pool>> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetClients(const std::vector<std::string>& ids) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The resize state machine, op_mu held: Check, Stage (grow and wake), Apply, then the daemon's
+  // references to released chunks go. Prepare and Commit split it at Stage.
+  [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  PoolUpdate CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // A plain resize: PrepareLocked and CommitLocked under one hold of op_mu, then the wait.
+  [[nodiscard]] absl::StatusOr<PoolUpdate> Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
+                                                  uint64_t target_blocks, bool wait, absl::Time deadline);
+
+  // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
+  // in the daemon and exported, but not in the table. On failure nothing is left.
+  [[nodiscard]] absl::StatusOr<Staged> Stage(Pool& pool, uint64_t target_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Gives staged memory back: the chunks and their budget.
+  void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Creates, maps and exports the planned chunks; on failure releases every one of them.
-  [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(const Pool& pool,
+  [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(uint64_t base,
                                                                     const std::vector<PlannedChunk>& plan);
-  void DiscardChunk(const Pool& pool, ChunkRecord& record);
-  // Grows `pool` (op_mu held) to `target_blocks`: StageLocked, then PublishLocked.
-  [[nodiscard]] absl::StatusOr<PoolUpdate> GrowLocked(Pool& pool, const Caller& caller, uint64_t target_blocks)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // The budget and memory for growing `pool` (op_mu held) from its prefix to `target_blocks`: chunks
-  // created, mapped in the daemon and exported, but not in the table. On failure nothing is left.
-  [[nodiscard]] absl::StatusOr<Staged> StageLocked(Pool& pool, uint64_t target_blocks)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // Puts staged chunks into the table (mu_ held): prefix, generation, leases and events.
-  PoolUpdate PublishLocked(Pool& pool, const Caller& caller, Staged staged, uint64_t target_blocks, absl::Time start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives staged memory back (op_mu held, mu_ not).
-  void Unstage(const Pool& pool, Staged& staged);
-  // ABORTED while a transaction holds `pool` (mu_ held).
-  absl::Status CheckNotHeldLocked(const Pool& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The pool of `transaction` if `caller` may commit or abort it (mu_ held).
-  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransactionLocked(const Caller& caller,
-                                                                            absl::string_view transaction) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Aborts the transaction holding `pool` (op_mu held) if it is `transaction` (any when empty),
-  // recording `why` for a later Commit. Returns the prepared bytes given back.
-  uint64_t AbortLocked(Pool& pool, absl::string_view transaction, absl::string_view why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void DiscardChunk(uint64_t base, ChunkRecord& record);
+  // Aborts transaction `id` of `pool` (op_mu held) if the pool still holds it, recording `why` (when not
+  // empty) for a later Commit. Returns the prepared bytes given back.
+  uint64_t AbortLocked(Pool& pool, absl::string_view id, std::optional<absl::string_view> session,
+                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // The pool holding `transaction`, found through the transaction table.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransaction(absl::string_view transaction) const;
   // The reaper thread: aborts transactions whose ttl passed.
   void ReapExpired();
-  // Takes every chunk at or past `prefix_bytes` of each segment out of the table (op_mu held), tells
-  // the clients that were handed them (a lease naming such a chunk fails when redeemed), and
-  // releases the daemon's own references.
-  PoolUpdate ReleaseLocked(Pool& pool, uint64_t prefix_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // Waits (no lock held) until `release_id` of `pool` completed or `deadline` passed.
-  void AwaitRelease(const Pool& pool, uint64_t release_id, absl::Time deadline);
-  Lease IssueLeaseLocked(const Pool& pool, const std::string& session, std::vector<uint64_t> chunk_ids)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  PoolView ViewLocked(const Pool& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void DetachLocked(Pool& pool, const std::string& client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The attached client `client_id` and its pool; NOT_FOUND naming client_id otherwise.
-  [[nodiscard]] absl::StatusOr<std::pair<Pool*, Client*>> FindClientLocked(absl::string_view client_id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Forgets a completed release: its bytes leave the budget.
-  void SettleReleasesLocked(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
-  void DestroyLocked(Pool& pool, EventType why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Destroy(Pool& pool, EventType why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
 
   Device* const device_;
   const ManagerOptions options_;
   DeviceInfo device_info_;
-  uint64_t budget_bytes_ = 0;
+  Budget budget_;
+  SessionTable sessions_;
+  LeaseTable leases_;
+  TransactionTable transactions_;
+  std::atomic<uint64_t> next_chunk_id_{1};
+  PoolShared shared_;
 
-  // Guards the pool map and every pool's table, clients, releases and leases; never held across a
-  // device call. Lock order: a pool's op_mu, then mu_.
+  // Guards the maps of pools and of clients; a leaf: no pool lock is taken while it is held.
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Pool>, std::less<>> pools_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Caller, std::less<>> sessions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, LeaseRecord, std::less<>> leases_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string, std::less<>> client_pools_ ABSL_GUARDED_BY(mu_);  // client id -> pool
-  uint64_t committed_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // all pools, including bytes pending release
-  uint64_t next_chunk_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<std::string, std::string, std::less<>> transactions_ ABSL_GUARDED_BY(mu_);  // id -> pool
-  // Why the daemon aborted recent transactions (the last kMaxAbortedRecords), for Commit's message.
-  std::map<std::string, std::string, std::less<>> aborted_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> aborted_order_ ABSL_GUARDED_BY(mu_);
-  bool reaper_kick_ ABSL_GUARDED_BY(mu_) = false;  // a transaction was prepared: recompute the deadline
   std::thread reaper_;
 };
 

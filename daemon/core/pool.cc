@@ -1,0 +1,502 @@
+#include "daemon/core/pool.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kvd/status.h"
+
+namespace kvd::daemon {
+namespace {
+
+absl::Status Sleeping(absl::string_view pool) {
+  return absl::FailedPreconditionError(absl::StrCat("pool ", pool, " is sleeping: wake it first"));
+}
+
+}  // namespace
+
+absl::Status PoolGone(absl::string_view pool) {
+  return absl::NotFoundError(absl::StrCat("pool ", pool, " does not exist"));
+}
+
+Pool::Pool(const PoolSpec& spec, PoolPlan plan, uint32_t owner_uid, const PoolShared& shared)
+    : name_(spec.name),
+      plan_(std::move(plan)),
+      owner_uid_(owner_uid),
+      allowed_uids_(spec.allowed_uids),
+      group_(spec.group),
+      created_at_(absl::Now()),
+      shared_(shared),
+      peer_devices_(spec.peer_devices) {}
+
+bool Pool::Allows(uint32_t uid) const {
+  return uid == 0 || uid == shared_.daemon_uid || uid == owner_uid_ ||
+         std::find(allowed_uids_.begin(), allowed_uids_.end(), uid) != allowed_uids_.end();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views
+
+PoolView Pool::View() const {
+  absl::MutexLock lock(&mu_);
+  return ViewLocked();
+}
+
+PoolState Pool::state() const {
+  absl::MutexLock lock(&mu_);
+  return state_;
+}
+
+bool Pool::deleted() const {
+  absl::MutexLock lock(&mu_);
+  return deleted_;
+}
+
+uint64_t Pool::pending_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return PendingBytesLocked();
+}
+
+uint64_t Pool::PendingBytesLocked() const {
+  uint64_t sum = 0;
+  for (const auto& [id, r] : releases_) sum += r.bytes;
+  return sum;
+}
+
+PoolView Pool::ViewLocked() const {
+  PoolView v{.name = name_,
+             .state = state_,
+             .geometry = plan_.geometry,
+             .layout = plan_.layout,
+             .committed_blocks = committed_blocks(),
+             .committed_bytes = committed_bytes(),
+             .reserved_bytes = plan_.geometry.reserved_bytes(),
+             .pending_release_bytes = PendingBytesLocked(),
+             .wake_blocks = wake_blocks_,
+             .owner_uid = owner_uid_,
+             .allowed_uids = allowed_uids_,
+             .generation = generation_,
+             .created_at = created_at_,
+             .group = group_,
+             .peer_devices = peer_devices_,
+             .transaction = txn_.has_value() ? txn_->id : std::string()};
+  for (const auto& [id, c] : clients_) {
+    uint64_t mapped = 0;
+    for (const auto& [chunk, bytes] : c.handed) mapped += bytes;
+    v.clients.push_back({.id = c.id,
+                         .name = c.name,
+                         .uid = c.uid,
+                         .pid = c.pid,
+                         .mapped_bytes = mapped,
+                         .attached_at = c.attached_at,
+                         .device_uuid = c.device_uuid});
+  }
+  for (const ChunkRecord& r : chunks_) v.chunks.push_back(r.info);
+  return v;
+}
+
+PoolEvent Pool::EventLocked(EventType type) {
+  PoolEvent e;
+  e.sequence = ++event_sequence_;
+  e.pool = name_;
+  e.type = type;
+  e.committed_blocks = committed_blocks();
+  e.state = state_;
+  return e;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The resize state machine
+
+absl::Status Pool::CheckNotHeldLocked() const {
+  if (!txn_.has_value()) return absl::OkStatus();
+  return absl::AbortedError(
+      absl::StrCat("pool ", name_, " is held by group transaction ", txn_->id, " (", GroupOpName(txn_->change.op),
+                   ", prepared by pid ", txn_->pid, ") until it commits or aborts (at the latest in ",
+                   absl::FormatDuration(absl::Trunc(txn_->expires - absl::Now(), absl::Milliseconds(1))), ")"));
+}
+
+absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
+  const uint64_t committed = committed_blocks();
+  const bool awake = state_ == PoolState::kAwake;
+  Change change{.op = op, .target_blocks = target_blocks};
+  switch (op) {
+    case GroupOp::kGrow:
+      if (!awake) return Sleeping(name_);
+      if (target_blocks <= committed) {
+        return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not more than the ",
+                                                       committed, " blocks pool ", name_,
+                                                       " already has committed (use Shrink to release)"));
+      }
+      break;
+    case GroupOp::kShrink:
+      if (!awake) return Sleeping(name_);
+      if (target_blocks >= committed) {
+        return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " is not less than the ",
+                                                       committed, " blocks pool ", name_,
+                                                       " has committed (use Grow to add)"));
+      }
+      break;
+    case GroupOp::kSleep:
+      if (!awake) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " is already sleeping"));
+      break;
+    case GroupOp::kWake:
+      if (awake) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " is already awake"));
+      change.target_blocks = wake_blocks_;
+      break;
+  }
+  return change;
+}
+
+absl::StatusOr<std::vector<PlannedChunk>> Pool::PlanGrow(uint64_t target_blocks, uint64_t max_chunk_bytes) const {
+  absl::MutexLock lock(&mu_);
+  return plan_.geometry.PlanGrow(prefix_bytes_, target_blocks, max_chunk_bytes);
+}
+
+PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released) {
+  absl::MutexLock lock(&mu_);
+  switch (change.op) {
+    case GroupOp::kGrow:
+      return PublishLocked(std::move(change.staged), change.target_blocks, session);
+    case GroupOp::kWake:
+      // Awake before publishing, so that the CHUNKS_ADDED events say so. One chunk per segment for the
+      // whole previous size: sleep and wake also defragment.
+      state_ = PoolState::kAwake;
+      wake_blocks_ = 0;
+      if (change.target_blocks > 0) return PublishLocked(std::move(change.staged), change.target_blocks, session);
+      return PoolUpdate{.pool = ViewLocked()};
+    case GroupOp::kShrink:
+      return ReleaseLocked(plan_.geometry.PrefixBytes(change.target_blocks), released);
+    case GroupOp::kSleep:
+      wake_blocks_ = committed_blocks();
+      state_ = PoolState::kSleeping;
+      return ReleaseLocked(0, released);
+  }
+  return PoolUpdate{.pool = ViewLocked()};
+}
+
+PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session) {
+  PoolUpdate update;
+  for (ChunkRecord& r : staged.chunks) {
+    r.info.id = shared_.next_chunk_id->fetch_add(1);
+    update.added.push_back(r.info);
+    chunks_.push_back(std::move(r));
+  }
+  std::sort(chunks_.begin(), chunks_.end(), [](const ChunkRecord& a, const ChunkRecord& b) {
+    return std::tie(a.info.segment, a.info.offset) < std::tie(b.info.segment, b.info.offset);
+  });
+  prefix_bytes_ = plan_.geometry.PrefixBytes(target_blocks);
+  ++generation_;
+  std::vector<uint64_t> ids;
+  for (const ChunkInfo& c : update.added) ids.push_back(c.id);
+  // A client of the caller's own session gets its lease in the reply, so it can map the new blocks
+  // before the call returns; every other attached client learns of them through Watch.
+  bool replied = false;
+  for (auto& [id, client] : clients_) {
+    for (const ChunkInfo& c : update.added) client.handed[c.id] = c.bytes;
+    if (!replied && client.session == session) {
+      update.lease = shared_.leases->Issue(name_, client.session, ids);
+      replied = true;
+      continue;
+    }
+    PoolEvent e = EventLocked(EventType::kChunksAdded);
+    e.chunks = update.added;
+    e.lease = shared_.leases->Issue(name_, client.session, ids);
+    client.events->Push(std::move(e));
+  }
+  update.pool = ViewLocked();
+  return update;
+}
+
+PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released) {
+  PoolUpdate update;
+  // Whole chunks only: a chunk that straddles the new prefix stays, and the prefix ends after it.
+  std::vector<ChunkRecord> kept;
+  const size_t first_released = released->size();
+  uint64_t kept_prefix = 0;
+  for (ChunkRecord& r : chunks_) {
+    const uint64_t start_in_segment = r.info.offset - plan_.geometry.SegmentOffset(r.info.segment);
+    if (start_in_segment >= prefix_bytes) {
+      released->push_back(std::move(r));
+    } else {
+      kept_prefix = std::max(kept_prefix, start_in_segment + r.info.bytes);
+      kept.push_back(std::move(r));
+    }
+  }
+  chunks_.swap(kept);
+  prefix_bytes_ = kept_prefix;
+  if (released->size() > first_released) {
+    ++generation_;
+    Release release;
+    for (size_t i = first_released; i < released->size(); ++i) {
+      const ChunkInfo& info = (*released)[i].info;
+      release.chunks.push_back(info);
+      release.bytes += info.bytes;
+      update.released_chunk_ids.push_back(info.id);
+    }
+    const uint64_t id = next_release_id_++;
+    for (auto& [client_id, client] : clients_) {
+      const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
+                                     [&](const ChunkInfo& c) { return client.handed.contains(c.id); });
+      if (!holds) continue;
+      release.waiting.insert(client_id);
+      PoolEvent e = EventLocked(EventType::kChunksReleased);
+      e.chunks = release.chunks;
+      e.release_id = id;
+      client.events->Push(std::move(e));
+    }
+    releases_.emplace(id, std::move(release));
+    SettleReleasesLocked();
+    if (releases_.contains(id)) update.release_id = id;
+  }
+  update.pool = ViewLocked();
+  return update;
+}
+
+void Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
+  if (release_id == 0) return;
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return deleted_ || !releases_.contains(release_id); };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+}
+
+void Pool::SettleReleasesLocked() {
+  for (auto it = releases_.begin(); it != releases_.end();) {
+    if (it->second.waiting.empty()) {
+      shared_.budget->Give(it->second.bytes);
+      it = releases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transactions
+
+std::optional<Transaction> Pool::Hold(Transaction txn, const SessionTable& sessions) {
+  absl::MutexLock lock(&mu_);
+  // The session's end erases it from `sessions` before it looks for its transactions here, so checking
+  // and installing under this lock means no transaction outlives its session.
+  if (deleted_ || !sessions.Contains(txn.session)) return txn;
+  txn_ = std::move(txn);
+  return std::nullopt;
+}
+
+absl::StatusOr<Transaction> Pool::Unhold(absl::string_view id, std::optional<absl::string_view> session) {
+  absl::MutexLock lock(&mu_);
+  if (!txn_.has_value() || txn_->id != id) {
+    return absl::NotFoundError(absl::StrCat("transaction: ", id, " ended with its pool ", name_));
+  }
+  if (session.has_value() && txn_->session != *session) {
+    return absl::PermissionDeniedError(absl::StrCat("transaction: ", id, " was prepared by another session (pid ",
+                                                    txn_->pid, "); only it may commit or abort"));
+  }
+  Transaction txn = *std::move(txn_);
+  txn_.reset();
+  return txn;
+}
+
+std::optional<std::string> Pool::HeldBy(absl::string_view session) const {
+  absl::MutexLock lock(&mu_);
+  if (txn_.has_value() && txn_->session == session) return txn_->id;
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients
+
+absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_view client_name,
+                                          absl::string_view peer_device, const SessionTable& sessions) {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (!peer_device.empty() && std::none_of(peer_devices_.begin(), peer_devices_.end(),
+                                           [&](const std::string& d) { return d == "*" || d == peer_device; })) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "device_uuid: pool ", name_, " lives on device ", shared_.device_uuid, " and is not granted to device ",
+        peer_device, " (grant it: kvctl grant ", name_, " ", peer_device, ", or create it with peer_devices)"));
+  }
+  // Checked under this lock for the same reason as in Hold: a closing session detaches what it finds.
+  if (!sessions.Contains(caller.session)) return absl::UnauthenticatedError("kvd-session: the session has closed");
+  Client c{.id = RandomToken("c-"),
+           .name = client_name.empty() ? caller.name : std::string(client_name),
+           .uid = caller.uid,
+           .pid = caller.pid,
+           .session = caller.session,
+           .attached_at = absl::Now(),
+           .device_uuid = std::string(peer_device)};
+  std::vector<uint64_t> ids;
+  for (const ChunkRecord& r : chunks_) {
+    ids.push_back(r.info.id);
+    c.handed[r.info.id] = r.info.bytes;
+  }
+  AttachResult result{.client_id = c.id};
+  result.lease = shared_.leases->Issue(name_, caller.session, std::move(ids));
+  clients_.emplace(c.id, std::move(c));
+  result.pool = ViewLocked();
+  return result;
+}
+
+void Pool::DetachLocked(const std::string& client_id) {
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return;
+  it->second.events->Close();
+  clients_.erase(it);
+  for (auto& [id, release] : releases_) release.waiting.erase(client_id);
+  SettleReleasesLocked();
+}
+
+absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  if (it->second.session != caller.session && !Allows(caller.uid)) {
+    return absl::PermissionDeniedError(absl::StrCat("uid ", caller.uid, " may not detach client ", client_id));
+  }
+  DetachLocked(it->first);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Pool::DetachSession(absl::string_view session) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> gone;
+  for (const auto& [id, client] : clients_) {
+    if (client.session == session) gone.push_back(id);
+  }
+  for (const std::string& id : gone) DetachLocked(id);
+  return gone;
+}
+
+absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, absl::string_view client_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  Client& c = it->second;
+  if (c.session != caller.session) {
+    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
+  }
+  if (c.watching) {
+    return absl::FailedPreconditionError(absl::StrCat("client_id: ", client_id, " already has a Watch stream"));
+  }
+  c.watching = true;
+  return c.events;
+}
+
+absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_view client_id, uint64_t release_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  Client& c = it->second;
+  if (c.session != caller.session) {
+    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
+  }
+  auto r = releases_.find(release_id);
+  if (r == releases_.end() || !r->second.waiting.contains(c.id)) {
+    return absl::NotFoundError(
+        absl::StrCat("release_id: ", release_id, " is not awaiting an acknowledgement from client ", client_id));
+  }
+  r->second.waiting.erase(c.id);
+  for (const ChunkInfo& chunk : r->second.chunks) c.handed.erase(chunk.id);
+  SettleReleasesLocked();
+  return PendingBytesLocked();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Everything else
+
+absl::StatusOr<PoolView> Pool::GrantPeerAccess(absl::string_view device_uuid, bool revoke) {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  auto it = std::find(peer_devices_.begin(), peer_devices_.end(), device_uuid);
+  if (revoke) {
+    if (it == peer_devices_.end()) {
+      return absl::NotFoundError(absl::StrCat("device_uuid: ", device_uuid, " is not granted on pool ", name_));
+    }
+    peer_devices_.erase(it);
+  } else if (it == peer_devices_.end()) {
+    peer_devices_.emplace_back(device_uuid);
+  }
+  return ViewLocked();
+}
+
+absl::Status Pool::CheckDeletable(bool force) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (force) return absl::OkStatus();
+  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
+  if (!clients_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("pool ", name_, " has ", clients_.size(), " attached clients: detach them or delete with force"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BlockSpan> Pool::AwakeSpan() const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (state_ == PoolState::kSleeping) return Sleeping(name_);
+  return plan_.geometry.Span(base_, committed_blocks());
+}
+
+absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint64_t>& chunk_ids) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
+  std::vector<LeasedFd> out;
+  absl::Cleanup close_all = [&] {
+    for (const LeasedFd& f : out) close(f.fd);
+  };
+  for (uint64_t id : chunk_ids) {
+    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
+    if (r == chunks_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
+    }
+    const int fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      const int err = errno;
+      return absl::ResourceExhaustedError(absl::StrCat("fcntl(F_DUPFD_CLOEXEC): ", std::strerror(err)));
+    }
+    out.push_back({id, fd});
+  }
+  std::move(close_all).Cancel();
+  return out;
+}
+
+std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks) {
+  absl::MutexLock lock(&mu_);
+  deleted_ = true;
+  uint64_t bytes = committed_bytes() + PendingBytesLocked();
+  if (txn_.has_value()) {
+    bytes += txn_->change.staged.bytes;
+    for (ChunkRecord& r : txn_->change.staged.chunks) chunks->push_back(std::move(r));
+    txn_.reset();
+  }
+  std::vector<std::string> ids;
+  for (auto& [id, client] : clients_) {
+    client.events->Push(EventLocked(why));
+    client.events->Close();
+    ids.push_back(id);
+  }
+  clients_.clear();
+  // Clients still mapping released chunks free them when they unmap; the daemon stops counting.
+  releases_.clear();
+  for (ChunkRecord& r : chunks_) chunks->push_back(std::move(r));
+  chunks_.clear();
+  prefix_bytes_ = 0;
+  shared_.budget->Give(bytes);
+  shared_.leases->DropPool(name_);
+  return ids;
+}
+
+}  // namespace kvd::daemon

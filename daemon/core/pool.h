@@ -1,0 +1,248 @@
+// Pool: one pool's state, its invariants and the resize state machine's bookkeeping, behind the
+// pool's own locks. PoolManager (pool_manager.h) finds pools, makes and releases their memory on the
+// device and drives the state machine; everything here is bookkeeping and never calls the device.
+//
+// Two locks (Note [Lock order] in docs/architecture.md).
+// - `op_mu` serialises the changes of this pool and is held across the device calls that make or
+//   release its memory, so requests on one pool are ordered while other pools proceed in parallel.
+// - The state lock (private) guards the chunk table, clients, releases and the held transaction. It
+//   is held for bookkeeping only, never across a device call; readers (views, the handle channel,
+//   metrics) take only it.
+// Order: op_mu, then the state lock, then leaf locks (sessions, leases, budget, event queues, the
+// manager's maps). No lock is taken while a leaf lock is held.
+//
+// Invariants, under the state lock:
+// - chunks_ are sorted by (segment, offset) and cover [0, prefix_bytes_) of every segment exactly;
+// - the budget holds committed_bytes() + pending_bytes() + the held transaction's staged bytes;
+// - a sleeping pool has no chunks and remembers the blocks it wakes to;
+// - every chunk id in a client's `handed` is in chunks_ or in an unsettled release.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/core/budget.h"
+#include "daemon/core/event_queue.h"
+#include "daemon/core/pool_spec.h"
+#include "daemon/core/pool_types.h"
+#include "daemon/core/sessions.h"
+#include "kvd/device.h"
+
+namespace kvd::daemon {
+
+// One physical allocation of a pool, as the daemon holds it.
+struct ChunkRecord {
+  ChunkInfo info;
+  Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
+  int fd = -1;  // exported once at creation; consumers get dup()s
+};
+
+// Memory made for a grow or wake that no client can see yet; its bytes are already in the budget.
+struct Staged {
+  std::vector<ChunkRecord> chunks;
+  uint64_t bytes = 0;
+};
+
+// One resize between its prepare (checks, and the memory a grow or wake needs) and its commit.
+struct Change {
+  GroupOp op = GroupOp::kGrow;
+  uint64_t target_blocks = 0;  // grow and shrink: as asked; wake: the blocks it recommits; sleep: 0
+  Staged staged;               // grow and wake
+};
+
+// A prepared group resize holding its pool until Commit, Abort, its session's end or its ttl.
+struct Transaction {
+  std::string id;
+  std::string session;
+  int32_t pid = 0;
+  absl::Time expires;
+  Change change;
+};
+
+// What the pools of one manager share: leaf-locked rooms and the daemon-wide chunk id counter.
+struct PoolShared {
+  LeaseTable* leases = nullptr;
+  Budget* budget = nullptr;
+  std::atomic<uint64_t>* next_chunk_id = nullptr;
+  uint32_t daemon_uid = 0;
+  std::string device_uuid;  // the daemon's own device: attaching from it needs no grant
+};
+
+// NOT_FOUND "pool P does not exist".
+absl::Status PoolGone(absl::string_view pool);
+
+class Pool {
+ public:
+  Pool(const PoolSpec& spec, PoolPlan plan, uint32_t owner_uid, const PoolShared& shared);
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  // Serialises changes of this pool; held across device calls. Taken before the state lock.
+  absl::Mutex op_mu;
+
+  // Immutable after construction: no lock.
+  const std::string& name() const { return name_; }
+  const Geometry& geometry() const { return plan_.geometry; }
+  const GroupMembership& group() const { return group_; }
+  uint32_t owner_uid() const { return owner_uid_; }
+  // Whether `uid` may see and change the pool: its owner, an allowed uid, root or the daemon's uid.
+  bool Allows(uint32_t uid) const;
+
+  // The VA reservation: set once, while creating the pool, before any chunk exists.
+  uint64_t base() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) { return base_; }
+  void set_base(uint64_t base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) { base_ = base; }
+
+  PoolView View() const ABSL_LOCKS_EXCLUDED(mu_);
+  PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- The resize state machine. Check, then (grow, wake) the manager stages memory, then Apply. ---
+
+  // Whether `op` may start now: NOT_FOUND once deleted, ABORTED while a transaction holds the pool,
+  // FAILED_PRECONDITION for the wrong state, INVALID_ARGUMENT for a target on the wrong side of the
+  // committed blocks. Returns the change with the blocks a wake recommits.
+  [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The chunks that take every segment's prefix from where it is to `target_blocks`.
+  [[nodiscard]] absl::StatusOr<std::vector<PlannedChunk>> PlanGrow(uint64_t target_blocks,
+                                                                   uint64_t max_chunk_bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes a checked (and staged) change visible. Grow and wake publish the staged chunks: ids, the
+  // prefix, the generation, a lease in the reply for `session`'s client and CHUNKS_ADDED for the
+  // others. Shrink and sleep take every chunk at or past the new prefix out of the table and ask the
+  // clients that hold them to unmap; the caller unmaps and releases the daemon's references to
+  // `*released` (no lock but op_mu held).
+  PoolUpdate Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits (holding no lock of the caller's) until release `release_id` completed or `deadline` passed.
+  void AwaitRelease(uint64_t release_id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Transactions ---
+
+  // Installs `txn` if `sessions` still has its session (checked under the state lock, so that a
+  // session closing concurrently finds it); otherwise gives it back.
+  [[nodiscard]] std::optional<Transaction> Hold(Transaction txn, const SessionTable& sessions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes the held transaction out if it is `id` and was prepared by `session` (any session when
+  // nullopt: the daemon's own aborts): NOT_FOUND when the pool holds another (or none),
+  // PERMISSION_DENIED for another session.
+  [[nodiscard]] absl::StatusOr<Transaction> Unhold(absl::string_view id, std::optional<absl::string_view> session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // The held transaction's id if `session` prepared it.
+  std::optional<std::string> HeldBy(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Clients ---
+
+  // A new client of `caller`'s session with a lease of every chunk. PERMISSION_DENIED when
+  // `peer_device` (not the daemon's own) is not granted; UNAUTHENTICATED once the session closed.
+  [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view client_name,
+                                                    absl::string_view peer_device, const SessionTable& sessions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND when not attached; PERMISSION_DENIED unless `caller` is its session or may use the pool.
+  [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Detaches every client of `session`; returns their ids.
+  std::vector<std::string> DetachSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<EventQueue>> Watch(const Caller& caller, absl::string_view client_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns the bytes still pending release.
+  [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
+                                                     uint64_t release_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Everything else ---
+
+  [[nodiscard]] absl::StatusOr<PoolView> GrantPeerAccess(absl::string_view device_uuid, bool revoke)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // FAILED_PRECONDITION while clients are attached unless `force`; ABORTED while held unless `force`.
+  [[nodiscard]] absl::Status CheckDeletable(bool force) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The committed blocks for block operations: NOT_FOUND once deleted, FAILED_PRECONDITION asleep.
+  [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // dup()s of the exported FDs of `chunk_ids`, in order; FAILED_PRECONDITION for a chunk released
+  // since (naming it). The caller owns the FDs.
+  struct LeasedFd {
+    uint64_t chunk_id;
+    int fd;
+  };
+  [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(const std::vector<uint64_t>& chunk_ids) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
+  // the budget and hands the daemon's chunks (the table's and a held transaction's) to the caller to
+  // unmap and release. Returns the ids of the clients it detached.
+  std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Client {
+    std::string id;
+    std::string name;
+    uint32_t uid = 0;
+    int32_t pid = 0;
+    std::string session;
+    absl::Time attached_at;
+    std::string device_uuid;
+    std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes, until acknowledged as released
+    std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
+    bool watching = false;
+  };
+  struct Release {
+    std::vector<ChunkInfo> chunks;
+    uint64_t bytes = 0;
+    std::set<std::string> waiting;  // client ids that still map some of the chunks
+  };
+
+  uint64_t committed_blocks() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return plan_.geometry.BlocksInPrefix(prefix_bytes_);
+  }
+  uint64_t committed_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return plan_.geometry.CommittedBytes(prefix_bytes_);
+  }
+  uint64_t PendingBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolView ViewLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolEvent EventLocked(EventType type) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckNotHeldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolUpdate PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DetachLocked(const std::string& client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets completed releases; their bytes leave the budget.
+  void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string name_;
+  const PoolPlan plan_;
+  const uint32_t owner_uid_;
+  const std::vector<uint32_t> allowed_uids_;
+  const GroupMembership group_;
+  const absl::Time created_at_;
+  const PoolShared shared_;
+  uint64_t base_ ABSL_GUARDED_BY(op_mu) = 0;
+
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(op_mu);
+  bool deleted_ ABSL_GUARDED_BY(mu_) = false;
+  PoolState state_ ABSL_GUARDED_BY(mu_) = PoolState::kAwake;
+  uint64_t prefix_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // committed bytes of every segment
+  uint64_t wake_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<ChunkRecord> chunks_ ABSL_GUARDED_BY(mu_);  // by (segment, offset)
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t event_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> peer_devices_ ABSL_GUARDED_BY(mu_);
+  std::optional<Transaction> txn_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Client, std::less<>> clients_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Release> releases_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_release_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace kvd::daemon

@@ -1,0 +1,134 @@
+// The values the daemon's pool model hands out: who asks (Caller), chunks, leases, snapshots of a pool
+// (PoolView), the result of a change (PoolUpdate), group operations and the events clients watch.
+// Plain values, no locks; the rooms that produce them are pool.h, sessions.h, event_queue.h and
+// pool_manager.h.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "daemon/core/geometry.h"
+#include "daemon/core/layout_chain.h"
+#include "daemon/core/pool_spec.h"
+#include "kvd/device.h"
+
+namespace kvd::daemon {
+
+// Who is asking: from the session token the RPC carried.
+struct Caller {
+  uint32_t uid = 0;
+  int32_t pid = 0;
+  std::string session;  // the session token
+  std::string name;     // what the client called itself when it opened the session
+};
+
+struct ChunkInfo {
+  uint64_t id = 0;  // unique for the daemon's lifetime
+  uint64_t segment = 0;
+  uint64_t offset = 0;  // from the pool's base
+  uint64_t bytes = 0;
+};
+
+// A single-use capability to fetch the FDs of `chunk_ids` on the handle channel, for `uid`.
+struct Lease {
+  std::string token;
+  std::vector<uint64_t> chunk_ids;
+  absl::Time expires;
+};
+
+enum class PoolState { kAwake, kSleeping };
+
+struct ClientView {
+  std::string id;
+  std::string name;
+  uint32_t uid = 0;
+  int32_t pid = 0;
+  uint64_t mapped_bytes = 0;  // handed to the client and not yet acknowledged as released
+  absl::Time attached_at;
+  std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
+};
+
+// A consistent snapshot of one pool.
+struct PoolView {
+  std::string name;
+  PoolState state = PoolState::kAwake;
+  Geometry geometry;
+  LayoutResolution layout;
+  uint64_t committed_blocks = 0;
+  uint64_t committed_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t pending_release_bytes = 0;
+  uint64_t wake_blocks = 0;
+  uint32_t owner_uid = 0;
+  std::vector<uint32_t> allowed_uids;
+  std::vector<ClientView> clients;
+  std::vector<ChunkInfo> chunks;  // by (segment, offset)
+  uint64_t generation = 0;
+  absl::Time created_at;
+  GroupMembership group;
+  std::vector<std::string> peer_devices;
+  std::string transaction;  // the prepared transaction holding the pool, if any
+};
+
+// The result of one change to a pool's chunk table.
+struct PoolUpdate {
+  PoolView pool;
+  std::vector<ChunkInfo> added;
+  std::optional<Lease> lease;  // the caller's FDs of `added`
+  std::vector<uint64_t> released_chunk_ids;
+  uint64_t release_id = 0;  // 0: nothing to acknowledge
+  absl::Duration elapsed;
+};
+
+// The four resizes. Plain Grow/Shrink/Sleep/Wake and engine groups' Prepare/Commit run the same
+// state machine (pool.h): a plain resize is a prepare and a commit in one call.
+enum class GroupOp { kGrow, kShrink, kSleep, kWake };
+// "grow", "shrink", "sleep", "wake".
+const char* GroupOpName(GroupOp op);
+
+struct PreparedOp {
+  std::string transaction;
+  PoolView pool;
+  uint64_t prepared_bytes = 0;  // created for a grow or wake, not yet visible to clients
+  absl::Time expires;
+  absl::Duration elapsed;
+};
+
+struct CommittedOp {
+  GroupOp op = GroupOp::kGrow;
+  PoolUpdate update;
+};
+
+struct AttachResult {
+  std::string client_id;
+  PoolView pool;
+  Lease lease;  // every chunk of pool.chunks
+};
+
+enum class EventType { kChunksAdded, kChunksReleased, kPoolDeleted, kDaemonStopping };
+
+struct PoolEvent {
+  uint64_t sequence = 0;
+  std::string pool;
+  EventType type = EventType::kChunksAdded;
+  std::vector<ChunkInfo> chunks;
+  std::optional<Lease> lease;  // kChunksAdded: this client's FDs of `chunks`
+  uint64_t release_id = 0;     // kChunksReleased: what to acknowledge
+  uint64_t committed_blocks = 0;
+  PoolState state = PoolState::kAwake;
+};
+
+struct DeviceStatus {
+  DeviceInfo info;
+  uint64_t committed_bytes = 0;  // all pools, including bytes pending release
+  uint64_t pending_release_bytes = 0;
+  uint64_t reserved_bytes = 0;
+  uint64_t budget_bytes = 0;
+  uint64_t max_chunk_bytes = 0;
+  uint32_t pools = 0;
+};
+
+}  // namespace kvd::daemon

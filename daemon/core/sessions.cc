@@ -1,0 +1,98 @@
+#include "daemon/core/sessions.h"
+
+#include <sys/random.h>
+
+#include <iterator>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace kvd::daemon {
+
+std::string RandomToken(absl::string_view prefix) {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::StrCat(prefix,
+                      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes))));
+}
+
+std::string SessionTable::Open(uint32_t uid, int32_t pid, std::string name) {
+  std::string token = RandomToken("s-");
+  absl::MutexLock lock(&mu_);
+  sessions_[token] = Caller{.uid = uid, .pid = pid, .session = token, .name = std::move(name)};
+  return token;
+}
+
+bool SessionTable::Close(absl::string_view session) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) return false;
+  sessions_.erase(it);
+  return true;
+}
+
+absl::StatusOr<Caller> SessionTable::Authenticate(absl::string_view session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError("kvd-session: unknown or closed session; open one on the handle channel");
+  }
+  return it->second;
+}
+
+bool SessionTable::Contains(absl::string_view session) const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.contains(session);
+}
+
+Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids) {
+  const absl::Time now = absl::Now();
+  Lease lease{.token = RandomToken("l-"), .chunk_ids = std::move(chunk_ids), .expires = now + ttl_};
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    it = it->second.expires < now ? leases_.erase(it) : std::next(it);
+  }
+  leases_[lease.token] = {.pool = std::string(pool),
+                          .session = std::string(session),
+                          .chunk_ids = lease.chunk_ids,
+                          .expires = lease.expires};
+  return lease;
+}
+
+absl::StatusOr<LeaseRecord> LeaseTable::Redeem(absl::string_view session, absl::string_view token) {
+  absl::MutexLock lock(&mu_);
+  auto it = leases_.find(token);
+  if (it == leases_.end()) return absl::NotFoundError("lease_token: unknown or already used lease");
+  if (it->second.session != session) return absl::PermissionDeniedError("lease_token: issued to another session");
+  LeaseRecord lease = std::move(it->second);
+  leases_.erase(it);
+  const absl::Time now = absl::Now();
+  if (lease.expires < now) {
+    return absl::DeadlineExceededError(absl::StrCat("lease_token: expired ", absl::FormatDuration(now - lease.expires),
+                                                    " ago; attach again for a new lease"));
+  }
+  return lease;
+}
+
+void LeaseTable::DropSession(absl::string_view session) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    it = it->second.session == session ? leases_.erase(it) : std::next(it);
+  }
+}
+
+void LeaseTable::DropPool(absl::string_view pool) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    it = it->second.pool == pool ? leases_.erase(it) : std::next(it);
+  }
+}
+
+}  // namespace kvd::daemon

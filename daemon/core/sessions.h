@@ -1,0 +1,70 @@
+// Sessions and leases: who is talking to the daemon, and the single-use capabilities that turn into
+// chunk FDs on the handle channel.
+//
+// A session is opened on the handle channel, whose SO_PEERCRED gives its uid and pid; its token is
+// then sent as metadata on RPCs (DESIGN.md section 7). A lease names chunks of one pool for one
+// session and is redeemed at most once, before it expires.
+//
+// Threads. Both tables are thread-safe and their locks are leaves: a pool may consult them while
+// holding its own lock (see Note [Lock order] in docs/architecture.md).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/core/pool_types.h"
+
+namespace kvd::daemon {
+
+// 128 random bits as hex after `prefix`: session and lease tokens, client and transaction ids.
+std::string RandomToken(absl::string_view prefix);
+
+class SessionTable {
+ public:
+  std::string Open(uint32_t uid, int32_t pid, std::string name) ABSL_LOCKS_EXCLUDED(mu_);
+  // False when `session` is unknown or already closed.
+  bool Close(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
+  // UNAUTHENTICATED for an unknown or closed session.
+  [[nodiscard]] absl::StatusOr<Caller> Authenticate(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
+  bool Contains(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::string, Caller, std::less<>> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+struct LeaseRecord {
+  std::string pool;
+  std::string session;
+  std::vector<uint64_t> chunk_ids;
+  absl::Time expires;
+};
+
+class LeaseTable {
+ public:
+  explicit LeaseTable(absl::Duration ttl) : ttl_(ttl) {}
+
+  // A new lease of `chunk_ids` of `pool` for `session`; drops expired leases on the way.
+  Lease Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes the lease out, whatever happens next (single use). NOT_FOUND for an unknown or used lease,
+  // PERMISSION_DENIED when it was issued to another session, DEADLINE_EXCEEDED once expired.
+  [[nodiscard]] absl::StatusOr<LeaseRecord> Redeem(absl::string_view session, absl::string_view token)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void DropSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
+  void DropPool(absl::string_view pool) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const absl::Duration ttl_;
+  absl::Mutex mu_;
+  std::map<std::string, LeaseRecord, std::less<>> leases_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvd::daemon
