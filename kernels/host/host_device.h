@@ -73,7 +73,8 @@ class HostDevice final : public Device {
   [[nodiscard]] absl::StatusOr<DeviceInfo> Info() override;
 
   [[nodiscard]] absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override;
-  // `va` and `bytes` must be exactly a live reservation with no mappings left (FAILED_PRECONDITION).
+  // `va` and `bytes` must be exactly a live reservation (INVALID_ARGUMENT) with no mappings left
+  // (FAILED_PRECONDITION).
   [[nodiscard]] absl::Status Free(uint64_t va, uint64_t bytes) override;
 
   // RESOURCE_EXHAUSTED naming the bytes asked and free when past the capacity or MemAvailable, or
