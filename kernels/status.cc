@@ -17,6 +17,8 @@ absl::Status ErrnoStatus(int err, absl::string_view call) {
   switch (err) {
     case ENOMEM:
     case ENOSPC:
+    case ENOBUFS:
+    case ETOOMANYREFS:
       return absl::ResourceExhaustedError(message);
     case EMFILE:
     case ENFILE:
@@ -30,9 +32,17 @@ absl::Status ErrnoStatus(int err, absl::string_view call) {
     case EPERM:
       return absl::PermissionDeniedError(message);
     case ENOENT:
+    case ENOTDIR:
       return absl::NotFoundError(message);
+    case EEXIST:
+    case EADDRINUSE:
+      return absl::AlreadyExistsError(message);
     case EAGAIN:  // == EWOULDBLOCK on Linux
     case EINTR:
+    case EPIPE:
+    case ECONNRESET:
+    case ENOTCONN:
+    case ECONNREFUSED:
       return absl::UnavailableError(message);
     case ETIMEDOUT:
       return absl::DeadlineExceededError(message);

@@ -37,7 +37,16 @@ TEST(ErrnoStatusTest, EveryErrnoOfTheTableGetsItsCode) {
       {EOPNOTSUPP, absl::StatusCode::kUnimplemented},
       {ENOTSUP, absl::StatusCode::kUnimplemented},
       {EIO, absl::StatusCode::kInternal},
-      {EPIPE, absl::StatusCode::kInternal},
+      {EPIPE, absl::StatusCode::kUnavailable},
+      {ECONNRESET, absl::StatusCode::kUnavailable},
+      {ENOTCONN, absl::StatusCode::kUnavailable},
+      {ECONNREFUSED, absl::StatusCode::kUnavailable},
+      {EEXIST, absl::StatusCode::kAlreadyExists},
+      {EADDRINUSE, absl::StatusCode::kAlreadyExists},
+      {ENOTDIR, absl::StatusCode::kNotFound},
+      {ENOBUFS, absl::StatusCode::kResourceExhausted},
+      {ETOOMANYREFS, absl::StatusCode::kResourceExhausted},
+      {EROFS, absl::StatusCode::kInternal},
   };
   for (const auto& row : kTable) {
     EXPECT_EQ(ErrnoStatus(row.err, "call").code(), row.code) << "errno " << row.err;

@@ -14,15 +14,17 @@ namespace kvd {
 // Errors). The message is "<call>: <strerror> (<errno name>)", e.g.
 // "mmap(PROT_NONE, 4194304 bytes): Cannot allocate memory (ENOMEM)"; `call` should name the system
 // call and what it was asked. The code:
-//   ENOMEM, ENOSPC                 RESOURCE_EXHAUSTED
-//   EMFILE, ENFILE                 RESOURCE_EXHAUSTED, saying it is file descriptors, not memory
-//   EINVAL, EBADF                  INVALID_ARGUMENT
-//   EACCES, EPERM                  PERMISSION_DENIED
-//   ENOENT                         NOT_FOUND
-//   EAGAIN (EWOULDBLOCK), EINTR    UNAVAILABLE
-//   ETIMEDOUT                      DEADLINE_EXCEEDED
-//   ENOSYS, EOPNOTSUPP (ENOTSUP)   UNIMPLEMENTED
-//   anything else                  INTERNAL
+//   ENOMEM, ENOSPC, ENOBUFS, ETOOMANYREFS      RESOURCE_EXHAUSTED
+//   EMFILE, ENFILE                             RESOURCE_EXHAUSTED, saying it is file descriptors, not memory
+//   EINVAL, EBADF                              INVALID_ARGUMENT
+//   EACCES, EPERM                              PERMISSION_DENIED
+//   ENOENT, ENOTDIR                            NOT_FOUND
+//   EEXIST, EADDRINUSE                         ALREADY_EXISTS
+//   EAGAIN (EWOULDBLOCK), EINTR                UNAVAILABLE
+//   EPIPE, ECONNRESET, ENOTCONN, ECONNREFUSED  UNAVAILABLE (the peer is gone)
+//   ETIMEDOUT                                  DEADLINE_EXCEEDED
+//   ENOSYS, EOPNOTSUPP (ENOTSUP)               UNIMPLEMENTED
+//   anything else                              INTERNAL
 // Callers that know better for one errno (a closed peer is UNAVAILABLE, say) decide that themselves
 // before calling this.
 [[nodiscard]] absl::Status ErrnoStatus(int err, absl::string_view call);
