@@ -28,17 +28,20 @@
 //   Release     not a live chunk (unknown handle, another size, released already): INVALID_ARGUMENT.
 //   Map         va unaligned, chunk not live (unknown handle or another size), or the range not
 //               inside one reservation: INVALID_ARGUMENT; the range overlaps a mapping:
-//               FAILED_PRECONDITION.
+//               FAILED_PRECONDITION. A chunk may be mapped at several places.
 //   Unmap       va or bytes unaligned, the range not inside one reservation, or it cuts a mapping
 //               (holds part of one): INVALID_ARGUMENT. Unmapped parts of the range are left alone,
 //               so unmapping a whole reservation with holes is fine.
 //   Export      not a live chunk: INVALID_ARGUMENT.
 //   CopyToHost, CopyFromHost, ZeroBlocks, CopyBlocks, PackBlocks, UnpackBlocks
 //               a null host pointer, a malformed span (its extent overflows, its segments overlap),
-//               or any byte touched that lies outside every reservation of this device:
+//               or a range touched that is not inside one reservation of this device:
 //               INVALID_ARGUMENT; any byte touched that is reserved but not mapped, or mapped
 //               read-only where the call writes: FAILED_PRECONDITION. Nothing is touched then.
-// A call that fails, for misuse or in the driver, leaves the device's bookkeeping as it was.
+// A call that fails, for misuse or in the driver, leaves the device's bookkeeping as it was (an Unmap
+// over several mappings that fails in the driver part way leaves the ones before unmapped). Backend
+// rules beyond these (HIP before 7.12 refuses a second mapping in a reservation) are
+// FAILED_PRECONDITION and stated in the backend's header.
 #pragma once
 
 #include <cstdint>
