@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 #include "kvd/v1/kvd.pb.h"
 
 namespace kvd {
@@ -34,11 +35,9 @@ Clock::time_point DeadlineAfter(absl::Duration timeout) {
 
 Clock::duration Left(Clock::time_point deadline) { return std::max(deadline - Clock::now(), Clock::duration::zero()); }
 
-std::string ErrnoText(int err) { return absl::StrCat(std::strerror(err), " (errno ", err, ")"); }
-
 // Connects a SOCK_SEQPACKET socket to `path`; sends (and a connect to a full backlog) give up at
 // `deadline` through SO_SNDTIMEO.
-absl::StatusOr<int> Connect(const std::string& path, Clock::time_point deadline, absl::Duration timeout) {
+absl::StatusOr<UniqueFd> Connect(const std::string& path, Clock::time_point deadline, absl::Duration timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty()) return absl::InvalidArgumentError("handles_path: must not be empty");
@@ -47,9 +46,8 @@ absl::StatusOr<int> Connect(const std::string& path, Clock::time_point deadline,
                                                    sizeof(addr.sun_path) - 1, " of a Unix socket"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::ResourceExhaustedError(absl::StrCat("socket: ", ErrnoText(errno)));
-  absl::Cleanup close_fd = [fd] { close(fd); };
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd) return ErrnoStatus(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
 
   // A zero timeval would mean "no timeout": wait at least a microsecond.
   const int64_t left_us =
@@ -57,10 +55,10 @@ absl::StatusOr<int> Connect(const std::string& path, Clock::time_point deadline,
   timeval send_timeout{};
   send_timeout.tv_sec = static_cast<time_t>(left_us / 1000000);
   send_timeout.tv_usec = static_cast<suseconds_t>(left_us % 1000000);
-  if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout)) != 0) {
-    return absl::InternalError(absl::StrCat("setsockopt(SO_SNDTIMEO): ", ErrnoText(errno)));
+  if (setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout)) != 0) {
+    return ErrnoStatus(errno, "setsockopt(SO_SNDTIMEO)");
   }
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     switch (err) {
       case ENOENT:
@@ -69,15 +67,15 @@ absl::StatusOr<int> Connect(const std::string& path, Clock::time_point deadline,
         return absl::UnavailableError(absl::StrCat("no kvd daemon at ", path));
       case EACCES:
       case EPERM:
-        return absl::PermissionDeniedError(absl::StrCat("connect(", path, "): ", ErrnoText(err)));
+        return ErrnoStatus(err, absl::StrCat("connect(", path, ")"));
       case EAGAIN:
         return absl::DeadlineExceededError(
             absl::StrCat("connect(", path, "): the daemon did not accept within ", absl::FormatDuration(timeout)));
       default:
-        return absl::UnavailableError(absl::StrCat("connect(", path, "): ", ErrnoText(err)));
+        // Whatever else stops a connect, the daemon is not reachable: UNAVAILABLE, with the errno text.
+        return absl::UnavailableError(ErrnoStatus(err, absl::StrCat("connect(", path, ")")).message());
     }
   }
-  std::move(close_fd).Cancel();
   return fd;
 }
 
@@ -89,7 +87,7 @@ absl::StatusOr<MessageWithFds> ReceivePacket(int fd, const std::string& path, Cl
     pollfd polled{fd, POLLIN, 0};
     const int ready = poll(&polled, 1, static_cast<int>(std::min<decltype(ms)>(ms, INT_MAX)));
     if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0) return absl::InternalError(absl::StrCat("poll: ", ErrnoText(errno)));
+    if (ready < 0) return ErrnoStatus(errno, "poll");
     if (ready == 0) {
       return absl::DeadlineExceededError(
           absl::StrCat("handle channel ", path, ": no reply within ", absl::FormatDuration(timeout)));
@@ -102,7 +100,9 @@ absl::StatusOr<MessageWithFds> ReceivePacket(int fd, const std::string& path, Cl
   socklen_t len = sizeof(pending_error);
   if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &pending_error, &len) == 0 && pending_error != 0 &&
       pending_error != ECONNRESET) {
-    return absl::UnavailableError(absl::StrCat("handle channel ", path, ": ", ErrnoText(pending_error)));
+    // A socket error is the connection failing: UNAVAILABLE, with the errno text.
+    return absl::UnavailableError(
+        ErrnoStatus(pending_error, absl::StrCat("handle channel ", path, ": SO_ERROR")).message());
   }
   absl::StatusOr<MessageWithFds> packet = ReceiveWithFds(fd, kMaxReplyBytes);
   if (absl::IsUnavailable(packet.status())) {
@@ -142,7 +142,7 @@ absl::Status SendRequest(int fd, const std::string& path, const v1::HandleChanne
     case ENOTCONN:
       return absl::UnavailableError(absl::StrCat("handle channel ", path, ": the daemon closed the connection"));
     default:
-      return absl::InternalError(absl::StrCat("handle channel ", path, ": send: ", ErrnoText(err)));
+      return ErrnoStatus(err, absl::StrCat("handle channel ", path, ": send"));
   }
 }
 
@@ -168,7 +168,8 @@ absl::StatusOr<HandleSession> HandleSession::Open(std::string handles_path, absl
                                                   HandleClientOptions options) {
   const Clock::time_point deadline = DeadlineAfter(options.timeout);
   HandleSession session(std::move(handles_path), options);  // closes the connection on every early return
-  KVD_ASSIGN_OR_RETURN(session.fd_, Connect(session.path_, deadline, options.timeout));
+  KVD_ASSIGN_OR_RETURN(UniqueFd connection, Connect(session.path_, deadline, options.timeout));
+  session.fd_ = connection.release();
 
   v1::HandleChannelRequest request;
   request.mutable_open_session()->set_client_name(std::string(client_name));
@@ -220,8 +221,8 @@ absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl:
   if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
   if (lease_token.empty()) return absl::InvalidArgumentError("lease_token: must not be empty");
   const Clock::time_point deadline = DeadlineAfter(options_.timeout);
-  KVD_ASSIGN_OR_RETURN(const int fd, Connect(path_, deadline, options_.timeout));
-  absl::Cleanup close_connection = [fd] { close(fd); };
+  KVD_ASSIGN_OR_RETURN(const UniqueFd connection, Connect(path_, deadline, options_.timeout));
+  const int fd = connection.get();
 
   v1::HandleChannelRequest request;
   request.mutable_fetch_handles()->set_session_token(token_);

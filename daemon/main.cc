@@ -298,12 +298,6 @@ absl::Status PrintDevices(const Flags& f) {
 // ---------------------------------------------------------------------------------------------
 // Sockets
 
-absl::Status ErrnoStatus(absl::string_view what, int err) {
-  return absl::Status(
-      err == EACCES || err == EPERM ? absl::StatusCode::kPermissionDenied : absl::StatusCode::kFailedPrecondition,
-      absl::StrCat(what, ": ", std::strerror(err)));
-}
-
 // Creates the socket directory (and its parents) 0750 if missing; warns when it is looser.
 absl::Status PrepareSocketDirectory(const std::string& socket) {
   const size_t slash = socket.find_last_of('/');
@@ -324,10 +318,10 @@ absl::Status PrepareSocketDirectory(const std::string& socket) {
     pos = dir.find('/', pos + 1);
     const std::string prefix = dir.substr(0, pos);
     if (mkdir(prefix.c_str(), 0750) != 0 && errno != EEXIST) {
-      return ErrnoStatus(absl::StrCat("creating socket directory ", prefix), errno);
+      return ErrnoStatus(errno, absl::StrCat("creating socket directory ", prefix));
     }
   }
-  if (chmod(dir.c_str(), 0750) != 0) return ErrnoStatus(absl::StrCat("chmod 0750 ", dir), errno);
+  if (chmod(dir.c_str(), 0750) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0750 ", dir));
   spdlog::info("created socket directory {} (0750)", dir);
   return absl::OkStatus();
 }
@@ -338,7 +332,7 @@ absl::Status ClaimSocketPath(const std::string& path, int type) {
   struct stat st {};
   if (lstat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return ErrnoStatus(path, errno);
+    return ErrnoStatus(errno, path);
   }
   if (!S_ISSOCK(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
@@ -350,13 +344,13 @@ absl::Status ClaimSocketPath(const std::string& path, int type) {
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   const int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus("socket", errno);
+  if (fd < 0) return ErrnoStatus(errno, "socket");
   const int rc = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int err = errno;
   close(fd);
   if (rc == 0) return absl::AlreadyExistsError(absl::StrCat("another kvd is serving ", path));
-  if (err != ECONNREFUSED) return ErrnoStatus(absl::StrCat("probing ", path), err);
-  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(absl::StrCat("removing stale ", path), errno);
+  if (err != ECONNREFUSED) return ErrnoStatus(err, absl::StrCat("probing ", path));
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, absl::StrCat("removing stale ", path));
   spdlog::info("removed stale socket {} (nobody accepted on it)", path);
   return absl::OkStatus();
 }
@@ -451,12 +445,12 @@ absl::Status Run(const Flags& f) {
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     RemoveSocket(socket_path, socket_id);
   };
-  if (chmod(socket_path.c_str(), 0660) != 0) return ErrnoStatus(absl::StrCat("chmod 0660 ", socket_path), errno);
+  if (chmod(socket_path.c_str(), 0660) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0660 ", socket_path));
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
 
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<HandleChannel> channel, HandleChannel::Start(handles_path, &backend));
-  if (chmod(handles_path.c_str(), 0660) != 0) return ErrnoStatus(absl::StrCat("chmod 0660 ", handles_path), errno);
+  if (chmod(handles_path.c_str(), 0660) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0660 ", handles_path));
 
   spdlog::info(
       "kvd {} ready: backend {}, device \"{}\" #{} {}, grpc unix:{}, handles {}, budget {} of {}, max chunk {}, "
@@ -473,7 +467,7 @@ absl::Status Run(const Flags& f) {
   sigaddset(&stop_signals, SIGINT);
   siginfo_t signal_info{};
   while (sigwaitinfo(&stop_signals, &signal_info) < 0) {
-    if (errno != EINTR) return ErrnoStatus("sigwaitinfo", errno);
+    if (errno != EINTR) return ErrnoStatus(errno, "sigwaitinfo");
   }
   spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
   sd_notify(0, "STOPPING=1\nSTATUS=stopping: releasing all memory");

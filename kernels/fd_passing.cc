@@ -7,15 +7,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvd/status.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd {
-namespace {
-
-absl::Status ErrnoStatus(absl::string_view call, int err) {
-  return absl::InternalError(absl::StrCat(call, ": ", std::strerror(err), " (errno ", err, ")"));
-}
-
-}  // namespace
 
 absl::Status SendWithFds(int socket, absl::string_view payload, absl::Span<const int> fds) {
   if (payload.empty()) return absl::InvalidArgumentError("payload: must not be empty");
@@ -42,14 +37,14 @@ absl::Status SendWithFds(int socket, absl::string_view payload, absl::Span<const
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
     if (errno == EPIPE || errno == ECONNRESET) return absl::UnavailableError("sendmsg: the peer has closed the socket");
-    return ErrnoStatus("sendmsg", errno);
+    return ErrnoStatus(errno, "sendmsg");
   }
   // The FDs went with the first byte; a stream socket may split the rest of the payload.
   for (size_t sent = n; sent < payload.size(); sent += n) {
     do {
       n = send(socket, payload.data() + sent, payload.size() - sent, MSG_NOSIGNAL);
     } while (n < 0 && errno == EINTR);
-    if (n < 0) return ErrnoStatus("send", errno);
+    if (n < 0) return ErrnoStatus(errno, "send");
   }
   return absl::OkStatus();
 }
@@ -68,21 +63,24 @@ absl::StatusOr<MessageWithFds> ReceiveWithFds(int socket, size_t max_payload) {
   do {
     n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
-  if (n < 0) return ErrnoStatus("recvmsg", errno);
+  if (n < 0) return ErrnoStatus(errno, "recvmsg");
+  // Owned here until the message is known to be whole, so that every early return closes them.
+  std::vector<UniqueFd> received;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
       const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      const size_t first = out.fds.size();
-      out.fds.resize(first + count);
-      std::memcpy(out.fds.data() + first, CMSG_DATA(c), count * sizeof(int));
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        received.emplace_back(fd);
+      }
     }
   }
-  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
-    for (int fd : out.fds) close(fd);
-    return absl::DataLossError("recvmsg: message or FDs truncated");
-  }
-  if (n == 0 && out.fds.empty()) return absl::UnavailableError("recvmsg: the peer has closed the socket");
+  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) return absl::DataLossError("recvmsg: message or FDs truncated");
+  if (n == 0 && received.empty()) return absl::UnavailableError("recvmsg: the peer has closed the socket");
   out.payload.resize(n);
+  out.fds.reserve(received.size());
+  for (UniqueFd& fd : received) out.fds.push_back(fd.release());
   return out;
 }
 

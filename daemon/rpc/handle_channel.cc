@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "kvd/fd_passing.h"
+#include "kvd/status.h"
 #include "kvd/v1/kvd.pb.h"
 
 namespace kvd::daemon {
@@ -44,31 +45,11 @@ constexpr size_t kMaxTokenBytes = 1024;
 constexpr int kMaxDrainedPackets = 16;
 
 absl::Status ErrnoToStatus(absl::string_view call, int err) {
-  std::string message = absl::StrCat(call, ": ", std::strerror(err), " (errno ", err, ")");
-  switch (err) {
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(message);
-    case EADDRINUSE:
-    case EEXIST:
-      return absl::AlreadyExistsError(message);
-    case ENOENT:
-    case ENOTDIR:
-      return absl::NotFoundError(message);
-    case EMFILE:
-    case ENFILE:
-    case ENOMEM:
-    case ENOBUFS:
-    case ETOOMANYREFS:
-      return absl::ResourceExhaustedError(message);
-    case EPIPE:
-    case ECONNRESET:
-    case ENOTCONN:
-    case ECONNREFUSED:
-      return absl::UnavailableError(absl::StrCat(call, ": the peer has closed the connection"));
-    default:
-      return absl::InternalError(message);
+  // A peer that went away is how connections end, not a system failure: say so in words.
+  if (err == EPIPE || err == ECONNRESET || err == ENOTCONN || err == ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat(call, ": the peer has closed the connection"));
   }
+  return ErrnoStatus(err, call);
 }
 
 // Durations far beyond any sensible timeout are clamped so that `now + d` cannot overflow.

@@ -49,6 +49,7 @@
 #include "kvd/device.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 #include "kvd/units.h"
 #ifdef KVD_WITH_CUDA
 #include "cuda/cuda_driver.h"
@@ -63,12 +64,6 @@ using Clock = std::chrono::steady_clock;
 
 double MsSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-absl::Status ErrnoStatus(absl::string_view call, int err) {
-  const absl::StatusCode code =
-      (err == ENOMEM || err == ENOSPC) ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(call, ": ", std::strerror(err), " (errno ", err, ")"));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -126,27 +121,26 @@ class RawHostPath final : public Path {
  public:
   absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
     void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return ErrnoStatus("mmap(PROT_NONE)", errno);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE)");
     return reinterpret_cast<uint64_t>(p);
   }
   absl::Status Free(uint64_t va, uint64_t bytes) override {
-    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) return ErrnoStatus("munmap", errno);
+    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) return ErrnoStatus(errno, "munmap");
     return absl::OkStatus();
   }
   absl::StatusOr<uint64_t> Create(uint64_t bytes) override {
-    const int fd = memfd_create("kvd-bench", MFD_CLOEXEC);
-    if (fd < 0) return ErrnoStatus("memfd_create", errno);
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 || fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0) {
-      const int err = errno;
-      close(fd);
-      return ErrnoStatus("ftruncate/fallocate", err);
+    UniqueFd fd(memfd_create("kvd-bench", MFD_CLOEXEC));
+    if (!fd) return ErrnoStatus(errno, "memfd_create");
+    if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0 ||
+        fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+      return ErrnoStatus(errno, "ftruncate/fallocate");
     }
-    return static_cast<uint64_t>(fd);
+    return static_cast<uint64_t>(fd.release());
   }
   absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) override {
     void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
                    static_cast<int>(handle), 0);
-    if (p == MAP_FAILED) return ErrnoStatus("mmap(MAP_SHARED | MAP_FIXED)", errno);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(MAP_SHARED | MAP_FIXED)");
     return absl::OkStatus();
   }
   absl::StatusOr<int> Export(uint64_t handle, uint64_t) override { return Dup(static_cast<int>(handle)); }
@@ -157,11 +151,11 @@ class RawHostPath final : public Path {
   absl::Status Unmap(uint64_t va, uint64_t bytes) override {
     void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return ErrnoStatus("mmap(PROT_NONE | MAP_FIXED)", errno);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE | MAP_FIXED)");
     return absl::OkStatus();
   }
   absl::Status Release(uint64_t handle, uint64_t) override {
-    if (close(static_cast<int>(handle)) != 0) return ErrnoStatus("close", errno);
+    if (close(static_cast<int>(handle)) != 0) return ErrnoStatus(errno, "close");
     return absl::OkStatus();
   }
   absl::Status Write(uint64_t va, const void* src, uint64_t bytes) override {
@@ -184,7 +178,7 @@ class RawHostPath final : public Path {
  private:
   static absl::StatusOr<int> Dup(int fd) {
     const int out = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (out < 0) return ErrnoStatus("fcntl(F_DUPFD_CLOEXEC)", errno);
+    if (out < 0) return ErrnoStatus(errno, "fcntl(F_DUPFD_CLOEXEC)");
     return out;
   }
 };
@@ -551,12 +545,12 @@ int ImporterMain(const Options& o) {
 // Starts the importer: this program again, with one end of a SOCK_SEQPACKET pair.
 absl::StatusOr<pid_t> SpawnImporter(const Options& o, const char* backend, int* socket) {
   int pair[2];
-  if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) != 0) return ErrnoStatus("socketpair", errno);
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) != 0) return ErrnoStatus(errno, "socketpair");
   // Only the importer's end is inherited.
-  if (fcntl(pair[0], F_SETFD, FD_CLOEXEC) != 0) return ErrnoStatus("fcntl(FD_CLOEXEC)", errno);
+  if (fcntl(pair[0], F_SETFD, FD_CLOEXEC) != 0) return ErrnoStatus(errno, "fcntl(FD_CLOEXEC)");
   char self[4096];
   const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (len <= 0) return ErrnoStatus("readlink(/proc/self/exe)", errno);
+  if (len <= 0) return ErrnoStatus(errno, "readlink(/proc/self/exe)");
   self[len] = '\0';
   std::vector<std::string> args = {self,
                                    absl::StrCat("--child-socket=", pair[1]),
@@ -572,7 +566,7 @@ absl::StatusOr<pid_t> SpawnImporter(const Options& o, const char* backend, int* 
   close(pair[1]);
   if (err != 0) {
     close(pair[0]);
-    return ErrnoStatus("posix_spawn", err);
+    return ErrnoStatus(err, "posix_spawn");
   }
   *socket = pair[0];
   return pid;

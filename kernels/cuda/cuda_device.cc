@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "backends.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd {
 
@@ -40,12 +41,6 @@ CUmemAllocationProp AllocationProp(int ordinal, CUmemAllocationHandleType types)
   prop.location.id = ordinal;
   prop.requestedHandleTypes = types;
   return prop;
-}
-
-// *out = a + b * c, or false on overflow.
-bool MulAdd(uint64_t a, uint64_t b, uint64_t c, uint64_t* out) {
-  uint64_t product = 0;
-  return !__builtin_mul_overflow(b, c, &product) && !__builtin_add_overflow(a, product, out);
 }
 
 // cuInit, then the number of devices: UNAVAILABLE ("no CUDA device" / "no usable CUDA driver") when
@@ -186,6 +181,9 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
     }
   }
 
+  // The granularity is final now (the fabric probe may have raised it).
+  dev->book_ = std::make_unique<VaBook>(dev->granularity_);
+
   KVD_RETURN_IF_ERROR(
       CudaStatus(d, d.cuStreamCreate_(&dev->stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate(block kernels)"));
   // The kernels are not needed to manage memory: a load failure is kept and reported by block ops.
@@ -193,9 +191,11 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
     if (kBlockKernelsFatbinSize == 0) return absl::InternalError("the block kernels' fatbin is empty");
     KVD_RETURN_IF_ERROR(
         CudaStatus(d, d.cuModuleLoadData_(&dev->module_, kBlockKernelsFatbin), "cuModuleLoadData(block kernels)"));
-    for (auto [function, symbol] : {std::pair{&dev->aligned_kernel_, kBlockKernelAligned},
-                                    std::pair{&dev->unaligned_kernel_, kBlockKernelUnaligned}}) {
-      KVD_RETURN_IF_ERROR(CudaStatusLazy(d, d.cuModuleGetFunction_(function, dev->module_, symbol),
+    for (const auto& kernel : {std::pair{&dev->aligned_kernel_, kBlockKernelAligned},
+                               std::pair{&dev->unaligned_kernel_, kBlockKernelUnaligned}}) {
+      // Not a structured binding: clang before 16 cannot capture one in the lambda below.
+      const char* symbol = kernel.second;
+      KVD_RETURN_IF_ERROR(CudaStatusLazy(d, d.cuModuleGetFunction_(kernel.first, dev->module_, symbol),
                                          [&] { return absl::StrCat("cuModuleGetFunction(", symbol, ")"); }));
     }
     return absl::OkStatus();
@@ -207,10 +207,12 @@ CudaDevice::~CudaDevice() {
   if (context_ == nullptr) return;
   // At process exit the driver may already be gone (CUDA_ERROR_DEINITIALIZED): nothing to give back then.
   if (driver_.cuCtxSetCurrent_(context_) == CUDA_SUCCESS) {
-    absl::MutexLock lock(&mu_);
     absl::MutexLock block_lock(&block_mu_);
-    for (const auto& [handle, count] : chunks_) {
-      for (int i = 0; i < count; ++i) (void)driver_.cuMemRelease_(handle);
+    if (book_ != nullptr) {
+      // One cuMemRelease per Create/Import result the caller never released.
+      for (const LiveChunk& live : book_->LiveChunks()) {
+        for (int i = 0; i < live.references; ++i) (void)driver_.cuMemRelease_(live.chunk.handle);
+      }
     }
     if (scratch_ != 0) (void)driver_.cuMemFree_(scratch_);
     if (stream_ != nullptr) (void)driver_.cuStreamDestroy_(stream_);
@@ -222,15 +224,6 @@ CudaDevice::~CudaDevice() {
 
 absl::Status CudaDevice::MakeCurrent() const {
   return CudaStatus(driver_, driver_.cuCtxSetCurrent_(context_), "cuCtxSetCurrent");
-}
-
-absl::Status CudaDevice::CheckAligned(const char* call, const char* what, uint64_t value, bool allow_zero) const {
-  if ((value == 0 && !allow_zero) || value % granularity_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(call, ": ", what, " ", value, " is not a ",
-                                                   allow_zero ? "" : "positive ", "multiple of the granularity (",
-                                                   granularity_, " bytes)"));
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<DeviceInfo> CudaDevice::Info() {
@@ -288,87 +281,28 @@ absl::Status CudaDevice::CheckPeerAccess(absl::string_view owner_uuid) {
                    env != nullptr ? absl::StrCat(" (now \"", env, "\")") : std::string(" (unset)")));
 }
 
-CudaDevice::Reservation* CudaDevice::FindReservation(uint64_t va, uint64_t bytes) {
-  auto it = reservations_.upper_bound(va);
-  if (it == reservations_.begin()) return nullptr;
-  --it;
-  const uint64_t offset = va - it->first;
-  if (offset > it->second.bytes || bytes > it->second.bytes - offset) return nullptr;
-  return &it->second;
-}
-
-absl::Status CudaDevice::CheckMapped(const char* call, uint64_t va, uint64_t bytes, bool write) {
-  if (bytes == 0) return absl::OkStatus();
-  uint64_t end = 0;
-  if (__builtin_add_overflow(va, bytes, &end)) {
-    return absl::InvalidArgumentError(absl::StrCat(call, ": ", Range(va, bytes), " wraps around the address space"));
-  }
-  const Reservation* reservation = FindReservation(va, bytes);
-  if (reservation == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(call, ": ", Range(va, bytes), " is not inside a reservation of this device"));
-  }
-  auto it = reservation->mappings.upper_bound(va);
-  if (it != reservation->mappings.begin()) --it;
-  for (uint64_t at = va; at < end; ++it) {
-    if (it == reservation->mappings.end() || it->first > at || it->first + it->second.bytes <= at) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(call, ": ", Range(va, bytes), " is not mapped by this device at ", Hex(at)));
-    }
-    if (write && it->second.access != Access::kReadWrite) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(call, ": ", Range(va, bytes), " writes the read-only mapping at ", Hex(it->first)));
-    }
-    at = it->first + it->second.bytes;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::CheckSpanMapped(const char* call, const BlockSpan& span, bool write) {
-  uint64_t run_bytes = 0;
-  if (__builtin_mul_overflow(span.blocks, span.block_bytes, &run_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(call, ": span: blocks * block_bytes overflows"));
-  }
-  for (uint64_t s = 0; s < span.segments; ++s) {
-    uint64_t start = 0;
-    if (!MulAdd(span.base, s, span.segment_stride, &start)) {
-      return absl::InvalidArgumentError(absl::StrCat(call, ": span: segment ", s, " lies past the address space"));
-    }
-    KVD_RETURN_IF_ERROR(CheckMapped(call, start, run_bytes, write));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<uint64_t> CudaDevice::Reserve(uint64_t bytes) {
-  KVD_RETURN_IF_ERROR(CheckAligned("Reserve", "bytes", bytes, false));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Reserve", "bytes", bytes));
   KVD_RETURN_IF_ERROR(MakeCurrent());
   CUdeviceptr va = 0;
   KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemAddressReserve_(&va, bytes, granularity_, 0, 0),
                                      [&] { return absl::StrCat("cuMemAddressReserve(", bytes, " bytes)"); }));
-  absl::MutexLock lock(&mu_);
-  reservations_[va] = Reservation{bytes, {}};
+  absl::Cleanup unreserve = [&] { (void)driver_.cuMemAddressFree_(va, bytes); };
+  KVD_RETURN_IF_ERROR(book_->AddReservation(va, bytes));
+  std::move(unreserve).Cancel();
   return va;
 }
 
 absl::Status CudaDevice::Free(uint64_t va, uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  auto it = reservations_.find(va);
-  if (it == reservations_.end() || it->second.bytes != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("Free: ", Range(va, bytes), " is not a reservation of this device"));
-  }
-  if (!it->second.mappings.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("Free: the reservation ", Range(va, bytes), " still has ",
-                                                      it->second.mappings.size(), " mapping(s); unmap them first"));
-  }
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemAddressFree_(va, bytes),
-                                     [&] { return absl::StrCat("cuMemAddressFree(", Range(va, bytes), ")"); }));
-  reservations_.erase(it);
-  return absl::OkStatus();
+  return book_->Free(va, bytes, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    return CudaStatusLazy(driver_, driver_.cuMemAddressFree_(va, bytes),
+                          [&] { return absl::StrCat("cuMemAddressFree(", Range(va, bytes), ")"); });
+  });
 }
 
 absl::StatusOr<Chunk> CudaDevice::Create(uint64_t bytes) {
-  KVD_RETURN_IF_ERROR(CheckAligned("Create", "bytes", bytes, false));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Create", "bytes", bytes));
   KVD_RETURN_IF_ERROR(MakeCurrent());
   const CUmemAllocationProp prop = AllocationProp(ordinal_, handle_types_);
   CUmemGenericAllocationHandle handle = 0;
@@ -382,127 +316,74 @@ absl::StatusOr<Chunk> CudaDevice::Create(uint64_t bytes) {
     }
     return s;
   }
-  absl::MutexLock lock(&mu_);
-  ++chunks_[handle];
-  return Chunk{handle, bytes};
+  return Record(Chunk{handle, bytes}, ChunkOrigin::kCreated);
+}
+
+absl::StatusOr<Chunk> CudaDevice::Record(const Chunk& chunk, ChunkOrigin origin) {
+  if (absl::Status s = book_->AddChunk(chunk, origin); !s.ok()) {
+    (void)driver_.cuMemRelease_(chunk.handle);  // the driver's reference this call took
+    return s;
+  }
+  return chunk;
 }
 
 absl::Status CudaDevice::Release(const Chunk& chunk) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = chunks_.find(chunk.handle);
-    if (it == chunks_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Release: ", Hex(chunk.handle), " is not a live chunk of this device"));
-    }
-    if (--it->second == 0) chunks_.erase(it);
-  }
-  // Freeing the memory can take a while; block operations need not wait for it.
-  absl::Status s = MakeCurrent();
-  if (s.ok()) {
-    s = CudaStatusLazy(driver_, driver_.cuMemRelease_(chunk.handle),
-                       [&] { return absl::StrCat("cuMemRelease(chunk of ", chunk.bytes, " bytes)"); });
-  }
-  if (!s.ok()) {
-    absl::MutexLock lock(&mu_);
-    ++chunks_[chunk.handle];
-  }
-  return s;
+  // The book runs this without its locks: freeing the memory can take a while, and block operations
+  // need not wait for it. It takes the reference back if the driver refuses.
+  return book_->Release(chunk, [&](ChunkOrigin) -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    return CudaStatusLazy(driver_, driver_.cuMemRelease_(chunk.handle),
+                          [&] { return absl::StrCat("cuMemRelease(chunk of ", chunk.bytes, " bytes)"); });
+  });
 }
 
 absl::Status CudaDevice::Map(uint64_t va, const Chunk& chunk, Access access) {
-  KVD_RETURN_IF_ERROR(CheckAligned("Map", "va", va, false));
-  KVD_RETURN_IF_ERROR(CheckAligned("Map", "chunk.bytes", chunk.bytes, false));
-  absl::MutexLock lock(&mu_);
-  if (!chunks_.contains(chunk.handle)) {
-    return absl::InvalidArgumentError(absl::StrCat("Map: ", Hex(chunk.handle), " is not a live chunk of this device"));
-  }
-  Reservation* reservation = FindReservation(va, chunk.bytes);
-  if (reservation == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Map: ", Range(va, chunk.bytes), " is not inside a reservation of this device"));
-  }
-  auto next = reservation->mappings.lower_bound(va);
-  if (next != reservation->mappings.end() && next->first < va + chunk.bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("Map: ", Range(va, chunk.bytes), " overlaps the mapping at ", Hex(next->first)));
-  }
-  if (next != reservation->mappings.begin()) {
-    const auto prev = std::prev(next);
-    if (prev->first + prev->second.bytes > va) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("Map: ", Range(va, chunk.bytes), " overlaps the mapping at ", Hex(prev->first)));
-    }
-  }
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemMap_(va, chunk.bytes, 0, chunk.handle, 0),
-                                     [&] { return absl::StrCat("cuMemMap(", Range(va, chunk.bytes), ")"); }));
-  absl::Cleanup unmap = [&] { (void)driver_.cuMemUnmap_(va, chunk.bytes); };
-  CUmemAccessDesc desc{};
-  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  desc.location.id = ordinal_;
-  desc.flags = access == Access::kRead ? CU_MEM_ACCESS_FLAGS_PROT_READ : CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemSetAccess_(va, chunk.bytes, &desc, 1), [&] {
-    return absl::StrCat("cuMemSetAccess(", Range(va, chunk.bytes), ", ", access == Access::kRead ? "READ" : "READWRITE",
-                        ")");
-  }));
-  std::move(unmap).Cancel();
-  reservation->mappings.emplace(va, Mapping{chunk.bytes, access});
-  return absl::OkStatus();
+  return book_->Map(va, chunk, access, [&](const MapSite&) -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemMap_(va, chunk.bytes, 0, chunk.handle, 0),
+                                       [&] { return absl::StrCat("cuMemMap(", Range(va, chunk.bytes), ")"); }));
+    absl::Cleanup unmap = [&] { (void)driver_.cuMemUnmap_(va, chunk.bytes); };
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = ordinal_;
+    desc.flags = access == Access::kRead ? CU_MEM_ACCESS_FLAGS_PROT_READ : CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemSetAccess_(va, chunk.bytes, &desc, 1), [&] {
+      return absl::StrCat("cuMemSetAccess(", Range(va, chunk.bytes), ", ",
+                          access == Access::kRead ? "READ" : "READWRITE", ")");
+    }));
+    std::move(unmap).Cancel();
+    return absl::OkStatus();
+  });
 }
 
 absl::Status CudaDevice::Unmap(uint64_t va, uint64_t bytes) {
-  KVD_RETURN_IF_ERROR(CheckAligned("Unmap", "va", va, false));
-  KVD_RETURN_IF_ERROR(CheckAligned("Unmap", "bytes", bytes, false));
-  absl::MutexLock lock(&mu_);
-  Reservation* reservation = FindReservation(va, bytes);
-  if (reservation == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Unmap: ", Range(va, bytes), " is not inside a reservation of this device"));
-  }
-  auto first = reservation->mappings.lower_bound(va);
-  if (first != reservation->mappings.begin()) {
-    const auto prev = std::prev(first);
-    if (prev->first + prev->second.bytes > va) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Unmap: ", Range(va, bytes), " cuts the mapping ", Range(prev->first, prev->second.bytes)));
-    }
-  }
-  auto last = first;
-  for (; last != reservation->mappings.end() && last->first < va + bytes; ++last) {
-    if (last->first + last->second.bytes > va + bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Unmap: ", Range(va, bytes), " cuts the mapping ", Range(last->first, last->second.bytes)));
-    }
-  }
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  // One cuMemUnmap per mapping: the driver cannot unmap part of one, and need not see the holes.
-  while (first != last) {
-    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemUnmap_(first->first, first->second.bytes), [&] {
-      return absl::StrCat("cuMemUnmap(", Range(first->first, first->second.bytes), ")");
-    }));
-    first = reservation->mappings.erase(first);
-  }
-  return absl::OkStatus();
+  // The book calls this once per mapping: the driver cannot unmap part of one, and need not see the holes.
+  return book_->Unmap(va, bytes, [&](uint64_t mapping, uint64_t mapping_bytes) -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    return CudaStatusLazy(driver_, driver_.cuMemUnmap_(mapping, mapping_bytes),
+                          [&] { return absl::StrCat("cuMemUnmap(", Range(mapping, mapping_bytes), ")"); });
+  });
 }
 
 absl::StatusOr<int> CudaDevice::Export(const Chunk& chunk) {
-  absl::ReaderMutexLock lock(&mu_);  // keeps a concurrent Release of this chunk out
-  if (!chunks_.contains(chunk.handle)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Export: ", Hex(chunk.handle), " is not a live chunk of this device"));
-  }
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  int fd = -1;
-  KVD_RETURN_IF_ERROR(CudaStatusLazy(
-      driver_, driver_.cuMemExportToShareableHandle_(&fd, chunk.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-      [&] { return absl::StrCat("cuMemExportToShareableHandle(POSIX FD, chunk of ", chunk.bytes, " bytes)"); }));
-  return fd;
+  UniqueFd fd;
+  // The book keeps a concurrent Release of this chunk out.
+  KVD_RETURN_IF_ERROR(book_->WithLiveChunk("Export", chunk, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    int raw = -1;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(
+        driver_, driver_.cuMemExportToShareableHandle_(&raw, chunk.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+        [&] { return absl::StrCat("cuMemExportToShareableHandle(POSIX FD, chunk of ", chunk.bytes, " bytes)"); }));
+    fd.reset(raw);
+    if (!fd) return absl::InternalError("cuMemExportToShareableHandle(POSIX FD) succeeded but returned no FD");
+    return absl::OkStatus();
+  }));
+  return fd.release();
 }
 
 absl::StatusOr<Chunk> CudaDevice::Import(int fd, uint64_t bytes) {
   if (fd < 0) return absl::InvalidArgumentError(absl::StrCat("Import: fd ", fd, " is not a file descriptor"));
-  KVD_RETURN_IF_ERROR(CheckAligned("Import", "bytes", bytes, false));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Import", "bytes", bytes));
   KVD_RETURN_IF_ERROR(MakeCurrent());
   CUmemGenericAllocationHandle handle = 0;
   KVD_RETURN_IF_ERROR(CudaStatusLazy(
@@ -510,9 +391,7 @@ absl::StatusOr<Chunk> CudaDevice::Import(int fd, uint64_t bytes) {
       driver_.cuMemImportFromShareableHandle_(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
                                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
       [&] { return absl::StrCat("cuMemImportFromShareableHandle(POSIX FD ", fd, ")"); }));
-  absl::MutexLock lock(&mu_);
-  ++chunks_[handle];
-  return Chunk{handle, bytes};
+  return Record(Chunk{handle, bytes}, ChunkOrigin::kImported);
 }
 
 absl::StatusOr<FabricHandle> CudaDevice::ExportFabric(const Chunk& chunk) {
@@ -520,19 +399,17 @@ absl::StatusOr<FabricHandle> CudaDevice::ExportFabric(const Chunk& chunk) {
     return absl::FailedPreconditionError(
         absl::StrCat("ExportFabric: CUDA device ", ordinal_, " has no fabric handles (POSIX FD only)"));
   }
-  absl::ReaderMutexLock lock(&mu_);
-  if (!chunks_.contains(chunk.handle)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ExportFabric: ", Hex(chunk.handle), " is not a live chunk of this device"));
-  }
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  CUmemFabricHandle handle{};
-  KVD_RETURN_IF_ERROR(CudaStatusLazy(
-      driver_, driver_.cuMemExportToShareableHandle_(&handle, chunk.handle, CU_MEM_HANDLE_TYPE_FABRIC, 0),
-      [&] { return absl::StrCat("cuMemExportToShareableHandle(FABRIC, chunk of ", chunk.bytes, " bytes)"); }));
   FabricHandle out;
-  static_assert(sizeof(handle.data) == sizeof(out.bytes));
-  std::memcpy(out.bytes.data(), handle.data, sizeof(handle.data));
+  KVD_RETURN_IF_ERROR(book_->WithLiveChunk("ExportFabric", chunk, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    CUmemFabricHandle handle{};
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(
+        driver_, driver_.cuMemExportToShareableHandle_(&handle, chunk.handle, CU_MEM_HANDLE_TYPE_FABRIC, 0),
+        [&] { return absl::StrCat("cuMemExportToShareableHandle(FABRIC, chunk of ", chunk.bytes, " bytes)"); }));
+    static_assert(sizeof(handle.data) == sizeof(out.bytes));
+    std::memcpy(out.bytes.data(), handle.data, sizeof(handle.data));
+    return absl::OkStatus();
+  }));
   return out;
 }
 
@@ -541,7 +418,7 @@ absl::StatusOr<Chunk> CudaDevice::ImportFabric(const FabricHandle& fabric, uint6
     return absl::FailedPreconditionError(
         absl::StrCat("ImportFabric: CUDA device ", ordinal_, " has no fabric handles (POSIX FD only)"));
   }
-  KVD_RETURN_IF_ERROR(CheckAligned("ImportFabric", "bytes", bytes, false));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("ImportFabric", "bytes", bytes));
   KVD_RETURN_IF_ERROR(MakeCurrent());
   CUmemFabricHandle in{};
   std::memcpy(in.data, fabric.bytes.data(), sizeof(in.data));
@@ -549,29 +426,27 @@ absl::StatusOr<Chunk> CudaDevice::ImportFabric(const FabricHandle& fabric, uint6
   KVD_RETURN_IF_ERROR(CudaStatus(driver_,
                                  driver_.cuMemImportFromShareableHandle_(&handle, &in, CU_MEM_HANDLE_TYPE_FABRIC),
                                  "cuMemImportFromShareableHandle(FABRIC)"));
-  absl::MutexLock lock(&mu_);
-  ++chunks_[handle];
-  return Chunk{handle, bytes};
+  return Record(Chunk{handle, bytes}, ChunkOrigin::kImported);
 }
 
 absl::Status CudaDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("CopyToHost: dst is null");
-  absl::ReaderMutexLock lock(&mu_);
-  KVD_RETURN_IF_ERROR(CheckMapped("CopyToHost", src_va, bytes, false));
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  return CudaStatusLazy(driver_, driver_.cuMemcpyDtoH_(dst, src_va, bytes),
-                        [&] { return absl::StrCat("cuMemcpyDtoH(", Range(src_va, bytes), ")"); });
+  return book_->UseRange("CopyToHost", src_va, bytes, /*write=*/false, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    return CudaStatusLazy(driver_, driver_.cuMemcpyDtoH_(dst, src_va, bytes),
+                          [&] { return absl::StrCat("cuMemcpyDtoH(", Range(src_va, bytes), ")"); });
+  });
 }
 
 absl::Status CudaDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (src == nullptr) return absl::InvalidArgumentError("CopyFromHost: src is null");
-  absl::ReaderMutexLock lock(&mu_);
-  KVD_RETURN_IF_ERROR(CheckMapped("CopyFromHost", dst_va, bytes, true));
-  KVD_RETURN_IF_ERROR(MakeCurrent());
-  return CudaStatusLazy(driver_, driver_.cuMemcpyHtoD_(dst_va, src, bytes),
-                        [&] { return absl::StrCat("cuMemcpyHtoD(", Range(dst_va, bytes), ")"); });
+  return book_->UseRange("CopyFromHost", dst_va, bytes, /*write=*/true, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    return CudaStatusLazy(driver_, driver_.cuMemcpyHtoD_(dst_va, src, bytes),
+                          [&] { return absl::StrCat("cuMemcpyHtoD(", Range(dst_va, bytes), ")"); });
+  });
 }
 
 absl::Status CudaDevice::ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
@@ -651,11 +526,16 @@ absl::Status CudaDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan
     return absl::InvalidArgumentError(absl::StrCat(call, ": too many tiles"));
   }
 
-  absl::ReaderMutexLock lock(&mu_);  // a concurrent Unmap waits until the kernel is done
-  KVD_RETURN_IF_ERROR(CheckSpanMapped(call, span, /*write=*/op != BlockOp::kPack));
-  if (packs) KVD_RETURN_IF_ERROR(CheckMapped(call, packed, packed_bytes, /*write=*/op == BlockOp::kPack));
+  // The book holds off a concurrent Unmap until the kernel is done.
+  return book_->UseBlocks(call, span, /*span_write=*/op != BlockOp::kPack, packed, packs ? items : 0,
+                          /*packed_write=*/op == BlockOp::kPack, [&]() -> absl::Status {
+                            absl::MutexLock block_lock(&block_mu_);
+                            return LaunchLocked(call, kernel, kernel_name, params, ids, id_words);
+                          });
+}
 
-  absl::MutexLock block_lock(&block_mu_);
+absl::Status CudaDevice::LaunchLocked(const char* call, CUfunction kernel, const char* kernel_name,
+                                      BlockRunParams params, const uint64_t* ids, uint64_t id_words) {
   KVD_RETURN_IF_ERROR(MakeCurrent());
   const uint64_t id_bytes = id_words * sizeof(uint64_t);
   KVD_RETURN_IF_ERROR(EnsureScratch(id_bytes));
@@ -664,7 +544,8 @@ absl::Status CudaDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan
     return absl::StrCat("cuMemcpyHtoDAsync(", id_bytes, " bytes of block ids)");
   }));
   // Whatever happens next, the stream is idle again before `ids` and the scratch buffer are reused.
-  absl::Cleanup drain = [&] { (void)driver_.cuStreamSynchronize_(stream_); };
+  // (A copy of the stream: the analysis cannot see that the lambda runs under block_mu_.)
+  absl::Cleanup drain = [this, stream = stream_] { (void)driver_.cuStreamSynchronize_(stream); };
   const uint64_t grid =
       std::min(params.total_tiles, static_cast<uint64_t>(multiprocessors_) * kBlocksPerMultiprocessor);
   void* args[] = {&params};

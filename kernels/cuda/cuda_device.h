@@ -16,16 +16,13 @@
 // code of the same process that uses the runtime API (which also uses the primary context) sees the
 // same memory.
 //
-// Checks. Like the host backend, the device tracks its reservations, mappings and chunk handles, so
-// misuse is an error rather than a GPU fault (which would poison the context for the whole process):
-// Map only inside a live reservation and never over a mapping (FAILED_PRECONDITION); Free only of a
-// whole reservation without mappings; Release and Export only of live chunks of this device; copies
-// and block operations only over memory this device has mapped (writable, where they write).
+// Checks. Misuse is an error with device.h's contract codes ("Misuse"), never a GPU fault (which
+// would poison the context for the whole process): the device's VaBook (va_book.h) tracks its
+// reservations, mappings and chunk handles and checks every call before the driver sees it.
 //
-// Threads. Every method is safe to call concurrently. One reader/writer mutex guards the bookkeeping:
-// Reserve/Free/Map/Unmap/Release/Export hold it exclusively around their driver calls; copies and
-// block operations hold it shared while the device touches memory, so a concurrent Unmap waits for
-// them. Create and Import call the driver without it. Block operations also serialise on the stream.
+// Threads. Every method is safe to call concurrently. The book serialises Free/Map/Unmap around their
+// driver calls and holds them off while copies and block operations touch memory (va_book.h); Create
+// and Import call the driver without its locks. Block operations also serialise on the stream.
 //
 // Errors. CUresults become absl::Status through CudaStatus (cuda_driver.h), keeping the call and the
 // raw CUresult name and number. If the embedded kernels cannot be loaded (e.g. a driver older than
@@ -48,9 +45,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "cuda/block_kernels.h"
+#include "block_kernels.h"
 #include "cuda/cuda_driver.h"
 #include "kvd/device.h"
+#include "va_book.h"
 
 namespace kvd {
 
@@ -129,31 +127,20 @@ class CudaDevice final : public Device {
   CUmemAllocationHandleType handle_types() const { return handle_types_; }
 
  private:
-  struct Mapping {
-    uint64_t bytes = 0;
-    Access access = Access::kReadWrite;
-  };
-  struct Reservation {
-    uint64_t bytes = 0;
-    std::map<uint64_t, Mapping> mappings;  // by start address
-  };
-
   CudaDevice(const CudaDriver& driver, int ordinal);
 
   // Makes the primary context current on this thread.
   absl::Status MakeCurrent() const;
-  // OK when `value` is a multiple of the granularity (and positive unless `allow_zero`).
-  absl::Status CheckAligned(const char* call, const char* what, uint64_t value, bool allow_zero) const;
-  // The reservation holding all of [va, va + bytes), or nullptr.
-  Reservation* FindReservation(uint64_t va, uint64_t bytes) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // OK when every byte of [va, va + bytes) is mapped by this device (writable, if `write`).
-  absl::Status CheckMapped(const char* call, uint64_t va, uint64_t bytes, bool write) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // OK when the committed blocks of every segment of `span` are mapped (writable, if `write`).
-  absl::Status CheckSpanMapped(const char* call, const BlockSpan& span, bool write) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Records a chunk the driver just handed out (one more reference), or releases it again if the book
+  // refuses it.
+  absl::StatusOr<Chunk> Record(const Chunk& chunk, ChunkOrigin origin);
   // Runs one block operation (Note [Block runs]): `ids` holds `id_words` uint64 words for `items`
   // items; `packed` is the packed buffer of pack/unpack (else 0). Checks the memory first.
   absl::Status RunBlocks(const char* call, BlockOp op, const BlockSpan& span, const uint64_t* ids, uint64_t id_words,
                          uint64_t items, uint64_t packed);
+  // Stages the ids, launches `kernel` with `params` on stream_ and waits for it.
+  absl::Status LaunchLocked(const char* call, CUfunction kernel, const char* kernel_name, BlockRunParams params,
+                            const uint64_t* ids, uint64_t id_words) ABSL_EXCLUSIVE_LOCKS_REQUIRED(block_mu_);
   // Grows the device-side scratch buffer for block ids to at least `bytes`.
   absl::Status EnsureScratch(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(block_mu_);
 
@@ -175,13 +162,12 @@ class CudaDevice final : public Device {
   CUfunction unaligned_kernel_ = nullptr;
   absl::Status kernels_status_;
 
-  absl::Mutex mu_;
-  std::map<uint64_t, Reservation> reservations_ ABSL_GUARDED_BY(mu_);  // by start address
-  // Live chunk handles with the number of Create/Import results not yet released (an import of memory
-  // this process already holds may return a handle it has seen).
-  absl::flat_hash_map<CUmemGenericAllocationHandle, int> chunks_ ABSL_GUARDED_BY(mu_);
+  // Reservations, mappings and live chunk handles with their reference counts (an import of memory
+  // this process already holds may return a handle it has seen), and every misuse check of the
+  // contract. Made once the granularity is known; its locks come before block_mu_.
+  std::unique_ptr<VaBook> book_;
 
-  absl::Mutex block_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  absl::Mutex block_mu_;
   CUstream stream_ ABSL_GUARDED_BY(block_mu_) = nullptr;
   CUdeviceptr scratch_ ABSL_GUARDED_BY(block_mu_) = 0;
   uint64_t scratch_bytes_ ABSL_GUARDED_BY(block_mu_) = 0;

@@ -20,6 +20,7 @@
 #include "backends.h"
 #include "block_kernels.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd::hip {
 
@@ -88,14 +89,6 @@ std::string FormatUuid(const HipUuid& uuid) {
     absl::StrAppend(&out, absl::Hex(static_cast<unsigned int>(b[i]), absl::kZeroPad2));
   }
   return out;
-}
-
-// The widest access (16, 8, 4 or 1 bytes) that divides every address and size in `bits` (their OR).
-uint64_t AccessUnit(uint64_t bits) {
-  for (uint64_t unit : {uint64_t{16}, uint64_t{8}, uint64_t{4}}) {
-    if (bits % unit == 0) return unit;
-  }
-  return 1;
 }
 
 }  // namespace
@@ -201,6 +194,14 @@ HipDevice::HipDevice(const HipRuntimeTable& hip, int index, int runtime_version,
 
 HipDevice::~HipDevice() {
   ScopedCurrentDevice current(hip_, index_);
+  if (book_ != nullptr) {
+    // One hipMemRelease per Create/Import result the caller never released (mappings keep their memory).
+    for (const LiveChunk& live : book_->LiveChunks()) {
+      for (int i = 0; i < live.references; ++i) {
+        (void)hip_.hipMemRelease(reinterpret_cast<HipMemGenericAllocationHandle>(live.chunk.handle));
+      }
+    }
+  }
   absl::MutexLock lock(&kernel_mu_);
   if (scratch_ != nullptr) (void)hip_.hipFree(scratch_);
   if (module_ != nullptr) (void)hip_.hipModuleUnload(module_);
@@ -210,13 +211,6 @@ HipDevice::~HipDevice() {
 absl::Status HipDevice::Error(HipError error, absl::string_view call) const {
   absl::Status s = HipStatus(hip_, error, call);
   return absl::Status(s.code(), absl::StrCat("hip device ", index_, ": ", s.message()));
-}
-
-absl::Status HipDevice::CheckSize(absl::string_view what, uint64_t value) const {
-  if (value != 0 && value % granularity_ == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", what, " = ", value,
-                                                 " is not a positive multiple of the granularity (", granularity_,
-                                                 " bytes)"));
 }
 
 namespace {
@@ -260,6 +254,7 @@ absl::Status HipDevice::Init() {
   // cost, so kvd never goes below 2 MiB (rounded up to the reported unit).
   const uint64_t unit = std::max<uint64_t>(reported, 1);
   granularity_ = unit >= kMinGranularity ? unit : (kMinGranularity + unit - 1) / unit * unit;
+  book_ = std::make_unique<VaBook>(granularity_);
 
   if (HipError e = hip_.hipStreamCreateWithFlags(&stream_, kHipStreamNonBlocking); e != kHipSuccess) {
     stream_ = nullptr;
@@ -284,11 +279,9 @@ absl::Status HipDevice::LoadKernels() {
     module_ = nullptr;
     return Error(e, "hipModuleLoadData");
   }
-  const std::array<std::pair<HipFunction*, const char*>, 4> kernels = {{
-      {&zero_, kZeroBlocksKernel},
-      {&copy_, kCopyBlocksKernel},
-      {&pack_, kPackBlocksKernel},
-      {&unpack_, kUnpackBlocksKernel},
+  const std::array<std::pair<HipFunction*, const char*>, 2> kernels = {{
+      {&aligned_, kBlockKernelAligned},
+      {&unaligned_, kBlockKernelUnaligned},
   }};
   for (const auto& [function, name] : kernels) {
     if (HipError ge = hip_.hipModuleGetFunction(function, module_, name); ge != kHipSuccess) {
@@ -361,44 +354,31 @@ absl::Status HipDevice::CheckPeerAccess(absl::string_view owner_uuid) {
 }
 
 absl::StatusOr<uint64_t> HipDevice::Reserve(uint64_t bytes) {
-  KVD_RETURN_IF_ERROR(CheckSize("Reserve: bytes", bytes));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Reserve", "bytes", bytes));
   ScopedCurrentDevice current(hip_, index_);
   KVD_RETURN_IF_ERROR(current.status());
   void* ptr = nullptr;
   if (HipError e = hip_.hipMemAddressReserve(&ptr, bytes, granularity_, nullptr, 0); e != kHipSuccess) {
     return Error(e, absl::StrCat("hipMemAddressReserve(", bytes, " bytes)"));
   }
+  absl::Cleanup unreserve = [&] { (void)hip_.hipMemAddressFree(ptr, bytes); };
   const uint64_t va = reinterpret_cast<uintptr_t>(ptr);
-  absl::MutexLock lock(&vm_mu_);
-  reservations_[va] = Reservation{.bytes = bytes, .mappings = {}};
+  KVD_RETURN_IF_ERROR(book_->AddReservation(va, bytes));
+  std::move(unreserve).Cancel();
   return va;
 }
 
 absl::Status HipDevice::Free(uint64_t va, uint64_t bytes) {
-  absl::MutexLock lock(&vm_mu_);
-  auto it = reservations_.find(va);
-  if (it == reservations_.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hip device ", index_, ": Free: ", Hex(va), " is not a reservation of this device"));
-  }
-  if (it->second.bytes != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Free: the reservation at ", Hex(va),
-                                                   " is ", it->second.bytes, " bytes, not ", bytes));
-  }
-  if (!it->second.mappings.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("hip device ", index_, ": Free: the reservation at ", Hex(va),
-                                                      " still holds ", it->second.mappings.size(),
-                                                      " mapping(s); Unmap them first"));
-  }
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  if (HipError e = hip_.hipMemAddressFree(Ptr(va), bytes); e != kHipSuccess) return Error(e, "hipMemAddressFree");
-  reservations_.erase(it);
-  return absl::OkStatus();
+  return book_->Free(va, bytes, [&]() -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    if (HipError e = hip_.hipMemAddressFree(Ptr(va), bytes); e != kHipSuccess) return Error(e, "hipMemAddressFree");
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<Chunk> HipDevice::Create(uint64_t bytes) {
-  KVD_RETURN_IF_ERROR(CheckSize("Create: bytes", bytes));
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Create", "bytes", bytes));
   ScopedCurrentDevice current(hip_, index_);
   KVD_RETURN_IF_ERROR(current.status());
   const HipMemAllocationProp prop = AllocationProp(index_);
@@ -415,170 +395,116 @@ absl::StatusOr<Chunk> HipDevice::Create(uint64_t bytes) {
         absl::StrCat(Error(e, "hipMemCreate").message(), ": asked for ", bytes, " bytes, ", have));
   }
   if (e != kHipSuccess) return Error(e, absl::StrCat("hipMemCreate(", bytes, " bytes)"));
-  return Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes};
+  return Record(Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes}, ChunkOrigin::kCreated);
+}
+
+absl::StatusOr<Chunk> HipDevice::Record(const Chunk& chunk, ChunkOrigin origin) {
+  if (absl::Status s = book_->AddChunk(chunk, origin); !s.ok()) {
+    // The runtime's reference this call took.
+    (void)hip_.hipMemRelease(reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle));
+    return s;
+  }
+  return chunk;
 }
 
 absl::Status HipDevice::Release(const Chunk& chunk) {
-  if (chunk.handle == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Release: chunk.handle is 0"));
-  }
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  if (HipError e = hip_.hipMemRelease(reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle));
-      e != kHipSuccess) {
-    return Error(e, "hipMemRelease");
-  }
-  return absl::OkStatus();
-}
-
-HipDevice::Reservation* HipDevice::FindReservation(uint64_t va, uint64_t bytes, uint64_t* base) {
-  auto it = reservations_.upper_bound(va);
-  if (it == reservations_.begin()) return nullptr;
-  --it;
-  if (va - it->first > it->second.bytes || bytes > it->second.bytes - (va - it->first)) return nullptr;
-  *base = it->first;
-  return &it->second;
+  // Runs without the book's locks; the book takes the reference back if the runtime refuses.
+  return book_->Release(chunk, [&](ChunkOrigin) -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    if (HipError e = hip_.hipMemRelease(reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle));
+        e != kHipSuccess) {
+      return Error(e, "hipMemRelease");
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::Status HipDevice::Map(uint64_t va, const Chunk& chunk, Access access) {
-  if (chunk.handle == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: chunk.handle is 0"));
-  }
-  KVD_RETURN_IF_ERROR(CheckSize("Map: chunk.bytes", chunk.bytes));
-  if (va % granularity_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: va ", Hex(va),
-                                                   " is not a multiple of the granularity (", granularity_, " bytes)"));
-  }
-  const uint64_t bytes = chunk.bytes;
-
-  absl::MutexLock lock(&vm_mu_);
-  uint64_t base = 0;
-  Reservation* reservation = FindReservation(va, bytes, &base);
-  if (reservation == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
-                                                   ") is not inside a reservation of this device"));
-  }
-  auto next = reservation->mappings.lower_bound(va);
-  if (next != reservation->mappings.end() && next->first < va + bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
-                                                   ") overlaps the mapping at ", Hex(next->first)));
-  }
-  if (next != reservation->mappings.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second > va) {
-      return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Map: [", Hex(va), ", ", Hex(va + bytes),
-                                                     ") overlaps the mapping at ", Hex(prev->first)));
+  return book_->Map(va, chunk, access, [&](const MapSite& site) -> absl::Status {
+    // The growth gate; hip_device.h states the exact rule.
+    if (site.mappings > 0 && !multi_mapping_supported()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "hip device ", index_, ": Map at ", Hex(va), " refused: the reservation at ", Hex(site.reservation_va),
+          " already holds ", site.mappings, " mapping(s), and the detected HIP runtime ",
+          FormatHipVersion(runtime_version_),
+          " mis-handles hipMemSetAccess over several allocations in one reservation; growing a pool in place needs "
+          "HIP runtime >= ",
+          HipVersionMajor(kMultiMappingRuntimeVersion), ".", HipVersionMinor(kMultiMappingRuntimeVersion),
+          " (upgrade ROCm)"));
     }
-  }
-  // The growth gate; hip_device.h states the exact rule.
-  if (!reservation->mappings.empty() && !multi_mapping_supported()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "hip device ", index_, ": Map at ", Hex(va), " refused: the reservation at ", Hex(base), " already holds ",
-        reservation->mappings.size(), " mapping(s), and the detected HIP runtime ", FormatHipVersion(runtime_version_),
-        " mis-handles hipMemSetAccess over several allocations in one reservation; growing a pool in place needs "
-        "HIP runtime >= ",
-        HipVersionMajor(kMultiMappingRuntimeVersion), ".", HipVersionMinor(kMultiMappingRuntimeVersion),
-        " (upgrade ROCm)"));
-  }
-
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  const auto handle = reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle);
-  if (HipError e = hip_.hipMemMap(Ptr(va), bytes, 0, handle, 0); e != kHipSuccess) return Error(e, "hipMemMap");
-  absl::Cleanup unmap = [&] { (void)hip_.hipMemUnmap(Ptr(va), bytes); };
-
-  // Peer entries (none today) go before the local device's, which must come last: the runtime
-  // applies the entries in order and the local device's access is the one that has to hold.
-  const std::array<HipMemAccessDesc, 1> desc = {{
-      {.location = {.type = kHipMemLocationTypeDevice, .id = index_},
-       .flags = access == Access::kRead ? kHipMemAccessFlagsProtRead : kHipMemAccessFlagsProtReadWrite},
-  }};
-  if (HipError e = hip_.hipMemSetAccess(Ptr(va), bytes, desc.data(), desc.size()); e != kHipSuccess) {
-    return Error(e, "hipMemSetAccess");
-  }
-  std::move(unmap).Cancel();
-  reservation->mappings[va] = bytes;
-  return absl::OkStatus();
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    const auto handle = reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle);
+    if (HipError e = hip_.hipMemMap(Ptr(va), chunk.bytes, 0, handle, 0); e != kHipSuccess) {
+      return Error(e, "hipMemMap");
+    }
+    absl::Cleanup unmap = [&] { (void)hip_.hipMemUnmap(Ptr(va), chunk.bytes); };
+    // Peer entries (none today) go before the local device's, which must come last: the runtime
+    // applies the entries in order and the local device's access is the one that has to hold.
+    const std::array<HipMemAccessDesc, 1> desc = {{
+        {.location = {.type = kHipMemLocationTypeDevice, .id = index_},
+         .flags = access == Access::kRead ? kHipMemAccessFlagsProtRead : kHipMemAccessFlagsProtReadWrite},
+    }};
+    if (HipError e = hip_.hipMemSetAccess(Ptr(va), chunk.bytes, desc.data(), desc.size()); e != kHipSuccess) {
+      return Error(e, "hipMemSetAccess");
+    }
+    std::move(unmap).Cancel();
+    return absl::OkStatus();
+  });
 }
 
 absl::Status HipDevice::Unmap(uint64_t va, uint64_t bytes) {
-  if (bytes == 0 || va % granularity_ != 0 || bytes % granularity_ != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", +", bytes,
-                                                   ") is not a non-empty range aligned to the granularity (",
-                                                   granularity_, " bytes)"));
-  }
-  absl::MutexLock lock(&vm_mu_);
-  uint64_t base = 0;
-  Reservation* reservation = FindReservation(va, bytes, &base);
-  if (reservation == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", ", Hex(va + bytes),
-                                                   ") is not inside a reservation of this device"));
-  }
-  // The range must be a run of whole mappings: hipMemUnmap cannot split an allocation.
-  std::vector<std::map<uint64_t, uint64_t>::iterator> run;
-  auto it = reservation->mappings.find(va);
-  uint64_t cursor = va;
-  while (cursor < va + bytes) {
-    if (it == reservation->mappings.end() || it->first != cursor || it->second > va + bytes - cursor) {
-      return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Unmap: [", Hex(va), ", ",
-                                                     Hex(va + bytes), ") is not a run of whole mappings (at ",
-                                                     Hex(cursor), ")"));
+  // One call per mapping, as the runtime tracks them (hipMemUnmap cannot split an allocation); the
+  // book forgets each mapping once its call succeeded.
+  return book_->Unmap(va, bytes, [&](uint64_t mapping, uint64_t mapping_bytes) -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    if (HipError e = hip_.hipMemUnmap(Ptr(mapping), mapping_bytes); e != kHipSuccess) {
+      return Error(e, absl::StrCat("hipMemUnmap(", Hex(mapping), ")"));
     }
-    cursor += it->second;
-    run.push_back(it++);
-  }
-
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  // One call per mapping, as the runtime tracks them; mappings already unmapped are forgotten even
-  // if a later one fails.
-  for (auto m : run) {
-    if (HipError e = hip_.hipMemUnmap(Ptr(m->first), m->second); e != kHipSuccess) {
-      return Error(e, absl::StrCat("hipMemUnmap(", Hex(m->first), ")"));
-    }
-    reservation->mappings.erase(m);
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<int> HipDevice::Export(const Chunk& chunk) {
-  if (chunk.handle == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Export: chunk.handle is 0"));
-  }
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  int fd = -1;
-  if (HipError e = hip_.hipMemExportToShareableHandle(
-          &fd, reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle), kHipMemHandleTypePosixFileDescriptor, 0);
-      e != kHipSuccess) {
-    return Error(e, "hipMemExportToShareableHandle");
-  }
-  if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat("hip device ", index_, ": hipMemExportToShareableHandle succeeded but returned fd ", fd));
-  }
-  return fd;
+  UniqueFd fd;
+  // The book keeps a concurrent Release of this chunk out.
+  KVD_RETURN_IF_ERROR(book_->WithLiveChunk("Export", chunk, [&]() -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    int raw = -1;
+    if (HipError e =
+            hip_.hipMemExportToShareableHandle(&raw, reinterpret_cast<HipMemGenericAllocationHandle>(chunk.handle),
+                                               kHipMemHandleTypePosixFileDescriptor, 0);
+        e != kHipSuccess) {
+      return Error(e, "hipMemExportToShareableHandle");
+    }
+    fd.reset(raw);
+    if (!fd) {
+      return absl::InternalError(
+          absl::StrCat("hip device ", index_, ": hipMemExportToShareableHandle succeeded but returned fd ", raw));
+    }
+    return absl::OkStatus();
+  }));
+  return fd.release();
 }
 
 absl::StatusOr<Chunk> HipDevice::Import(int fd, uint64_t bytes) {
-  if (fd < 0)
+  if (fd < 0) {
     return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": Import: fd ", fd, " is invalid"));
-  KVD_RETURN_IF_ERROR(CheckSize("Import: bytes", bytes));
+  }
+  KVD_RETURN_IF_ERROR(book_->CheckSize("Import", "bytes", bytes));
   // The runtime takes the FD as a pointer-sized value and rejects a null one, so FD 0 travels as a
   // duplicate; the duplicate is closed once imported, like every FD the caller hands us stays theirs.
   int os_fd = fd;
-  int duplicate = -1;
+  UniqueFd duplicate;
   if (fd == 0) {
-    duplicate = fcntl(fd, F_DUPFD_CLOEXEC, 1);
-    if (duplicate < 0) {
-      return absl::InternalError(
-          absl::StrCat("hip device ", index_, ": Import: fcntl(F_DUPFD_CLOEXEC) of fd 0: ", std::strerror(errno)));
-    }
-    os_fd = duplicate;
+    duplicate.reset(fcntl(fd, F_DUPFD_CLOEXEC, 1));
+    if (!duplicate)
+      return ErrnoStatus(errno, absl::StrCat("hip device ", index_, ": Import: fcntl(F_DUPFD_CLOEXEC, fd 0)"));
+    os_fd = duplicate.get();
   }
-  absl::Cleanup close_duplicate = [duplicate] {
-    if (duplicate >= 0) close(duplicate);
-  };
 
   ScopedCurrentDevice current(hip_, index_);
   KVD_RETURN_IF_ERROR(current.status());
@@ -588,17 +514,20 @@ absl::StatusOr<Chunk> HipDevice::Import(int fd, uint64_t bytes) {
       e != kHipSuccess) {
     return Error(e, "hipMemImportFromShareableHandle");
   }
-  return Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes};
+  return Record(Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes}, ChunkOrigin::kImported);
 }
 
 absl::Status HipDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  if (dst == nullptr)
+  if (dst == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": CopyToHost: dst is null"));
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  if (HipError e = hip_.hipMemcpyDtoH(dst, Ptr(src_va), bytes); e != kHipSuccess) return Error(e, "hipMemcpyDtoH");
-  return absl::OkStatus();
+  }
+  return book_->UseRange("CopyToHost", src_va, bytes, /*write=*/false, [&]() -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    if (HipError e = hip_.hipMemcpyDtoH(dst, Ptr(src_va), bytes); e != kHipSuccess) return Error(e, "hipMemcpyDtoH");
+    return absl::OkStatus();
+  });
 }
 
 absl::Status HipDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) {
@@ -606,25 +535,59 @@ absl::Status HipDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t 
   if (src == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": CopyFromHost: src is null"));
   }
-  ScopedCurrentDevice current(hip_, index_);
-  KVD_RETURN_IF_ERROR(current.status());
-  // hipMemcpyHtoD's source is `void*` in older headers; the runtime only reads it.
-  if (HipError e = hip_.hipMemcpyHtoD(Ptr(dst_va), const_cast<void*>(src), bytes); e != kHipSuccess) {
-    return Error(e, "hipMemcpyHtoD");
-  }
-  return absl::OkStatus();
+  return book_->UseRange("CopyFromHost", dst_va, bytes, /*write=*/true, [&]() -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    // hipMemcpyHtoD's source is `void*` in older headers; the runtime only reads it.
+    if (HipError e = hip_.hipMemcpyHtoD(Ptr(dst_va), const_cast<void*>(src), bytes); e != kHipSuccess) {
+      return Error(e, "hipMemcpyHtoD");
+    }
+    return absl::OkStatus();
+  });
 }
 
-absl::Status HipDevice::LaunchBlockKernel(HipFunction kernel, const char* name, const BlockSpan& span,
-                                          absl::Span<const uint64_t> words, uint64_t count, uint64_t buffer) {
+absl::Status HipDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan& span, const uint64_t* ids,
+                                  uint64_t id_words, uint64_t items, uint64_t packed) {
+  if (items == 0 || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
   KVD_RETURN_IF_ERROR(kernels_status_);
-  const uint64_t runs = count * span.segments;
-  if (span.segments != 0 && runs / span.segments != count) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", name, ": ", count, " blocks x ",
+  uint64_t runs = 0;
+  if (__builtin_mul_overflow(items, span.segments, &runs)) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", call, ": ", items, " blocks x ",
                                                    span.segments, " segments overflows"));
   }
+  const bool packs = op == BlockOp::kPack || op == BlockOp::kUnpack;
 
-  absl::MutexLock lock(&kernel_mu_);
+  // The aligned kernel when every address and size the kernel touches is a multiple of 16.
+  uint64_t bits = span.base | span.block_bytes | packed;
+  if (span.segments > 1) bits |= span.segment_stride;
+  const bool aligned = (bits & 15) == 0;
+  constexpr uint64_t kTileUnits = uint64_t{kBlockKernelThreads} * kBlockKernelUnroll;
+
+  BlockRunParams params{};
+  params.base = span.base;
+  params.segment_stride = span.segment_stride;
+  params.block_bytes = span.block_bytes;
+  params.segments = span.segments;
+  params.packed = packed;
+  // At least one tile per run: the unaligned kernel's first tile also moves the head and tail bytes.
+  params.tiles_per_run = std::max<uint64_t>(1, (span.block_bytes / 16 + kTileUnits - 1) / kTileUnits);
+  params.op = op;
+  if (__builtin_mul_overflow(runs, params.tiles_per_run, &params.total_tiles)) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", call, ": too many tiles"));
+  }
+
+  // The book holds off a concurrent Unmap until the kernel is done.
+  return book_->UseBlocks(call, span, /*span_write=*/op != BlockOp::kPack, packed, packs ? items : 0,
+                          /*packed_write=*/op == BlockOp::kPack, [&]() -> absl::Status {
+                            absl::MutexLock lock(&kernel_mu_);
+                            return LaunchLocked(aligned ? aligned_ : unaligned_,
+                                                aligned ? kBlockKernelAligned : kBlockKernelUnaligned, call, params,
+                                                absl::MakeConstSpan(ids, id_words));
+                          });
+}
+
+absl::Status HipDevice::LaunchLocked(HipFunction kernel, const char* kernel_name, const char* call,
+                                     BlockRunParams params, absl::Span<const uint64_t> words) {
   ScopedCurrentDevice current(hip_, index_);
   KVD_RETURN_IF_ERROR(current.status());
 
@@ -647,62 +610,48 @@ absl::Status HipDevice::LaunchBlockKernel(HipFunction kernel, const char* name, 
       e != kHipSuccess) {
     return Error(e, "hipMemcpyHtoDAsync");
   }
-
-  BlockKernelArgs args;
-  args.base = span.base;
-  args.segments = span.segments;
-  args.segment_stride = span.segment_stride;
-  args.block_bytes = span.block_bytes;
-  args.ids = reinterpret_cast<uintptr_t>(scratch_);
-  args.count = count;
-  args.buffer = buffer;
-  args.unit = AccessUnit(span.base | span.segment_stride | span.block_bytes | buffer);
-  size_t args_size = sizeof(args);
-  std::array<void*, 5> extra = {HipLaunchParamBufferPointer(), &args, HipLaunchParamBufferSize(), &args_size,
+  params.ids = reinterpret_cast<uintptr_t>(scratch_);
+  size_t params_size = sizeof(params);
+  std::array<void*, 5> extra = {HipLaunchParamBufferPointer(), &params, HipLaunchParamBufferSize(), &params_size,
                                 HipLaunchParamEnd()};
-  const auto grid = static_cast<unsigned int>(std::min(runs, kMaxGrid));
+  const auto grid = static_cast<unsigned int>(std::min(params.total_tiles, kMaxGrid));
   if (HipError e =
           hip_.hipModuleLaunchKernel(kernel, grid, 1, 1, kBlockKernelThreads, 1, 1, 0, stream_, nullptr, extra.data());
       e != kHipSuccess) {
-    return Error(e, absl::StrCat("hipModuleLaunchKernel(", name, ")"));
+    return Error(e, absl::StrCat("hipModuleLaunchKernel(", kernel_name, ", ", call, ")"));
   }
   std::move(drain).Cancel();
   if (HipError e = hip_.hipStreamSynchronize(stream_); e != kHipSuccess) {
-    return Error(e, absl::StrCat("hipStreamSynchronize(", name, ")"));
+    return Error(e, absl::StrCat("hipStreamSynchronize(", kernel_name, ", ", call, ")"));
   }
   return absl::OkStatus();
 }
 
 absl::Status HipDevice::ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
   KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
-  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
-  return LaunchBlockKernel(zero_, kZeroBlocksKernel, span, blocks, blocks.size(), 0);
+  return RunBlocks("ZeroBlocks", BlockOp::kZero, span, blocks.data(), blocks.size(), blocks.size(), 0);
 }
 
 absl::Status HipDevice::CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) {
   KVD_RETURN_IF_ERROR(ValidateCopies(span, copies));
-  if (copies.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
-  std::vector<uint64_t> pairs;
-  pairs.reserve(2 * copies.size());
+  // The kernel reads the pairs as uint64 words: src, dst.
+  std::vector<uint64_t> words;
+  words.reserve(2 * copies.size());
   for (const BlockCopy& c : copies) {
-    pairs.push_back(c.src);
-    pairs.push_back(c.dst);
+    words.push_back(c.src);
+    words.push_back(c.dst);
   }
-  return LaunchBlockKernel(copy_, kCopyBlocksKernel, span, pairs, copies.size(), 0);
+  return RunBlocks("CopyBlocks", BlockOp::kCopy, span, words.data(), words.size(), copies.size(), 0);
 }
 
 absl::Status HipDevice::PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks, uint64_t dst) {
   KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
-  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
-  if (dst == 0) return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": PackBlocks: dst is 0"));
-  return LaunchBlockKernel(pack_, kPackBlocksKernel, span, blocks, blocks.size(), dst);
+  return RunBlocks("PackBlocks", BlockOp::kPack, span, blocks.data(), blocks.size(), blocks.size(), dst);
 }
 
 absl::Status HipDevice::UnpackBlocks(const BlockSpan& span, uint64_t src, absl::Span<const uint64_t> blocks) {
   KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
-  if (blocks.empty() || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();
-  if (src == 0) return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": UnpackBlocks: src is 0"));
-  return LaunchBlockKernel(unpack_, kUnpackBlocksKernel, span, blocks, blocks.size(), src);
+  return RunBlocks("UnpackBlocks", BlockOp::kUnpack, span, blocks.data(), blocks.size(), blocks.size(), src);
 }
 
 }  // namespace kvd::hip

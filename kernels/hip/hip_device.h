@@ -1,6 +1,6 @@
 // The hip backend (DESIGN.md section 9): kvd::Device over HIP's virtual memory management calls
 // (hipMemAddressReserve / hipMemCreate / hipMemMap / hipMemSetAccess / hipMemExportToShareableHandle
-// / hipMemImportFromShareableHandle), with the block kernels of block_kernels.hip. The runtime is
+// / hipMemImportFromShareableHandle), with the block kernels of ../block_kernels.cuh (shared with CUDA). The runtime is
 // loaded at run time through hip_runtime_table.h; nothing links libamdhip64.
 //
 // Opening. OpenHipDevice(index) (backends.h) returns UNAVAILABLE when no libamdhip64 can be loaded,
@@ -27,17 +27,20 @@
 //    this device current for the duration of the call and restores the caller's previous device,
 //    so an engine thread that shares the process keeps its own device.
 //
-// Bookkeeping. Map/Unmap/Free only accept ranges inside reservations made by this Device (needed
-// for the rule above): Map into unreserved or already mapped VA and Unmap of a range that is not a
-// run of whole mappings are INVALID_ARGUMENT; Free of a reservation that still holds mappings is
-// FAILED_PRECONDITION. hipMemUnmap is called once per mapping.
+// Checks. Misuse is an error with device.h's contract codes ("Misuse"), never a GPU fault: the
+// device's VaBook (va_book.h) tracks its reservations, mappings and chunk handles and checks every
+// call (Map, Unmap, Free, Release, Export, copies and block operations) before the runtime sees it.
+// hipMemUnmap is called once per mapping.
 //
 // Block operations run on one non-blocking stream of this device, one call at a time, and return
 // after hipStreamSynchronize. If the embedded kernels have no code object for this GPU, the memory
 // calls still work and the block operations return FAILED_PRECONDITION naming the built targets.
 //
-// Threads. Every method is safe to call concurrently. VMM calls that change the reservation table
-// (Reserve, Free, Map, Unmap) are serialised by one mutex; block operations by another.
+// Destruction releases the chunk handles the caller never released (mappings keep their memory).
+//
+// Threads. Every method is safe to call concurrently. The book serialises Free/Map/Unmap around their
+// runtime calls and holds them off while copies and block operations touch memory (va_book.h); block
+// operations also serialise on kernel_mu_.
 #pragma once
 
 #include <cstdint>
@@ -52,9 +55,11 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "block_kernels.h"
 #include "hip_abi.h"
 #include "hip_runtime_table.h"
 #include "kvd/device.h"
+#include "va_book.h"
 
 namespace kvd::hip {
 
@@ -112,12 +117,6 @@ class HipDevice final : public Device {
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
  private:
-  // One Reserve(): [va, va + bytes), and the mappings inside it (offset from va -> bytes).
-  struct Reservation {
-    uint64_t bytes = 0;
-    std::map<uint64_t, uint64_t> mappings;
-  };
-
   HipDevice(const HipRuntimeTable& hip, int index, int runtime_version, int driver_version);
 
   // Name, UUID, granularity, stream and kernels; called once by Open().
@@ -125,13 +124,17 @@ class HipDevice final : public Device {
   [[nodiscard]] absl::Status LoadKernels();
   // `call` failed with `error`: the translated status, prefixed with this device.
   [[nodiscard]] absl::Status Error(HipError error, absl::string_view call) const;
-  [[nodiscard]] absl::Status CheckSize(absl::string_view what, uint64_t value) const;
-  // The reservation holding [va, va + bytes), or nullptr.
-  Reservation* FindReservation(uint64_t va, uint64_t bytes, uint64_t* base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(vm_mu_);
-  // Stages `words` (the block ids, or the copy pairs) in device memory, launches `kernel` over
-  // `count` x span.segments runs on stream_ and waits for it.
-  [[nodiscard]] absl::Status LaunchBlockKernel(HipFunction kernel, const char* name, const BlockSpan& span,
-                                               absl::Span<const uint64_t> words, uint64_t count, uint64_t buffer);
+  // Records a chunk the runtime just handed out (one more reference), or releases it again if the
+  // book refuses it.
+  [[nodiscard]] absl::StatusOr<Chunk> Record(const Chunk& chunk, ChunkOrigin origin);
+  // One block operation (Note [Block runs] in block_kernels.h): `ids` holds `id_words` uint64 words for
+  // `items` items; `packed` is the packed buffer of pack/unpack (else 0). The book checks the memory.
+  [[nodiscard]] absl::Status RunBlocks(const char* call, BlockOp op, const BlockSpan& span, const uint64_t* ids,
+                                       uint64_t id_words, uint64_t items, uint64_t packed);
+  // Stages `words` in device memory, launches `kernel` with `params` on stream_ and waits for it.
+  [[nodiscard]] absl::Status LaunchLocked(HipFunction kernel, const char* kernel_name, const char* call,
+                                          BlockRunParams params, absl::Span<const uint64_t> words)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(kernel_mu_);
 
   const HipRuntimeTable& hip_;
   const int index_;
@@ -142,18 +145,17 @@ class HipDevice final : public Device {
   std::string name_;
   std::string uuid_;
 
-  absl::Mutex vm_mu_;
-  std::map<uint64_t, Reservation> reservations_ ABSL_GUARDED_BY(vm_mu_);
+  // Reservations, mappings and live chunk handles, and every misuse check of the contract. Made by
+  // Init() once the granularity is known; its locks come before kernel_mu_.
+  std::unique_ptr<VaBook> book_;
 
   absl::Mutex kernel_mu_;
   HipStream stream_ = nullptr;
   HipModule module_ = nullptr;
   // Why the block kernels cannot run here (no code object for this GPU); OK when they can.
   absl::Status kernels_status_;
-  HipFunction zero_ = nullptr;
-  HipFunction copy_ = nullptr;
-  HipFunction pack_ = nullptr;
-  HipFunction unpack_ = nullptr;
+  HipFunction aligned_ = nullptr;
+  HipFunction unaligned_ = nullptr;
   void* scratch_ ABSL_GUARDED_BY(kernel_mu_) = nullptr;  // device memory for staged block ids
   uint64_t scratch_bytes_ ABSL_GUARDED_BY(kernel_mu_) = 0;
 };

@@ -25,15 +25,13 @@
 // multiple of the page size. Every size and address given to Reserve/Free/Create/Map/Unmap/Import
 // must be a multiple of it.
 //
-// Checks. The device tracks its reservations, mappings and chunk handles, so misuse is an error
-// rather than memory corruption: Map only inside a live reservation of this Device and never over an
-// existing mapping; copies and block operations only over memory this Device has mapped (and mapped
-// writable, where they write); Release and Export only of live chunks of this Device; Free only of a
-// whole reservation whose mappings are all unmapped.
+// Checks. Misuse is an error rather than memory corruption, with the codes of device.h's contract
+// ("Misuse"): the device's VaBook (va_book.h) tracks its reservations, mappings and chunks (memfds)
+// and checks every call against them before any system call.
 //
-// Threads. Every method is safe to call concurrently. One mutex guards the address-space bookkeeping
-// and another the chunk table. Copies and block operations hold the first shared while they touch
-// memory, so a concurrent Map/Unmap/Free waits for them; Create and Release never wait for a copy.
+// Threads. Every method is safe to call concurrently. Copies and block operations hold the book's
+// address-space lock shared while they touch memory, so a concurrent Map/Unmap/Free waits for them;
+// Create and Release never wait for a copy (va_book.h).
 //
 // Destruction. Destroying the Device closes the FDs of chunks the caller never released (mappings
 // keep their memory); reservations and mappings are left in place for the caller to give back.
@@ -53,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "kvd/device.h"
+#include "va_book.h"
 
 namespace kvd {
 
@@ -74,7 +73,8 @@ class HostDevice final : public Device {
   [[nodiscard]] absl::StatusOr<DeviceInfo> Info() override;
 
   [[nodiscard]] absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override;
-  // `va` and `bytes` must be exactly a live reservation with no mappings left (FAILED_PRECONDITION).
+  // `va` and `bytes` must be exactly a live reservation (INVALID_ARGUMENT) with no mappings left
+  // (FAILED_PRECONDITION).
   [[nodiscard]] absl::Status Free(uint64_t va, uint64_t bytes) override;
 
   // RESOURCE_EXHAUSTED naming the bytes asked and free when past the capacity or MemAvailable, or
@@ -107,35 +107,7 @@ class HostDevice final : public Device {
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
  private:
-  struct Mapping {
-    uint64_t bytes = 0;
-    Access access = Access::kReadWrite;
-  };
-  struct Reservation {
-    uint64_t bytes = 0;
-    std::map<uint64_t, Mapping> mappings;  // by start address
-  };
-  struct ChunkRecord {
-    uint64_t bytes = 0;
-    bool created = false;  // made by Create (counted against the capacity), not by Import
-  };
-
   HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid);
-
-  // OK when `value` is a positive multiple of the granularity; INVALID_ARGUMENT naming `what`.
-  absl::Status CheckAligned(const char* call, const char* what, uint64_t value, bool allow_zero) const;
-  // The reservation holding all of [va, va + bytes), or nullptr.
-  const Reservation* FindReservation(uint64_t va, uint64_t bytes) const ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
-  Reservation* FindReservation(uint64_t va, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(va_mu_);
-  // OK when every byte of [va, va + bytes) is mapped by this Device (writable, if `write`).
-  absl::Status CheckMapped(const char* call, uint64_t va, uint64_t bytes, bool write) const
-      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
-  // OK when every committed block of every segment of `span` is mapped (writable, if `write`).
-  absl::Status CheckSpanMapped(const char* call, const BlockSpan& span, bool write) const
-      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
-  // OK when `count` packed blocks at `va` are mapped (writable, if `write`).
-  absl::Status CheckPackedMapped(const char* call, const BlockSpan& span, uint64_t va, uint64_t count, bool write) const
-      ABSL_SHARED_LOCKS_REQUIRED(va_mu_);
 
   const int index_;
   const uint64_t capacity_;
@@ -146,11 +118,8 @@ class HostDevice final : public Device {
   // Creates cannot overshoot the capacity together) and gives them back if it fails.
   std::atomic<uint64_t> committed_{0};
 
-  // Lock order: va_mu_ before chunks_mu_ (only Map holds both).
-  mutable absl::Mutex va_mu_;
-  std::map<uint64_t, Reservation> reservations_ ABSL_GUARDED_BY(va_mu_);  // by start address
-  mutable absl::Mutex chunks_mu_;
-  absl::flat_hash_map<int, ChunkRecord> chunks_ ABSL_GUARDED_BY(chunks_mu_);  // by memfd
+  // Reservations, mappings and live chunks (memfds), and every misuse check of the contract.
+  VaBook book_;
 };
 
 }  // namespace kvd

@@ -13,6 +13,35 @@
 // that was not built UNIMPLEMENTED, anything else INTERNAL. A failed call leaves nothing allocated.
 //
 // Sizes and addresses passed to Reserve/Create/Map/Unmap are multiples of granularity().
+//
+// Misuse. Every backend tracks its reservations, mappings and live chunks (kernels/va_book.h) and
+// checks each call before the driver sees it, so a mistake is a Status, never a GPU fault or memory
+// corruption, and the same mistake gives the same code on every backend (the conformance suite checks
+// it). The rule: INVALID_ARGUMENT when the call names something that is not this device's (an
+// unaligned size or address, a range outside every reservation, a handle that is not a live chunk);
+// FAILED_PRECONDITION when it names this device's memory in the wrong state (mapped where it must
+// not be, unmapped or read-only where it must be mapped and writable). Messages name the call and the
+// range or chunk. Per call:
+//   Reserve, Create, Import  size 0 or not a multiple of granularity(): INVALID_ARGUMENT.
+//   Free        [va, va + bytes) is not exactly one live reservation: INVALID_ARGUMENT;
+//               it still holds mappings: FAILED_PRECONDITION.
+//   Release     not a live chunk (unknown handle, another size, released already): INVALID_ARGUMENT.
+//   Map         va unaligned, chunk not live (unknown handle or another size), or the range not
+//               inside one reservation: INVALID_ARGUMENT; the range overlaps a mapping:
+//               FAILED_PRECONDITION. A chunk may be mapped at several places.
+//   Unmap       va or bytes unaligned, the range not inside one reservation, or it cuts a mapping
+//               (holds part of one): INVALID_ARGUMENT. Unmapped parts of the range are left alone,
+//               so unmapping a whole reservation with holes is fine.
+//   Export      not a live chunk: INVALID_ARGUMENT.
+//   CopyToHost, CopyFromHost, ZeroBlocks, CopyBlocks, PackBlocks, UnpackBlocks
+//               a null host pointer, a malformed span (its extent overflows, its segments overlap),
+//               or a range touched that is not inside one reservation of this device:
+//               INVALID_ARGUMENT; any byte touched that is reserved but not mapped, or mapped
+//               read-only where the call writes: FAILED_PRECONDITION. Nothing is touched then.
+// A call that fails, for misuse or in the driver, leaves the device's bookkeeping as it was (an Unmap
+// over several mappings that fails in the driver part way leaves the ones before unmapped). Backend
+// rules beyond these (HIP before 7.12 refuses a second mapping in a reservation) are
+// FAILED_PRECONDITION and stated in the backend's header.
 #pragma once
 
 #include <cstdint>
@@ -83,31 +112,45 @@ class Device {
 
   // Virtual address space, no physical memory. The VA stays reserved until Free.
   [[nodiscard]] virtual absl::StatusOr<uint64_t> Reserve(uint64_t bytes) = 0;
+  // `va` and `bytes` exactly as Reserve gave them (else INVALID_ARGUMENT), with every mapping in
+  // the reservation unmapped first (else FAILED_PRECONDITION).
   [[nodiscard]] virtual absl::Status Free(uint64_t va, uint64_t bytes) = 0;
 
   // Physical memory, really allocated now: RESOURCE_EXHAUSTED here, never a fault on first touch.
   [[nodiscard]] virtual absl::StatusOr<Chunk> Create(uint64_t bytes) = 0;
   // Drops this holder's reference; the memory is freed once no mapping or FD of any process holds it.
+  // A chunk may be released while mapped (the mapping keeps the memory); from then on its handle is
+  // not live: Release, Export and Map of it are INVALID_ARGUMENT.
   [[nodiscard]] virtual absl::Status Release(const Chunk& chunk) = 0;
 
   // Maps the whole chunk at `va` (inside a reservation) with `access` for this device.
+  // INVALID_ARGUMENT: unaligned va, chunk not live, range not inside one reservation.
+  // FAILED_PRECONDITION: the range overlaps a mapping.
   [[nodiscard]] virtual absl::Status Map(uint64_t va, const Chunk& chunk, Access access) = 0;
-  // The range becomes reserved-but-unbacked again and can be mapped anew.
+  // The range becomes reserved-but-unbacked again and can be mapped anew. It lies inside one
+  // reservation and holds whole mappings only (INVALID_ARGUMENT otherwise); holes are fine.
   [[nodiscard]] virtual absl::Status Unmap(uint64_t va, uint64_t bytes) = 0;
 
   // A new FD referring to the chunk's memory, owned by the caller. Export once per chunk and
-  // dup() the FD for each consumer: re-exporting is slow on GPUs.
+  // dup() the FD for each consumer: re-exporting is slow on GPUs. INVALID_ARGUMENT for a chunk that
+  // is not live.
   [[nodiscard]] virtual absl::StatusOr<int> Export(const Chunk& chunk) = 0;
-  // A chunk of this process referring to the memory behind `fd` (which stays the caller's).
+  // A chunk of this process referring to the memory behind `fd` (which stays the caller's). `bytes`
+  // is the caller's word: the host backend checks it against the memfd (INVALID_ARGUMENT), GPU drivers
+  // cannot report an imported allocation's size, so there a too-large `bytes` fails at Map instead.
   [[nodiscard]] virtual absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) = 0;
 
   // Copies between mapped device memory and host memory (for tests, tools and preserve-on-sleep).
+  // The device range must be mapped by this device, and mapped read-write for CopyFromHost
+  // (codes: "Misuse" above); bytes == 0 is a no-op.
   [[nodiscard]] virtual absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) = 0;
   [[nodiscard]] virtual absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) = 0;
 
   // Block operations (DESIGN.md section 10). Block ids must be < span.blocks; in CopyBlocks no dst
   // may repeat or also be a src. Pack writes blocks.size() packed blocks to device memory at `dst`;
-  // Unpack reads them from `src`. Each returns once the device has finished.
+  // Unpack reads them from `src`. Each returns once the device has finished. Every run the call reads
+  // must be mapped, and every run it writes mapped read-write (codes: "Misuse" above); an empty
+  // list of blocks or copies is a no-op.
   [[nodiscard]] virtual absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) = 0;
   [[nodiscard]] virtual absl::Status CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) = 0;
   [[nodiscard]] virtual absl::Status PackBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks,

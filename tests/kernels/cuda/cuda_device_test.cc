@@ -236,7 +236,7 @@ TEST_F(CudaDeviceTest, FabricHandleImportsWhereSupported) {
   ASSERT_THAT(device_->CopyToHost(back.data(), va2, granularity_), IsOk());
   EXPECT_TRUE(back == pattern);
   EXPECT_THAT(device_->CopyFromHost(va2, pattern.data(), 16),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("read-only")));
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("read-only")));
   EXPECT_THAT(device_->Unmap(va2, granularity_), IsOk());
   EXPECT_THAT(device_->Release(imported), IsOk());
   EXPECT_THAT(device_->Free(va2, granularity_), IsOk());

@@ -1,6 +1,8 @@
-// The block kernels' launch contract, shared by block_kernels.cu (compiled by nvcc into the embedded
-// fatbin) and cuda_device.cc (which launches them through the driver API). Plain data only: the
-// parameter block is passed by value to cuLaunchKernel, so both compilers must lay it out the same.
+// The block kernels' launch contract, shared by their one source (block_kernels.cuh, compiled by nvcc
+// into the CUDA fatbin and by hipcc into the HIP code-object bundle) and the backends that launch them
+// (cuda_device.cc through cuLaunchKernel, hip_device.cc through hipModuleLaunchKernel). Plain data
+// only: the parameter block is passed by value, so the device and host compilers must lay it out the
+// same (the static_asserts below pin it).
 //
 // Note [Block runs]
 // Every block operation is a list of runs: one run per (item, segment), item-major, each run
@@ -44,7 +46,9 @@ struct BlockRunParams {
   uint32_t reserved;
 };
 
-// Kernel names in the fatbin.
+static_assert(sizeof(BlockRunParams) == 72, "the kernel parameter block is nine 64-bit words");
+
+// Kernel names in the fatbin and the code-object bundle (extern "C", so unmangled).
 inline constexpr const char* kBlockKernelAligned = "kvd_block_runs_aligned";
 inline constexpr const char* kBlockKernelUnaligned = "kvd_block_runs_unaligned";
 
