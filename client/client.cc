@@ -25,6 +25,7 @@
 #include "kvd/device.h"
 #include "kvd/status.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/wire.h"
 
 namespace kvd {
 namespace {
@@ -69,7 +70,7 @@ void ToProto(const LayoutRequest& r, v1::LayoutRequest* out) {
   }
   if (r.env_layout_set) {
     out->set_env_layout(r.env_layout);
-  } else if (const char* env = std::getenv("KVD_KV_CACHE_LAYOUT"); env != nullptr) {
+  } else if (const char* env = std::getenv(wire::kLayoutEnv); env != nullptr) {
     out->set_env_layout(env);
   }
 }
@@ -183,31 +184,21 @@ const char* BackendString(v1::Backend b) {
 
 }  // namespace
 
-std::string DefaultSocket(int device) { return absl::StrCat("/run/kvd/gpu", device, ".sock"); }
+std::string DefaultSocket(int device) { return wire::DefaultSocket(device); }
 
-std::string HandlesPathFor(absl::string_view socket) {
-  constexpr absl::string_view kSuffix = ".sock";
-  if (socket.size() > kSuffix.size() && absl::EndsWith(socket, kSuffix)) {
-    return absl::StrCat(socket.substr(0, socket.size() - kSuffix.size()), ".handles");
-  }
-  return absl::StrCat(socket, ".handles");
-}
+std::string HandlesPathFor(absl::string_view socket) { return wire::HandlesPathFor(socket); }
 
 absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory) {
-  std::string dir(directory);
-  if (dir.empty()) {
-    const char* env = std::getenv("KVD_SOCKET_DIR");
-    dir = env != nullptr && *env != '\0' ? env : "/run/kvd";
-  }
+  const std::string dir = directory.empty() ? wire::SocketDirFromEnvironment() : std::string(directory);
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return absl::NotFoundError(absl::StrCat("socket directory ", dir, ": ", std::strerror(errno)));
   std::vector<std::string> sockets;
   while (dirent* e = readdir(d)) {
-    if (absl::EndsWith(e->d_name, ".sock")) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
+    if (wire::IsSocketName(e->d_name)) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
   }
   closedir(d);
   std::sort(sockets.begin(), sockets.end());
-  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*.sock) in ", dir));
+  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*", wire::kSocketSuffix, ") in ", dir));
   return sockets;
 }
 
@@ -282,7 +273,7 @@ struct Client::Impl {
 
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata("kvd-session", session.token());
+    ctx->AddMetadata(wire::kSessionMetadataKey, session.token());
     ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
     return ctx;
   }
@@ -621,10 +612,7 @@ std::vector<ChunkInfo> Mapping::chunks() const {
 // Client
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ConnectOptions options) {
-  if (options.socket.empty()) {
-    const char* env = std::getenv("KVD_SOCKET");
-    options.socket = env != nullptr && *env != '\0' ? std::string(env) : DefaultSocket(options.device);
-  }
+  if (options.socket.empty()) options.socket = wire::SocketFromEnvironment(options.device);
   if (options.client_name.empty()) options.client_name = "libkvd";
   KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPathFor(options.socket), options.client_name,
                                                                   HandleClientOptions{.timeout = options.timeout}));
@@ -817,7 +805,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }
   m->watch_ctx = std::make_unique<grpc::ClientContext>();
-  m->watch_ctx->AddMetadata("kvd-session", impl_->session.token());
+  m->watch_ctx->AddMetadata(wire::kSessionMetadataKey, impl_->session.token());
   v1::WatchRequest watch;
   watch.set_client_id(m->client_id);
   std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);

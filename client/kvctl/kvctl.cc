@@ -28,6 +28,7 @@
 #include "kvd/group.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
+#include "kvd/wire.h"
 
 namespace kvd {
 namespace {
@@ -683,10 +684,15 @@ int Main(int argc, char** argv) {
   CLI::App app{"kvctl: inspect and manage a kvd daemon's KV-cache pools"};
   app.require_subcommand(1);
   Flags f;
-  app.add_option("--socket", f.socket, "kvd's gRPC socket (default: $KVD_SOCKET, else /run/kvd/gpu<device>.sock)");
+  const std::string default_socket =
+      absl::StrCat(wire::kDefaultSocketDir, "/", wire::kSocketPrefix, "<N>", wire::kSocketSuffix);
+  app.add_option(
+      "--socket", f.socket,
+      absl::StrCat("kvd's gRPC socket (default: $", wire::kSocketEnv, ", else ", default_socket, " for --device N)"));
   app.add_option("--device", f.device,
-                 "The device whose kvd to use: an index (socket /run/kvd/gpu<N>.sock), or a device UUID or unique "
-                 "prefix of one, looked up among the kvds in $KVD_SOCKET_DIR (default /run/kvd)")
+                 absl::StrCat("The device whose kvd to use: an index (socket ", default_socket,
+                              "), or a device UUID or unique prefix of one, looked up among the kvds in $",
+                              wire::kSocketDirEnv, " (default ", wire::kDefaultSocketDir, ")"))
       ->capture_default_str();
   app.add_flag("--json", f.json, "Machine-readable JSON output (see docs/integrating.md)");
   app.fallthrough();
@@ -748,9 +754,11 @@ int Main(int argc, char** argv) {
   for (CLI::App* sub : {group_status, group_grow, group_shrink, group_sleep, group_wake}) {
     sub->add_option("group", f.pool, "Group name (the pools' --group)")->required();
     sub->add_option("--sockets", f.sockets,
-                    "The daemons to search, comma-separated (default: every *.sock in --socket-dir)");
+                    absl::StrCat("The daemons to search, comma-separated (default: every *", wire::kSocketSuffix,
+                                 " in --socket-dir)"));
     sub->add_option("--socket-dir", f.socket_dir,
-                    "Where the node's kvd sockets are (default: $KVD_SOCKET_DIR, else /run/kvd)");
+                    absl::StrCat("Where the node's kvd sockets are (default: $", wire::kSocketDirEnv, ", else ",
+                                 wire::kDefaultSocketDir, ")"));
     sub->add_option("--ttl", f.ttl, "How long each daemon holds a prepared rank before aborting it")
         ->capture_default_str();
   }
@@ -767,8 +775,8 @@ int Main(int argc, char** argv) {
   layout->require_subcommand(1);
   CLI::App* resolve = layout->add_subcommand("resolve", "Dry run of the layout precedence chain (and geometry)");
   resolve->add_option("--override", f.layout.override_layout, "Explicit layout (rule 1)");
-  CLI::Option* env = resolve->add_option("--env", f.layout.env,
-                                         "The engine's KVD_KV_CACHE_LAYOUT (default: this process's environment)");
+  CLI::Option* env = resolve->add_option(
+      "--env", f.layout.env, absl::StrCat("The engine's ", wire::kLayoutEnv, " (default: this process's environment)"));
   f.layout.Add(resolve);
   AddDims(resolve, f, /*required=*/false);
 
