@@ -25,6 +25,7 @@
 #include "kvd/device.h"
 #include "kvd/status.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/wire.h"
 
 namespace kvd {
 namespace {
@@ -69,7 +70,7 @@ void ToProto(const LayoutRequest& r, v1::LayoutRequest* out) {
   }
   if (r.env_layout_set) {
     out->set_env_layout(r.env_layout);
-  } else if (const char* env = std::getenv("KVD_KV_CACHE_LAYOUT"); env != nullptr) {
+  } else if (const char* env = std::getenv(wire::kLayoutEnv); env != nullptr) {
     out->set_env_layout(env);
   }
 }
@@ -183,31 +184,21 @@ const char* BackendString(v1::Backend b) {
 
 }  // namespace
 
-std::string DefaultSocket(int device) { return absl::StrCat("/run/kvd/gpu", device, ".sock"); }
+std::string DefaultSocket(int device) { return wire::DefaultSocket(device); }
 
-std::string HandlesPathFor(absl::string_view socket) {
-  constexpr absl::string_view kSuffix = ".sock";
-  if (socket.size() > kSuffix.size() && absl::EndsWith(socket, kSuffix)) {
-    return absl::StrCat(socket.substr(0, socket.size() - kSuffix.size()), ".handles");
-  }
-  return absl::StrCat(socket, ".handles");
-}
+std::string HandlesPathFor(absl::string_view socket) { return wire::HandlesPathFor(socket); }
 
 absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory) {
-  std::string dir(directory);
-  if (dir.empty()) {
-    const char* env = std::getenv("KVD_SOCKET_DIR");
-    dir = env != nullptr && *env != '\0' ? env : "/run/kvd";
-  }
+  const std::string dir = directory.empty() ? wire::SocketDirFromEnvironment() : std::string(directory);
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return absl::NotFoundError(absl::StrCat("socket directory ", dir, ": ", std::strerror(errno)));
   std::vector<std::string> sockets;
   while (dirent* e = readdir(d)) {
-    if (absl::EndsWith(e->d_name, ".sock")) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
+    if (wire::IsSocketName(e->d_name)) sockets.push_back(absl::StrCat(dir, "/", e->d_name));
   }
   closedir(d);
   std::sort(sockets.begin(), sockets.end());
-  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*.sock) in ", dir));
+  if (sockets.empty()) return absl::NotFoundError(absl::StrCat("no kvd socket (*", wire::kSocketSuffix, ") in ", dir));
   return sockets;
 }
 
@@ -282,11 +273,15 @@ struct Client::Impl {
 
   std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata("kvd-session", session.token());
+    ctx->AddMetadata(wire::kSessionMetadataKey, session.token());
     ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
     return ctx;
   }
   std::unique_ptr<grpc::ClientContext> Context() const { return Context(options.timeout); }
+  // Hands a successful reply to ConnectOptions::on_reply.
+  void Observe(const google::protobuf::Message& reply) const {
+    if (options.on_reply) options.on_reply(reply);
+  }
 
   // The device this process maps from (AttachOptions::device; empty: the daemon's), opened once.
   struct LocalDevice {
@@ -621,10 +616,7 @@ std::vector<ChunkInfo> Mapping::chunks() const {
 // Client
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ConnectOptions options) {
-  if (options.socket.empty()) {
-    const char* env = std::getenv("KVD_SOCKET");
-    options.socket = env != nullptr && *env != '\0' ? std::string(env) : DefaultSocket(options.device);
-  }
+  if (options.socket.empty()) options.socket = wire::SocketFromEnvironment(options.device);
   if (options.client_name.empty()) options.client_name = "libkvd";
   KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPathFor(options.socket), options.client_name,
                                                                   HandleClientOptions{.timeout = options.timeout}));
@@ -641,6 +633,7 @@ const std::string& Client::socket() const { return impl_->options.socket; }
 absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   v1::DeviceInfo i;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetDeviceInfo(impl_->Context().get(), v1::GetDeviceInfoRequest(), &i)));
+  impl_->Observe(i);
   return DeviceStatus{.backend = BackendString(i.backend()),
                       .device_index = i.device_index(),
                       .name = i.device_name(),
@@ -660,6 +653,7 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
   v1::ListPoolsResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListPools(impl_->Context().get(), v1::ListPoolsRequest(), &resp)));
+  impl_->Observe(resp);
   std::vector<PoolInfo> out;
   for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
   return out;
@@ -670,6 +664,7 @@ absl::StatusOr<PoolInfo> Client::GetPool(absl::string_view name) {
   req.set_name(std::string(name));
   v1::Pool pool;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPool(impl_->Context().get(), req, &pool)));
+  impl_->Observe(pool);
   return FromProto(pool);
 }
 
@@ -688,6 +683,7 @@ absl::StatusOr<PoolInfo> Client::CreatePool(const PoolOptions& options) {
   for (const std::string& d : options.peer_devices) req.add_peer_devices(d);
   v1::Pool pool;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->CreatePool(impl_->Context().get(), req, &pool)));
+  impl_->Observe(pool);
   return FromProto(pool);
 }
 
@@ -697,6 +693,7 @@ absl::StatusOr<ResolvedLayout> Client::ResolveLayout(const LayoutRequest& reques
   if (dims != nullptr) ToProto(*dims, req.mutable_dims());
   v1::ResolveLayoutResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ResolveLayout(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
   return ResolvedLayout{.resolution = FromProto(resp.resolution()),
                         .has_geometry = resp.has_geometry(),
                         .geometry = FromProto(resp.geometry())};
@@ -708,6 +705,7 @@ absl::StatusOr<PoolChange> Client::Grow(absl::string_view pool, uint64_t target_
   req.set_target_blocks(target_blocks);
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Grow(impl_->Context().get(), req, &update)));
+  impl_->Observe(update);
   KVD_RETURN_IF_ERROR(impl_->Route(update));
   return FromProto(update);
 }
@@ -726,6 +724,7 @@ absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t targe
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(
       FromGrpc(impl_->stub->Shrink(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  impl_->Observe(update);
   return FromProto(update);
 }
 
@@ -740,6 +739,7 @@ absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, bo
   v1::PoolUpdates updates;
   KVD_RETURN_IF_ERROR(
       FromGrpc(impl_->stub->Sleep(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &updates)));
+  impl_->Observe(updates);
   std::vector<PoolChange> out;
   for (const v1::PoolUpdate& u : updates.updates()) out.push_back(FromProto(u));
   return out;
@@ -754,6 +754,7 @@ absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) {
   }
   v1::PoolUpdates updates;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Wake(impl_->Context().get(), req, &updates)));
+  impl_->Observe(updates);
   std::vector<PoolChange> out;
   absl::Status first_error;
   for (const v1::PoolUpdate& u : updates.updates()) {
@@ -771,6 +772,7 @@ absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force) 
   req.set_force(force);
   v1::DeletePoolResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DeletePool(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
   return resp.released_bytes();
 }
 
@@ -788,6 +790,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   req.set_device_uuid(local.peer_uuid);
   v1::AttachResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
 
   auto m = std::make_shared<Mapping::Impl>();
   m->client = impl_;
@@ -817,7 +820,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }
   m->watch_ctx = std::make_unique<grpc::ClientContext>();
-  m->watch_ctx->AddMetadata("kvd-session", impl_->session.token());
+  m->watch_ctx->AddMetadata(wire::kSessionMetadataKey, impl_->session.token());
   v1::WatchRequest watch;
   watch.set_client_id(m->client_id);
   std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);
@@ -848,6 +851,7 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   req.set_revoke(revoke);
   v1::Pool resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GrantPeerAccess(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
   return FromProto(resp);
 }
 
@@ -860,6 +864,7 @@ absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp o
   req.set_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(absl::ToInt64Milliseconds(ttl), 1)));
   v1::PrepareResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Prepare(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
   return PreparedChange{.transaction = resp.transaction(),
                         .pool = FromProto(resp.pool()),
                         .prepared_bytes = resp.prepared_bytes(),
@@ -874,6 +879,7 @@ absl::StatusOr<PoolChange> Client::Commit(absl::string_view transaction, bool wa
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(
       FromGrpc(impl_->stub->Commit(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  impl_->Observe(update);
   KVD_RETURN_IF_ERROR(impl_->Route(update));
   return FromProto(update);
 }
@@ -883,6 +889,7 @@ absl::StatusOr<uint64_t> Client::Abort(absl::string_view transaction) {
   req.set_transaction(std::string(transaction));
   v1::AbortResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Abort(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
   return resp.released_bytes();
 }
 

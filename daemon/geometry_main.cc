@@ -18,6 +18,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
+#include "kvd/wire.h"
 
 namespace kvd::daemon {
 namespace {
@@ -108,7 +109,7 @@ absl::Status Run(const Flags& f) {
 
 int main(int argc, char** argv) {
   kvd::daemon::Flags f;
-  if (const char* env = std::getenv("KVD_KV_CACHE_LAYOUT")) f.env_layout = env;
+  if (const char* env = std::getenv(kvd::wire::kLayoutEnv)) f.env_layout = env;
   CLI::App app{
       "kvd-geometry: resolve a KV-cache pool's layout through kvd's precedence chain\n"
       "(override > backend requirement > KVD_KV_CACHE_LAYOUT > connector preference > default)\n"

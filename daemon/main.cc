@@ -57,6 +57,7 @@
 #include "kvd/status.h"
 #include "kvd/units.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/wire.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -68,7 +69,7 @@
 namespace kvd::daemon {
 namespace {
 
-constexpr char kLayoutEnv[] = "KVD_KV_CACHE_LAYOUT";
+using wire::kLayoutEnv;
 
 struct Flags {
   std::string backend = "auto";
@@ -155,13 +156,6 @@ absl::Status SetUpLogging(const Flags& f) {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration
-
-// "PATH.sock" -> "PATH.handles"; any other PATH -> "PATH.handles".
-std::string HandlesPath(absl::string_view socket) {
-  absl::string_view stem = socket;
-  absl::ConsumeSuffix(&stem, ".sock");
-  return absl::StrCat(stem, ".handles");
-}
 
 absl::StatusOr<uint64_t> ParseSize(const std::string& text, absl::string_view flag) { return ParseBytes(text, flag); }
 
@@ -383,9 +377,8 @@ absl::Status Run(const Flags& f) {
   KVD_RETURN_IF_ERROR(ParseHostOptions(f, &device_options));
   std::string selected_by;
   KVD_ASSIGN_OR_RETURN(device_options.index, ResolveDevice(f, device_options, &selected_by));
-  const std::string socket_path =
-      f.socket.empty() ? absl::StrCat("/run/kvd/gpu", device_options.index, ".sock") : f.socket;
-  const std::string handles_path = HandlesPath(socket_path);
+  const std::string socket_path = f.socket.empty() ? wire::DefaultSocket(device_options.index) : f.socket;
+  const std::string handles_path = wire::HandlesPathFor(socket_path);
   spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index, selected_by,
                socket_path, handles_path);
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));

@@ -2,16 +2,20 @@
 //
 //   kvctl [--socket=PATH] [--device=N] [--json] VERB ...
 //
-// Output: human-readable text (byte sizes with FormatBytes), or with --json one JSON document on stdout
-// whose field names are the proto's (snake_case) and whose shape is documented in docs/integrating.md.
+// Output: human-readable text (byte sizes with FormatBytes), or with --json one JSON document on stdout:
+// the daemon's reply message as proto3 JSON, wrapped in kvctl's own keys where it adds any (Note [kvctl
+// JSON] in docs/integrating.md).
 // Exit status: 0 on success; 1 when the daemon (or the connection) fails the request; 2 for a usage
 // error. Every failure prints exactly one line "kvctl: <reason>" on stderr.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,189 +27,173 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "kvd/client.h"
 #include "kvd/group.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
+#include "kvd/v1/kvd.pb.h"
+#include "kvd/wire.h"
 
 namespace kvd {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// A minimal ordered JSON value: objects keep insertion order, so output is stable.
+// --json: the daemon's replies as protobuf's JSON printer renders them (docs/integrating.md, "--json"),
+// so that a field added to kvd.proto appears in kvctl's output without a change here. kvctl's own keys
+// (the socket, timings, a group's ranks) are put around them.
 
-class Json {
+// The reply messages libkvd received (ConnectOptions::on_reply), in order. Thread-safe: a Group's
+// ranks answer on several threads.
+class Replies {
  public:
-  static Json Null() { return Json(Kind::kScalar, "null"); }
-  static Json Str(absl::string_view s) { return Json(Kind::kScalar, Quote(s)); }
-  static Json Num(uint64_t v) { return Json(Kind::kScalar, absl::StrCat(v)); }
-  static Json Int(int64_t v) { return Json(Kind::kScalar, absl::StrCat(v)); }
-  static Json Double(double v) { return Json(Kind::kScalar, absl::StrFormat("%.3f", v)); }
-  static Json Bool(bool v) { return Json(Kind::kScalar, v ? "true" : "false"); }
-  static Json Object() { return Json(Kind::kObject, ""); }
-  static Json Array() { return Json(Kind::kArray, ""); }
-  template <typename T, typename F>
-  static Json ArrayOf(const std::vector<T>& items, F&& f) {
-    Json a = Array();
-    for (const T& item : items) a.Push(f(item));
-    return a;
+  std::function<void(const google::protobuf::Message&)> Observer() {
+    return [this](const google::protobuf::Message& reply) {
+      std::unique_ptr<google::protobuf::Message> copy(reply.New());
+      copy->CopyFrom(reply);
+      absl::MutexLock lock(&mu_);
+      replies_.push_back(std::move(copy));
+    };
   }
 
-  Json& Set(absl::string_view key, Json value) {
-    members_.emplace_back(std::string(key), std::move(value));
-    return *this;
-  }
-  Json& Push(Json value) {
-    members_.emplace_back("", std::move(value));
-    return *this;
+  void Clear() {
+    absl::MutexLock lock(&mu_);
+    replies_.clear();
   }
 
-  std::string Render(int indent = 0) const {
-    if (kind_ == Kind::kScalar) return scalar_;
-    const char open = kind_ == Kind::kObject ? '{' : '[';
-    const char close = kind_ == Kind::kObject ? '}' : ']';
-    if (members_.empty()) return std::string{open, close};
-    const std::string pad(indent + 2, ' ');
-    std::string out(1, open);
-    for (size_t i = 0; i < members_.size(); ++i) {
-      absl::StrAppend(&out, i == 0 ? "\n" : ",\n", pad);
-      if (kind_ == Kind::kObject) absl::StrAppend(&out, Quote(members_[i].first), ": ");
-      absl::StrAppend(&out, members_[i].second.Render(indent + 2));
+  // Every reply of type M received since the last Clear(), in order.
+  template <typename M>
+  std::vector<M> All() const {
+    absl::MutexLock lock(&mu_);
+    std::vector<M> out;
+    for (const auto& r : replies_) {
+      if (r->GetDescriptor() == M::descriptor()) out.push_back(static_cast<const M&>(*r));
     }
-    absl::StrAppend(&out, "\n", std::string(indent, ' '), std::string(1, close));
     return out;
   }
 
- private:
-  enum class Kind { kScalar, kObject, kArray };
-  Json(Kind kind, std::string scalar) : kind_(kind), scalar_(std::move(scalar)) {}
-
-  static std::string Quote(absl::string_view s) {
-    std::string out = "\"";
-    for (char c : s) {
-      switch (c) {
-        case '"':
-          out += "\\\"";
-          break;
-        case '\\':
-          out += "\\\\";
-          break;
-        case '\n':
-          out += "\\n";
-          break;
-        case '\t':
-          out += "\\t";
-          break;
-        default:
-          if (static_cast<unsigned char>(c) < 0x20) {
-            absl::StrAppend(&out, absl::StrFormat("\\u%04x", static_cast<unsigned char>(c)));
-          } else {
-            out += c;
-          }
-      }
-    }
-    return out + "\"";
+  // The last reply of type M; INTERNAL when libkvd reported none.
+  template <typename M>
+  absl::StatusOr<M> Last() const {
+    std::vector<M> all = All<M>();
+    if (all.empty()) return absl::InternalError(absl::StrCat("no ", M::descriptor()->full_name(), " reply to print"));
+    return std::move(all.back());
   }
 
-  Kind kind_;
-  std::string scalar_;
-  std::vector<std::pair<std::string, Json>> members_;
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<google::protobuf::Message>> replies_ ABSL_GUARDED_BY(mu_);
 };
 
-Json StrArray(const std::vector<std::string>& v) {
-  return Json::ArrayOf(v, [](const std::string& s) { return Json::Str(s); });
+// A message as proto3 JSON: kvd.proto's field names, every scalar and repeated field present (a message
+// field only when set), 64-bit integers as strings, enums by name.
+absl::StatusOr<std::string> ProtoJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) {
+    return absl::InternalError(absl::StrCat("cannot render ", message.GetDescriptor()->full_name(), " as JSON"));
+  }
+  return out;
 }
 
-Json DimsJson(const PoolDims& d) {
-  return Json::Object()
-      .Set("layers", Json::Num(d.layers))
-      .Set("capacity_blocks", Json::Num(d.capacity_blocks))
-      .Set("heads", Json::Num(d.heads))
-      .Set("block_tokens", Json::Num(d.block_tokens))
-      .Set("channels", Json::Num(d.channels))
-      .Set("element_bytes", Json::Num(d.element_bytes));
+// A JSON string, escaped by protobuf's printer.
+std::string JsonString(absl::string_view s) {
+  google::protobuf::Value value;
+  value.set_string_value(std::string(s));
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(value, &out);  // a string value always renders
+  return out;
 }
 
-Json GeometryJson(const Geometry& g) {
-  return Json::Object()
-      .Set("layout", Json::Str(g.layout))
-      .Set("dims", DimsJson(g.dims))
-      .Set("stride_l", Json::Num(g.stride_l))
-      .Set("stride_b", Json::Num(g.stride_b))
-      .Set("stride_h", Json::Num(g.stride_h))
-      .Set("stride_n", Json::Num(g.stride_n))
-      .Set("stride_c", Json::Num(g.stride_c))
-      .Set("offset", Json::Num(g.offset))
-      .Set("layer_stride", Json::Num(g.layer_stride))
-      .Set("block_stride", Json::Num(g.block_stride))
-      .Set("segments", Json::Num(g.segments))
-      .Set("segment_stride", Json::Num(g.segment_stride))
-      .Set("reserved_bytes", Json::Num(g.reserved_bytes))
-      .Set("granularity_bytes", Json::Num(g.granularity_bytes));
+std::string JsonMs(double ms) { return absl::StrFormat("%.3f", ms); }
+
+// {"key": value, ...} of rendered values, in order.
+std::string JsonObject(const std::vector<std::pair<absl::string_view, std::string>>& members) {
+  std::vector<std::string> parts;
+  for (const auto& [key, value] : members) parts.push_back(absl::StrCat(JsonString(key), ":", value));
+  return absl::StrCat("{", absl::StrJoin(parts, ","), "}");
 }
 
-Json ResolutionJson(const LayoutResolution& r) {
-  return Json::Object()
-      .Set("layout", Json::Str(r.layout))
-      .Set("rule", Json::Str(r.rule))
-      .Set("rule_detail", Json::Str(r.rule_detail))
-      .Set("allowed_layouts", StrArray(r.allowed_layouts))
-      .Set("warnings", StrArray(r.warnings));
+std::string JsonArray(const std::vector<std::string>& items) {
+  return absl::StrCat("[", absl::StrJoin(items, ","), "]");
 }
 
-Json ChunkJson(const ChunkInfo& c) {
-  return Json::Object()
-      .Set("id", Json::Num(c.id))
-      .Set("segment", Json::Num(c.segment))
-      .Set("offset", Json::Num(c.offset))
-      .Set("bytes", Json::Num(c.bytes));
+// Prints one JSON document (compact, as protobuf renders it) indented by two spaces a level.
+void PrintJson(absl::string_view json) {
+  std::string out;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  auto newline = [&] {
+    out += '\n';
+    out.append(2 * depth, ' ');
+  };
+  for (size_t i = 0; i < json.size(); ++i) {
+    const char c = json[i];
+    if (in_string) {
+      out += c;
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    switch (c) {
+      case '"':
+        in_string = true;
+        out += c;
+        break;
+      case '{':
+      case '[':
+        out += c;
+        if (i + 1 < json.size() && (json[i + 1] == '}' || json[i + 1] == ']')) {
+          out += json[++i];
+        } else {
+          ++depth;
+          newline();
+        }
+        break;
+      case '}':
+      case ']':
+        --depth;
+        newline();
+        out += c;
+        break;
+      case ',':
+        out += c;
+        newline();
+        break;
+      case ':':
+        out += ": ";
+        break;
+      default:
+        out += c;
+    }
+  }
+  out += '\n';
+  std::fwrite(out.data(), 1, out.size(), stdout);
 }
 
-Json PoolJson(const PoolInfo& p) {
-  return Json::Object()
-      .Set("name", Json::Str(p.name))
-      .Set("state", Json::Str(PoolStateName(p.state)))
-      .Set("geometry", GeometryJson(p.geometry))
-      .Set("layout", ResolutionJson(p.layout))
-      .Set("committed_blocks", Json::Num(p.committed_blocks))
-      .Set("committed_bytes", Json::Num(p.committed_bytes))
-      .Set("reserved_bytes", Json::Num(p.reserved_bytes))
-      .Set("pending_release_bytes", Json::Num(p.pending_release_bytes))
-      .Set("wake_blocks", Json::Num(p.wake_blocks))
-      .Set("owner_uid", Json::Num(p.owner_uid))
-      .Set("allowed_uids", Json::ArrayOf(p.allowed_uids, [](uint32_t u) { return Json::Num(u); }))
-      .Set("clients", Json::ArrayOf(p.clients,
-                                    [](const ClientInfo& c) {
-                                      return Json::Object()
-                                          .Set("client_id", Json::Str(c.client_id))
-                                          .Set("name", Json::Str(c.name))
-                                          .Set("uid", Json::Num(c.uid))
-                                          .Set("pid", Json::Int(c.pid))
-                                          .Set("mapped_bytes", Json::Num(c.mapped_bytes))
-                                          .Set("attached_at_unix_ms", Json::Num(c.attached_at_unix_ms))
-                                          .Set("device_uuid", Json::Str(c.device_uuid));
-                                    }))
-      .Set("chunks", Json::ArrayOf(p.chunks, ChunkJson))
-      .Set("generation", Json::Num(p.generation))
-      .Set("created_at_unix_ms", Json::Num(p.created_at_unix_ms))
-      .Set("group", p.group.name.empty() ? Json::Null()
-                                         : Json::Object()
-                                               .Set("name", Json::Str(p.group.name))
-                                               .Set("rank", Json::Num(p.group.rank))
-                                               .Set("size", Json::Num(p.group.size)))
-      .Set("peer_devices", StrArray(p.peer_devices))
-      .Set("transaction", Json::Str(p.transaction));
-}
-
-Json ChangeJson(const PoolChange& c, double round_trip_ms) {
-  return Json::Object()
-      .Set("pool", PoolJson(c.pool))
-      .Set("added", Json::ArrayOf(c.added, ChunkJson))
-      .Set("released_chunk_ids", Json::ArrayOf(c.released_chunk_ids, [](uint64_t id) { return Json::Num(id); }))
-      .Set("release_id", Json::Num(c.release_id))
-      .Set("elapsed_us", Json::Num(c.elapsed_us))
-      .Set("round_trip_ms", Json::Double(round_trip_ms));
+// Prints the last reply of type M; with `extras`, an object of kvctl's keys followed by the reply as "reply".
+template <typename M>
+absl::Status PrintReply(const Replies& replies, std::vector<std::pair<absl::string_view, std::string>> extras = {}) {
+  KVD_ASSIGN_OR_RETURN(M reply, replies.Last<M>());
+  KVD_ASSIGN_OR_RETURN(std::string json, ProtoJson(reply));
+  if (extras.empty()) {
+    PrintJson(json);
+  } else {
+    extras.emplace_back("reply", std::move(json));
+    PrintJson(JsonObject(extras));
+  }
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -222,8 +210,6 @@ class Timer {
 };
 
 std::string Ms(double ms) { return ms < 10 ? absl::StrFormat("%.2f ms", ms) : absl::StrFormat("%.1f ms", ms); }
-
-void Print(const std::string& s) { std::fwrite(s.data(), 1, s.size(), stdout); }
 
 // "BACKEND=L1,L2" -> a requirement.
 absl::StatusOr<LayoutRequest::Requirement> ParseRequirement(const std::string& text) {
@@ -309,29 +295,9 @@ absl::StatusOr<uint64_t> TargetBlocks(Client& client, const Flags& f, bool round
 // ---------------------------------------------------------------------------------------------
 // Verbs
 
-absl::Status Status(Client& client, const Flags& f) {
+absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(DeviceStatus d, client.DeviceInfo());
-  if (f.json) {
-    Print(Json::Object()
-              .Set("socket", Json::Str(client.socket()))
-              .Set("backend", Json::Str(d.backend))
-              .Set("device_index", Json::Num(d.device_index))
-              .Set("device_name", Json::Str(d.name))
-              .Set("device_uuid", Json::Str(d.uuid))
-              .Set("driver_version", Json::Str(d.driver_version))
-              .Set("daemon_version", Json::Str(d.daemon_version))
-              .Set("total_bytes", Json::Num(d.total_bytes))
-              .Set("free_bytes", Json::Num(d.free_bytes))
-              .Set("committed_bytes", Json::Num(d.committed_bytes))
-              .Set("budget_bytes", Json::Num(d.budget_bytes))
-              .Set("reserved_bytes", Json::Num(d.reserved_bytes))
-              .Set("granularity_bytes", Json::Num(d.granularity_bytes))
-              .Set("max_chunk_bytes", Json::Num(d.max_chunk_bytes))
-              .Set("pool_count", Json::Num(d.pool_count))
-              .Render() +
-          "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::DeviceInfo>(replies, {{"socket", JsonString(client.socket())}});
   std::printf("socket       %s\n", client.socket().c_str());
   std::printf("device       %u: %s (%s backend)\n", d.device_index, d.name.c_str(), d.backend.c_str());
   if (!d.uuid.empty()) std::printf("uuid         %s\n", d.uuid.c_str());
@@ -348,12 +314,9 @@ absl::Status Status(Client& client, const Flags& f) {
   return absl::OkStatus();
 }
 
-absl::Status Pools(Client& client, const Flags& f) {
+absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
-  if (f.json) {
-    Print(Json::Object().Set("pools", Json::ArrayOf(pools, PoolJson)).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::ListPoolsResponse>(replies);
   std::vector<std::vector<std::string>> rows = {
       {"NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"}};
   for (const PoolInfo& p : pools) {
@@ -393,12 +356,9 @@ void PrintGeometry(const Geometry& g) {
               g.segment_stride, FormatBytes(g.reserved_bytes).c_str());
 }
 
-absl::Status Describe(Client& client, const Flags& f) {
+absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(PoolInfo p, client.GetPool(f.pool));
-  if (f.json) {
-    Print(PoolJson(p).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::Pool>(replies);
   std::printf("pool         %s (%s), owner uid %u, generation %lu\n", p.name.c_str(), PoolStateName(p.state),
               p.owner_uid, p.generation);
   if (!p.group.name.empty()) {
@@ -425,7 +385,7 @@ absl::Status Describe(Client& client, const Flags& f) {
   return absl::OkStatus();
 }
 
-absl::Status Create(Client& client, const Flags& f) {
+absl::Status Create(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(LayoutRequest layout, f.layout.Build());
   PoolOptions options{.name = f.pool, .dims = f.dims, .initial_blocks = f.initial_blocks, .layout = layout};
   options.allowed_uids = f.allowed_uids;
@@ -433,10 +393,7 @@ absl::Status Create(Client& client, const Flags& f) {
   options.peer_devices = f.peers;
   Timer t;
   KVD_ASSIGN_OR_RETURN(PoolInfo p, client.CreatePool(options));
-  if (f.json) {
-    Print(PoolJson(p).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::Pool>(replies);
   std::printf("created %s: layout %s (rule %s), %lu blocks committed (%s), %s reserved, in %s\n", p.name.c_str(),
               p.geometry.layout.c_str(), p.layout.rule.c_str(), p.committed_blocks,
               FormatBytes(p.committed_bytes).c_str(), FormatBytes(p.reserved_bytes).c_str(), Ms(t.ms()).c_str());
@@ -444,7 +401,7 @@ absl::Status Create(Client& client, const Flags& f) {
   return absl::OkStatus();
 }
 
-absl::Status Resize(Client& client, const Flags& f, bool grow) {
+absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool grow) {
   if (f.bytes.empty() == (f.blocks == 0)) {
     return absl::InvalidArgumentError("give exactly one of --blocks and --bytes");
   }
@@ -453,10 +410,7 @@ absl::Status Resize(Client& client, const Flags& f, bool grow) {
   absl::StatusOr<PoolChange> change = grow ? client.Grow(f.pool, target) : client.Shrink(f.pool, target, f.wait);
   KVD_RETURN_IF_ERROR(change.status());
   const double ms = t.ms();
-  if (f.json) {
-    Print(ChangeJson(*change, ms).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::PoolUpdate>(replies, {{"round_trip_ms", JsonMs(ms)}});
   std::printf("%s %s to %lu blocks (%s) in %s", grow ? "grew" : "shrank", f.pool.c_str(), change->pool.committed_blocks,
               FormatBytes(change->pool.committed_bytes).c_str(), Ms(ms).c_str());
   if (grow) {
@@ -468,20 +422,13 @@ absl::Status Resize(Client& client, const Flags& f, bool grow) {
   return absl::OkStatus();
 }
 
-absl::Status SleepWake(Client& client, const Flags& f, bool sleep) {
+absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, bool sleep) {
   if (f.pool.empty() == !f.all) return absl::InvalidArgumentError("give exactly one of POOL and --all");
   Timer t;
   absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, f.wait) : client.Wake(f.pool);
   KVD_RETURN_IF_ERROR(changes.status());
   const double ms = t.ms();
-  if (f.json) {
-    Print(Json::Object()
-              .Set("updates", Json::ArrayOf(*changes, [ms](const PoolChange& c) { return ChangeJson(c, ms); }))
-              .Set("round_trip_ms", Json::Double(ms))
-              .Render() +
-          "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::PoolUpdates>(replies, {{"round_trip_ms", JsonMs(ms)}});
   if (changes->empty()) std::printf("no pool to %s\n", sleep ? "put to sleep" : "wake");
   for (const PoolChange& c : *changes) {
     if (sleep) {
@@ -496,38 +443,27 @@ absl::Status SleepWake(Client& client, const Flags& f, bool sleep) {
   return absl::OkStatus();
 }
 
-absl::Status Delete(Client& client, const Flags& f) {
+absl::Status Delete(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(uint64_t released, client.DeletePool(f.pool, f.force));
-  if (f.json) {
-    Print(Json::Object().Set("pool", Json::Str(f.pool)).Set("released_bytes", Json::Num(released)).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::DeletePoolResponse>(replies, {{"pool", JsonString(f.pool)}});
   std::printf("deleted %s, released %s\n", f.pool.c_str(), FormatBytes(released).c_str());
   return absl::OkStatus();
 }
 
-absl::Status Resolve(Client& client, const Flags& f) {
+absl::Status Resolve(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(LayoutRequest layout, f.layout.Build());
   const PoolDims& d = f.dims;
   const bool any_dim = d.layers || d.capacity_blocks || d.heads || d.block_tokens || d.channels || d.element_bytes;
   KVD_ASSIGN_OR_RETURN(ResolvedLayout r, client.ResolveLayout(layout, any_dim ? &d : nullptr));
-  if (f.json) {
-    Json out = Json::Object().Set("resolution", ResolutionJson(r.resolution));
-    out.Set("geometry", r.has_geometry ? GeometryJson(r.geometry) : Json::Null());
-    Print(out.Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::ResolveLayoutResponse>(replies);
   PrintResolution(r.resolution);
   if (r.has_geometry) PrintGeometry(r.geometry);
   return absl::OkStatus();
 }
 
-absl::Status Grant(Client& client, const Flags& f, bool revoke) {
+absl::Status Grant(Client& client, const Flags& f, const Replies& replies, bool revoke) {
   KVD_ASSIGN_OR_RETURN(PoolInfo p, client.GrantPeerAccess(f.pool, f.device_uuid, revoke));
-  if (f.json) {
-    Print(PoolJson(p).Render() + "\n");
-    return absl::OkStatus();
-  }
+  if (f.json) return PrintReply<v1::Pool>(replies);
   std::printf("%s %s %s %s; peer devices now: %s\n", revoke ? "revoked" : "granted", f.device_uuid.c_str(),
               revoke ? "from" : "on", p.name.c_str(),
               p.peer_devices.empty() ? "none" : absl::StrJoin(p.peer_devices, ", ").c_str());
@@ -537,7 +473,7 @@ absl::Status Grant(Client& client, const Flags& f, bool revoke) {
 // ---------------------------------------------------------------------------------------------
 // kvctl group: one engine's ranks on several daemons, as one unit.
 
-absl::StatusOr<std::unique_ptr<Group>> OpenGroup(const Flags& f) {
+absl::StatusOr<std::unique_ptr<Group>> OpenGroup(const Flags& f, Replies& replies) {
   absl::Duration ttl;
   if (!absl::ParseDuration(f.ttl, &ttl) || ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--ttl: \"", f.ttl, "\" is not a positive duration (e.g. 30s)"));
@@ -549,15 +485,29 @@ absl::StatusOr<std::unique_ptr<Group>> OpenGroup(const Flags& f) {
   if (sockets.empty()) {
     KVD_ASSIGN_OR_RETURN(sockets, NodeSockets(f.socket_dir));
   }
-  return Group::Open(f.pool, sockets, {.connect = {.client_name = "kvctl"}, .ttl = ttl});
+  return Group::Open(f.pool, sockets,
+                     {.connect = {.client_name = "kvctl", .on_reply = replies.Observer()}, .ttl = ttl});
 }
 
-Json RankJson(const GroupRank& r) {
-  return Json::Object()
-      .Set("rank", Json::Num(r.rank))
-      .Set("socket", Json::Str(r.socket))
-      .Set("device_uuid", Json::Str(r.device_uuid))
-      .Set("pool", PoolJson(r.pool));
+// The replies of type M (kvd.v1.Pool or kvd.v1.PoolUpdate) of a group operation, one per rank of
+// `ranks`, by the group rank of the pool they carry.
+template <typename M>
+absl::StatusOr<std::vector<M>> ByRank(const Replies& replies, const std::vector<uint32_t>& ranks) {
+  auto pool_of = [](const M& m) -> const v1::Pool& {
+    if constexpr (std::is_same_v<M, v1::Pool>) {
+      return m;
+    } else {
+      return m.pool();
+    }
+  };
+  std::vector<M> all = replies.All<M>();
+  std::vector<M> out;
+  for (uint32_t rank : ranks) {
+    auto it = std::find_if(all.rbegin(), all.rend(), [&](const M& m) { return pool_of(m).group().rank() == rank; });
+    if (it == all.rend()) return absl::InternalError(absl::StrCat("no reply of rank ", rank, " to print"));
+    out.push_back(*it);
+  }
+  return out;
 }
 
 // Every rank in the same state with the same committed blocks.
@@ -579,17 +529,26 @@ void PrintRanks(const std::vector<GroupRank>& ranks) {
   }
 }
 
-absl::Status GroupStatus(Group& group, const Flags& f) {
+absl::Status GroupStatus(Group& group, const Flags& f, Replies& replies) {
+  replies.Clear();
   KVD_ASSIGN_OR_RETURN(std::vector<GroupRank> ranks, group.Refresh());
   const bool consistent = Consistent(ranks);
   if (f.json) {
-    Print(Json::Object()
-              .Set("group", Json::Str(group.name()))
-              .Set("size", Json::Num(ranks.size()))
-              .Set("consistent", Json::Bool(consistent))
-              .Set("ranks", Json::ArrayOf(ranks, RankJson))
-              .Render() +
-          "\n");
+    std::vector<uint32_t> numbers;
+    for (const GroupRank& r : ranks) numbers.push_back(r.rank);
+    KVD_ASSIGN_OR_RETURN(std::vector<v1::Pool> pools, ByRank<v1::Pool>(replies, numbers));
+    std::vector<std::string> items;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      KVD_ASSIGN_OR_RETURN(std::string pool, ProtoJson(pools[i]));
+      items.push_back(JsonObject({{"rank", absl::StrCat(ranks[i].rank)},
+                                  {"socket", JsonString(ranks[i].socket)},
+                                  {"device_uuid", JsonString(ranks[i].device_uuid)},
+                                  {"pool", std::move(pool)}}));
+    }
+    PrintJson(JsonObject({{"group", JsonString(group.name())},
+                          {"size", absl::StrCat(ranks.size())},
+                          {"consistent", consistent ? "true" : "false"},
+                          {"ranks", JsonArray(items)}}));
     return absl::OkStatus();
   }
   std::printf("group %s: %zu ranks, %s\n", group.name().c_str(), ranks.size(),
@@ -601,7 +560,7 @@ absl::Status GroupStatus(Group& group, const Flags& f) {
   return absl::OkStatus();
 }
 
-absl::Status GroupChangeVerb(Group& group, const Flags& f, GroupOp op) {
+absl::Status GroupChangeVerb(Group& group, const Flags& f, Replies& replies, GroupOp op) {
   uint64_t target = f.blocks;
   if ((op == GroupOp::kGrow || op == GroupOp::kShrink) && !f.bytes.empty()) {
     KVD_ASSIGN_OR_RETURN(uint64_t bytes, ParseBytes(f.bytes, "--bytes"));
@@ -609,6 +568,7 @@ absl::Status GroupChangeVerb(Group& group, const Flags& f, GroupOp op) {
     if (per_block == 0) return absl::InternalError("rank 0's geometry has zero-sized blocks");
     target = op == GroupOp::kGrow ? (bytes + per_block - 1) / per_block : bytes / per_block;
   }
+  replies.Clear();
   Timer t;
   absl::StatusOr<GroupChange> change;
   switch (op) {
@@ -629,16 +589,21 @@ absl::Status GroupChangeVerb(Group& group, const Flags& f, GroupOp op) {
   const double ms = t.ms();
   const std::vector<GroupRank> ranks = group.ranks();
   if (f.json) {
-    Print(Json::Object()
-              .Set("group", Json::Str(group.name()))
-              .Set("operation", Json::Str(GroupOpName(op)))
-              .Set("ranks", Json::ArrayOf(change->ranks, [ms](const PoolChange& c) { return ChangeJson(c, ms); }))
-              .Set("prepared_bytes", Json::Num(change->prepared_bytes))
-              .Set("prepare_us", Json::Num(change->prepare_us))
-              .Set("commit_us", Json::Num(change->commit_us))
-              .Set("round_trip_ms", Json::Double(ms))
-              .Render() +
-          "\n");
+    std::vector<uint32_t> numbers;
+    for (const PoolChange& c : change->ranks) numbers.push_back(c.pool.group.rank);
+    KVD_ASSIGN_OR_RETURN(std::vector<v1::PoolUpdate> updates, ByRank<v1::PoolUpdate>(replies, numbers));
+    std::vector<std::string> items;
+    for (const v1::PoolUpdate& u : updates) {
+      KVD_ASSIGN_OR_RETURN(std::string update, ProtoJson(u));
+      items.push_back(std::move(update));
+    }
+    PrintJson(JsonObject({{"group", JsonString(group.name())},
+                          {"operation", JsonString(GroupOpName(op))},
+                          {"prepared_bytes", absl::StrCat(change->prepared_bytes)},
+                          {"prepare_us", absl::StrCat(change->prepare_us)},
+                          {"commit_us", absl::StrCat(change->commit_us)},
+                          {"round_trip_ms", JsonMs(ms)},
+                          {"ranks", JsonArray(items)}}));
     return absl::OkStatus();
   }
   uint64_t bytes = 0;
@@ -683,12 +648,19 @@ int Main(int argc, char** argv) {
   CLI::App app{"kvctl: inspect and manage a kvd daemon's KV-cache pools"};
   app.require_subcommand(1);
   Flags f;
-  app.add_option("--socket", f.socket, "kvd's gRPC socket (default: $KVD_SOCKET, else /run/kvd/gpu<device>.sock)");
+  const std::string default_socket =
+      absl::StrCat(wire::kDefaultSocketDir, "/", wire::kSocketPrefix, "<N>", wire::kSocketSuffix);
+  app.add_option(
+      "--socket", f.socket,
+      absl::StrCat("kvd's gRPC socket (default: $", wire::kSocketEnv, ", else ", default_socket, " for --device N)"));
   app.add_option("--device", f.device,
-                 "The device whose kvd to use: an index (socket /run/kvd/gpu<N>.sock), or a device UUID or unique "
-                 "prefix of one, looked up among the kvds in $KVD_SOCKET_DIR (default /run/kvd)")
+                 absl::StrCat("The device whose kvd to use: an index (socket ", default_socket,
+                              "), or a device UUID or unique prefix of one, looked up among the kvds in $",
+                              wire::kSocketDirEnv, " (default ", wire::kDefaultSocketDir, ")"))
       ->capture_default_str();
-  app.add_flag("--json", f.json, "Machine-readable JSON output (see docs/integrating.md)");
+  app.add_flag("--json", f.json,
+               "Machine-readable output: the daemon's reply as proto3 JSON (64-bit integers as strings; see "
+               "docs/integrating.md)");
   app.fallthrough();
 
   CLI::App* status = app.add_subcommand("status", "The device, its memory and the daemon's totals");
@@ -748,9 +720,11 @@ int Main(int argc, char** argv) {
   for (CLI::App* sub : {group_status, group_grow, group_shrink, group_sleep, group_wake}) {
     sub->add_option("group", f.pool, "Group name (the pools' --group)")->required();
     sub->add_option("--sockets", f.sockets,
-                    "The daemons to search, comma-separated (default: every *.sock in --socket-dir)");
+                    absl::StrCat("The daemons to search, comma-separated (default: every *", wire::kSocketSuffix,
+                                 " in --socket-dir)"));
     sub->add_option("--socket-dir", f.socket_dir,
-                    "Where the node's kvd sockets are (default: $KVD_SOCKET_DIR, else /run/kvd)");
+                    absl::StrCat("Where the node's kvd sockets are (default: $", wire::kSocketDirEnv, ", else ",
+                                 wire::kDefaultSocketDir, ")"));
     sub->add_option("--ttl", f.ttl, "How long each daemon holds a prepared rank before aborting it")
         ->capture_default_str();
   }
@@ -767,8 +741,8 @@ int Main(int argc, char** argv) {
   layout->require_subcommand(1);
   CLI::App* resolve = layout->add_subcommand("resolve", "Dry run of the layout precedence chain (and geometry)");
   resolve->add_option("--override", f.layout.override_layout, "Explicit layout (rule 1)");
-  CLI::Option* env = resolve->add_option("--env", f.layout.env,
-                                         "The engine's KVD_KV_CACHE_LAYOUT (default: this process's environment)");
+  CLI::Option* env = resolve->add_option(
+      "--env", f.layout.env, absl::StrCat("The engine's ", wire::kLayoutEnv, " (default: this process's environment)"));
   f.layout.Add(resolve);
   AddDims(resolve, f, /*required=*/false);
 
@@ -790,20 +764,21 @@ int Main(int argc, char** argv) {
     return Fail("give exactly one of POOL and --all", 2);
   }
 
+  Replies replies;  // what --json prints
   if (group->parsed()) {
-    absl::StatusOr<std::unique_ptr<Group>> g = OpenGroup(f);
+    absl::StatusOr<std::unique_ptr<Group>> g = OpenGroup(f, replies);
     if (!g.ok()) return Fail(g.status().ToString(), 1);
     absl::Status s;
     if (group_status->parsed()) {
-      s = GroupStatus(**g, f);
+      s = GroupStatus(**g, f, replies);
     } else if (group_grow->parsed()) {
-      s = GroupChangeVerb(**g, f, GroupOp::kGrow);
+      s = GroupChangeVerb(**g, f, replies, GroupOp::kGrow);
     } else if (group_shrink->parsed()) {
-      s = GroupChangeVerb(**g, f, GroupOp::kShrink);
+      s = GroupChangeVerb(**g, f, replies, GroupOp::kShrink);
     } else if (group_sleep->parsed()) {
-      s = GroupChangeVerb(**g, f, GroupOp::kSleep);
+      s = GroupChangeVerb(**g, f, replies, GroupOp::kSleep);
     } else {
-      s = GroupChangeVerb(**g, f, GroupOp::kWake);
+      s = GroupChangeVerb(**g, f, replies, GroupOp::kWake);
     }
     if (!s.ok()) return Fail(s.ToString(), 1);
     std::fflush(stdout);
@@ -819,29 +794,29 @@ int Main(int argc, char** argv) {
     socket = *found;
   }
   if (device_index < 0) return Fail("--device: an index must not be negative", 2);
-  absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect({.socket = socket, .device = device_index, .client_name = "kvctl"});
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(
+      {.socket = socket, .device = device_index, .client_name = "kvctl", .on_reply = replies.Observer()});
   if (!client.ok()) return Fail(client.status().ToString(), 1);
   Client& c = **client;
   absl::Status s;
   if (status->parsed()) {
-    s = Status(c, f);
+    s = Status(c, f, replies);
   } else if (pools->parsed()) {
-    s = Pools(c, f);
+    s = Pools(c, f, replies);
   } else if (describe->parsed()) {
-    s = Describe(c, f);
+    s = Describe(c, f, replies);
   } else if (create->parsed()) {
-    s = Create(c, f);
+    s = Create(c, f, replies);
   } else if (grow->parsed() || shrink->parsed()) {
-    s = Resize(c, f, grow->parsed());
+    s = Resize(c, f, replies, grow->parsed());
   } else if (sleep->parsed() || wake->parsed()) {
-    s = SleepWake(c, f, sleep->parsed());
+    s = SleepWake(c, f, replies, sleep->parsed());
   } else if (del->parsed()) {
-    s = Delete(c, f);
+    s = Delete(c, f, replies);
   } else if (resolve->parsed()) {
-    s = Resolve(c, f);
+    s = Resolve(c, f, replies);
   } else if (grant->parsed() || revoke->parsed()) {
-    s = Grant(c, f, revoke->parsed());
+    s = Grant(c, f, replies, revoke->parsed());
   }
   if (!s.ok()) return Fail(s.ToString(), 1);
   std::fflush(stdout);

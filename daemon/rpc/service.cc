@@ -18,12 +18,11 @@
 #include "daemon/rpc/status.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
+#include "kvd/wire.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd::daemon {
 namespace {
-
-constexpr char kSessionMetadata[] = "kvd-session";
 
 // fmt does not know absl::string_view (a distinct type in Debian's Abseil).
 std::string_view Sv(absl::string_view s) { return {s.data(), s.size()}; }
@@ -97,10 +96,10 @@ grpc::Status KvdService::Finish(const char* method, const absl::Status& status) 
 
 absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& context) const {
   const auto& metadata = context.client_metadata();
-  auto it = metadata.find(kSessionMetadata);
+  auto it = metadata.find(wire::kSessionMetadataKey);
   if (it == metadata.end()) {
     return absl::UnauthenticatedError(
-        absl::StrCat(kSessionMetadata, " metadata missing: open a session on the handle channel first"));
+        absl::StrCat(wire::kSessionMetadataKey, " metadata missing: open a session on the handle channel first"));
   }
   return manager_->Authenticate(absl::string_view(it->second.data(), it->second.size()));
 }

@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/message.h"
 #include "gtest/gtest.h"
 #include "tests/testing/kvd_process.h"
 #include "tests/testing/status_matchers.h"
@@ -147,6 +148,25 @@ TEST_F(ClientTest, DeviceInfoAndPools) {
   KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus after, c->DeviceInfo());
   EXPECT_EQ(after.committed_bytes, uint64_t{4} << 20);
   EXPECT_EQ(after.pool_count, 1u);
+}
+
+// on_reply hands over every OK reply as its kvd.v1 message (what kvctl --json prints), and no failed one.
+TEST_F(ClientTest, OnReplySeesEveryReplyMessage) {
+  std::vector<std::string> seen;
+  KVD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<Client> c,
+      Client::Connect(
+          {.socket = daemon_.socket(), .client_name = "tool", .on_reply = [&](const google::protobuf::Message& m) {
+             seen.push_back(m.GetDescriptor()->full_name());
+           }}));
+  ASSERT_THAT(c->DeviceInfo().status(), IsOk());
+  ASSERT_THAT(c->CreatePool(SmallPool("kv")).status(), IsOk());
+  ASSERT_THAT(c->Grow("kv", 1024).status(), IsOk());
+  EXPECT_FALSE(c->GetPool("missing").ok());
+  ASSERT_THAT(c->Sleep("kv", /*wait=*/false).status(), IsOk());
+  ASSERT_THAT(c->DeletePool("kv", /*force=*/false).status(), IsOk());
+  EXPECT_THAT(seen, ::testing::ElementsAre("kvd.v1.DeviceInfo", "kvd.v1.Pool", "kvd.v1.PoolUpdate",
+                                           "kvd.v1.PoolUpdates", "kvd.v1.DeletePoolResponse"));
 }
 
 TEST_F(ClientTest, TwoClientsShareBytesThroughLayerViews) {

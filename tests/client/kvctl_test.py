@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """kvctl end to end: the real kvctl binary against a real kvd on the host backend.
 
-Checks every verb's --json output fields and exit status, the human output of a few verbs, and that a
-failure prints exactly one line "kvctl: <reason>" on stderr with a non-zero exit status.
-$KVD_BINARY and $KVCTL_BINARY name the binaries (ctest sets both).
+Checks every verb's --json output and exit status, the human output of a few verbs, and that a failure
+prints exactly one line "kvctl: <reason>" on stderr with a non-zero exit status. --json prints the
+daemon's replies as proto3 JSON: each is parsed back into its kvd.v1 message (an unknown key fails), and
+carries every scalar and repeated field of the message (so a new proto field shows up without a kvctl
+change). $KVD_BINARY and $KVCTL_BINARY name the binaries, $PYTHONPATH finds kvd/v1 (ctest sets them).
 """
 import json
 import os
@@ -11,8 +13,12 @@ import subprocess
 import sys
 import unittest
 
+from google.protobuf import descriptor, json_format
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testing"))
 from kvd_daemon import KvdDaemonCase  # noqa: E402
+
+from kvd.v1 import kvd_pb2  # noqa: E402
 
 KVCTL = os.environ.get("KVCTL_BINARY", "kvctl")
 WAIT_S = 30
@@ -39,6 +45,23 @@ class KvctlCase(KvdDaemonCase):
     def json(self, *args, socket=None):
         return json.loads(self.ok("--json", *args, socket=socket))
 
+    def proto(self, doc, message_type):
+        """`doc` as the kvd.v1 message `message_type`, checking it is one in proto3 JSON: no unknown key,
+        every scalar and repeated field present (message fields only when set), at every level."""
+        self.assert_every_field(doc, message_type.DESCRIPTOR)
+        return json_format.ParseDict(doc, message_type())
+
+    def assert_every_field(self, doc, desc):
+        self.assertIsInstance(doc, dict)
+        for field in desc.fields:
+            value = doc.get(field.name)
+            if field.message_type is None or field.label == descriptor.FieldDescriptor.LABEL_REPEATED:
+                self.assertIn(field.name, doc, f"{desc.full_name}: {field.name} missing from {doc}")
+            if field.message_type is not None and value is not None:
+                items = value if field.label == descriptor.FieldDescriptor.LABEL_REPEATED else [value]
+                for item in items:
+                    self.assert_every_field(item, field.message_type)
+
     def fails(self, *args, code=1):
         r = self.run_kvctl(*args)
         self.assertEqual(r.returncode, code, r.stdout + r.stderr)
@@ -51,15 +74,19 @@ class KvctlCase(KvdDaemonCase):
 class KvctlTest(KvctlCase):
     def test_status(self):
         s = self.json("status")
-        self.assertEqual(s["backend"], "host")
+        self.assertEqual(sorted(s), ["reply", "socket"])
         self.assertEqual(s["socket"], self.socket)
-        self.assertEqual(s["budget_bytes"], 512 * MiB)
-        self.assertEqual(s["granularity_bytes"], 2 * MiB)
-        self.assertEqual(s["committed_bytes"], 0)
-        self.assertEqual(s["pool_count"], 0)
-        for key in ["device_index", "device_name", "device_uuid", "total_bytes", "free_bytes", "reserved_bytes",
-                    "max_chunk_bytes", "daemon_version", "driver_version"]:
-            self.assertIn(key, s)
+        d = self.proto(s["reply"], kvd_pb2.DeviceInfo)
+        self.assertEqual(d.backend, kvd_pb2.BACKEND_HOST)
+        self.assertEqual(d.budget_bytes, 512 * MiB)
+        self.assertEqual(d.granularity_bytes, 2 * MiB)
+        self.assertEqual(d.committed_bytes, 0)
+        self.assertEqual(d.pool_count, 0)
+        self.assertTrue(d.device_uuid)
+        # proto3 JSON: 64-bit integers are strings, 32-bit ones numbers, enums their names.
+        self.assertEqual(s["reply"]["budget_bytes"], str(512 * MiB))
+        self.assertEqual(s["reply"]["pool_count"], 0)
+        self.assertEqual(s["reply"]["backend"], "BACKEND_HOST")
         human = self.ok("status")
         self.assertIn("512 MiB budget", human)
 
@@ -70,72 +97,78 @@ class KvctlTest(KvctlCase):
         self.assertEqual(json.loads(r.stdout)["socket"], self.socket)
 
     def test_pool_lifecycle(self):
-        p = self.json("create", "kv", *DIMS, "--initial-blocks", "1024", "--require", "FLASH_ATTN=layer-outermost",
-                      "--connector", "nixl=LHBNC")
-        self.assertEqual(p["name"], "kv")
-        self.assertEqual(p["state"], "awake")
-        self.assertEqual(p["geometry"]["layout"], "LHBNC")
-        self.assertEqual(p["layout"]["rule"], "connector_preference")
-        self.assertEqual(p["geometry"]["segments"], 4)
-        self.assertEqual(p["geometry"]["dims"]["capacity_blocks"], 2048)
-        self.assertEqual(p["committed_blocks"], 1024)  # one 2 MiB chunk per segment
+        doc = self.json("create", "kv", *DIMS, "--initial-blocks", "1024", "--require", "FLASH_ATTN=layer-outermost",
+                        "--connector", "nixl=LHBNC")
+        p = self.proto(doc, kvd_pb2.Pool)
+        self.assertEqual(p.name, "kv")
+        self.assertEqual(doc["state"], "POOL_STATE_AWAKE")
+        self.assertEqual(p.geometry.layout, "LHBNC")
+        self.assertEqual(p.layout.rule, kvd_pb2.LAYOUT_RULE_CONNECTOR_PREFERENCE)
+        self.assertEqual(p.geometry.segments, 4)
+        self.assertEqual(p.geometry.dims.capacity_blocks, 2048)
+        self.assertEqual(p.committed_blocks, 1024)  # one 2 MiB chunk per segment
+        self.assertNotIn("group", doc)  # an unset message field is left out
 
-        pools = self.json("pools")["pools"]
-        self.assertEqual([x["name"] for x in pools], ["kv"])
+        pools = self.proto(self.json("pools"), kvd_pb2.ListPoolsResponse).pools
+        self.assertEqual([x.name for x in pools], ["kv"])
         table = self.ok("pools").splitlines()
         self.assertEqual(table[0].split(), ["NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"])
         self.assertEqual(table[1].split()[:4], ["kv", "awake", "LHBNC", "1024/2048"])
 
-        d = self.json("describe", "kv")
-        self.assertEqual(len(d["chunks"]), 4)
-        for key in ["stride_l", "stride_b", "stride_h", "stride_n", "stride_c", "segment_stride", "reserved_bytes"]:
-            self.assertIn(key, d["geometry"])
-        self.assertEqual(d["clients"], [])
+        d = self.proto(self.json("describe", "kv"), kvd_pb2.Pool)
+        self.assertEqual(len(d.chunks), 4)
+        self.assertEqual(d.geometry.stride_c, 2)
+        self.assertEqual(list(d.clients), [])
         self.assertIn("strides", self.ok("describe", "kv"))
 
-        g = self.json("grow", "kv", "--bytes", "16MiB")  # 8 KiB blocks: 2048
-        self.assertEqual(g["pool"]["committed_blocks"], 2048)
-        self.assertEqual(g["pool"]["committed_bytes"], 16 * MiB)
-        self.assertEqual(len(g["added"]), 4)
-        self.assertGreaterEqual(g["round_trip_ms"], 0)
-        self.assertIn("elapsed_us", g)
+        doc = self.json("grow", "kv", "--bytes", "16MiB")  # 8 KiB blocks: 2048
+        self.assertEqual(sorted(doc), ["reply", "round_trip_ms"])
+        self.assertGreaterEqual(doc["round_trip_ms"], 0)
+        g = self.proto(doc["reply"], kvd_pb2.PoolUpdate)
+        self.assertEqual(g.pool.committed_blocks, 2048)
+        self.assertEqual(g.pool.committed_bytes, 16 * MiB)
+        self.assertEqual(len(g.added), 4)
 
-        s = self.json("shrink", "kv", "--blocks", "1024", "--wait")
-        self.assertEqual(s["pool"]["committed_blocks"], 1024)
-        self.assertEqual(len(s["released_chunk_ids"]), 4)
-        self.assertEqual(s["pool"]["pending_release_bytes"], 0)
+        s = self.proto(self.json("shrink", "kv", "--blocks", "1024", "--wait")["reply"], kvd_pb2.PoolUpdate)
+        self.assertEqual(s.pool.committed_blocks, 1024)
+        self.assertEqual(len(s.released_chunk_ids), 4)
+        self.assertEqual(s.pool.pending_release_bytes, 0)
         human = self.ok("grow", "kv", "--blocks", "2048")
         self.assertRegex(human, r"^grew kv to 2048 blocks \(16\.0 MiB\) in [0-9.]+ ms")
 
-        slept = self.json("sleep", "kv", "--wait")["updates"]
+        doc = self.json("sleep", "kv", "--wait")
+        self.assertGreaterEqual(doc["round_trip_ms"], 0)
+        slept = self.proto(doc["reply"], kvd_pb2.PoolUpdates).updates
         self.assertEqual(len(slept), 1)
-        self.assertEqual(slept[0]["pool"]["state"], "sleeping")
-        self.assertEqual(slept[0]["pool"]["wake_blocks"], 2048)
-        self.assertEqual(self.json("status")["committed_bytes"], 0)
-        woken = self.json("wake", "--all")["updates"]
-        self.assertEqual([u["pool"]["state"] for u in woken], ["awake"])
-        self.assertEqual(woken[0]["pool"]["committed_blocks"], 2048)
-        self.assertEqual(self.json("sleep", "--all")["updates"][0]["pool"]["name"], "kv")
-        self.assertEqual(self.json("wake", "kv")["updates"][0]["pool"]["state"], "awake")
+        self.assertEqual(slept[0].pool.state, kvd_pb2.POOL_STATE_SLEEPING)
+        self.assertEqual(slept[0].pool.wake_blocks, 2048)
+        self.assertEqual(self.json("status")["reply"]["committed_bytes"], "0")
+        woken = self.proto(self.json("wake", "--all")["reply"], kvd_pb2.PoolUpdates).updates
+        self.assertEqual([u.pool.state for u in woken], [kvd_pb2.POOL_STATE_AWAKE])
+        self.assertEqual(woken[0].pool.committed_blocks, 2048)
+        self.assertEqual(self.json("sleep", "--all")["reply"]["updates"][0]["pool"]["name"], "kv")
+        self.assertEqual(self.json("wake", "kv")["reply"]["updates"][0]["pool"]["state"], "POOL_STATE_AWAKE")
 
         deleted = self.json("delete", "kv")
-        self.assertEqual(deleted, {"pool": "kv", "released_bytes": 16 * MiB})
-        self.assertEqual(self.json("pools")["pools"], [])
+        self.assertEqual(deleted, {"pool": "kv", "reply": {"released_bytes": str(16 * MiB)}})
+        self.assertEqual(self.json("pools"), {"pools": []})
 
     def test_layout_resolve(self):
-        r = self.json("layout", "resolve", "--require", "FA=LBHNC,LBNHC", "--connector", "nixl=LBNHC")
-        self.assertEqual(r["resolution"]["layout"], "LBNHC")
-        self.assertEqual(r["resolution"]["rule"], "connector_preference")
-        self.assertEqual(r["resolution"]["allowed_layouts"], ["LBHNC", "LBNHC"])
-        self.assertIsNone(r["geometry"])
-        r = self.json("layout", "resolve", "--env", "BLHNC", *DIMS)
-        self.assertEqual(r["resolution"]["rule"], "client_env")
-        self.assertEqual(r["geometry"]["layout"], "BLHNC")
-        self.assertEqual(r["geometry"]["segments"], 1)
-        r = self.json("layout", "resolve", "--override", "BHLNC", "--require", "FA=LBHNC")
-        self.assertEqual(r["resolution"]["layout"], "BHLNC")
-        self.assertEqual(r["resolution"]["rule"], "request_override")
-        self.assertTrue(r["resolution"]["warnings"])
+        doc = self.json("layout", "resolve", "--require", "FA=LBHNC,LBNHC", "--connector", "nixl=LBNHC")
+        r = self.proto(doc, kvd_pb2.ResolveLayoutResponse)
+        self.assertEqual(r.resolution.layout, "LBNHC")
+        self.assertEqual(doc["resolution"]["rule"], "LAYOUT_RULE_CONNECTOR_PREFERENCE")
+        self.assertEqual(list(r.resolution.allowed_layouts), ["LBHNC", "LBNHC"])
+        self.assertNotIn("geometry", doc)  # no dims, no geometry
+        r = self.proto(self.json("layout", "resolve", "--env", "BLHNC", *DIMS), kvd_pb2.ResolveLayoutResponse)
+        self.assertEqual(r.resolution.rule, kvd_pb2.LAYOUT_RULE_CLIENT_ENV)
+        self.assertEqual(r.geometry.layout, "BLHNC")
+        self.assertEqual(r.geometry.segments, 1)
+        r = self.proto(self.json("layout", "resolve", "--override", "BHLNC", "--require", "FA=LBHNC"),
+                       kvd_pb2.ResolveLayoutResponse)
+        self.assertEqual(r.resolution.layout, "BHLNC")
+        self.assertEqual(r.resolution.rule, kvd_pb2.LAYOUT_RULE_REQUEST_OVERRIDE)
+        self.assertTrue(r.resolution.warnings)
         human = self.ok("layout", "resolve", "--override", "BHLNC", "--require", "FA=LBHNC")
         self.assertIn("warning", human)
 
@@ -188,23 +221,29 @@ class KvctlGroupTest(KvctlCase):
 
     def test_group_operations_move_every_rank(self):
         s = self.group("status", "llama")
+        self.assertEqual(s["group"], "llama")
+        self.assertEqual(s["size"], 2)
         self.assertTrue(s["consistent"])
         self.assertEqual([r["rank"] for r in s["ranks"]], [0, 1])
         self.assertEqual([r["socket"] for r in s["ranks"]], [self.socket, self.socket1])
-        self.assertEqual(s["ranks"][1]["pool"]["name"], "llama-r1")
+        self.assertEqual([r["device_uuid"] for r in s["ranks"]],
+                         [self.json("status", socket=x)["reply"]["device_uuid"] for x in (self.socket, self.socket1)])
+        pools = [self.proto(r["pool"], kvd_pb2.Pool) for r in s["ranks"]]
+        self.assertEqual([(p.name, p.group.rank) for p in pools], [("llama-r0", 0), ("llama-r1", 1)])
 
         g = self.group("grow", "llama", "--blocks", "1024")
         self.assertEqual(g["operation"], "grow")
-        self.assertEqual([r["pool"]["committed_blocks"] for r in g["ranks"]], [1024, 1024])
+        updates = [self.proto(r, kvd_pb2.PoolUpdate) for r in g["ranks"]]
+        self.assertEqual([(u.pool.group.rank, u.pool.committed_blocks) for u in updates], [(0, 1024), (1, 1024)])
         self.assertEqual(g["prepared_bytes"], 2 * 4 * MiB)
         for key in ["prepare_us", "commit_us", "round_trip_ms"]:
-            self.assertIn(key, g)
+            self.assertGreaterEqual(g[key], 0)
 
         g = self.group("sleep", "llama", "--wait")
-        self.assertEqual([r["pool"]["state"] for r in g["ranks"]], ["sleeping", "sleeping"])
-        self.assertEqual(self.json("status")["committed_bytes"], 0)
+        self.assertEqual([r["pool"]["state"] for r in g["ranks"]], ["POOL_STATE_SLEEPING"] * 2)
+        self.assertEqual(self.json("status")["reply"]["committed_bytes"], "0")
         g = self.group("wake", "llama")
-        self.assertEqual([r["pool"]["committed_blocks"] for r in g["ranks"]], [1024, 1024])
+        self.assertEqual([r["pool"]["committed_blocks"] for r in g["ranks"]], ["1024", "1024"])
 
         human = self.ok("group", "status", "llama", "--sockets", f"{self.socket},{self.socket1}")
         self.assertIn("group llama: 2 ranks, awake, 1024 blocks on every rank", human)
@@ -219,9 +258,9 @@ class KvctlGroupTest(KvctlCase):
         self.assertIn("no rank changed", line)
         s = self.group("status", "llama")
         self.assertTrue(s["consistent"])
-        self.assertEqual([r["pool"]["committed_blocks"] for r in s["ranks"]], [512, 512])
+        self.assertEqual([r["pool"]["committed_blocks"] for r in s["ranks"]], ["512", "512"])
         self.assertEqual([r["pool"]["transaction"] for r in s["ranks"]], ["", ""])
-        self.assertEqual(self.json("status")["committed_bytes"], 4 * MiB)
+        self.assertEqual(self.json("status")["reply"]["committed_bytes"], str(4 * MiB))
 
     def test_group_failures_are_one_line(self):
         self.assertIn("NOT_FOUND", self.fails("group", "status", "mistral", "--socket-dir", self.dir))
@@ -236,7 +275,7 @@ class KvctlGroupTest(KvctlCase):
         self.assertIn("rank 1 of 2 not found", self.fails("group", "sleep", "llama", "--socket-dir", self.dir))
 
     def test_device_by_uuid_finds_its_kvd(self):
-        uuid1 = self.json("status", socket=self.socket1)["device_uuid"]
+        uuid1 = self.json("status", socket=self.socket1)["reply"]["device_uuid"]
         env = dict(os.environ, KVD_SOCKET_DIR=self.dir)
         r = self.run_kvctl("--json", "--device=" + uuid1, "status", env=env, use_socket=False)
         self.assertEqual(r.returncode, 0, r.stderr)
@@ -247,10 +286,10 @@ class KvctlGroupTest(KvctlCase):
         self.assertIn("--device: NOT_FOUND: device GPU-0000: no kvd serves it", r.stderr)
 
     def test_grant_and_revoke_peer_access(self):
-        peer = self.json("status", socket=self.socket1)["device_uuid"]
-        self.assertNotEqual(peer, self.json("status")["device_uuid"])
-        p = self.json("grant", "llama-r0", peer)
-        self.assertEqual(p["peer_devices"], [peer])
+        peer = self.json("status", socket=self.socket1)["reply"]["device_uuid"]
+        self.assertNotEqual(peer, self.json("status")["reply"]["device_uuid"])
+        p = self.proto(self.json("grant", "llama-r0", peer), kvd_pb2.Pool)
+        self.assertEqual(list(p.peer_devices), [peer])
         self.assertIn("granted * on llama-r0; peer devices now: " + peer + ", *", self.ok("grant", "llama-r0", "*"))
         self.assertIn(peer, self.ok("describe", "llama-r0"))
         p = self.json("revoke", "llama-r0", peer)

@@ -19,7 +19,6 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/cleanup/cleanup.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/handle_client.h"
@@ -28,6 +27,7 @@
 #include "kvd/status.h"
 #include "kvd/units.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/wire.h"
 
 namespace kvd {
 namespace {
@@ -38,14 +38,6 @@ double Ms(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since).count();
 }
 
-std::string HandlesPath(const std::string& socket) {
-  constexpr absl::string_view kSuffix = ".sock";
-  if (absl::string_view(socket).size() > kSuffix.size() && absl::EndsWith(socket, kSuffix)) {
-    return absl::StrCat(socket.substr(0, socket.size() - kSuffix.size()), ".handles");
-  }
-  return socket + ".handles";
-}
-
 absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
@@ -54,11 +46,11 @@ struct Probe {
   std::unique_ptr<v1::Kvd::Stub> stub;
   HandleSession session;
 
-  void Prepare(grpc::ClientContext& ctx) const { ctx.AddMetadata("kvd-session", session.token()); }
+  void Prepare(grpc::ClientContext& ctx) const { ctx.AddMetadata(wire::kSessionMetadataKey, session.token()); }
 };
 
 absl::StatusOr<Probe> Connect(const std::string& socket) {
-  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPath(socket), "kvd-probe"));
+  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(wire::HandlesPathFor(socket), "kvd-probe"));
   auto channel = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
   return Probe{v1::Kvd::NewStub(channel), std::move(session)};
 }
@@ -205,7 +197,7 @@ absl::Status Attach(const std::string& socket, const std::string& pool, int writ
 int main(int argc, char** argv) {
   CLI::App app{"kvd_probe: drive a running kvd as an engine would (create and grow a pool; attach, map, share bytes)"};
   app.require_subcommand(1);
-  std::string socket = "/run/kvd/gpu0.sock", pool, bytes = "1GiB";
+  std::string socket = kvd::wire::DefaultSocket(0), pool, bytes = "1GiB";
   int write = -1, expect = -1, wait_for = -1;
   app.add_option("--socket", socket, "kvd's gRPC socket")->capture_default_str();
   CLI::App* create = app.add_subcommand("create", "create POOL and grow it to --bytes");

@@ -80,7 +80,7 @@ step "group grow past one rank's budget: refused, every rank unchanged"
 kvctl group grow llama --bytes=24GiB --socket-dir="$dir" && status=1
 run group_status_after kvctl --json group status llama --socket-dir="$dir"
 grep -q '"consistent": true' "$out/group_status_after.log" || status=1
-grep -c '"committed_blocks": 16384' "$out/group_status_after.log"
+grep -c '"committed_blocks": "16384"' "$out/group_status_after.log"  # proto3 JSON: 64-bit integers are strings
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 run group_sleep kvctl group sleep llama --wait --socket-dir="$dir"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -28,6 +28,10 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
+
 namespace kvd {
 
 // The default gRPC socket of device N: "/run/kvd/gpu<N>.sock".
@@ -54,6 +58,11 @@ struct ConnectOptions {
   // The deadline of each call (RPCs and handle-channel fetches). Shrink/Sleep with wait use the
   // larger of this and 60 s.
   absl::Duration timeout = absl::Seconds(30);
+  // For tools that print the daemon's replies as they are (kvctl --json): called with every reply message
+  // the daemon answered with OK (a kvd.v1 message, e.g. kvd.v1.Pool for GetPool) to this Client's methods,
+  // before the method returns, on the calling thread. A Group calls it for each rank's Client, from
+  // several threads at once. It must not call back into the Client. Engines leave it empty.
+  std::function<void(const google::protobuf::Message& reply)> on_reply;
 };
 
 // GetDeviceInfo.

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from . import _memory
+from . import _memory, _wire
 from ._errors import KvdError
 from ._handles import HandleSession, handles_path
 from ._proto import pb, pb_grpc
@@ -19,8 +19,8 @@ _DTYPES = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
 
 
 def default_socket(device=0):
-    """$KVD_SOCKET, else /run/kvd/gpu<device>.sock."""
-    return os.environ.get("KVD_SOCKET") or f"/run/kvd/gpu{device}.sock"
+    """$KVD_SOCKET, else /run/kvd/gpu<device>.sock (_wire.socket_from_environment)."""
+    return _wire.socket_from_environment(device)
 
 
 def connect(socket=None, device=0, client_name=None, timeout=10.0):
@@ -142,7 +142,7 @@ class Client:
         self.client_name = name
         self._channel = grpc.insecure_channel("unix:" + socket)
         self.stub = pb_grpc.KvdStub(self._channel)
-        self._md = (("kvd-session", self.session.token),)
+        self._md = ((_wire.SESSION_METADATA_KEY, self.session.token),)
         self._lock = threading.Lock()
         self._mappings = {}  # pool name -> Mapping (at most one per pool: see attach)
         self._memories = {}  # local device index -> its mapper, opened on first use
@@ -196,7 +196,7 @@ class Client:
             req.backend_requirements.add(backend=backend, layouts=[layouts] if isinstance(layouts, str) else layouts)
         for connector, layout in connector_preferences or ():
             req.connector_preferences.add(connector=connector, layout=layout)
-        req.env_layout = os.environ.get("KVD_KV_CACHE_LAYOUT", "") if env_layout is None else env_layout
+        req.env_layout = os.environ.get(_wire.LAYOUT_ENV, "") if env_layout is None else env_layout
         return req
 
     @staticmethod

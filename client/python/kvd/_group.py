@@ -23,10 +23,11 @@ import os
 import threading
 import time
 
+from . import _wire
 from ._client import Client
 from ._errors import KvdError
 
-DEFAULT_SOCKET_DIR = "/run/kvd"
+DEFAULT_SOCKET_DIR = _wire.DEFAULT_SOCKET_DIR
 
 
 @dataclasses.dataclass
@@ -55,12 +56,12 @@ class GroupChange:
 def node_sockets(directory=None):
     """The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else
     /run/kvd), sorted. NOT_FOUND when the directory is unreadable or holds none."""
-    directory = directory or os.environ.get("KVD_SOCKET_DIR") or DEFAULT_SOCKET_DIR
+    directory = directory or os.environ.get(_wire.SOCKET_DIR_ENV) or DEFAULT_SOCKET_DIR
     try:
         names = os.listdir(directory)
     except OSError as e:
         raise KvdError("NOT_FOUND", f"socket directory {directory}: {e.strerror}") from None
-    sockets = sorted(os.path.join(directory, n) for n in names if n.endswith(".sock"))
+    sockets = sorted(os.path.join(directory, n) for n in names if n.endswith(_wire.SOCKET_SUFFIX))
     if not sockets:
         raise KvdError("NOT_FOUND", f"no kvd socket (*.sock) in {directory}")
     return sockets

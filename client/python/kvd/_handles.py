@@ -5,6 +5,7 @@ import os
 import socket
 import time
 
+from . import _wire
 from ._errors import KvdError
 from ._proto import pb
 
@@ -13,10 +14,8 @@ MAX_FDS_PER_PACKET = 250
 
 
 def handles_path(control_socket):
-    """gpu0.sock -> gpu0.handles; anything else -> PATH.handles."""
-    if len(control_socket) > len(".sock") and control_socket.endswith(".sock"):
-        return control_socket[: -len(".sock")] + ".handles"
-    return control_socket + ".handles"
+    """gpu0.sock -> gpu0.handles; anything else -> PATH.handles (_wire.handles_path_for)."""
+    return _wire.handles_path_for(control_socket)
 
 
 def _connect(path, timeout):

@@ -2,7 +2,7 @@
 """kvd's /metrics end to end: the real kvd (host backend) with --metrics-address, driven by kvctl.
 
 MetricsScrapeTest: scrapes /metrics, runs `promtool check metrics` on it and checks values against
-`kvctl --json describe`. PrometheusServerTest: a real Prometheus server (own config, data dir and
+`kvctl --json describe` (proto3 JSON: 64-bit integers are strings). PrometheusServerTest: a real Prometheus server (own config, data dir and
 port) scrapes kvd every second; the grown value is read back through its HTTP query API.
 
 $KVD_BINARY, $KVCTL_BINARY name the binaries (ctest sets both); $PROMTOOL / $PROMETHEUS default to
@@ -94,7 +94,7 @@ class MetricsScrapeTest(KvdFixture):
         self.kvctl_json("delete", "gone")
         self.kvctl_json("create", "rank1", *DIMS, "--group", "llama", "--rank", "1", "--group-size", "2")
         d = self.kvctl_json("describe", "kv")
-        status = self.kvctl_json("status")
+        status = self.kvctl_json("status")["reply"]  # kvd.v1.DeviceInfo
 
         text = self.scrape()
         check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
@@ -103,10 +103,10 @@ class MetricsScrapeTest(KvdFixture):
 
         s = parse_samples(text)
         pool = L(("pool", "kv"))
-        self.assertEqual(s[("kvd_pool_committed_bytes", pool)], d["committed_bytes"])
+        self.assertEqual(s[("kvd_pool_committed_bytes", pool)], int(d["committed_bytes"]))
         self.assertEqual(s[("kvd_pool_committed_bytes", pool)], 32 * MiB)
-        self.assertEqual(s[("kvd_pool_reserved_bytes", pool)], d["reserved_bytes"])
-        self.assertEqual(s[("kvd_pool_committed_blocks", pool)], d["committed_blocks"])
+        self.assertEqual(s[("kvd_pool_reserved_bytes", pool)], int(d["reserved_bytes"]))
+        self.assertEqual(s[("kvd_pool_committed_blocks", pool)], int(d["committed_blocks"]))
         self.assertEqual(s[("kvd_pool_capacity_blocks", pool)], 4096)
         self.assertEqual(s[("kvd_pool_pending_release_bytes", pool)], 0)
         self.assertEqual(s[("kvd_pool_attached_clients", pool)], 0)
@@ -121,8 +121,8 @@ class MetricsScrapeTest(KvdFixture):
         dev = L(("backend", "host"), ("uuid", status["device_uuid"]))
         self.assertTrue(status["device_uuid"].startswith("host-") and status["device_uuid"].endswith("-0"), status)
         self.assertEqual(s[("kvd_device_budget_bytes", dev)], 512 * MiB)
-        self.assertEqual(s[("kvd_device_total_bytes", dev)], status["total_bytes"])
-        self.assertEqual(s[("kvd_device_committed_bytes", dev)], status["committed_bytes"])
+        self.assertEqual(s[("kvd_device_total_bytes", dev)], int(status["total_bytes"]))
+        self.assertEqual(s[("kvd_device_committed_bytes", dev)], int(status["committed_bytes"]))
         self.assertIn(("kvd_device_free_bytes", dev), s)
         self.assertEqual([v for k, v in s.items() if k[0] == "kvd_build_info"], [1])
         build = [dict(k[1]) for k in s if k[0] == "kvd_build_info"][0]
@@ -169,7 +169,7 @@ class MetricsScrapeTest(KvdFixture):
             self.assertEqual(labels["pool"], "kv")
             self.assertEqual(labels["uid"], str(os.getuid()))
             self.assertTrue(labels["client"])
-            self.assertEqual(value, self.kvctl_json("describe", "kv")["committed_bytes"])
+            self.assertEqual(value, int(self.kvctl_json("describe", "kv")["committed_bytes"]))
             self.assertEqual(s[("kvd_operations_total", L(("op", "attach"), ("result", "ok")))], 1)
             r = subprocess.run([KVD_PROBE, "--socket=" + self.socket, "attach", "kv", "--write=9"],
                                capture_output=True, text=True, timeout=WAIT_S)
@@ -285,7 +285,7 @@ scrape_configs:
         self.wait_for("kvd target up", target_up)
         self.kvctl_json("create", "kv", *DIMS, "--initial-blocks", "1024")
         grown = self.kvctl_json("grow", "kv", "--bytes", "24MiB")
-        expected = self.kvctl_json("describe", "kv")["committed_bytes"]
+        expected = int(self.kvctl_json("describe", "kv")["committed_bytes"])
         self.assertEqual(expected, 24 * MiB, grown)
 
         def grown_value():
