@@ -307,8 +307,8 @@ absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_v
   if (!wanted.empty()) {
     absl::StatusOr<int> index = ResolveDeviceSelector(opts, wanted);
     if (!index.ok()) {
-      return absl::Status(index.status().code(), absl::StrCat(selector.empty() ? "the daemon's " : "AttachOptions.",
-                                                              index.status().message()));
+      return absl::Status(index.status().code(),
+                          absl::StrCat(selector.empty() ? "the daemon's " : "attach: ", index.status().message()));
     }
     opts.index = *index;
   }
@@ -465,6 +465,10 @@ void Mapping::Impl::Lose(const absl::Status& why) {
     state = Mapping::State::kLost;
     committed_blocks = 0;
   }
+  // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
+  // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
+  // which finds the Mapping lost already).
+  watch_ctx->TryCancel();
   if (options.on_lost) options.on_lost(why);
 }
 
@@ -776,10 +780,17 @@ absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force) 
   return resp.released_bytes();
 }
 
+namespace {
+absl::Status AlreadyAttached(const std::string& pool) {
+  return absl::AlreadyExistsError(
+      absl::StrCat("pool ", pool, " is already attached by this client; use its Mapping or connect another client"));
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, AttachOptions options) {
   const std::string name(pool);
   if (impl_->FindMapping(name) != nullptr) {
-    return absl::AlreadyExistsError(absl::StrCat("pool ", name, " is already attached by this client"));
+    return AlreadyAttached(name);
   }
   KVD_ASSIGN_OR_RETURN(Impl::LocalDevice local, impl_->GetDevice(options.device));
   Device* device = local.device;
@@ -833,7 +844,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     if (slot.lock() != nullptr) {
       m->watch_ctx->TryCancel();
       reader->Finish().ok();
-      return absl::AlreadyExistsError(absl::StrCat("pool ", name, " is already attached by this client"));
+      return AlreadyAttached(name);
     }
     slot = m;
   }

@@ -262,8 +262,11 @@ struct AttachOptions {
   std::function<void(uint64_t committed_blocks)> on_grow;
   // Chunks were unmapped and acknowledged (shrink or sleep). Argument: the committed blocks now.
   std::function<void(uint64_t committed_blocks)> on_release;
-  // The pool was deleted, the daemon stopped or the event stream broke: everything is unmapped and
-  // the Mapping is lost (state() == kLost). Argument: why.
+  // The pool was deleted (NOT_FOUND "pool P was deleted"), the daemon stopped (UNAVAILABLE "kvd is
+  // stopping"), the event stream ended or broke, or the follower could not map added chunks ("mapping
+  // chunks added to pool P: ...", with the failure's code, e.g. an expired lease) or acknowledge a
+  // release: everything is unmapped, the Mapping is lost (state() == kLost) and detached in the daemon.
+  // Argument: why.
   std::function<void(const absl::Status& why)> on_lost;
 };
 
@@ -321,7 +324,9 @@ class Client {
   [[nodiscard]] absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request,
                                                              const PoolDims* dims = nullptr);
   // Grow and Wake map this client's new chunks into its Mapping of the pool (if any) before
-  // returning.
+  // returning. If the pool changed but mapping failed (its lease expired, say), the error keeps the
+  // failure's code and says "pool P changed but mapping its new chunks failed: ..."; the Mapping then
+  // keeps its previous committed_blocks().
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks, bool wait);
   // An empty `pool` means every pool (awake ones for Sleep, sleeping ones for Wake).

@@ -60,14 +60,14 @@ def main():
                          initial_blocks=a.initial_blocks,
                          backend_requirements={"FLASHINFER": ["block-outermost"]},
                          connector_preferences=[("nixl", "BLNHC")])
-    print(f"created {pool.name}: layout {pool.geometry.layout} ({kvd.v1_pb2.LayoutRule.Name(pool.layout.rule)}: "
+    print(f"created {pool.name}: layout {pool.geometry.layout} ({kvd.layout_rule_name(pool.layout.rule)}: "
           f"{pool.layout.rule_detail}), {pool.committed_blocks} blocks, {mib(pool.committed_bytes)} committed, "
           f"{mib(pool.reserved_bytes)} VA, in {ms(t0)}")
 
     try:
         grown = []
         t0 = time.perf_counter()
-        m = c.attach(a.pool, on_grow=lambda mp, chunks: grown.append(len(chunks)))
+        m = c.attach(a.pool, on_grow=grown.append)  # on_grow(committed_blocks)
         print(f"attached and mapped {len(m.mapped_chunks)} chunk(s) at {m.base:#x} in {ms(t0)}")
 
         torch = None

@@ -86,16 +86,17 @@ class Rank:
         self.client = self.m = self.kv = self.torch = None
 
     # Callbacks run on the Mapping's follower thread, for changes made by other sessions (the Group's).
-    def on_grow(self, m, chunks):
+    # Each gets the pool's committed blocks after the change (0 once it sleeps).
+    def on_grow(self, committed_blocks):
         with self.cond:
             self.grows += 1
-            self.usable = m.committed_blocks
+            self.usable = committed_blocks
             self.cond.notify_all()
 
-    def on_release(self, m, chunk_ids):
+    def on_release(self, committed_blocks):
         with self.cond:
             self.releases += 1
-            self.usable = m.committed_blocks if m.state == kvd.v1_pb2.POOL_STATE_AWAKE else 0
+            self.usable = committed_blocks
             self.cond.notify_all()
 
     def wait_usable(self, blocks, what):

@@ -33,6 +33,13 @@ def connect(socket=None, device=0, client_name=None, timeout=10.0):
     return Client(socket or default_socket(int(device)), client_name=client_name, timeout=timeout)
 
 
+def layout_rule_name(rule):
+    """A kvd.v1.LayoutRule -> its name as libkvd's LayoutResolution::rule and kvctl spell it:
+    "request_override", "operator_override", "backend_requirement", "client_env", "daemon_env",
+    "connector_preference", "default"."""
+    return pb.LayoutRule.Name(rule)[len("LAYOUT_RULE_"):].lower()
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Where every byte of a pool lives (see kvd.proto `Geometry`); all strides in bytes.
@@ -41,7 +48,7 @@ class Geometry:
     n*strides[3] + c*strides[4]."""
 
     layout: str
-    rule: str              # which rule of the layout chain decided ("LAYOUT_RULE_BACKEND_REQUIREMENT")
+    rule: str              # which rule of the layout chain decided ("backend_requirement": layout_rule_name)
     dims: dict             # layers, capacity_blocks, heads, block_tokens, channels, element_bytes
     strides: tuple         # (stride_l, stride_b, stride_h, stride_n, stride_c)
     offset: int
@@ -56,7 +63,7 @@ class Geometry:
     def from_proto(cls, g, resolution=None):
         d = g.dims
         return cls(layout=g.layout,
-                   rule=pb.LayoutRule.Name(resolution.rule) if resolution is not None else "",
+                   rule=layout_rule_name(resolution.rule) if resolution is not None else "",
                    dims=dict(layers=d.layers, capacity_blocks=d.capacity_blocks, heads=d.heads,
                              block_tokens=d.block_tokens, channels=d.channels, element_bytes=d.element_bytes),
                    strides=(g.stride_l, g.stride_b, g.stride_h, g.stride_n, g.stride_c), offset=g.offset,
@@ -247,17 +254,19 @@ class Client:
         the local device.
 
         Callbacks run on the Mapping's follower thread, one at a time, for changes made by OTHER
-        sessions (a grow/wake through this Client maps before returning and calls none):
-        on_grow(mapping, chunks) after new chunks are mapped (mapping.committed_blocks is the new
-        size); on_release(mapping, chunk_ids) after released chunks are unmapped and acknowledged;
-        on_lost(mapping, why) once the stream ended (why: "POOL_DELETED", "DAEMON_STOPPING" or an
-        error). They must not close the Mapping nor shrink/sleep this pool with wait=True.
+        sessions (a grow/wake through this Client maps before returning and calls none), with the
+        arguments libkvd's AttachOptions callbacks get: on_grow(committed_blocks) after new chunks
+        are mapped; on_release(committed_blocks) after released chunks are unmapped and
+        acknowledged; on_lost(why), a KvdError, once the Mapping is lost (everything unmapped):
+        NOT_FOUND "pool P was deleted", UNAVAILABLE "kvd is stopping", the event stream's end or
+        error, or a failure to map added chunks or to acknowledge a release (the Mapping then
+        detaches). They must not close the Mapping nor shrink/sleep this pool with wait=True.
         One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
         session."""
         with self._lock:
             if name in self._mappings and not self._mappings[name].closed:
-                raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this Client; "
-                               "use the existing Mapping or another kvd.connect()")
+                raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this client; use its "
+                               "Mapping or connect another client")
         memory, peer_uuid = self._memory_backend(device)
         resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid))
         try:
@@ -274,15 +283,14 @@ class Client:
 
     # -- resizing -------------------------------------------------------------------------------
     def _absorb(self, update):
-        """Maps the caller's lease of a PoolUpdate into this Client's Mapping of that pool."""
+        """Maps the caller's lease of a PoolUpdate into this Client's Mapping of that pool, if any
+        (as libkvd's Client::Impl::Route). An unredeemed lease just expires in the daemon."""
+        if not update.lease.token or not update.added:
+            return
         with self._lock:
             m = self._mappings.get(update.pool.name)
         if m is not None and not m.closed:
             m._apply_update(update)
-        elif update.lease.token:
-            # No live mapping (closed meanwhile): redeem and drop, so no FD lingers in the daemon's view.
-            for _, fd in self.session.fetch(update.lease.token):
-                os.close(fd)
 
     def grow(self, name, blocks):
         """Grow to `blocks` committed blocks -> kvd.v1.PoolUpdate; this Client's Mapping of the pool
@@ -294,34 +302,36 @@ class Client:
     def shrink(self, name, blocks, wait=False):
         """Shrink to `blocks` -> kvd.v1.PoolUpdate. wait: reply once every client acknowledged."""
         timeout = max(self.timeout, 70.0) if wait else None
-        update = self._call("Shrink", pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait),
-                            timeout=timeout)
-        self._refresh(update)
-        return update
+        return self._call("Shrink", pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait),
+                          timeout=timeout)
 
     def sleep(self, name=None, wait=False):
-        """Sleep one pool, or every awake pool (name=None) -> [kvd.v1.PoolUpdate]."""
+        """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
+        learn of it from their release events (with wait: before this returns)."""
         req = pb.SleepRequest(wait_for_release=wait)
-        if name is None:
+        if not name:
             req.all = True
         else:
             req.pool = name
-        updates = list(self._call("Sleep", req, timeout=max(self.timeout, 70.0) if wait else None).updates)
-        for u in updates:
-            self._refresh(u)
-        return updates
+        return list(self._call("Sleep", req, timeout=max(self.timeout, 70.0) if wait else None).updates)
 
     def wake(self, name=None):
-        """Wake one pool, or every sleeping pool (name=None) -> [kvd.v1.PoolUpdate]; this Client's
+        """Wake one pool, or every sleeping pool (name None or "") -> [kvd.v1.PoolUpdate]; this Client's
         Mappings have mapped the fresh (zeroed) chunks when it returns."""
         req = pb.WakeRequest()
-        if name is None:
+        if not name:
             req.all = True
         else:
             req.pool = name
         updates = list(self._call("Wake", req).updates)
-        for u in updates:
-            self._absorb(u)
+        first_error = None
+        for u in updates:  # every pool woke: map each, then report the first failure
+            try:
+                self._absorb(u)
+            except KvdError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
         return updates
 
     # -- engine groups and peer access ----------------------------------------------------------
@@ -354,12 +364,6 @@ class Client:
     def abort(self, transaction):
         """Undoes a prepare -> the prepared bytes given back."""
         return self._call("Abort", pb.AbortRequest(transaction=transaction)).released_bytes
-
-    def _refresh(self, update):
-        with self._lock:
-            m = self._mappings.get(update.pool.name)
-        if m is not None:
-            m._note_state(update.pool.committed_blocks, update.pool.state)
 
     def zero_blocks(self, name, block_ids):
         self._call("ZeroBlocks", pb.ZeroBlocksRequest(pool=name, block_ids=list(block_ids)))
@@ -417,7 +421,7 @@ class Mapping:
         self.state = pool.state
         self.on_grow, self.on_release, self.on_lost = on_grow, on_release, on_lost
         self.closed = False
-        self.gone = None  # "POOL_DELETED" / "DAEMON_STOPPING" / an error text once the stream ended
+        self.gone = None  # once the Mapping is lost: the KvdError on_lost got (everything is unmapped then)
         self._lock = threading.RLock()
         self._chunks = {}  # id -> (va, bytes, import handle)
         self.events_seen = 0
@@ -478,67 +482,110 @@ class Mapping:
         with self._lock:
             self._unmap(list(self._chunks))
 
-    def _note_state(self, committed_blocks, state):
-        with self._lock:
-            self.committed_blocks, self.state = committed_blocks, state
+    def _map_lease_unless_released(self, lease, chunks):
+        """_map_lease, except that a lease refused because its chunks were released meanwhile (a
+        concurrent shrink or sleep, whose release event follows) maps nothing and returns None. As
+        libkvd's MapLeaseUnlessReleased: a fetch is all or nothing, so that is fine only when none of
+        the lease's chunks is live any more; otherwise the error stands."""
+        try:
+            return self._map_lease(lease, chunks)
+        except KvdError as e:
+            if e.code != "FAILED_PRECONDITION":
+                raise
+            live = {c.id for c in self._client.pool(self.pool_name).chunks}
+            if any(c.id in live for c in chunks):
+                raise
+            _log.info("kvd: pool %s: chunks released before they were mapped: %s", self.pool_name, e.message)
+            return None
 
     def _apply_update(self, update):
+        """Maps this Client's lease of its own grow/wake/commit (Note [The grower maps first])."""
         with self._lock:
-            if update.lease.token:
-                self._map_lease(update.lease, list(update.added))
-            self.committed_blocks, self.state = update.pool.committed_blocks, update.pool.state
+            if self.closed or self.gone is not None:
+                return
+            try:
+                mapped = self._map_lease_unless_released(update.lease, list(update.added))
+            except KvdError as e:
+                raise KvdError(e.code, f"pool {self.pool_name} changed but mapping its new chunks failed: "
+                               f"{e.message}") from None
+            if mapped is not None:
+                # Chunks are only ever added to an awake pool.
+                self.committed_blocks, self.state = update.pool.committed_blocks, pb.POOL_STATE_AWAKE
 
     def _callback(self, fn, arg):
         try:
-            fn(self, arg)
+            fn(arg)
         except Exception:  # a failing callback must not stop the follower (that would detach us)
             _log.exception("kvd: a callback of pool %s raised", self.pool_name)
 
     def _follow(self):
+        """The follower thread: acts on each event, then calls back; mirrors libkvd's Mapping::Impl::Follow."""
+        name = self.pool_name
+        why = None
         try:
             for ev in self._watch:
                 self.events_seen += 1
                 if ev.type == pb.EVENT_TYPE_CHUNKS_ADDED:
                     with self._lock:
+                        if self.closed or self.gone is not None:
+                            continue
                         try:
-                            mapped = self._map_lease(ev.lease, list(ev.chunks)) if ev.lease.token else []
+                            mapped = self._map_lease_unless_released(ev.lease, list(ev.chunks))
                         except KvdError as e:
-                            if e.code != "FAILED_PRECONDITION":
-                                raise
-                            # Released again before we fetched them: the CHUNKS_RELEASED event follows.
-                            _log.info("kvd: pool %s: chunks released before they were mapped: %s",
-                                      self.pool_name, e.message)
-                            mapped = []
-                        # Chunks were added, so the pool is awake (a Wake's event says SLEEPING: the
-                        # daemon builds it before it flips the state).
-                        self.committed_blocks, self.state = ev.committed_blocks, pb.POOL_STATE_AWAKE
-                    if mapped and self.on_grow:
-                        self._callback(self.on_grow, mapped)
+                            why = KvdError(e.code, f"mapping chunks added to pool {name}: {e.message}")
+                            break
+                        if mapped is not None:
+                            # Chunks are only ever added to an awake pool (a Wake's event may say
+                            # SLEEPING: the daemon builds it before it flips the state).
+                            self.committed_blocks, self.state = ev.committed_blocks, pb.POOL_STATE_AWAKE
+                    if mapped is not None and self.on_grow:
+                        self._callback(self.on_grow, ev.committed_blocks)
                 elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED:
                     with self._lock:
-                        ids = self._unmap([c.id for c in ev.chunks])
-                        self.committed_blocks, self.state = ev.committed_blocks, ev.state
+                        if self.closed or self.gone is not None:
+                            continue
+                        self._unmap([c.id for c in ev.chunks])
+                        self.committed_blocks = ev.committed_blocks
+                        if ev.state == pb.POOL_STATE_SLEEPING:
+                            self.state = ev.state
                     if ev.release_id:
-                        self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=self.client_id,
-                                                                                 release_id=ev.release_id))
+                        try:
+                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=self.client_id,
+                                                                                     release_id=ev.release_id))
+                        except KvdError as e:
+                            why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
+                            break
                     if self.on_release:
-                        self._callback(self.on_release, ids)
-                elif ev.type in (pb.EVENT_TYPE_POOL_DELETED, pb.EVENT_TYPE_DAEMON_STOPPING):
-                    self._unmap_all()
-                    self.gone = pb.EventType.Name(ev.type)[len("EVENT_TYPE_"):]
-                    with self._lock:
-                        self.committed_blocks = 0
+                        self._callback(self.on_release, ev.committed_blocks)
+                elif ev.type == pb.EVENT_TYPE_POOL_DELETED:
+                    why = KvdError("NOT_FOUND", f"pool {name} was deleted")
+                    break
+                elif ev.type == pb.EVENT_TYPE_DAEMON_STOPPING:
+                    why = KvdError("UNAVAILABLE", "kvd is stopping")
                     break
             else:
-                self.gone = self.gone or "WATCH_ENDED"
+                why = KvdError("UNAVAILABLE", f"the event stream of pool {name} ended")
         except grpc.RpcError as e:
-            self.gone = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # a mapping failure: the stream is cancelled, the daemon detaches us
-            self.gone = f"{type(e).__name__}: {e}"
-            _log.exception("kvd: following pool %s failed; the daemon detaches this client", self.pool_name)
-            self._watch.cancel()
-        if self.on_lost and not self.closed:
-            self._callback(self.on_lost, self.gone)
+            err = KvdError.from_rpc(e)
+            why = KvdError(err.code, f"the event stream of pool {name} broke: {err.message}")
+        except Exception as e:  # a bug: still lose the Mapping rather than leave it half followed
+            _log.exception("kvd: following pool %s failed", name)
+            why = KvdError("INTERNAL", f"following pool {name}: {type(e).__name__}: {e}")
+        self._lose(why)
+
+    def _lose(self, why):
+        """Unmaps everything, marks the Mapping lost and calls on_lost(why), once; nothing after close().
+        The watch is cancelled, so the daemon detaches this client: a lost Mapping never holds up a
+        shrink or sleep that waits for acknowledgements."""
+        with self._lock:
+            if self.closed or self.gone is not None:
+                return
+            self._unmap_all()
+            self.committed_blocks = 0
+            self.gone = why
+        self._watch.cancel()
+        if self.on_lost:
+            self._callback(self.on_lost, why)
 
     # -- views ----------------------------------------------------------------------------------
     def _dtype(self, dtype):

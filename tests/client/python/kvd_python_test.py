@@ -72,7 +72,7 @@ def peer_main(socket_path, pool, device=None):
             elif op == "read":
                 r = float(m.layer(cmd["layer"])[cmd["block"]].max())
             elif op == "state":
-                r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "gone": m.gone,
+                r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "gone": str(m.gone) if m.gone is not None else None,
                      "state": kvd.v1_pb2.PoolState.Name(m.state), "device_uuid": m.device_uuid}
             elif op == "exit":
                 m.close()
@@ -261,22 +261,23 @@ class KvdPythonTest(unittest.TestCase):
     def test_grow_by_another_session(self):
         self.create("other")
         seen = []
-        def on_release(mp, ids):
-            seen.append(ids)
+        def on_release(committed_blocks):
+            seen.append(("release", committed_blocks))
             raise RuntimeError("a failing callback must not stop the follower")
 
-        with self.c.attach("other", on_grow=lambda mp, chunks: seen.append([c.id for c in chunks]),
+        with self.c.attach("other", on_grow=lambda committed_blocks: seen.append(("grow", committed_blocks)),
                            on_release=on_release) as m:
             with kvd.connect(self.daemon.socket, client_name="operator") as op:
                 op.grow("other", 64)
                 poll(lambda: m.committed_blocks == 64 and len(m.mapped_chunks) == 2, "the follower maps the grow")
-                self.assertEqual(len(seen), 1)
+                self.assertEqual(seen, [("grow", 64)])
                 m.layer(3)[63] = 1
                 self.assertEqual(float(m.layer(3)[63].sum()), 8 * 16 * 128)
                 u = op.shrink("other", 16, wait=True)  # returns once our follower acknowledged
                 self.assertEqual(u.pool.pending_release_bytes, 0)
                 self.assertEqual(len(m.mapped_chunks), 1)
                 poll(lambda: len(seen) == 2, "on_release (it runs after the acknowledgement)")
+                self.assertEqual(seen[1], ("release", 16))
                 op.grow("other", 32)  # still following after the callback raised
                 poll(lambda: m.committed_blocks == 32 and len(m.mapped_chunks) == 2, "the follower maps again")
                 self.assertIsNone(m.gone)
@@ -360,11 +361,13 @@ class KvdPythonTest(unittest.TestCase):
     def test_pool_deleted_unmaps(self):
         self.create("gone")
         lost = []
-        m = self.c.attach("gone", on_lost=lambda mp, why: lost.append(why))
+        m = self.c.attach("gone", on_lost=lost.append)
         with kvd.connect(self.daemon.socket, client_name="operator") as op:
             op.delete("gone", force=True)
-        poll(lambda: lost == ["POOL_DELETED"], "on_lost(POOL_DELETED)")
-        self.assertEqual(m.gone, "POOL_DELETED")
+        poll(lambda: len(lost) == 1, "on_lost")
+        self.assertEqual((lost[0].code, lost[0].message), ("NOT_FOUND", "pool gone was deleted"))
+        self.assertIs(m.gone, lost[0])
+        self.assertEqual(m.committed_blocks, 0)
         self.assertEqual(m.mapped_chunks, [])
         m.close()
 
