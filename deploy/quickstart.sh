@@ -47,6 +47,8 @@ done
 # tests/deploy/validate.sh checks the Kubernetes manifests with npm packages: the test mode needs node and
 # npm, Debian's unless some are already on the PATH (e.g. NodeSource's nodejs, which bundles npm).
 if [[ $mode == test ]]; then
+  # clang: the thread-safety build below (Debian's clang, whose -Wthread-safety checks the lock annotations).
+  command -v clang++ >/dev/null || missing+=(clang)
   command -v node >/dev/null || missing+=(nodejs)
   command -v npm >/dev/null || missing+=(npm)
 fi
@@ -96,6 +98,17 @@ case $mode in
     exec "$build/daemon/kvd" "${args[@]}"
     ;;
   test)
+    # The lock annotations, checked by the compiler: the whole tree (tests too) built with clang and
+    # -Wthread-safety as errors. Host code only: the vendor backends' lock use is the same code.
+    clang_build=${KVD_CLANG_BUILD_DIR:-$build-clang}
+    say "thread-safety build with clang in $clang_build"
+    mkdir -p "$clang_build"
+    cmake -S "$root" -B "$clang_build" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+      -DKVD_ENABLE_CUDA=OFF -DKVD_ENABLE_HIP=OFF >"$clang_build/configure.log" 2>&1 ||
+      { cat "$clang_build/configure.log"; exit 1; }
+    cmake --build "$clang_build" -j "$jobs" >"$clang_build/build.log" 2>&1 ||
+      { grep -E 'error|warning' "$clang_build/build.log" | head -50; say "the clang thread-safety build failed (log: $clang_build/build.log)"; exit 1; }
+    say "thread-safety build clean; set-up took $((SECONDS - started)) s"
     say "running the test suite (tests labelled gpu are skipped without a GPU)"
     cd "$build"
     ctest --output-on-failure -j "$jobs" "$@"

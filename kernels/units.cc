@@ -76,7 +76,9 @@ std::string FormatBytes(uint64_t bytes) {
     v /= 1024;
     ++u;
   }
-  return absl::StrFormat(v < 10 ? "%.2f %s" : v < 100 ? "%.1f %s" : "%.0f %s", v, kNames[u]);
+  if (v < 10) return absl::StrFormat("%.2f %s", v, kNames[u]);
+  if (v < 100) return absl::StrFormat("%.1f %s", v, kNames[u]);
+  return absl::StrFormat("%.0f %s", v, kNames[u]);
 }
 
 }  // namespace kvd

@@ -247,8 +247,9 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
     }
     const uint64_t id = next_release_id_++;
     for (auto& [client_id, client] : clients_) {
+      const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
       const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
-                                     [&](const ChunkInfo& c) { return client.handed.contains(c.id); });
+                                     [&](const ChunkInfo& c) { return handed.contains(c.id); });
       if (!holds) continue;
       release.waiting.insert(client_id);
       PoolEvent e = EventLocked(EventType::kChunksReleased);

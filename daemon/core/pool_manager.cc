@@ -247,23 +247,25 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     // for op_mu and find it deleted if creation fails.
     pools_[spec.name] = pool;
   }
-  absl::Cleanup forget = [&] {
+  // On failure the pool leaves the map again; requests that found it meanwhile find it deleted.
+  auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu) {
     std::vector<ChunkRecord> none;
     pool->Destroy(EventType::kPoolDeleted, &none);
     absl::MutexLock lock(&mu_);
     pools_.erase(spec.name);
+    return why;
   };
-  KVD_ASSIGN_OR_RETURN(const uint64_t base, device_->Reserve(pool->geometry().reserved_bytes()));
-  pool->set_base(base);
+  absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
+  if (!base.ok()) return forget(base.status());
+  pool->set_base(*base);
   if (spec.initial_blocks > 0) {
     absl::StatusOr<Change> change = PrepareLocked(*pool, GroupOp::kGrow, spec.initial_blocks);
     if (!change.ok()) {
-      device_->Free(base, pool->geometry().reserved_bytes()).IgnoreError();
-      return change.status();
+      device_->Free(*base, pool->geometry().reserved_bytes()).IgnoreError();
+      return forget(change.status());
     }
     CommitLocked(*pool, *std::move(change), caller.session, absl::Now());
   }
-  std::move(forget).Cancel();
   return pool->View();
 }
 
