@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <tuple>
 #include <utility>
 
@@ -463,11 +462,8 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint6
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
-    const int fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) {
-      const int err = errno;
-      return absl::ResourceExhaustedError(absl::StrCat("fcntl(F_DUPFD_CLOEXEC): ", std::strerror(err)));
-    }
+    const int fd = fcntl(r->fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoStatus(errno, "fcntl(F_DUPFD_CLOEXEC)");
     out.push_back({id, fd});
   }
   std::move(close_all).Cancel();

@@ -39,6 +39,7 @@
 #include "daemon/core/pool_types.h"
 #include "daemon/core/sessions.h"
 #include "kvd/device.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd::daemon {
 
@@ -46,7 +47,7 @@ namespace kvd::daemon {
 struct ChunkRecord {
   ChunkInfo info;
   Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
-  int fd = -1;  // exported once at creation; consumers get dup()s
+  UniqueFd fd;  // exported once at creation; consumers get dup()s
 };
 
 // Memory made for a grow or wake that no client can see yet; its bytes are already in the budget.

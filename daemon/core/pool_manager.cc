@@ -161,8 +161,8 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
       device_->Release(r.chunk).IgnoreError();
       return fd.status();
     }
-    r.fd = *fd;
-    made.push_back(r);
+    r.fd.reset(*fd);
+    made.push_back(std::move(r));
   }
   std::move(undo).Cancel();
   return made;
@@ -171,8 +171,7 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
 void PoolManager::DiscardChunk(uint64_t base, ChunkRecord& r) {
   device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
   device_->Release(r.chunk).IgnoreError();
-  if (r.fd >= 0) close(r.fd);
-  r.fd = -1;
+  r.fd.reset();
 }
 
 absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
