@@ -199,6 +199,7 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
   ++generation_;
   std::vector<uint64_t> ids;
   for (const ChunkInfo& c : update.added) ids.push_back(c.id);
+  // See Note [The grower maps first] in docs/architecture.md.
   // A client of the caller's own session gets its lease in the reply, so it can map the new blocks
   // before the call returns; every other attached client learns of them through Watch.
   bool replied = false;
@@ -271,6 +272,7 @@ void Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
 }
 
+// See Note [Who holds a released chunk] in docs/architecture.md.
 void Pool::SettleReleasesLocked() {
   for (auto it = releases_.begin(); it != releases_.end();) {
     if (it->second.waiting.empty()) {
