@@ -380,14 +380,19 @@ std::vector<std::string> Pool::DetachSession(absl::string_view session) {
   return gone;
 }
 
-absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, absl::string_view client_id) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<Pool::Client*> Pool::OwnClientLocked(const Caller& caller, absl::string_view client_id) {
   auto it = clients_.find(client_id);
   if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
-  Client& c = it->second;
-  if (c.session != caller.session) {
+  if (it->second.session != caller.session) {
     return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
   }
+  return &it->second;
+}
+
+absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, absl::string_view client_id) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
+  Client& c = *found;
   if (c.watching) {
     return absl::FailedPreconditionError(absl::StrCat("client_id: ", client_id, " already has a Watch stream"));
   }
@@ -397,12 +402,8 @@ absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, ab
 
 absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_view client_id, uint64_t release_id) {
   absl::MutexLock lock(&mu_);
-  auto it = clients_.find(client_id);
-  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
-  Client& c = it->second;
-  if (c.session != caller.session) {
-    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
-  }
+  KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
+  Client& c = *found;
   auto r = releases_.find(release_id);
   if (r == releases_.end() || !r->second.waiting.contains(c.id)) {
     return absl::NotFoundError(

@@ -219,6 +219,9 @@ class Pool {
   PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DetachLocked(const std::string& client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attached client `client_id` of `caller`'s session: NOT_FOUND, or PERMISSION_DENIED for another's.
+  [[nodiscard]] absl::StatusOr<Client*> OwnClientLocked(const Caller& caller, absl::string_view client_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets completed releases; their bytes leave the budget.
   void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
