@@ -11,7 +11,7 @@ trap 'rm -rf "$dir"' EXIT
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
 for line in grow attach sleep wake shrink fragmented_grow fragmented_attach control_rpc concurrent_resize_grow \
-  concurrent_resize_shrink granule_design torch_zeros; do
+  concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink granule_design torch_zeros; do
   grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
 done
 python3 - "$dir/out.json" <<'PY'
@@ -25,6 +25,7 @@ want |= {(op, v) for op in ("attach", "sleep", "wake", "shrink") for v in ("afte
 want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
          ("fragmented_attach", "after_compaction"), ("control_rpc", "idle"), ("control_rpc", "during_grow"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
+         ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause")}
 got = {(l["name"], l["variant"]): l for l in d["lines"]}
 missing = want - set(got)
@@ -42,10 +43,20 @@ for key, l in got.items():
         for v in [s["p50_ms"], s["p99_ms"]] + s["samples_ms"]:
             assert v is not None and v >= 0 and math.isfinite(v), (key, side, v)
     assert l["ratio"] is not None and l["ratio"] >= 0, (key, l["ratio"])
+# attach and sleep carry a per-phase breakdown on both sides, one sample per repetition.
+for op in ("attach", "sleep"):
+    for v in ("after_release", "after_pause"):
+        ph = got[(op, v)]["phases"]
+        for side in ("kvd", "baseline"):
+            assert ph[side], (op, v, side)
+            for name, s in ph[side].items():
+                assert s["n"] == got[(op, v)][side]["n"], (op, v, side, name)
+                assert all(x is not None and x >= 0 for x in s["samples_ms"]), (op, v, side, name, s)
 b = d["bookkeeping"]
 assert "skipped" not in b, b
 assert b["chunks"] > 0 and b["pools"] == 16, b
-for key in ("daemon_bytes_per_chunk", "raw_bytes_per_chunk", "daemon_bytes_per_pool", "fds_per_chunk",
+for key in ("daemon_bytes_per_chunk", "raw_bytes_per_chunk", "daemon_own_bytes_per_chunk", "daemon_bytes_per_pool",
+            "fds_per_chunk",
             "fds_per_chunk_after_attach"):
     assert b[key] is not None and math.isfinite(b[key]), (key, b[key])
 assert b["fds_per_chunk"] >= 0, b
