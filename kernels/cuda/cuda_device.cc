@@ -445,8 +445,12 @@ absl::Status CudaDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t
   if (src == nullptr) return absl::InvalidArgumentError("CopyFromHost: src is null");
   return book_->UseRange("CopyFromHost", dst_va, bytes, /*write=*/true, [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(MakeCurrent());
-    return CudaStatusLazy(driver_, driver_.cuMemcpyHtoD_(dst_va, src, bytes),
-                          [&] { return absl::StrCat("cuMemcpyHtoD(", Range(dst_va, bytes), ")"); });
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemcpyHtoD_(dst_va, src, bytes),
+                                       [&] { return absl::StrCat("cuMemcpyHtoD(", Range(dst_va, bytes), ")"); }));
+    // From pageable memory cuMemcpyHtoD returns once the source is staged, before the DMA has landed:
+    // wait for it, so that the range is written before the book lets an Unmap of it proceed (an unmap
+    // under a landing DMA faults the context, seen on an H200).
+    return CudaStatus(driver_, driver_.cuCtxSynchronize_(), "cuCtxSynchronize after cuMemcpyHtoD");
   });
 }
 

@@ -543,6 +543,11 @@ absl::Status HipDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t 
     if (HipError e = hip_.hipMemcpyHtoD(Ptr(dst_va), const_cast<void*>(src), bytes); e != kHipSuccess) {
       return Error(e, "hipMemcpyHtoD");
     }
+    // As on CUDA, a copy from pageable memory may return before the DMA lands: wait for it before the
+    // book lets an Unmap of the range proceed.
+    if (HipError e = hip_.hipStreamSynchronize(nullptr); e != kHipSuccess) {
+      return Error(e, "hipStreamSynchronize after hipMemcpyHtoD");
+    }
     return absl::OkStatus();
   });
 }

@@ -143,7 +143,8 @@ class Device {
 
   // Copies between mapped device memory and host memory (for tests, tools and preserve-on-sleep).
   // The device range must be mapped by this device, and mapped read-write for CopyFromHost
-  // (codes: "Misuse" above); bytes == 0 is a no-op.
+  // (codes: "Misuse" above); bytes == 0 is a no-op. Each returns once the bytes are in place (a GPU
+  // backend waits for the DMA), so the range may be unmapped right after.
   [[nodiscard]] virtual absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) = 0;
   [[nodiscard]] virtual absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) = 0;
 
