@@ -866,6 +866,24 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   return FromProto(resp);
 }
 
+absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, const std::vector<uint64_t>& block_ids) {
+  v1::DescribeTransferRequest req;
+  req.set_pool(std::string(pool));
+  for (uint64_t id : block_ids) req.add_block_ids(id);
+  v1::DescribeTransferResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DescribeTransfer(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
+  TransferPlan plan{.blocks = resp.blocks(),
+                    .bytes = resp.bytes(),
+                    .committed_blocks = resp.committed_blocks(),
+                    .generation = resp.generation()};
+  for (const v1::TransferDescriptor& d : resp.descriptors()) {
+    plan.descriptors.push_back(
+        {.segment = d.segment(), .offset = d.offset(), .bytes = d.bytes(), .stride = d.stride(), .count = d.count()});
+  }
+  return plan;
+}
+
 absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
                                                absl::Duration ttl) {
   v1::PrepareRequest req;

@@ -573,6 +573,23 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
 // ---------------------------------------------------------------------------------------------
 // Block operations
 
+absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
+                                                           absl::Span<const uint64_t> block_ids) const {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  const PoolView view = pool->View();
+  if (view.state == PoolState::kSleeping) {
+    return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is sleeping: it has no committed blocks"));
+  }
+  TransferPlan plan;
+  KVD_ASSIGN_OR_RETURN(plan.descriptors,
+                       ::kvd::daemon::DescribeTransfer(view.geometry, view.committed_blocks, block_ids));
+  plan.blocks = block_ids.empty() ? view.committed_blocks : block_ids.size();
+  for (const TransferDescriptor& d : plan.descriptors) plan.bytes += d.bytes * d.count;
+  plan.committed_blocks = view.committed_blocks;
+  plan.generation = view.generation;
+  return plan;
+}
+
 absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);

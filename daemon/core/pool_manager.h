@@ -62,6 +62,7 @@
 #include "daemon/core/pool_types.h"
 #include "daemon/core/sessions.h"
 #include "daemon/core/transactions.h"
+#include "daemon/core/transfer.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
@@ -146,6 +147,11 @@ class PoolManager {
                                         absl::Span<const uint64_t> blocks);
   [[nodiscard]] absl::Status CopyBlocks(const Caller& caller, absl::string_view pool,
                                         absl::Span<const BlockCopy> copies);
+
+  // Connectors: the descriptors of `block_ids` (empty: every committed block) under the pool's layout
+  // (transfer.h). INVALID_ARGUMENT naming block_ids[i]; FAILED_PRECONDITION while the pool sleeps.
+  [[nodiscard]] absl::StatusOr<TransferPlan> DescribeTransfer(const Caller& caller, absl::string_view pool,
+                                                              absl::Span<const uint64_t> block_ids) const;
 
   // The handle channel: a session's single-use lease becomes dup()s of its chunks' exported FDs (the
   // caller owns and closes them), in lease order. UNAUTHENTICATED for an unknown session;

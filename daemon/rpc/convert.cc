@@ -253,4 +253,21 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   return p;
 }
 
+v1::DescribeTransferResponse ToProto(const TransferPlan& plan) {
+  v1::DescribeTransferResponse out;
+  for (const TransferDescriptor& d : plan.descriptors) {
+    v1::TransferDescriptor* p = out.add_descriptors();
+    p->set_segment(d.segment);
+    p->set_offset(d.offset);
+    p->set_bytes(d.bytes);
+    p->set_stride(d.stride);
+    p->set_count(d.count);
+  }
+  out.set_blocks(plan.blocks);
+  out.set_bytes(plan.bytes);
+  out.set_committed_blocks(plan.committed_blocks);
+  out.set_generation(plan.generation);
+  return out;
+}
+
 }  // namespace kvd::daemon

@@ -37,5 +37,6 @@ v1::PoolEvent ToProto(const PoolEvent& event);
 // daemon_version is the build's version (KVD_VERSION); handle_types lists POSIX_FD, plus FABRIC where
 // the device exports fabric handles.
 v1::DeviceInfo ToProto(const DeviceStatus& status);
+v1::DescribeTransferResponse ToProto(const TransferPlan& plan);
 
 }  // namespace kvd::daemon

@@ -237,6 +237,25 @@ struct ResolvedLayout {
   Geometry geometry;
 };
 
+// KV connectors (docs/connectors.md). `count` runs of `bytes` bytes; run i starts at
+// offset + i*stride from the pool's base address (proto TransferDescriptor).
+struct TransferDescriptor {
+  uint64_t segment = 0;  // of the first run
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t stride = 0;  // == bytes when count == 1
+  uint64_t count = 0;
+};
+
+// DescribeTransfer's reply: every byte of the blocks in exactly one run of one descriptor.
+struct TransferPlan {
+  std::vector<TransferDescriptor> descriptors;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;  // sum of bytes*count
+  uint64_t committed_blocks = 0;
+  uint64_t generation = 0;
+};
+
 // Layer l of every block: the bytes of (l, b, h, n, c) are at
 //   data + b*stride_b + h*stride_h + n*stride_n + c*stride_c.
 struct LayerView {
@@ -340,6 +359,11 @@ class Client {
   // Grants (or with `revoke` takes back) peer access to the pool for a device UUID or "*".
   [[nodiscard]] absl::StatusOr<PoolInfo> GrantPeerAccess(absl::string_view pool, absl::string_view device_uuid,
                                                          bool revoke = false);
+
+  // The strided descriptors covering `block_ids` (empty: every committed block) under the pool's layout.
+  // INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id.
+  [[nodiscard]] absl::StatusOr<TransferPlan> DescribeTransfer(absl::string_view pool,
+                                                              const std::vector<uint64_t>& block_ids = {});
 
   // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.

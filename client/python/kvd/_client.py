@@ -372,6 +372,15 @@ class Client:
         self._call("CopyBlocks", pb.CopyBlocksRequest(pool=name, copies=[pb.BlockCopy(src=s, dst=d)
                                                                           for s, d in copies]))
 
+    # -- KV connectors (docs/connectors.md) -----------------------------------------------------
+    def describe_transfer(self, name, block_ids=None):
+        """DescribeTransfer -> kvd.v1.DescribeTransferResponse: the strided descriptors (segment,
+        offset, bytes, stride, count: `count` runs of `bytes` bytes, run i at offset + i*stride from the
+        pool's base) covering `block_ids` (None or empty: every committed block) under the pool's
+        layout. Raises INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id."""
+        return self._call("DescribeTransfer",
+                          pb.DescribeTransferRequest(pool=name, block_ids=list(block_ids or [])))
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
         """Closes every Mapping, the channel and the session (the daemon detaches what is left)."""

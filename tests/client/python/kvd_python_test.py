@@ -205,6 +205,20 @@ class KvdPythonTest(unittest.TestCase):
         self.assertEqual(r.geometry.reserved_bytes, p.geometry.reserved_bytes)
         self.assertIn("layout", [x.name for x in self.c.pools()])
 
+    def test_describe_transfer(self):
+        p = self.create("xfer")
+        t = self.c.describe_transfer("xfer")
+        self.assertEqual(t.blocks, p.committed_blocks)
+        self.assertEqual(len(t.descriptors), 1)  # BLNHC: one segment, one run
+        t = self.c.describe_transfer("xfer", [0, 2, 4, 6])
+        self.assertEqual(len(t.descriptors), 1)
+        d = t.descriptors[0]
+        self.assertEqual((d.offset, d.bytes, d.stride, d.count),
+                         (0, p.geometry.block_stride, 2 * p.geometry.block_stride, 4))
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.describe_transfer("xfer", [1, 1])
+        self.assertIn("block_ids[1]", str(e.exception))
+
     def test_two_processes_share_grow_sleep_wake(self):
         self.create("shared")
         with self.c.attach("shared") as m:
