@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/handle_client.h"
 #include "grpcpp/grpcpp.h"
@@ -638,20 +639,37 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   v1::DeviceInfo i;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetDeviceInfo(impl_->Context().get(), v1::GetDeviceInfoRequest(), &i)));
   impl_->Observe(i);
-  return DeviceStatus{.backend = BackendString(i.backend()),
-                      .device_index = i.device_index(),
-                      .name = i.device_name(),
-                      .uuid = i.device_uuid(),
-                      .driver_version = i.driver_version(),
-                      .daemon_version = i.daemon_version(),
-                      .total_bytes = i.total_bytes(),
-                      .free_bytes = i.free_bytes(),
-                      .committed_bytes = i.committed_bytes(),
-                      .budget_bytes = i.budget_bytes(),
-                      .reserved_bytes = i.reserved_bytes(),
-                      .granularity_bytes = i.granularity_bytes(),
-                      .max_chunk_bytes = i.max_chunk_bytes(),
-                      .pool_count = i.pool_count()};
+  DeviceStatus out{.backend = BackendString(i.backend()),
+                   .device_index = i.device_index(),
+                   .name = i.device_name(),
+                   .uuid = i.device_uuid(),
+                   .driver_version = i.driver_version(),
+                   .daemon_version = i.daemon_version(),
+                   .total_bytes = i.total_bytes(),
+                   .free_bytes = i.free_bytes(),
+                   .committed_bytes = i.committed_bytes(),
+                   .budget_bytes = i.budget_bytes(),
+                   .reserved_bytes = i.reserved_bytes(),
+                   .granularity_bytes = i.granularity_bytes(),
+                   .max_chunk_bytes = i.max_chunk_bytes(),
+                   .pool_count = i.pool_count()};
+  for (int t : i.handle_types()) {
+    std::string name = v1::HandleType_Name(static_cast<v1::HandleType>(t));
+    out.handle_types.push_back(absl::AsciiStrToLower(absl::StripPrefix(name, "HANDLE_TYPE_")));
+  }
+  const v1::Capabilities& c = i.capabilities();
+  auto item = [](const v1::Capability& in) { return CapabilityReport::Item{in.supported(), in.detail()}; };
+  out.capabilities.posix_fd = item(c.posix_fd());
+  out.capabilities.fabric = item(c.fabric());
+  out.capabilities.dma_buf = item(c.dma_buf());
+  out.capabilities.gpu_direct_rdma_vmm = item(c.gpu_direct_rdma_vmm());
+  out.capabilities.range_spans_chunks = c.range_spans_chunks();
+  for (const v1::PeerAccess& p : c.peers()) {
+    out.capabilities.peers.push_back({p.device_index(), p.device_uuid(), p.access(), p.detail()});
+  }
+  out.capabilities.granularity_bytes = c.granularity_bytes();
+  out.capabilities.max_chunk_bytes = c.max_chunk_bytes();
+  return out;
 }
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {

@@ -317,6 +317,33 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   return absl::OkStatus();
 }
 
+// kvctl caps: what the device's memory can be shared as, for connector operators.
+absl::Status Caps(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(DeviceStatus d, client.DeviceInfo());
+  if (f.json) return PrintReply<v1::DeviceInfo>(replies, {{"socket", JsonString(client.socket())}});
+  const CapabilityReport& c = d.capabilities;
+  std::printf("device          %u: %s (%s backend)%s%s\n", d.device_index, d.name.c_str(), d.backend.c_str(),
+              d.uuid.empty() ? "" : ", ", d.uuid.c_str());
+  std::printf("granularity     %s, chunks up to %s\n", FormatBytes(c.granularity_bytes).c_str(),
+              FormatBytes(c.max_chunk_bytes).c_str());
+  std::printf("handle types    %s\n", d.handle_types.empty() ? "none" : absl::StrJoin(d.handle_types, ", ").c_str());
+  auto line = [](const char* what, const CapabilityReport::Item& item) {
+    std::printf("%-15s %-3s %s\n", what, item.supported ? "yes" : "no", item.detail.c_str());
+  };
+  line("POSIX FD", c.posix_fd);
+  line("FABRIC", c.fabric);
+  line("DMA-BUF", c.dma_buf);
+  line("GPUDirect RDMA", c.gpu_direct_rdma_vmm);
+  std::printf("%-15s %s\n", "range FDs",
+              c.range_spans_chunks ? "one FD may span several chunks" : "one FD per chunk (with an offset into it)");
+  if (c.peers.empty()) std::printf("%-15s none visible to the daemon\n", "peers");
+  for (const CapabilityReport::Peer& p : c.peers) {
+    std::printf("%-15s %-3s device %u %s: %s\n", "peer access", p.access ? "yes" : "no", p.device_index,
+                p.device_uuid.c_str(), p.detail.c_str());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
   if (f.json) return PrintReply<v1::ListPoolsResponse>(replies);
@@ -707,6 +734,8 @@ int Main(int argc, char** argv) {
   app.fallthrough();
 
   CLI::App* status = app.add_subcommand("status", "The device, its memory and the daemon's totals");
+  CLI::App* caps = app.add_subcommand(
+      "caps", "What the device's memory can be shared as (POSIX FD, fabric, DMA-BUF, GPUDirect RDMA, peers), probed");
   CLI::App* pools = app.add_subcommand("pools", "List pools");
   CLI::App* describe = app.add_subcommand("describe", "One pool: geometry, strides, segments, chunks, clients");
   describe->add_option("pool", f.pool, "Pool name")->required();
@@ -853,6 +882,8 @@ int Main(int argc, char** argv) {
   absl::Status s;
   if (status->parsed()) {
     s = Status(c, f, replies);
+  } else if (caps->parsed()) {
+    s = Caps(c, f, replies);
   } else if (pools->parsed()) {
     s = Pools(c, f, replies);
   } else if (describe->parsed()) {

@@ -95,6 +95,18 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   }
   s.committed_bytes = budget_.committed();
   s.pools = static_cast<uint32_t>(pools.size());
+  s.capabilities = device_->Capabilities();
+  // No RPC hands out fabric handle bytes yet, so fabric is never advertised (Note [Advertise only what
+  // is delivered] in docs/connectors.md), whatever the probe found.
+  if (s.capabilities.fabric.supported) {
+    s.capabilities.fabric = {false, absl::StrCat(s.capabilities.fabric.detail,
+                                                 "; not delivered: this daemon's API does not hand out fabric "
+                                                 "handles yet")};
+  }
+  if (s.capabilities.dma_buf.supported) {
+    s.capabilities.dma_buf = {false,
+                              absl::StrCat(s.capabilities.dma_buf.detail, "; not delivered: no range export RPC yet")};
+  }
   return s;
 }
 

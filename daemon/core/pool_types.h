@@ -129,6 +129,8 @@ struct DeviceStatus {
   uint64_t budget_bytes = 0;
   uint64_t max_chunk_bytes = 0;
   uint32_t pools = 0;
+  // As the device probed them, less what this daemon's API does not deliver (fabric handles).
+  DeviceCapabilities capabilities;
 };
 
 }  // namespace kvd::daemon

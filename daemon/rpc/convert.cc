@@ -244,8 +244,28 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_budget_bytes(status.budget_bytes);
   p.set_granularity_bytes(status.info.granularity);
   p.set_max_chunk_bytes(status.max_chunk_bytes);
-  p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
-  if (status.info.fabric_handles) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  const DeviceCapabilities& caps = status.capabilities;
+  if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
+  if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  v1::Capabilities* c = p.mutable_capabilities();
+  auto set = [](v1::Capability* out, const Capability& in) {
+    out->set_supported(in.supported);
+    out->set_detail(in.detail);
+  };
+  set(c->mutable_posix_fd(), caps.posix_fd);
+  set(c->mutable_fabric(), caps.fabric);
+  set(c->mutable_dma_buf(), caps.dma_buf);
+  set(c->mutable_gpu_direct_rdma_vmm(), caps.gpu_direct_rdma);
+  c->set_range_spans_chunks(caps.range_spans_chunks);
+  for (const PeerCapability& peer : caps.peers) {
+    v1::PeerAccess* out = c->add_peers();
+    out->set_device_index(peer.index > 0 ? static_cast<uint32_t>(peer.index) : 0);
+    out->set_device_uuid(peer.uuid);
+    out->set_access(peer.access);
+    out->set_detail(peer.detail);
+  }
+  c->set_granularity_bytes(status.info.granularity);
+  c->set_max_chunk_bytes(status.max_chunk_bytes);
   p.set_driver_version(status.info.driver_version);
   p.set_daemon_version(KVD_VERSION);
   p.set_reserved_bytes(status.reserved_bytes);

@@ -115,5 +115,21 @@ TEST_F(ConnectorsTest, DescribeTransferValidatesItsRequest) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sleeping")));
 }
 
+// The host backend's report: POSIX FD yes, FABRIC no (and never advertised), GPUDirect RDMA no.
+TEST_F(ConnectorsTest, HostCapabilitiesAreProbedAndStated) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Connect("operator"));
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, c->DeviceInfo());
+  const CapabilityReport& caps = d.capabilities;
+  EXPECT_TRUE(caps.posix_fd.supported) << caps.posix_fd.detail;
+  EXPECT_FALSE(caps.fabric.supported);
+  EXPECT_THAT(caps.fabric.detail, HasSubstr("no fabric"));
+  EXPECT_FALSE(caps.gpu_direct_rdma_vmm.supported);
+  EXPECT_FALSE(caps.range_spans_chunks);
+  EXPECT_EQ(caps.granularity_bytes, d.granularity_bytes);
+  EXPECT_EQ(caps.max_chunk_bytes, d.max_chunk_bytes);
+  EXPECT_THAT(d.handle_types, ::testing::Not(::testing::Contains("fabric")));
+  EXPECT_THAT(d.handle_types, ::testing::Contains("posix_fd"));
+}
+
 }  // namespace
 }  // namespace kvd

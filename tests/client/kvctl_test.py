@@ -192,6 +192,20 @@ class KvctlTest(KvctlCase):
         self.assertEqual(len(r.stderr.splitlines()), 1)
         self.assertIn("UNAVAILABLE", r.stderr)
 
+    def test_caps(self):
+        s = self.json("caps")
+        d = self.proto(s["reply"], kvd_pb2.DeviceInfo)
+        c = d.capabilities
+        self.assertTrue(c.posix_fd.supported)
+        self.assertFalse(c.fabric.supported)
+        self.assertNotIn(kvd_pb2.HANDLE_TYPE_FABRIC, d.handle_types)
+        self.assertFalse(c.gpu_direct_rdma_vmm.supported)
+        self.assertEqual(c.granularity_bytes, 2 * MiB)
+        self.assertIn("capabilities", self.json("status")["reply"])  # status --json carries it too
+        human = self.ok("caps")
+        self.assertRegex(human, r"POSIX FD +yes")
+        self.assertRegex(human, r"FABRIC +no")
+
     def test_transfer(self):
         self.ok("create", "kv", *DIMS, "--initial-blocks", "1024", "--layout", "LHBNC")
         doc = self.json("transfer", "kv")
@@ -213,7 +227,7 @@ class KvctlTest(KvctlCase):
         for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
                      ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
                      ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
-                     ["group", "wake"], ["transfer"]]:
+                     ["group", "wake"], ["transfer"], ["caps"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)

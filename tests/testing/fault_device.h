@@ -70,6 +70,8 @@ class FaultDevice final : public Device {
   }
   absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override { return inner_->Import(fd, bytes); }
   absl::Status CheckPeerAccess(absl::string_view owner_uuid) override { return inner_->CheckPeerAccess(owner_uuid); }
+  DeviceCapabilities Capabilities() const override { return inner_->Capabilities(); }
+  absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override { return inner_->ExportRange(va, bytes); }
   absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
     return inner_->CopyToHost(dst, src_va, bytes);
   }

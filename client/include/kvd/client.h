@@ -65,6 +65,29 @@ struct ConnectOptions {
   std::function<void(const google::protobuf::Message& reply)> on_reply;
 };
 
+// What the device's memory can be shared as (proto Capabilities), probed when the daemon started; an
+// item is `supported` only when this daemon's API delivers it. docs/connectors.md.
+struct CapabilityReport {
+  struct Item {
+    bool supported = false;
+    std::string detail;  // how it was established, or why not
+  };
+  struct Peer {
+    uint32_t device_index = 0;
+    std::string device_uuid;
+    bool access = false;
+    std::string detail;
+  };
+  Item posix_fd;
+  Item fabric;
+  Item dma_buf;
+  Item gpu_direct_rdma_vmm;
+  bool range_spans_chunks = false;
+  std::vector<Peer> peers;
+  uint64_t granularity_bytes = 0;
+  uint64_t max_chunk_bytes = 0;
+};
+
 // GetDeviceInfo.
 struct DeviceStatus {
   std::string backend;  // "host", "cuda", "hip"
@@ -81,6 +104,8 @@ struct DeviceStatus {
   uint64_t granularity_bytes = 0;
   uint64_t max_chunk_bytes = 0;
   uint32_t pool_count = 0;
+  std::vector<std::string> handle_types;  // "posix_fd", "fabric", "dma_buf": what the API delivers
+  CapabilityReport capabilities;
 };
 
 // [L, B, H, N, C] and the element size (proto PoolDims).
