@@ -473,6 +473,17 @@ void Mapping::Impl::Lose(const absl::Status& why) {
   if (options.on_lost) options.on_lost(why);
 }
 
+namespace {
+
+// An event's ranges (connectors).
+std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
+  std::vector<ByteRange> out;
+  for (const v1::ByteRange& r : ev.ranges()) out.push_back({r.segment(), r.offset(), r.bytes()});
+  return out;
+}
+
+}  // namespace
+
 void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader) {
   v1::PoolEvent ev;
   while (reader->Read(&ev)) {
@@ -492,13 +503,15 @@ void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> re
         if (!mapped.ok()) {
           const absl::Status& s = mapped.status();
           Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())));
-        } else if (*mapped && options.on_grow) {
-          options.on_grow(committed);
+        } else if (*mapped) {
+          if (options.on_grow) options.on_grow(committed);
+          if (options.on_ranges_added) options.on_ranges_added(Ranges(ev));
         }
         break;
       }
       case v1::EVENT_TYPE_CHUNKS_RELEASED: {
         uint64_t committed = 0;
+        if (options.on_ranges_released) options.on_ranges_released(Ranges(ev));
         {
           absl::MutexLock lock(&mu);
           if (closing || state == Mapping::State::kLost) break;
@@ -882,6 +895,40 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GrantPeerAccess(impl_->Context().get(), req, &resp)));
   impl_->Observe(resp);
   return FromProto(resp);
+}
+
+absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const std::vector<ByteRange>& ranges) {
+  v1::ExportRangesRequest req;
+  req.set_client_id(mapping.client_id());
+  for (const ByteRange& r : ranges) {
+    v1::ByteRange* p = req.add_ranges();
+    p->set_segment(r.segment);
+    p->set_offset(r.offset);
+    p->set_bytes(r.bytes);
+  }
+  v1::ExportRangesResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ExportRanges(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
+  RangeExport out{
+      .pool = resp.pool(), .ranges_span_chunks = resp.ranges_span_chunks(), .generation = resp.generation()};
+  for (const v1::RangeHandle& h : resp.handles()) {
+    out.handles.push_back({.segment = h.segment(),
+                           .offset = h.offset(),
+                           .bytes = h.bytes(),
+                           .fd_offset = h.fd_offset(),
+                           .chunk_ids = {h.chunk_ids().begin(), h.chunk_ids().end()}});
+  }
+  if (out.handles.empty()) return out;
+  KVD_ASSIGN_OR_RETURN(auto fds, impl_->session.Fetch(resp.lease().token()));
+  bool in_order = fds.size() == out.handles.size();
+  for (size_t i = 0; in_order && i < fds.size(); ++i) in_order = fds[i].first == i;
+  if (!in_order) {
+    for (const auto& f : fds) close(f.second);
+    return absl::DataLossError(absl::StrCat("ExportRanges: the handle channel sent ", fds.size(), " FDs for ",
+                                            out.handles.size(), " range handles, or out of order"));
+  }
+  for (size_t i = 0; i < fds.size(); ++i) out.handles[i].fd = fds[i].second;
+  return out;
 }
 
 absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, const std::vector<uint64_t>& block_ids) {

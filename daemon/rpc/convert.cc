@@ -229,6 +229,7 @@ v1::PoolEvent ToProto(const PoolEvent& event) {
   p.set_release_id(event.release_id);
   p.set_committed_blocks(event.committed_blocks);
   p.set_state(ToProto(event.state));
+  for (const ByteRange& r : MergeChunkRanges(event.chunks)) *p.add_ranges() = ToProto(r);
   return p;
 }
 
@@ -247,6 +248,7 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  if (caps.dma_buf.supported) p.add_handle_types(v1::HANDLE_TYPE_DMA_BUF);
   v1::Capabilities* c = p.mutable_capabilities();
   auto set = [](v1::Capability* out, const Capability& in) {
     out->set_supported(in.supported);
@@ -287,6 +289,39 @@ v1::DescribeTransferResponse ToProto(const TransferPlan& plan) {
   out.set_bytes(plan.bytes);
   out.set_committed_blocks(plan.committed_blocks);
   out.set_generation(plan.generation);
+  return out;
+}
+
+v1::ByteRange ToProto(const ByteRange& range) {
+  v1::ByteRange p;
+  p.set_segment(range.segment);
+  p.set_offset(range.offset);
+  p.set_bytes(range.bytes);
+  return p;
+}
+
+std::vector<ByteRange> FromProto(const google::protobuf::RepeatedPtrField<v1::ByteRange>& proto) {
+  std::vector<ByteRange> out;
+  out.reserve(proto.size());
+  for (const v1::ByteRange& r : proto) out.push_back({r.segment(), r.offset(), r.bytes()});
+  return out;
+}
+
+v1::ExportRangesResponse ToProto(const RangeExport& exported, bool span_chunks) {
+  v1::ExportRangesResponse out;
+  out.set_pool(exported.pool);
+  for (const RangeHandle& h : exported.handles) {
+    v1::RangeHandle* p = out.add_handles();
+    p->set_segment(h.segment);
+    p->set_offset(h.offset);
+    p->set_bytes(h.bytes);
+    p->set_fd_offset(h.fd_offset);
+    for (uint64_t id : h.chunk_ids) p->add_chunk_ids(id);
+  }
+  *out.mutable_lease() = ToProto(exported.lease);
+  out.set_handle_type(v1::HANDLE_TYPE_DMA_BUF);
+  out.set_ranges_span_chunks(span_chunks);
+  out.set_generation(exported.generation);
   return out;
 }
 

@@ -38,5 +38,8 @@ v1::PoolEvent ToProto(const PoolEvent& event);
 // is delivered (POSIX_FD, DMA_BUF, FABRIC); capabilities carries the probes' details.
 v1::DeviceInfo ToProto(const DeviceStatus& status);
 v1::DescribeTransferResponse ToProto(const TransferPlan& plan);
+v1::ByteRange ToProto(const ByteRange& range);
+std::vector<ByteRange> FromProto(const google::protobuf::RepeatedPtrField<v1::ByteRange>& proto);
+v1::ExportRangesResponse ToProto(const RangeExport& exported, bool span_chunks);
 
 }  // namespace kvd::daemon

@@ -272,6 +272,31 @@ struct TransferDescriptor {
   uint64_t count = 0;
 };
 
+// A contiguous byte range of a pool, from its base address, inside one segment (proto ByteRange).
+struct ByteRange {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// One FD of a range export: the pool's bytes [offset, offset + bytes) are at fd_offset in `fd` (CUDA: a
+// DMA-BUF to register with ibv_reg_dmabuf_mr / UCX / NIXL; host: a memfd to mmap or ibv_reg_mr).
+struct RangeHandle {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t fd_offset = 0;
+  std::vector<uint64_t> chunk_ids;  // a release naming one of them means: deregister this handle first
+  int fd = -1;                      // the caller's: close it once registered (the registration keeps it)
+};
+
+struct RangeExport {
+  std::string pool;
+  std::vector<RangeHandle> handles;
+  bool ranges_span_chunks = false;  // one FD per range (CUDA); else one per chunk a range touches (host)
+  uint64_t generation = 0;
+};
+
 // DescribeTransfer's reply: every byte of the blocks in exactly one run of one descriptor.
 struct TransferPlan {
   std::vector<TransferDescriptor> descriptors;
@@ -312,6 +337,14 @@ struct AttachOptions {
   // release: everything is unmapped, the Mapping is lost (state() == kLost) and detached in the daemon.
   // Argument: why.
   std::function<void(const absl::Status& why)> on_lost;
+  // KV connectors (docs/connectors.md). New bytes as contiguous ranges per segment, once mapped (grow or
+  // wake by another session; this Client's own Grow/Wake reply carries `added` instead): export and
+  // register just these (Client::ExportRanges with them).
+  std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_added;
+  // Bytes being released (shrink or sleep), called *before* the follower unmaps and acknowledges:
+  // deregister every registration overlapping them and close their FDs. The daemon's release (and a
+  // Shrink/Sleep with wait) waits until this returns.
+  std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_released;
 };
 
 class Client;
@@ -389,6 +422,13 @@ class Client {
   // INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id.
   [[nodiscard]] absl::StatusOr<TransferPlan> DescribeTransfer(absl::string_view pool,
                                                               const std::vector<uint64_t>& block_ids = {});
+
+  // FDs over byte ranges of `mapping`'s pool for one-time RDMA registration, fetched on the handle channel
+  // (docs/connectors.md). `ranges`: granularity multiples, each inside one segment's committed prefix;
+  // empty: every segment's whole committed prefix. The caller owns (and closes) every handle's fd.
+  // UNIMPLEMENTED where the daemon's device has no range export (kvctl caps says why).
+  [[nodiscard]] absl::StatusOr<RangeExport> ExportRanges(const Mapping& mapping,
+                                                         const std::vector<ByteRange>& ranges = {});
 
   // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.

@@ -381,6 +381,25 @@ class Client:
         return self._call("DescribeTransfer",
                           pb.DescribeTransferRequest(pool=name, block_ids=list(block_ids or [])))
 
+    def export_ranges(self, client_id, ranges=None):
+        """ExportRanges -> (kvd.v1.ExportRangesResponse, [fd, ...]): FDs over byte ranges of the pool that
+        the attached client `client_id` (of this Client) belongs to, one per response handle, in order;
+        the pool's bytes [h.offset, h.offset + h.bytes) are at h.fd_offset in handle h's FD (CUDA: a
+        DMA-BUF; host: a memfd). `ranges`: [(offset, bytes), ...], granularity multiples inside one
+        segment's committed prefix; None: every segment's whole committed prefix. The caller closes the
+        FDs (once registered)."""
+        req = pb.ExportRangesRequest(client_id=client_id,
+                                     ranges=[pb.ByteRange(offset=o, bytes=b) for o, b in (ranges or [])])
+        resp = self._call("ExportRanges", req)
+        if not resp.handles:
+            return resp, []
+        fds = self.session.fetch(resp.lease.token)
+        if [i for i, _ in fds] != list(range(len(resp.handles))):
+            for _, fd in fds:
+                os.close(fd)
+            raise KvdError("DATA_LOSS", f"ExportRanges: {len(fds)} FDs for {len(resp.handles)} handles, or out of order")
+        return resp, [fd for _, fd in fds]
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
         """Closes every Mapping, the channel and the session (the daemon detaches what is left)."""
