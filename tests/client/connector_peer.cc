@@ -2,19 +2,26 @@
 // pool through libkvd, exports every committed range (ExportRanges), maps each range FD at its fd_offset
 // (host memfds) as a stand-in for an RDMA registration, and prints one line per fact on stdout:
 //   handle <segment> <offset> <bytes> <fd_offset> <fnv64 of the bytes>     one per exported handle
-//   exported <n>                                                           after each export
+//   exported <n> in <ms> ms                                                after each export (the time of
+//                                                                          ExportRanges and the fetch)
 //   added <segment> <offset> <bytes>       from on_ranges_added (new bytes after a grow)
 //   released <segment> <offset> <bytes>    from on_ranges_released, before the follower acknowledges;
 //                                          every registration overlapping it is unmapped and closed first
 //   deregistered <n>                       after a release: registrations dropped
 // Commands on stdin, one per line: "export-added" (export the ranges of the last added event), "quit".
 //
-// Usage: connector_peer SOCKET POOL
+// With --fdinfo (GPU pools, whose DMA-BUFs cannot be mapped on the CPU) each FD is kept open, not mapped,
+// and described by its /proc/self/fdinfo instead of a checksum:
+//   dmabuf <segment> <offset> <bytes> <fd_offset> <fdinfo size> <fdinfo exp_name>
+//
+// Usage: connector_peer [--fdinfo] SOCKET POOL
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -39,6 +46,7 @@ struct Registration {
   int fd = -1;
 };
 
+bool fdinfo_mode = false;
 absl::Mutex mu;
 std::vector<Registration> registrations ABSL_GUARDED_BY(mu);
 std::vector<kvd::ByteRange> last_added ABSL_GUARDED_BY(mu);
@@ -48,13 +56,36 @@ void Say(const std::string& line) {
   std::fflush(stdout);
 }
 
+// "<key>:\t<value>" of /proc/self/fdinfo/<fd>; "-" when missing.
+std::string FdInfo(int fd, const std::string& key) {
+  std::ifstream in("/proc/self/fdinfo/" + std::to_string(fd));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) {
+      std::string v = line.substr(key.size() + 1);
+      v.erase(0, v.find_first_not_of(" \t"));
+      return v;
+    }
+  }
+  return "-";
+}
+
 int Export(kvd::Client& client, const kvd::Mapping& mapping, const std::vector<kvd::ByteRange>& ranges) {
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<kvd::RangeExport> exported = client.ExportRanges(mapping, ranges);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (!exported.ok()) {
     Say("error " + exported.status().ToString());
     return 1;
   }
   for (const kvd::RangeHandle& h : exported->handles) {
+    if (fdinfo_mode) {
+      Say("dmabuf " + std::to_string(h.segment) + " " + std::to_string(h.offset) + " " + std::to_string(h.bytes) + " " +
+          std::to_string(h.fd_offset) + " " + FdInfo(h.fd, "size") + " " + FdInfo(h.fd, "exp_name"));
+      absl::MutexLock lock(&mu);
+      registrations.push_back({h.offset, h.bytes, nullptr, 0, h.fd});
+      continue;
+    }
     // Map the FD over its stated range: what an RDMA registration of (fd, fd_offset, bytes) would pin.
     void* p = mmap(nullptr, h.bytes, PROT_READ, MAP_SHARED, h.fd, static_cast<off_t>(h.fd_offset));
     if (p == MAP_FAILED) {
@@ -67,15 +98,20 @@ int Export(kvd::Client& client, const kvd::Mapping& mapping, const std::vector<k
     absl::MutexLock lock(&mu);
     registrations.push_back({h.offset, h.bytes, p, h.bytes, h.fd});
   }
-  Say("exported " + std::to_string(exported->handles.size()));
+  Say("exported " + std::to_string(exported->handles.size()) + " in " + std::to_string(ms) + " ms");
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "--fdinfo") {
+    fdinfo_mode = true;
+    ++argv;
+    --argc;
+  }
   if (argc != 3) {
-    std::fprintf(stderr, "usage: connector_peer SOCKET POOL\n");
+    std::fprintf(stderr, "usage: connector_peer [--fdinfo] SOCKET POOL\n");
     return 2;
   }
   absl::StatusOr<std::unique_ptr<kvd::Client>> client =
@@ -106,7 +142,7 @@ int main(int argc, char** argv) {
         overlaps |= reg.offset < r.offset + r.bytes && r.offset < reg.offset + reg.bytes;
       }
       if (overlaps) {
-        munmap(reg.map, reg.map_bytes);
+        if (reg.map != nullptr) munmap(reg.map, reg.map_bytes);
         close(reg.fd);
         ++dropped;
       } else {
@@ -136,7 +172,7 @@ int main(int argc, char** argv) {
   }
   absl::MutexLock lock(&mu);
   for (Registration& reg : registrations) {
-    munmap(reg.map, reg.map_bytes);
+    if (reg.map != nullptr) munmap(reg.map, reg.map_bytes);
     close(reg.fd);
   }
   return 0;

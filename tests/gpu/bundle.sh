@@ -5,7 +5,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:-$root/build} dest=${2:-$root/.device}
-keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench)
+keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench
+      connector_peer)
 "$root/../shared/tools/device-bundle" "$build" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
 for f in "$dest"/bin/*; do
   [[ " ${keep[*]} " == *" $(basename "$f") "* ]] || rm -f "$f"
