@@ -105,7 +105,11 @@ LayoutResolution FromProto(const v1::LayoutResolution& r) {
 }
 
 ChunkInfo FromProto(const v1::Chunk& c) {
-  return ChunkInfo{.id = c.id(), .segment = c.segment(), .offset = c.offset(), .bytes = c.bytes()};
+  return ChunkInfo{.id = c.id(),
+                   .segment = c.segment(),
+                   .offset = c.offset(),
+                   .bytes = c.bytes(),
+                   .fabric_handle = c.fabric_handle()};
 }
 
 PoolState FromProto(v1::PoolState s) {

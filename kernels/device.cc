@@ -199,6 +199,11 @@ absl::StatusOr<int> Device::ExportRange(uint64_t va, uint64_t bytes) {
                                                BackendName(kind()), " backend has no range export"));
 }
 
+absl::StatusOr<std::string> Device::ExportFabricHandle(const Chunk& chunk) {
+  return absl::UnimplementedError(absl::StrCat("ExportFabricHandle(chunk of ", chunk.bytes, " bytes): the ",
+                                               BackendName(kind()), " backend has no fabric handles"));
+}
+
 absl::Status ValidateBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (blocks[i] >= span.blocks) {

@@ -97,13 +97,6 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   s.committed_bytes = budget_.committed();
   s.pools = static_cast<uint32_t>(pools.size());
   s.capabilities = capabilities_;
-  // No RPC hands out fabric handle bytes yet, so fabric is never advertised (Note [Advertise only what
-  // is delivered] in docs/connectors.md), whatever the probe found.
-  if (s.capabilities.fabric.supported) {
-    s.capabilities.fabric = {false, absl::StrCat(s.capabilities.fabric.detail,
-                                                 "; not delivered: this daemon's API does not hand out fabric "
-                                                 "handles yet")};
-  }
   return s;
 }
 
@@ -171,6 +164,15 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
       return fd.status();
     }
     r.fd = *fd;
+    if (capabilities_.fabric.supported) {
+      // Export once, like the FD: every reply and event then carries the same bytes.
+      absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
+      if (!fabric.ok()) {
+        DiscardChunk(base, r);
+        return fabric.status();
+      }
+      r.info.fabric_handle = *std::move(fabric);
+    }
     made.push_back(r);
   }
   std::move(undo).Cancel();

@@ -30,6 +30,9 @@ struct ChunkInfo {
   uint64_t segment = 0;
   uint64_t offset = 0;  // from the pool's base
   uint64_t bytes = 0;
+  // CU_MEM_HANDLE_TYPE_FABRIC bytes, exported once at creation where the device delivers fabric handles
+  // (its probe succeeded); empty otherwise.
+  std::string fabric_handle;
 };
 
 // One FD of a range export (PoolManager::ExportRanges): the pool's bytes [offset, offset + bytes) from its

@@ -157,6 +157,7 @@ v1::Chunk ToProto(const ChunkInfo& chunk) {
   p.set_segment(chunk.segment);
   p.set_offset(chunk.offset);
   p.set_bytes(chunk.bytes);
+  if (!chunk.fabric_handle.empty()) p.set_fabric_handle(chunk.fabric_handle);
   return p;
 }
 

@@ -535,6 +535,11 @@ absl::StatusOr<FabricHandle> CudaDevice::ExportFabric(const Chunk& chunk) {
   return out;
 }
 
+absl::StatusOr<std::string> CudaDevice::ExportFabricHandle(const Chunk& chunk) {
+  KVD_ASSIGN_OR_RETURN(const FabricHandle handle, ExportFabric(chunk));
+  return std::string(reinterpret_cast<const char*>(handle.bytes.data()), handle.bytes.size());
+}
+
 absl::StatusOr<Chunk> CudaDevice::ImportFabric(const FabricHandle& fabric, uint64_t bytes) {
   if (!fabric_handles_) {
     return absl::FailedPreconditionError(

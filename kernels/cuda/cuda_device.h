@@ -121,6 +121,8 @@ class CudaDevice final : public Device {
   // cuMemGetHandleForAddressRange(DMA_BUF_FD): one DMA-BUF over a mapped range of any number of chunks.
   // UNIMPLEMENTED when the probe at Open failed (the capability's detail says why).
   [[nodiscard]] absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override;
+  // ExportFabric's bytes; FAILED_PRECONDITION without fabric handles, as ExportFabric.
+  [[nodiscard]] absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk) override;
 
   // CUDA only: fabric handles (multi-node NVLink). Chunks are created fabric-exportable only when
   // fabric_handles() is true; otherwise both calls are FAILED_PRECONDITION.

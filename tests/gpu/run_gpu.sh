@@ -182,6 +182,12 @@ for layout in LBNHC BLNHC; do
   pool=kv-$layout
   run "create_$layout" kvctl --socket="$sock" create "$pool" "${dims[@]}" --layout="$layout" --initial-blocks=$((blocks / 2))
   run "grow_$layout" kvctl --socket="$sock" grow "$pool" --blocks="$blocks"
+  # Chunk.fabric_handle is filled exactly where FABRIC is advertised (the probe export worked).
+  kvctl --socket="$sock" --json describe "$pool" | python3 -c 'import json, sys
+p = json.load(sys.stdin); fab = sys.argv[1] != "0"
+bad = [c["id"] for c in p["chunks"] if bool(c.get("fabric_handle")) != fab]
+print(len(p["chunks"]), "chunks; fabric handles", "expected" if fab else "absent", "; wrong:", bad); sys.exit(1 if bad else 0)' \
+    "$(grep -c '"HANDLE_TYPE_FABRIC"' "$out/caps_json.log")" || status=1
   run "transfer_$layout" kvctl --socket="$sock" transfer "$pool" --blocks="0-$((blocks / 8)),$((blocks / 4))-$((blocks / 2)),$((blocks - 1))"
   fifo=$dir/peer-$layout.in
   mkfifo "$fifo"

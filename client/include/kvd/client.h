@@ -178,6 +178,9 @@ struct ChunkInfo {
   uint64_t segment = 0;
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  // CU_MEM_HANDLE_TYPE_FABRIC bytes where the daemon delivers them (DeviceStatus::handle_types has
+  // "fabric"): importers across an NVLink domain pass them to cuMemImportFromShareableHandle.
+  std::string fabric_handle;
 };
 
 struct ClientInfo {

@@ -208,6 +208,10 @@ class Device {
   // INVALID_ARGUMENT / FAILED_PRECONDITION as "Misuse" above; UNIMPLEMENTED where the backend has no
   // range export (the default).
   [[nodiscard]] virtual absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes);
+  // The chunk as CU_MEM_HANDLE_TYPE_FABRIC bytes (64 opaque bytes an importer anywhere in the NVLink
+  // domain passes to cuMemImportFromShareableHandle), for backends whose Capabilities() say fabric.
+  // INVALID_ARGUMENT for a chunk that is not live; UNIMPLEMENTED where the backend has none (the default).
+  [[nodiscard]] virtual absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk);
 };
 
 struct DeviceOptions {
