@@ -500,9 +500,15 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
   for (const ByteRange& r : wanted) {
     const uint64_t end = r.offset + r.bytes;
     RangeHandle whole{.segment = r.segment, .offset = r.offset, .bytes = r.bytes};
-    for (const ChunkRecord& c : chunks_) {
+    // chunks_ is sorted by (segment, offset) and offsets grow with the segment: start at the last chunk
+    // that begins at or before the range.
+    auto first = std::upper_bound(chunks_.begin(), chunks_.end(), r.offset,
+                                  [](uint64_t offset, const ChunkRecord& c) { return offset < c.info.offset; });
+    if (first != chunks_.begin()) --first;
+    for (auto c_it = first; c_it != chunks_.end() && c_it->info.offset < end; ++c_it) {
+      const ChunkRecord& c = *c_it;
       const uint64_t c_end = c.info.offset + c.info.bytes;
-      if (c.info.segment != r.segment || c_end <= r.offset || c.info.offset >= end) continue;
+      if (c.info.segment != r.segment || c_end <= r.offset) continue;
       if (span_chunks) {
         whole.chunk_ids.push_back(c.info.id);
         continue;
