@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/handle_client.h"
+#include "client/phase_marks.h"
 #include "grpcpp/grpcpp.h"
 #include "kvd/device.h"
 #include "kvd/status.h"
@@ -293,13 +294,28 @@ struct Client::Impl {
     Device* device = nullptr;
     std::string peer_uuid;  // set when it is not the daemon's device: the AttachRequest's device_uuid
   };
+  // Asks the daemon for its device once per selector: a Client's session (and so the daemon it talks to)
+  // does not outlive the daemon, so the answer cannot change under it (an Attach saves a round trip).
   absl::StatusOr<LocalDevice> GetDevice(absl::string_view selector);
+  absl::StatusOr<LocalDevice> OpenLocalDevice(absl::string_view selector);
+  absl::flat_hash_map<std::string, LocalDevice> local_devices ABSL_GUARDED_BY(mu);
   std::shared_ptr<Mapping::Impl> FindMapping(const std::string& pool);
   // Maps the lease of `update` into this client's Mapping of its pool, if it has one.
   absl::Status Route(const v1::PoolUpdate& update);
 };
 
 absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_view selector) {
+  {
+    absl::MutexLock lock(&mu);
+    if (auto it = local_devices.find(selector); it != local_devices.end()) return it->second;
+  }
+  KVD_ASSIGN_OR_RETURN(LocalDevice local, OpenLocalDevice(selector));
+  absl::MutexLock lock(&mu);
+  local_devices.emplace(std::string(selector), local);
+  return local;
+}
+
+absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::OpenLocalDevice(absl::string_view selector) {
   v1::DeviceInfo info;
   KVD_RETURN_IF_ERROR(FromGrpc(stub->GetDeviceInfo(Context().get(), v1::GetDeviceInfoRequest(), &info)));
   DeviceOptions opts{.backend = BackendString(info.backend()), .index = static_cast<int>(info.device_index())};
@@ -386,6 +402,7 @@ absl::Status Mapping::Impl::MapLease(const std::string& lease,
   std::map<uint64_t, ChunkInfo> wanted;
   for (const v1::Chunk& c : added) wanted[c.id()] = FromProto(c);
   KVD_ASSIGN_OR_RETURN(auto fds, client->session.Fetch(lease));
+  internal::MarkPhase("lease.fetched");
   size_t next = 0;
   absl::Cleanup close_rest = [&] {
     for (size_t i = next; i < fds.size(); ++i) close(fds[i].second);
@@ -514,16 +531,19 @@ void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> re
         break;
       }
       case v1::EVENT_TYPE_CHUNKS_RELEASED: {
+        internal::MarkPhase("release.event");
         uint64_t committed = 0;
         if (options.on_ranges_released) options.on_ranges_released(Ranges(ev));
         {
           absl::MutexLock lock(&mu);
           if (closing || state == Mapping::State::kLost) break;
           for (const v1::Chunk& c : ev.chunks()) UnmapOne(c.id());
+          internal::MarkPhase("release.unmapped");
           committed_blocks = committed = ev.committed_blocks();
           if (ev.state() == v1::POOL_STATE_SLEEPING) state = Mapping::State::kSleeping;
         }
         if (ev.release_id() != 0) {
+          internal::MarkPhase("release.acknowledging");
           v1::AcknowledgeRequest req;
           req.set_client_id(client_id);
           req.set_release_id(ev.release_id());
@@ -827,8 +847,10 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   if (impl_->FindMapping(name) != nullptr) {
     return AlreadyAttached(name);
   }
+  internal::MarkPhase("attach.begin");
   KVD_ASSIGN_OR_RETURN(Impl::LocalDevice local, impl_->GetDevice(options.device));
   Device* device = local.device;
+  internal::MarkPhase("attach.device");
 
   v1::AttachRequest req;
   req.set_pool(name);
@@ -837,6 +859,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   v1::AttachResponse resp;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(impl_->Context().get(), req, &resp)));
   impl_->Observe(resp);
+  internal::MarkPhase("attach.rpc");
 
   auto m = std::make_shared<Mapping::Impl>();
   m->client = impl_;
@@ -853,6 +876,18 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     v1::DetachResponse r;
     impl_->stub->Detach(impl_->Context().get(), d, &r).ok();  // best effort: the session's end detaches too
   };
+  // The event stream starts now and is confirmed after the import (WaitForInitialMetadata below), so its
+  // round trip overlaps the import instead of following it. Events since the Attach are queued in the
+  // daemon either way, and the follower reads them only once the lease is mapped.
+  m->watch_ctx = std::make_unique<grpc::ClientContext>();
+  m->watch_ctx->AddMetadata(wire::kSessionMetadataKey, impl_->session.token());
+  v1::WatchRequest watch;
+  watch.set_client_id(m->client_id);
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);
+  absl::Cleanup stop_watch = [&] {
+    m->watch_ctx->TryCancel();
+    reader->Finish().ok();  // cancelled: the status says so
+  };
   KVD_ASSIGN_OR_RETURN(m->base, device->Reserve(m->geometry.reserved_bytes));
   absl::Cleanup free_va = [&] {
     absl::MutexLock lock(&m->mu);
@@ -865,24 +900,18 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     m->committed_blocks = resp.pool().committed_blocks();
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }
-  m->watch_ctx = std::make_unique<grpc::ClientContext>();
-  m->watch_ctx->AddMetadata(wire::kSessionMetadataKey, impl_->session.token());
-  v1::WatchRequest watch;
-  watch.set_client_id(m->client_id);
-  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);
+  internal::MarkPhase("attach.mapped");
   // kvd sends the initial metadata once the watch is registered: from here on every event reaches the
   // follower. A stream that failed instead returns here too, and the follower reports it (on_lost).
   reader->WaitForInitialMetadata();
+  internal::MarkPhase("attach.watching");
   {
     absl::MutexLock lock(&impl_->mu);
     auto& slot = impl_->mappings[name];
-    if (slot.lock() != nullptr) {
-      m->watch_ctx->TryCancel();
-      reader->Finish().ok();
-      return AlreadyAttached(name);
-    }
+    if (slot.lock() != nullptr) return AlreadyAttached(name);  // stop_watch ends the stream
     slot = m;
   }
+  std::move(stop_watch).Cancel();
   Mapping::Impl* raw = m.get();
   m->follower = std::thread([raw, r = std::move(reader)]() mutable { raw->Follow(std::move(r)); });
   std::move(detach).Cancel();

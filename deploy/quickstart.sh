@@ -98,13 +98,15 @@ case $mode in
     exec "$build/daemon/kvd" "${args[@]}"
     ;;
   test)
-    # The lock annotations, checked by the compiler: the whole tree (tests too) built with clang and
-    # -Wthread-safety as errors. Host code only: the vendor backends' lock use is the same code.
+    # The lock annotations, checked by the compiler: the whole tree (tests too, and the vendor backends
+    # that are built above) built with clang and -Wthread-safety as errors.
     clang_build=${KVD_CLANG_BUILD_DIR:-$build-clang}
     say "thread-safety build with clang in $clang_build"
     mkdir -p "$clang_build"
-    cmake -S "$root" -B "$clang_build" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-      -DKVD_ENABLE_CUDA=OFF -DKVD_ENABLE_HIP=OFF >"$clang_build/configure.log" 2>&1 ||
+    clang_args=(-S "$root" -B "$clang_build" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++
+                -DKVD_ENABLE_CUDA="$cuda" -DKVD_ENABLE_HIP="$hip")
+    [[ $cuda == ON && -n $nvcc ]] && clang_args+=(-DCMAKE_CUDA_COMPILER="$nvcc")
+    cmake "${clang_args[@]}" >"$clang_build/configure.log" 2>&1 ||
       { cat "$clang_build/configure.log"; exit 1; }
     cmake --build "$clang_build" -j "$jobs" >"$clang_build/build.log" 2>&1 ||
       { grep -E 'error|warning' "$clang_build/build.log" | head -50; say "the clang thread-safety build failed (log: $clang_build/build.log)"; exit 1; }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvd/checked_math.h"
 #include "kvd/status.h"
 
 namespace kvd {
@@ -18,18 +19,6 @@ std::string Range(uint64_t va, uint64_t bytes) { return absl::StrFormat("[0x%x, 
 
 std::string Describe(const Chunk& chunk) {
   return absl::StrCat("chunk {handle ", chunk.handle, ", ", chunk.bytes, " bytes}");
-}
-
-std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
-  uint64_t r;
-  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
-  return r;
-}
-
-std::optional<uint64_t> CheckedAdd(uint64_t a, uint64_t b) {
-  uint64_t r;
-  if (__builtin_add_overflow(a, b, &r)) return std::nullopt;
-  return r;
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // VaBook: the device contract's bookkeeping (device.h, "Misuse"), written once for every backend.
+// See Note [One device contract, one book] in docs/architecture.md.
 // It tracks one Device's reservations, the mappings inside them and its live chunks, and it answers
 // every misuse check of the contract with the contract's status, so host, CUDA and HIP give the same
 // code for the same mistake. It knows nothing of any vendor: handles and addresses are uint64s.

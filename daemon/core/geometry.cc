@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/core/checked_math.h"
+#include "kvd/checked_math.h"
 
 namespace kvd::daemon {
 namespace {

@@ -24,6 +24,7 @@ class Layout {
   static constexpr int kCount = 6;
 
   // "LBNHC" etc., case-insensitive. INVALID_ARGUMENT naming `field` and the accepted values.
+  // absl::string_view, not std::string_view: see Note [Abseil's own string_view] in docs/architecture.md.
   [[nodiscard]] static absl::StatusOr<Layout> Parse(absl::string_view text, absl::string_view field = "layout");
   static const std::array<Layout, kCount>& All();
   static Layout Default() { return Layout(Id::kLBNHC); }

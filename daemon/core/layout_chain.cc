@@ -58,6 +58,7 @@ absl::Status Conflict(const std::vector<ParsedBackend>& backends) {
 
 }  // namespace
 
+// Both overrides are rule 1; see Note [Request override beats operator override] in docs/architecture.md.
 const char* LayoutRuleName(LayoutRule rule) {
   switch (rule) {
     case LayoutRule::kRequestOverride:

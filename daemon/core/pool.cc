@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <tuple>
 #include <utility>
 
@@ -200,6 +199,7 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
   ++generation_;
   std::vector<uint64_t> ids;
   for (const ChunkInfo& c : update.added) ids.push_back(c.id);
+  // See Note [The grower maps first] in docs/architecture.md.
   // A client of the caller's own session gets its lease in the reply, so it can map the new blocks
   // before the call returns; every other attached client learns of them through Watch.
   bool replied = false;
@@ -272,6 +272,7 @@ void Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
 }
 
+// See Note [Who holds a released chunk] in docs/architecture.md.
 void Pool::SettleReleasesLocked() {
   for (auto it = releases_.begin(); it != releases_.end();) {
     if (it->second.waiting.empty()) {
@@ -379,14 +380,19 @@ std::vector<std::string> Pool::DetachSession(absl::string_view session) {
   return gone;
 }
 
-absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, absl::string_view client_id) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<Pool::Client*> Pool::OwnClientLocked(const Caller& caller, absl::string_view client_id) {
   auto it = clients_.find(client_id);
   if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
-  Client& c = it->second;
-  if (c.session != caller.session) {
+  if (it->second.session != caller.session) {
     return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
   }
+  return &it->second;
+}
+
+absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, absl::string_view client_id) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
+  Client& c = *found;
   if (c.watching) {
     return absl::FailedPreconditionError(absl::StrCat("client_id: ", client_id, " already has a Watch stream"));
   }
@@ -396,12 +402,8 @@ absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, ab
 
 absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_view client_id, uint64_t release_id) {
   absl::MutexLock lock(&mu_);
-  auto it = clients_.find(client_id);
-  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
-  Client& c = it->second;
-  if (c.session != caller.session) {
-    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
-  }
+  KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
+  Client& c = *found;
   auto r = releases_.find(release_id);
   if (r == releases_.end() || !r->second.waiting.contains(c.id)) {
     return absl::NotFoundError(
@@ -551,11 +553,8 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint6
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
-    const int fd = fcntl(r->fd, F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) {
-      const int err = errno;
-      return absl::ResourceExhaustedError(absl::StrCat("fcntl(F_DUPFD_CLOEXEC): ", std::strerror(err)));
-    }
+    const int fd = fcntl(r->fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ErrnoStatus(errno, "fcntl(F_DUPFD_CLOEXEC)");
     out.push_back({id, fd});
   }
   std::move(close_all).Cancel();

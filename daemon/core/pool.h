@@ -40,6 +40,7 @@
 #include "daemon/core/sessions.h"
 #include "daemon/core/transfer.h"
 #include "kvd/device.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd::daemon {
 
@@ -47,7 +48,7 @@ namespace kvd::daemon {
 struct ChunkRecord {
   ChunkInfo info;
   Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
-  int fd = -1;  // exported once at creation; consumers get dup()s
+  UniqueFd fd;  // exported once at creation; consumers get dup()s
 };
 
 // Memory made for a grow or wake that no client can see yet; its bytes are already in the budget.
@@ -233,6 +234,9 @@ class Pool {
   PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DetachLocked(const std::string& client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attached client `client_id` of `caller`'s session: NOT_FOUND, or PERMISSION_DENIED for another's.
+  [[nodiscard]] absl::StatusOr<Client*> OwnClientLocked(const Caller& caller, absl::string_view client_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets completed releases; their bytes leave the budget.
   void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -163,7 +163,7 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
       device_->Release(r.chunk).IgnoreError();
       return fd.status();
     }
-    r.fd = *fd;
+    r.fd.reset(*fd);
     if (capabilities_.fabric.supported) {
       // Export once, like the FD: every reply and event then carries the same bytes.
       absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
@@ -173,7 +173,7 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
       }
       r.info.fabric_handle = *std::move(fabric);
     }
-    made.push_back(r);
+    made.push_back(std::move(r));
   }
   std::move(undo).Cancel();
   return made;
@@ -182,8 +182,7 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
 void PoolManager::DiscardChunk(uint64_t base, ChunkRecord& r) {
   device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
   device_->Release(r.chunk).IgnoreError();
-  if (r.fd >= 0) close(r.fd);
-  r.fd = -1;
+  r.fd.reset();
 }
 
 absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {

@@ -8,7 +8,8 @@
 // Budget (budget.h), the TransactionTable (transactions.h) and each client's EventQueue. The manager's
 // own lock guards only its maps of pools and clients. Note [Lock order] in docs/architecture.md.
 //
-// One resize state machine. Grow, Shrink, Sleep and Wake are a Prepare and a Commit in one call:
+// One resize state machine (Note [One resize state machine]). Grow, Shrink, Sleep and Wake are a Prepare
+// and a Commit in one call:
 // Pool::Check, then (grow, wake) the memory is staged, then Pool::Apply. Engine groups run the same
 // two steps across an RPC boundary, with the pool held in between.
 //

@@ -223,14 +223,14 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   // From here on the channel's destructor (Stop) undoes whatever was done: it closes the FDs that are
   // open, joins the threads that run and unlinks the socket once bound.
   auto channel = absl::WrapUnique(new HandleChannel(std::move(path), backend, options));
-  channel->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (channel->stop_fd_ < 0) return ErrnoToStatus("eventfd", errno);
-  channel->notify_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (channel->notify_fd_ < 0) return ErrnoToStatus("eventfd", errno);
-  channel->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (channel->listen_fd_ < 0) return ErrnoToStatus("socket", errno);
+  channel->stop_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!channel->stop_fd_) return ErrnoToStatus("eventfd", errno);
+  channel->notify_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!channel->notify_fd_) return ErrnoToStatus("eventfd", errno);
+  channel->listen_fd_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!channel->listen_fd_) return ErrnoToStatus("socket", errno);
   const std::string& bound = channel->path_;
-  if (bind(channel->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+  if (bind(channel->listen_fd_.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     return ErrnoToStatus(absl::StrCat("bind(", bound, ")"), errno);
   }
   struct stat st {};
@@ -242,7 +242,8 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   channel->socket_dev_ = st.st_dev;
   channel->socket_ino_ = st.st_ino;
   if (chmod(bound.c_str(), 0660) != 0) return ErrnoToStatus(absl::StrCat("chmod(", bound, ")"), errno);
-  if (listen(channel->listen_fd_, SOMAXCONN) != 0) return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
+  if (listen(channel->listen_fd_.get(), SOMAXCONN) != 0)
+    return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
 
   channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
   channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
@@ -255,15 +256,14 @@ void HandleChannel::Stop() {
   stopped_ = true;
 
   // The stop eventfd stays readable from now on: every poll in the channel returns.
-  if (stop_fd_ >= 0) {
+  if (stop_fd_) {
     const uint64_t one = 1;
-    while (write(stop_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    while (write(stop_fd_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
     }
   }
   if (accept_thread_.joinable()) accept_thread_.join();
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    listen_fd_ = -1;
+  if (listen_fd_) {
+    listen_fd_.reset();
   }
   // Unlink only our own socket: the path may have been taken over since.
   struct stat st {};
@@ -291,9 +291,8 @@ void HandleChannel::Stop() {
     CloseConnection(conn.fd);
   }
 
-  if (notify_fd_ >= 0) close(notify_fd_);
-  if (stop_fd_ >= 0) close(stop_fd_);
-  notify_fd_ = stop_fd_ = -1;
+  notify_fd_.reset();
+  stop_fd_.reset();
 }
 
 HandleChannel::Stats HandleChannel::stats() const {
@@ -308,7 +307,7 @@ HandleChannel::Stats HandleChannel::stats() const {
 
 void HandleChannel::AcceptLoop() {
   while (true) {
-    pollfd polled[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    pollfd polled[2] = {{listen_fd_.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
     if (poll(polled, 2, -1) < 0) {
       BackOffAfterPollFailure();
       continue;
@@ -316,7 +315,7 @@ void HandleChannel::AcceptLoop() {
     if ((polled[1].revents & POLLIN) != 0) return;
     if ((polled[0].revents & POLLIN) == 0) continue;
 
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) continue;
       // Out of FDs or memory: the listening socket stays readable, so back off instead of spinning.
@@ -343,7 +342,7 @@ void HandleChannel::AcceptLoop() {
       accepted_.push_back(std::move(conn));
     }
     const uint64_t one = 1;
-    while (write(notify_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    while (write(notify_fd_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
     }
   }
 }
@@ -356,7 +355,7 @@ void HandleChannel::BackOffAfterPollFailure() {
 }
 
 void HandleChannel::WaitForStop(absl::Duration timeout) {
-  pollfd stop{stop_fd_, POLLIN, 0};
+  pollfd stop{stop_fd_.get(), POLLIN, 0};
   poll(&stop, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
 }
 
@@ -366,8 +365,8 @@ void HandleChannel::WatchLoop() {
   std::vector<pollfd> polled;
   while (true) {
     polled.clear();
-    polled.push_back({stop_fd_, POLLIN, 0});
-    polled.push_back({notify_fd_, POLLIN, 0});
+    polled.push_back({stop_fd_.get(), POLLIN, 0});
+    polled.push_back({notify_fd_.get(), POLLIN, 0});
     int timeout_ms = -1;
     for (const Connection& conn : pending) {
       polled.push_back({conn.fd, POLLIN | POLLRDHUP, 0});
@@ -382,7 +381,7 @@ void HandleChannel::WatchLoop() {
     if ((polled[0].revents & POLLIN) != 0) break;
     if ((polled[1].revents & POLLIN) != 0) {
       uint64_t count;
-      while (read(notify_fd_, &count, sizeof(count)) < 0 && errno == EINTR) {
+      while (read(notify_fd_.get(), &count, sizeof(count)) < 0 && errno == EINTR) {
       }
     }
 
@@ -559,8 +558,8 @@ void HandleChannel::ServeFetch(Connection conn, std::string session, std::string
       fds.push_back(leased[i].fd);
     }
     batch->set_last(sent + count == leased.size());
-    absl::Status status =
-        SendPacket(conn.fd, reply.SerializeAsString(), fds, stop_fd_, Clock::now() + ToClock(options_.send_timeout));
+    absl::Status status = SendPacket(conn.fd, reply.SerializeAsString(), fds, stop_fd_.get(),
+                                     Clock::now() + ToClock(options_.send_timeout));
     if (!status.ok()) {
       Reject(conn.fd, status);
       return;

@@ -38,6 +38,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvd/unique_fd.h"
 
 namespace kvd::daemon {
 
@@ -141,9 +142,9 @@ class HandleChannel {
   const std::string path_;
   HandleChannelBackend* const backend_;
   const Options options_;
-  int listen_fd_ = -1;
-  int stop_fd_ = -1;    // eventfd: readable once Stop() began; every poll in the channel watches it
-  int notify_fd_ = -1;  // eventfd: the accept thread has queued connections for the watcher
+  UniqueFd listen_fd_;
+  UniqueFd stop_fd_;    // eventfd: readable once Stop() began; every poll in the channel watches it
+  UniqueFd notify_fd_;  // eventfd: the accept thread has queued connections for the watcher
   dev_t socket_dev_ = 0;
   ino_t socket_ino_ = 0;
 

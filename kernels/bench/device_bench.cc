@@ -189,7 +189,7 @@ class RawCudaPath final : public Path {
  public:
   static absl::StatusOr<std::unique_ptr<RawCudaPath>> Open(int ordinal, bool fabric) {
     KVD_ASSIGN_OR_RETURN(const CudaDriver* driver, LoadCudaDriver());
-    auto path = std::unique_ptr<RawCudaPath>(new RawCudaPath(*driver, ordinal));
+    auto path = std::unique_ptr<RawCudaPath>(new RawCudaPath(*driver));
     const CudaDriver& d = *driver;
     KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuInit_(0), "cuInit"));
     KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGet_(&path->device_, ordinal), "cuDeviceGet"));
@@ -266,7 +266,7 @@ class RawCudaPath final : public Path {
   }
 
  private:
-  RawCudaPath(const CudaDriver& driver, int ordinal) : d_(driver), ordinal_(ordinal) {}
+  explicit RawCudaPath(const CudaDriver& driver) : d_(driver) {}
   absl::Status Check(CUresult r, const char* call) const {
     if (r == CUDA_SUCCESS) [[likely]]
       return absl::OkStatus();
@@ -274,7 +274,6 @@ class RawCudaPath final : public Path {
   }
 
   const CudaDriver& d_;
-  const int ordinal_;
   CUdevice device_ = 0;
   CUcontext context_ = nullptr;
   uint64_t granularity_ = 0;

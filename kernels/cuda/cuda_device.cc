@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "backends.h"
+#include "block_launch.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
 
@@ -632,26 +633,10 @@ absl::Status CudaDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan
   const bool packs = op == BlockOp::kPack || op == BlockOp::kUnpack;
   if (packs && packed == 0) return absl::InvalidArgumentError(absl::StrCat(call, ": the packed buffer is null"));
 
-  // The aligned kernel when every address and size the kernel touches is a multiple of 16.
-  uint64_t bits = span.base | span.block_bytes | packed;
-  if (span.segments > 1) bits |= span.segment_stride;
-  const bool aligned = (bits & 15) == 0;
-  const CUfunction kernel = aligned ? aligned_kernel_ : unaligned_kernel_;
-  const char* kernel_name = aligned ? kBlockKernelAligned : kBlockKernelUnaligned;
-  constexpr uint64_t kTileUnits = uint64_t{kBlockKernelThreads} * kBlockKernelUnroll;
-
-  BlockRunParams params{};
-  params.base = span.base;
-  params.segment_stride = span.segment_stride;
-  params.block_bytes = span.block_bytes;
-  params.segments = span.segments;
-  params.packed = packed;
-  // At least one tile per run: the unaligned kernel's first tile also moves the head and tail bytes.
-  params.tiles_per_run = std::max<uint64_t>(1, (span.block_bytes / 16 + kTileUnits - 1) / kTileUnits);
-  params.op = op;
-  if (__builtin_mul_overflow(runs, params.tiles_per_run, &params.total_tiles)) {
-    return absl::InvalidArgumentError(absl::StrCat(call, ": too many tiles"));
-  }
+  KVD_ASSIGN_OR_RETURN(const BlockLaunch launch, PlanBlockLaunch(call, op, span, runs, packed));
+  const CUfunction kernel = launch.aligned ? aligned_kernel_ : unaligned_kernel_;
+  const char* kernel_name = launch.aligned ? kBlockKernelAligned : kBlockKernelUnaligned;
+  const BlockRunParams params = launch.params;
 
   // The book holds off a concurrent Unmap until the kernel is done.
   return book_->UseBlocks(call, span, /*span_write=*/op != BlockOp::kPack, packed, packs ? items : 0,

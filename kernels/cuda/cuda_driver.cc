@@ -8,6 +8,7 @@
 namespace kvd {
 namespace {
 
+// See Note [Vendor runtimes are loaded, never linked] in docs/architecture.md.
 absl::StatusOr<CudaDriver> Load() {
   // RTLD_NODELETE: the table outlives every CudaDevice, up to static destruction at exit.
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "backends.h"
 #include "block_kernels.h"
+#include "block_launch.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
 
@@ -557,24 +558,12 @@ absl::Status HipDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan&
   }
   const bool packs = op == BlockOp::kPack || op == BlockOp::kUnpack;
 
-  // The aligned kernel when every address and size the kernel touches is a multiple of 16.
-  uint64_t bits = span.base | span.block_bytes | packed;
-  if (span.segments > 1) bits |= span.segment_stride;
-  const bool aligned = (bits & 15) == 0;
-  constexpr uint64_t kTileUnits = uint64_t{kBlockKernelThreads} * kBlockKernelUnroll;
-
-  BlockRunParams params{};
-  params.base = span.base;
-  params.segment_stride = span.segment_stride;
-  params.block_bytes = span.block_bytes;
-  params.segments = span.segments;
-  params.packed = packed;
-  // At least one tile per run: the unaligned kernel's first tile also moves the head and tail bytes.
-  params.tiles_per_run = std::max<uint64_t>(1, (span.block_bytes / 16 + kTileUnits - 1) / kTileUnits);
-  params.op = op;
-  if (__builtin_mul_overflow(runs, params.tiles_per_run, &params.total_tiles)) {
-    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", call, ": too many tiles"));
+  absl::StatusOr<BlockLaunch> launch = PlanBlockLaunch(call, op, span, runs, packed);
+  if (!launch.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("hip device ", index_, ": ", launch.status().message()));
   }
+  const bool aligned = launch->aligned;
+  const BlockRunParams params = launch->params;
 
   // The book holds off a concurrent Unmap until the kernel is done.
   return book_->UseBlocks(call, span, /*span_write=*/op != BlockOp::kPack, packed, packs ? items : 0,

@@ -151,7 +151,7 @@ class HipDevice final : public Device {
   std::unique_ptr<VaBook> book_;
 
   absl::Mutex kernel_mu_;
-  HipStream stream_ = nullptr;
+  HipStream stream_ = nullptr;  // created in Init, before any other thread sees the device; then only read
   HipModule module_ = nullptr;
   // Why the block kernels cannot run here (no code object for this GPU); OK when they can.
   absl::Status kernels_status_;

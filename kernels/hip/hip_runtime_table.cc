@@ -17,6 +17,7 @@ constexpr std::array<const char*, 5> kLibraryNames = {
     "libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "/opt/rocm/lib/libamdhip64.so",
 };
 
+// See Note [Vendor runtimes are loaded, never linked] in docs/architecture.md.
 absl::StatusOr<HipRuntimeTable> Load() {
   void* library = nullptr;
   const char* opened = nullptr;

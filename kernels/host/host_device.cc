@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "backends.h"
+#include "kvd/checked_math.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
 
@@ -34,18 +35,6 @@ constexpr char kName[] = "host memory (memfd)";
 constexpr char kMemfdName[] = "kvd-chunk";  // shows in /proc/<pid>/maps as /memfd:kvd-chunk
 
 std::string Range(uint64_t va, uint64_t bytes) { return absl::StrFormat("[0x%x, +%u)", va, bytes); }
-
-std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
-  uint64_t r;
-  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
-  return r;
-}
-
-std::optional<uint64_t> CheckedAdd(uint64_t a, uint64_t b) {
-  uint64_t r;
-  if (__builtin_add_overflow(a, b, &r)) return std::nullopt;
-  return r;
-}
 
 // The kernel's estimate of memory available without swapping ("MemAvailable:" in /proc/meminfo).
 std::optional<uint64_t> MemAvailableBytes() {

@@ -2,6 +2,7 @@
 // of each archive is pulled in (WHOLE_ARCHIVE in tests/CMakeLists.txt), so a definition that both
 // libraries make (the ODR violation of two `kvd::GroupOpName`s) fails this test's link instead of
 // silently picking one. The daemon's vocabulary lives in kvd::daemon, the public client's in kvd.
+// See Note [Two vocabularies] in docs/architecture.md.
 #include <string>
 #include <type_traits>
 

@@ -5,13 +5,17 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:-$root/build} dest=${2:-$root/.device}
-keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench
+keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench kvd_bench
       connector_peer)
-"$root/../shared/tools/device-bundle" "$build" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
-for f in "$dest"/bin/*; do
-  [[ " ${keep[*]} " == *" $(basename "$f") "* ]] || rm -f "$f"
+# device-bundle takes every program of the tree it is given: give it just the ones the GPU run uses.
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+for p in "${keep[@]}"; do
+  found=$(find "$build" -path '*/CMakeFiles' -prune -o -type f -name "$p" -perm -u+x -print -quit)
+  [[ -n $found ]] || { echo "bundle.sh: $p is not built in $build" >&2; exit 1; }
+  cp -p "$found" "$stage/"
 done
-for p in "${keep[@]}"; do [[ -x $dest/bin/$p ]] || { echo "bundle.sh: $p is not built in $build" >&2; exit 1; }; done
+"$root/../shared/tools/device-bundle" "$stage" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
 # The Python package (assembled by the kvd_python target) and its GPU check, for the Python step.
 if [[ -d $build/client/python/package ]]; then
   cp -a "$build/client/python/package" "$dest/python"

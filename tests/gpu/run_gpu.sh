@@ -2,7 +2,7 @@
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
 # build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
-# STEPS="device daemon group python connectors" (the default: all) picks steps.
+# STEPS="device daemon group python bench connectors" (the default: all) picks steps.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -146,6 +146,12 @@ if want python && [[ -d $bundle/python ]]; then
   wait "$daemon"
   echo "kvd exited $?"
   rm -rf "$dir"
+fi
+if want bench; then
+  # The whole path against the bare driver calls (docs/benchmarks.md): kvd_bench starts its own kvd on
+  # CUDA (128 GiB as 80 segments by default; KVD_BENCH_ARGS adds flags). About 5 minutes; the table goes to
+  # the log, the JSON to kvd_bench.json.
+  TAIL=40 run kvd_bench bash -c "kvd_bench --backend=cuda --json ${KVD_BENCH_ARGS:-} >$out/kvd_bench.json"
 fi
 if want connectors; then
 step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"

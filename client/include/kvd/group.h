@@ -55,6 +55,7 @@ struct GroupChange {
   uint64_t prepared_bytes = 0;  // memory made ready on all daemons (grow, wake)
 };
 
+// See Note [Engine groups are two-phase, with presumed abort] in docs/architecture.md.
 class Group {
  public:
   // Finds the pools of group `name` on the daemons at `sockets` (every pool whose membership names

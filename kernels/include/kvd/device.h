@@ -85,6 +85,7 @@ struct Chunk {
 // contiguous runs starting at base + s * segment_stride; block b of segment s is the
 // `block_bytes` bytes at base + s * segment_stride + b * block_bytes. A packed block is its
 // segments' runs back to back in segment order (segments * block_bytes bytes).
+// See Note [Block operations see runs, not dims] in docs/architecture.md.
 struct BlockSpan {
   uint64_t base = 0;
   uint64_t segments = 0;
@@ -196,6 +197,7 @@ class Device {
   // NOT_FOUND when this process cannot see the owner (say so: CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES).
   // INVALID_ARGUMENT for an empty `owner_uuid`. Map of an imported chunk grants this device access
   // (docs/backends.md, "Peer access"); no other call is needed.
+  // See Note [Peer access is granted by the pool and checked by the importer] in docs/architecture.md.
   [[nodiscard]] virtual absl::Status CheckPeerAccess(absl::string_view owner_uuid) = 0;
 
   // What this device's memory can be shared as: probed once when the device was opened (the probes

@@ -1,10 +1,11 @@
-// Overflow-checked unsigned arithmetic for sizes that come from requests.
+// Overflow-checked unsigned arithmetic for sizes that come from requests and callers, used by the
+// device layer and the daemon alike.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 
-namespace kvd::daemon {
+namespace kvd {
 
 inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
   uint64_t r;
@@ -25,4 +26,4 @@ inline std::optional<uint64_t> CheckedRoundUp(uint64_t value, uint64_t align) {
   return *r & ~(align - 1);
 }
 
-}  // namespace kvd::daemon
+}  // namespace kvd

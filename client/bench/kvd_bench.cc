@@ -1,0 +1,1716 @@
+// kvd_bench: the whole path an engine sees, against the bare calls, in one run (docs/benchmarks.md).
+//
+// It starts a kvd (or connects to one with --socket) and a second process (this program re-executed
+// with --child-fd, talking over a SOCK_SEQPACKET pair), and measures, interleaved A/B with everything
+// released between repetitions:
+//   kvd   libkvd against the daemon: Grow, a second process's Attach, Sleep, Wake, Shrink;
+//   raw   the same chunk plan (the daemon's own chunk table) through kvd::Device in a bare pair of
+//         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there.
+// Each lifecycle op runs "after_release" (right after the previous release: the driver may still be
+// scrubbing) and "after_pause" (--pause-ms first). Then the fragmented shape, control-RPC latency
+// (idle, during another pool's grow, next to a bare gRPC ping served by the second process), resizes
+// of several pools at once against one pool at a time, the daemon's bookkeeping per chunk and per pool,
+// and the alternatives: one handle per granule and (CUDA, when importable) torch.zeros.
+// A table goes to stdout; with --json one JSON document goes to stdout and the table to stderr.
+// A line that cannot run says why ("skipped"); no number is ever made up.
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/kcmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/phase_marks.h"
+#include "grpcpp/grpcpp.h"
+#include "kvd/client.h"
+#include "kvd/device.h"
+#include "kvd/fd_passing.h"
+#include "kvd/status.h"
+#include "kvd/units.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#ifdef KVD_WITH_CUDA
+#include "cuda/cuda_driver.h"
+#endif
+
+extern char** environ;
+
+namespace kvd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// steady_clock is CLOCK_MONOTONIC: one time line for both processes.
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+double MsSince(int64_t start_ns) { return (NowNs() - start_ns) / 1e6; }
+
+// Nearest rank: with 5 samples p99 is the largest.
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(q * v.size()));
+  return v[std::min(v.size(), std::max<size_t>(rank, 1)) - 1];
+}
+double P50(const std::vector<double>& v) { return Percentile(v, 0.5); }
+double P99(const std::vector<double>& v) { return Percentile(v, 0.99); }
+
+constexpr size_t kMaxMessage = 64 * 1024;
+
+// 8 KV heads x 16 tokens x 128 channels x bf16: 32 KiB a layer and block; one segment per layer.
+constexpr PoolDims kDims{
+    .layers = 0, .capacity_blocks = 0, .heads = 8, .block_tokens = 16, .channels = 128, .element_bytes = 2};
+constexpr uint64_t kLayerBlockBytes = 8 * 16 * 128 * 2;
+
+// ---------------------------------------------------------------------------------------------------
+// "Accessible": reading one word of device memory at an address this process mapped.
+
+class Reader {
+ public:
+  static absl::StatusOr<std::unique_ptr<Reader>> Open(const std::string& backend, int device) {
+    auto r = std::unique_ptr<Reader>(new Reader());
+    if (backend == "host") return r;
+#ifdef KVD_WITH_CUDA
+    if (backend == "cuda") {
+      KVD_ASSIGN_OR_RETURN(r->cuda_, LoadCudaDriver());
+      const CudaDriver& d = *r->cuda_;
+      CUdevice dev = 0;
+      CUcontext ctx = nullptr;
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuInit_(0), "cuInit"));
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGet_(&dev, device), "cuDeviceGet"));
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDevicePrimaryCtxRetain_(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuCtxSetCurrent_(ctx), "cuCtxSetCurrent"));
+      return r;
+    }
+#endif
+    (void)device;
+    return absl::UnimplementedError(absl::StrCat("kvd_bench: no reader for backend ", backend));
+  }
+  // On the thread that opened it.
+  absl::Status ReadWord(uint64_t va, uint64_t* out) {
+#ifdef KVD_WITH_CUDA
+    if (cuda_ != nullptr) return CudaStatus(*cuda_, cuda_->cuMemcpyDtoH_(out, va, sizeof(*out)), "cuMemcpyDtoH");
+#endif
+    std::memcpy(out, reinterpret_cast<const void*>(va), sizeof(*out));
+    return absl::OkStatus();
+  }
+
+ private:
+  Reader() = default;
+#ifdef KVD_WITH_CUDA
+  const CudaDriver* cuda_ = nullptr;
+#endif
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The second process. One request at a time: a line of words, FDs with "chunks" messages; the reply
+// is "ok [done_ns]" or "error <status>".
+
+class PingService final : public kvd::v1::Kvd::Service {
+  grpc::Status GetPool(grpc::ServerContext*, const kvd::v1::GetPoolRequest* request, kvd::v1::Pool* reply) override {
+    reply->set_name(request->name());
+    return grpc::Status::OK;
+  }
+};
+
+// libkvd's phase marks (client/phase_marks.h) in the second process, in the order they were passed.
+absl::Mutex g_marks_mu;
+std::vector<std::pair<const char*, int64_t>>& Marks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_marks_mu) {
+  static auto* marks = new std::vector<std::pair<const char*, int64_t>>();
+  return *marks;
+}
+void RecordMark(const char* phase) {
+  const int64_t now = NowNs();
+  absl::MutexLock lock(&g_marks_mu);
+  Marks().emplace_back(phase, now);
+}
+// "name=NS ..." of every mark since the last call (the latest time of each name), and forgets them.
+std::string TakeMarks() {
+  absl::MutexLock lock(&g_marks_mu);
+  std::map<std::string, int64_t> latest;
+  for (const auto& [phase, ns] : Marks()) latest[phase] = ns;
+  Marks().clear();
+  std::string out;
+  for (const auto& [phase, ns] : latest) absl::StrAppend(&out, " ", phase, "=", ns);
+  return out;
+}
+
+struct ChildState {
+  std::string backend;
+  int device = 0;
+  uint64_t granularity = 0;
+  std::unique_ptr<Reader> reader;
+  std::map<std::string, std::unique_ptr<Client>> clients;  // by socket
+  std::unique_ptr<Mapping> mapping;
+  std::unique_ptr<Device> raw;  // the bare importer
+  uint64_t raw_va = 0, raw_bytes = 0;
+  std::vector<std::pair<uint64_t, Chunk>> raw_chunks;  // offset, imported chunk (mapped)
+  PingService ping;
+  std::unique_ptr<grpc::Server> ping_server;
+};
+
+absl::Status RawRelease(ChildState& c) {
+  for (const auto& [offset, chunk] : c.raw_chunks) {
+    KVD_RETURN_IF_ERROR(c.raw->Unmap(c.raw_va + offset, chunk.bytes));
+    KVD_RETURN_IF_ERROR(c.raw->Release(chunk));
+  }
+  c.raw_chunks.clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::vector<std::string>& w) {
+  if (c.reader == nullptr) {
+    KVD_ASSIGN_OR_RETURN(c.reader, Reader::Open(c.backend, c.device));
+  }
+  const std::string& op = w[0];
+  if (op == "kvd-attach" && w.size() == 4) {  // kvd-attach SOCKET POOL EXPECTED_BYTES
+    uint64_t expected = 0;
+    if (!absl::SimpleAtoi(w[3], &expected)) return absl::InvalidArgumentError("bad bytes");
+    std::unique_ptr<Client>& client = c.clients[w[1]];
+    if (client == nullptr) {
+      KVD_ASSIGN_OR_RETURN(client, Client::Connect({.socket = w[1], .client_name = "kvd-bench-importer"}));
+    }
+    TakeMarks();
+    const int64_t received = NowNs();
+    KVD_ASSIGN_OR_RETURN(c.mapping, client->Attach(w[2]));
+    const int64_t attached = NowNs();
+    uint64_t seen = 0, word = 0;
+    const uint64_t base = reinterpret_cast<uint64_t>(c.mapping->base());
+    for (const ChunkInfo& chunk : c.mapping->chunks()) {
+      KVD_RETURN_IF_ERROR(c.reader->ReadWord(base + chunk.offset, &word));
+      seen += chunk.bytes;
+    }
+    const int64_t done = NowNs();
+    if (seen != expected) return absl::InternalError(absl::StrCat("mapped ", seen, " bytes, expected ", expected));
+    // "ok DONE received=NS attached=NS read=NS" and libkvd's marks (attach.*, lease.fetched).
+    return absl::StrCat("ok ", done, " received=", received, " attached=", attached, " read=", done, TakeMarks());
+  }
+  if (op == "kvd-wait" && w.size() == 2) {  // kvd-wait BYTES: the follower has mapped exactly BYTES
+    uint64_t expected = 0;
+    if (!absl::SimpleAtoi(w[1], &expected) || c.mapping == nullptr) return absl::InvalidArgumentError("kvd-wait");
+    for (int i = 0; i < 60000; ++i) {
+      uint64_t seen = 0;
+      for (const ChunkInfo& chunk : c.mapping->chunks()) seen += chunk.bytes;
+      if (seen == expected) return std::string("ok");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return absl::DeadlineExceededError("the importer's follower did not map the pool within 60 s");
+  }
+  if (op == "kvd-marks") return absl::StrCat("ok", TakeMarks());
+  if (op == "kvd-detach") {
+    c.mapping.reset();
+    return std::string("ok");
+  }
+  if (op == "raw-attach" && w.size() == 3) {  // raw-attach RESERVE_BYTES N, then "chunks off:bytes..." + FDs
+    uint64_t reserve = 0, n = 0;
+    if (!absl::SimpleAtoi(w[1], &reserve) || !absl::SimpleAtoi(w[2], &n)) return absl::InvalidArgumentError("bad");
+    if (c.raw == nullptr) {
+      DeviceOptions o{.backend = c.backend, .index = c.device, .host_granularity = c.granularity};
+      KVD_ASSIGN_OR_RETURN(c.raw, OpenDevice(o));
+    }
+    const int64_t received = NowNs();
+    if (c.raw_va == 0) {
+      KVD_ASSIGN_OR_RETURN(c.raw_va, c.raw->Reserve(reserve));
+      c.raw_bytes = reserve;
+    }
+    const int64_t reserved = NowNs();
+    // Each message's FDs are imported (and closed) before the next is received: at most
+    // kMaxFdsPerMessage FDs are open here at once, whatever the number of chunks.
+    int64_t receive_ns = 0, import_ns = 0;
+    uint64_t imported = 0;
+    while (imported < n) {
+      int64_t t = NowNs();
+      KVD_ASSIGN_OR_RETURN(MessageWithFds m, ReceiveWithFds(socket, kMaxMessage));
+      receive_ns += NowNs() - t;
+      t = NowNs();
+      std::vector<int>& fds = m.fds;
+      absl::Cleanup close_fds = [&] {
+        for (int fd : fds) {
+          if (fd >= 0) close(fd);
+        }
+      };
+      std::vector<std::string> parts = absl::StrSplit(m.payload, ' ', absl::SkipEmpty());
+      if (parts.size() != fds.size() + 1) return absl::InvalidArgumentError("plan and FDs differ");
+      for (size_t i = 0; i < fds.size(); ++i) {
+        std::pair<std::string, std::string> kv = absl::StrSplit(parts[i + 1], ':');
+        uint64_t off = 0, bytes = 0;
+        if (!absl::SimpleAtoi(kv.first, &off) || !absl::SimpleAtoi(kv.second, &bytes)) {
+          return absl::InvalidArgumentError(absl::StrCat("bad chunk ", parts[i + 1]));
+        }
+        KVD_ASSIGN_OR_RETURN(Chunk chunk, c.raw->Import(fds[i], bytes));
+        close(fds[i]);
+        fds[i] = -1;
+        if (absl::Status s = c.raw->Map(c.raw_va + off, chunk, Access::kReadWrite); !s.ok()) {
+          c.raw->Release(chunk).IgnoreError();
+          return s;
+        }
+        c.raw_chunks.emplace_back(off, chunk);
+      }
+      imported += fds.size();
+      import_ns += NowNs() - t;
+    }
+    const int64_t mapped = NowNs();
+    uint64_t word = 0;
+    for (const auto& [offset, chunk] : c.raw_chunks) KVD_RETURN_IF_ERROR(c.reader->ReadWord(c.raw_va + offset, &word));
+    const int64_t done = NowNs();
+    return absl::StrCat("ok ", done, " received=", received, " reserve_ms=", (reserved - received) / 1e6,
+                        " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_ns / 1e6,
+                        " read_ms=", (done - mapped) / 1e6);
+  }
+  if (op == "raw-release") {
+    KVD_RETURN_IF_ERROR(RawRelease(c));
+    return absl::StrCat("ok ", NowNs());
+  }
+  if (op == "raw-detach") {
+    KVD_RETURN_IF_ERROR(RawRelease(c));
+    if (c.raw_va != 0) KVD_RETURN_IF_ERROR(c.raw->Free(c.raw_va, c.raw_bytes));
+    c.raw_va = 0;
+    return std::string("ok");
+  }
+  if (op == "ping-serve" && w.size() == 2) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(absl::StrCat("unix:", w[1]), grpc::InsecureServerCredentials());
+    builder.RegisterService(&c.ping);
+    c.ping_server = builder.BuildAndStart();
+    if (c.ping_server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve on ", w[1]));
+    return std::string("ok");
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown request \"", absl::StrJoin(w, " "), "\""));
+}
+
+int ChildMain(int socket, const std::string& backend, int device, uint64_t granularity) {
+  internal::SetPhaseHook(&RecordMark);
+  ChildState c{.backend = backend, .device = device, .granularity = granularity};
+  while (true) {
+    absl::StatusOr<MessageWithFds> m = ReceiveWithFds(socket, kMaxMessage);
+    if (!m.ok()) {
+      if (c.ping_server) c.ping_server->Shutdown();
+      RawRelease(c).IgnoreError();
+      return absl::IsUnavailable(m.status()) ? 0 : 1;  // UNAVAILABLE: the parent is done
+    }
+    for (int fd : m->fds) close(fd);
+    std::vector<std::string> w = absl::StrSplit(m->payload, ' ', absl::SkipEmpty());
+    absl::StatusOr<std::string> reply = w.empty() ? absl::InvalidArgumentError("empty") : ChildRequest(c, socket, w);
+    std::string text = reply.ok() ? *reply : absl::StrCat("error ", reply.status().ToString());
+    if (text.size() > 4000) text.resize(4000);
+    if (!SendWithFds(socket, text, {}).ok()) return 1;
+  }
+}
+
+// The parent's end of the second process.
+class Child {
+ public:
+  static absl::StatusOr<std::unique_ptr<Child>> Spawn(const std::string& backend, int device, uint64_t granularity) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET, 0, pair) != 0) return ErrnoStatus(errno, "socketpair");
+    if (fcntl(pair[0], F_SETFD, FD_CLOEXEC) != 0) return ErrnoStatus(errno, "fcntl(FD_CLOEXEC)");
+    std::vector<std::string> args = {"/proc/self/exe", absl::StrCat("--child-fd=", pair[1]),
+                                     absl::StrCat("--backend=", backend), absl::StrCat("--device=", device),
+                                     absl::StrCat("--child-granularity=", granularity)};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    const int err = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
+    close(pair[1]);
+    if (err != 0) {
+      close(pair[0]);
+      return ErrnoStatus(err, "posix_spawn(/proc/self/exe)");
+    }
+    return std::unique_ptr<Child>(new Child(pair[0], pid));
+  }
+  ~Child() {
+    close(socket_);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  int socket() const { return socket_; }
+  // Sends a request, returns the words of an "ok" reply after "ok".
+  absl::StatusOr<std::vector<std::string>> Call(absl::string_view request) {
+    KVD_RETURN_IF_ERROR(SendWithFds(socket_, request, {}));
+    return Reply(request);
+  }
+  absl::StatusOr<std::vector<std::string>> Reply(absl::string_view request) {
+    KVD_ASSIGN_OR_RETURN(MessageWithFds m, ReceiveWithFds(socket_, kMaxMessage));
+    for (int fd : m.fds) close(fd);
+    std::vector<std::string> w = absl::StrSplit(m.payload, ' ', absl::SkipEmpty());
+    if (w.empty() || w[0] != "ok") {
+      return absl::InternalError(absl::StrCat("second process, ", request, ": ", m.payload));
+    }
+    w.erase(w.begin());
+    return w;
+  }
+  // The reply's "done" time minus `start_ns`, in ms; `rest` (if given) gets the reply's "key=value" words.
+  absl::StatusOr<double> TimedReply(absl::string_view request, int64_t start_ns,
+                                    std::map<std::string, std::string>* rest = nullptr) {
+    KVD_ASSIGN_OR_RETURN(std::vector<std::string> w, Reply(request));
+    int64_t done = 0;
+    if (w.empty() || !absl::SimpleAtoi(w[0], &done)) return absl::InternalError("no done time in the reply");
+    if (rest != nullptr) *rest = KeyValues(w);
+    return (done - start_ns) / 1e6;
+  }
+  static std::map<std::string, std::string> KeyValues(const std::vector<std::string>& words) {
+    std::map<std::string, std::string> out;
+    for (const std::string& word : words) {
+      if (size_t eq = word.find('='); eq != std::string::npos) out[word.substr(0, eq)] = word.substr(eq + 1);
+    }
+    return out;
+  }
+
+ private:
+  Child(int socket, pid_t pid) : socket_(socket), pid_(pid) {}
+  int socket_;
+  pid_t pid_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The raw side's exporter: the daemon's chunk plan through kvd::Device in this process.
+
+struct PlanChunk {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+struct Plan {
+  uint64_t reserve_bytes = 0;
+  std::vector<PlanChunk> chunks;
+  uint64_t bytes() const {
+    uint64_t b = 0;
+    for (const PlanChunk& c : chunks) b += c.bytes;
+    return b;
+  }
+};
+
+Plan PlanOf(const PoolInfo& pool) {
+  Plan p{.reserve_bytes = pool.geometry.reserved_bytes};
+  for (const ChunkInfo& c : pool.chunks) p.chunks.push_back({c.offset, c.bytes});
+  return p;
+}
+
+class RawExporter {
+ public:
+  RawExporter(Device* device, Plan plan) : d_(device), plan_(std::move(plan)) {}
+  ~RawExporter() {
+    Release().IgnoreError();
+    if (va_ != 0) d_->Free(va_, plan_.reserve_bytes).IgnoreError();
+  }
+  const Plan& plan() const { return plan_; }
+  absl::Status Reserve() {
+    if (va_ == 0) {
+      KVD_ASSIGN_OR_RETURN(va_, d_->Reserve(plan_.reserve_bytes));
+    }
+    return absl::OkStatus();
+  }
+  // Create, map (+ access) and export every chunk of the plan: what a grow does in the daemon.
+  absl::Status Grow() {
+    KVD_RETURN_IF_ERROR(Reserve());
+    for (const PlanChunk& c : plan_.chunks) {
+      KVD_ASSIGN_OR_RETURN(Chunk chunk, d_->Create(c.bytes));
+      chunks_.push_back(chunk);
+      KVD_RETURN_IF_ERROR(d_->Map(va_ + c.offset, chunk, Access::kReadWrite));
+      mapped_.push_back(c);
+      KVD_ASSIGN_OR_RETURN(int fd, d_->Export(chunk));
+      fds_.push_back(fd);
+    }
+    return absl::OkStatus();
+  }
+  // Grow and SendAttach in batches of kMaxFdsPerMessage chunks: create, map and export a batch, send it,
+  // close its FDs, next batch; the second process imports each batch as it arrives. A few hundred FDs
+  // are open at once on either side, however many chunks (the granule design has one per 2 MiB). The
+  // reply ("raw-attach") is awaited by the caller.
+  absl::Status GrowAndSendInBatches(Child& child) {
+    KVD_RETURN_IF_ERROR(Reserve());
+    const uint64_t n = plan_.chunks.size();
+    KVD_RETURN_IF_ERROR(SendWithFds(child.socket(), absl::StrCat("raw-attach ", plan_.reserve_bytes, " ", n), {}));
+    for (uint64_t i = 0; i < n; i += kMaxFdsPerMessage) {
+      const uint64_t end = std::min<uint64_t>(n, i + kMaxFdsPerMessage);
+      std::string text = "chunks";
+      for (uint64_t j = i; j < end; ++j) {
+        const PlanChunk& c = plan_.chunks[j];
+        KVD_ASSIGN_OR_RETURN(Chunk chunk, d_->Create(c.bytes));
+        chunks_.push_back(chunk);
+        KVD_RETURN_IF_ERROR(d_->Map(va_ + c.offset, chunk, Access::kReadWrite));
+        mapped_.push_back(c);
+        KVD_ASSIGN_OR_RETURN(int fd, d_->Export(chunk));
+        fds_.push_back(fd);
+        absl::StrAppend(&text, " ", c.offset, ":", c.bytes);
+      }
+      const absl::Status sent = SendWithFds(child.socket(), text, fds_);
+      for (int fd : fds_) close(fd);
+      fds_.clear();
+      KVD_RETURN_IF_ERROR(sent);
+    }
+    return absl::OkStatus();
+  }
+  // Hands the FDs to the second process's importer ("raw-attach"); the reply is awaited by the caller.
+  absl::Status SendAttach(Child& child) {
+    const uint64_t n = fds_.size();
+    KVD_RETURN_IF_ERROR(SendWithFds(child.socket(), absl::StrCat("raw-attach ", plan_.reserve_bytes, " ", n), {}));
+    for (uint64_t i = 0; i < n; i += kMaxFdsPerMessage) {
+      const size_t count = std::min<uint64_t>(kMaxFdsPerMessage, n - i);
+      std::string text = "chunks";
+      for (size_t j = i; j < i + count; ++j)
+        absl::StrAppend(&text, " ", plan_.chunks[j].offset, ":", plan_.chunks[j].bytes);
+      KVD_RETURN_IF_ERROR(SendWithFds(child.socket(), text, absl::MakeConstSpan(fds_).subspan(i, count)));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Release() {
+    for (int fd : fds_) close(fd);
+    fds_.clear();
+    for (const PlanChunk& c : mapped_) KVD_RETURN_IF_ERROR(d_->Unmap(va_ + c.offset, c.bytes));
+    mapped_.clear();
+    for (const Chunk& c : chunks_) KVD_RETURN_IF_ERROR(d_->Release(c));
+    chunks_.clear();
+    return absl::OkStatus();
+  }
+
+ private:
+  Device* d_;
+  Plan plan_;
+  uint64_t va_ = 0;
+  std::vector<Chunk> chunks_;
+  std::vector<PlanChunk> mapped_;
+  std::vector<int> fds_;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Results.
+
+struct Line {
+  std::string name;
+  std::string variant;
+  std::string kvd_what, base_what;
+  std::vector<double> kvd, base;  // ms
+  std::string ratio_means = "kvd/raw p50";
+  double ratio = NAN;
+  std::string target;  // "<= 1.10", ">= 40", empty: none
+  std::string skipped;
+  std::string note;
+  // Per-phase breakdown (ms), in the order the phases happen; the same sample count as kvd/base.
+  std::vector<std::pair<std::string, std::vector<double>>> kvd_phases, base_phases;
+};
+
+void AddPhase(std::vector<std::pair<std::string, std::vector<double>>>& phases, const std::string& name, double ms) {
+  for (auto& [n, v] : phases) {
+    if (n == name) {
+      v.push_back(ms);
+      return;
+    }
+  }
+  phases.push_back({name, {ms}});
+}
+
+// ns of a "name=NS" word of a second-process reply; -1 when missing.
+int64_t NsOf(const std::map<std::string, std::string>& kv, const std::string& name) {
+  int64_t v = -1;
+  auto it = kv.find(name);
+  if (it == kv.end() || !absl::SimpleAtoi(it->second, &v)) return -1;
+  return v;
+}
+double MsOf(const std::map<std::string, std::string>& kv, const std::string& name) {
+  double v = NAN;
+  auto it = kv.find(name);
+  if (it == kv.end() || !absl::SimpleAtod(it->second, &v)) return NAN;
+  return v;
+}
+// (to - from) in ms, NAN when either mark is missing.
+double Between(int64_t from, int64_t to) { return from < 0 || to < 0 ? NAN : (to - from) / 1e6; }
+
+struct Bookkeeping {
+  std::string skipped;
+  uint64_t chunks = 0, pools = 0;
+  double daemon_bytes_per_chunk = NAN, raw_bytes_per_chunk = NAN, daemon_bytes_per_pool = NAN;
+  double own_bytes_per_chunk = NAN;  // daemon - raw: kvd's own share (the 240 B target)
+  double fds_per_chunk = NAN, fds_per_chunk_after_attach = NAN, exports_per_chunk = NAN;
+  std::string exports_skipped;
+};
+
+struct Options {
+  std::string socket;  // empty: start a kvd
+  std::string kvd_binary;
+  std::string backend = "auto";
+  int device = 0;
+  std::string bytes, chunk, budget = "100%";
+  uint64_t segments = 0;
+  int reps = 5;
+  int fragments = 0;
+  int pause_ms = -1;
+  int threads = 4;
+  int rpc_calls = 0;
+  std::string bookkeeping_bytes;
+  uint64_t bookkeeping_pools = 64;
+  int granule_reps = 0;
+  std::string free_slack;
+  bool torch = true;
+  bool json = false;
+  int child_fd = -1;
+  uint64_t child_granularity = 0;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The daemon's process: pid (SO_PEERCRED), anonymous resident memory, open FDs.
+
+absl::StatusOr<pid_t> PeerPid(const std::string& socket_path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus(errno, "socket");
+  absl::Cleanup closer = [fd] { close(fd); };
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof(addr.sun_path)) return absl::InvalidArgumentError("socket path too long");
+  std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return ErrnoStatus(errno, "connect");
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return ErrnoStatus(errno, "SO_PEERCRED");
+  return cred.pid;
+}
+
+absl::StatusOr<uint64_t> RssAnonBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (absl::StartsWith(line, "RssAnon:")) {
+      std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      uint64_t kb = 0;
+      if (w.size() >= 2 && absl::SimpleAtoi(w[1], &kb)) return kb * 1024;
+    }
+  }
+  return absl::UnavailableError(absl::StrCat("cannot read RssAnon of pid ", pid));
+}
+
+// The FDs of `pid` that may hold memory: everything but sockets, pipes and event/epoll/timer FDs.
+absl::StatusOr<std::vector<int>> MemoryFds(pid_t pid) {
+  const std::string dir = absl::StrCat("/proc/", pid, "/fd");
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, absl::StrCat("opendir ", dir));
+  std::vector<int> out;
+  while (dirent* e = readdir(d)) {
+    int fd = 0;
+    if (!absl::SimpleAtoi(e->d_name, &fd)) continue;
+    char target[512];
+    const ssize_t n = readlink(absl::StrCat(dir, "/", fd).c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    const absl::string_view t(target, n);
+    if (absl::StartsWith(t, "socket:") || absl::StartsWith(t, "pipe:") || absl::StrContains(t, "[event") ||
+        absl::StrContains(t, "[timerfd]") || absl::StartsWith(t, "/proc/") || absl::StartsWith(t, "/dev/null")) {
+      continue;
+    }
+    out.push_back(fd);
+  }
+  closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+absl::StatusOr<uint64_t> HostFreeBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  uint64_t total = 0, shmem = 0;
+  while (std::getline(in, line)) {
+    std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (w.size() < 2) continue;
+    if (w[0] == "MemTotal:" && !absl::SimpleAtoi(w[1], &total)) total = 0;
+    if (w[0] == "Shmem:" && !absl::SimpleAtoi(w[1], &shmem)) shmem = 0;
+  }
+  if (total == 0) return absl::UnavailableError("cannot read MemTotal from /proc/meminfo");
+  return (total - std::min(total, shmem)) * 1024;
+}
+
+// Least-squares slope of y over x.
+double Slope(const std::vector<double>& x, const std::vector<double>& y) {
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < x.size(); ++i) mx += x[i], my += y[i];
+  mx /= x.size(), my /= y.size();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) num += (x[i] - mx) * (y[i] - my), den += (x[i] - mx) * (x[i] - mx);
+  return den > 0 ? num / den : NAN;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The benchmark.
+
+class Bench {
+ public:
+  explicit Bench(Options o) : o_(std::move(o)) {}
+  ~Bench() { Stop(); }
+  absl::Status Run();
+  void Print(FILE* out) const;
+  std::string Json() const;
+
+ private:
+  absl::Status StartDaemon();
+  void Stop();
+  void Pause() const { std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms_)); }
+  // The device's own free count: the driver's (cuMemGetInfo) on a GPU. On host, memfd pages are shmem and
+  // the host device's free count is per process, so the machine's MemTotal - Shmem (MemAvailable does not
+  // follow shmem frees on every VM).
+  absl::StatusOr<uint64_t> FreeBytes() {
+    if (!gpu_) return HostFreeBytes();
+    KVD_ASSIGN_OR_RETURN(DeviceInfo info, raw_->Info());
+    return info.free_bytes;
+  }
+  // Polls the device's free count until it has risen by `bytes` over `before` (its value right before the
+  // release), within the slack; bounded by free_timeout_ms_ (counted in free_timeouts_).
+  absl::Status WaitFree(uint64_t before, uint64_t bytes);
+  absl::StatusOr<PoolInfo> CreatePool(const std::string& name, uint64_t blocks);
+  Line& GetLine(const std::string& name, const std::string& variant);
+
+  void AddAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& marks);
+  void AddRawAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& parts);
+  absl::Status KvdCycle(bool paused, bool record);
+  absl::Status RawCycle(RawExporter& raw, bool paused, bool record);
+  absl::Status Fragmented();
+  absl::Status ControlRpc();
+  absl::Status Concurrent();
+  absl::Status MeasureBookkeeping();
+  absl::Status Granule();
+  absl::Status Torch();
+
+  Options o_;
+  std::string backend_;
+  bool gpu_ = false;
+  DeviceStatus daemon_;
+  DeviceInfo raw_info_;
+  uint64_t bytes_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
+  int pause_ms_ = 0, fragments_ = 0, free_timeout_ms_ = 10000;
+  std::string socket_, dir_;
+  pid_t kvd_pid_ = -1, daemon_pid_ = -1;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<Device> raw_;
+  std::unique_ptr<Child> child_;
+  std::string prefix_;
+  std::string pool_;  // the main pool
+  std::vector<std::string> pools_;
+  uint64_t pool_bytes_ = 0;  // committed when full
+  uint64_t chunks_ = 0;      // in the main pool when full
+  std::deque<Line> lines_;   // GetLine hands out references: a deque keeps them valid
+  Bookkeeping book_;
+  uint64_t free_timeouts_ = 0;
+  std::string torch_version_;
+};
+
+absl::Status Bench::StartDaemon() {
+  std::string binary = o_.kvd_binary;
+  if (binary.empty()) {
+    char self[4096];
+    const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (len <= 0) return ErrnoStatus(errno, "readlink(/proc/self/exe)");
+    const std::string dir = std::string(self, len).substr(0, std::string(self, len).rfind('/'));
+    for (const std::string& candidate : {dir + "/kvd", dir + "/../daemon/kvd"}) {
+      if (access(candidate.c_str(), X_OK) == 0) binary = candidate;
+      if (!binary.empty()) break;
+    }
+    if (binary.empty()) binary = "kvd";  // from PATH
+  }
+  char tmpl[] = "/tmp/kvd-bench-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return ErrnoStatus(errno, "mkdtemp");
+  dir_ = tmpl;
+  socket_ = dir_ + "/gpu0.sock";
+  std::vector<std::string> args = {binary,
+                                   absl::StrCat("--backend=", o_.backend),
+                                   absl::StrCat("--device=", o_.device),
+                                   absl::StrCat("--socket=", socket_),
+                                   absl::StrCat("--budget=", o_.budget),
+                                   "--log-level=warn"};
+  if (!o_.chunk.empty()) args.push_back(absl::StrCat("--max-chunk=", o_.chunk));
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string log = dir_ + "/kvd.log";
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  const int err = posix_spawnp(&kvd_pid_, binary.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (err != 0) return ErrnoStatus(err, absl::StrCat("posix_spawnp(", binary, ")"));
+  const std::string handles = dir_ + "/gpu0.handles";
+  for (int i = 0; i < 600; ++i) {
+    if (access(handles.c_str(), F_OK) == 0) return absl::OkStatus();
+    int status = 0;
+    if (waitpid(kvd_pid_, &status, WNOHANG) == kvd_pid_) {
+      kvd_pid_ = -1;
+      std::ifstream in(log);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      return absl::UnavailableError(absl::StrCat(binary, " exited at start: ", text));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return absl::DeadlineExceededError(absl::StrCat(binary, " did not open ", handles, " within 30 s"));
+}
+
+void Bench::Stop() {
+  if (client_ != nullptr) {
+    for (const std::string& p : pools_) client_->DeletePool(p, true).IgnoreError();
+    pools_.clear();
+  }
+  child_.reset();
+  client_.reset();
+  if (kvd_pid_ > 0) {
+    kill(kvd_pid_, SIGTERM);
+    int status = 0;
+    waitpid(kvd_pid_, &status, 0);
+    kvd_pid_ = -1;
+  }
+  if (!dir_.empty()) {
+    std::filesystem::remove_all(dir_);
+    dir_.clear();
+  }
+}
+
+absl::Status Bench::WaitFree(uint64_t before, uint64_t bytes) {
+  const int64_t start = NowNs();
+  while (true) {
+    KVD_ASSIGN_OR_RETURN(uint64_t free, FreeBytes());
+    if (free + slack_ >= before + bytes) return absl::OkStatus();
+    if (MsSince(start) > free_timeout_ms_) {
+      ++free_timeouts_;
+      return absl::OkStatus();
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+absl::StatusOr<PoolInfo> Bench::CreatePool(const std::string& name, uint64_t blocks) {
+  PoolOptions p{.name = prefix_ + name, .dims = kDims};
+  p.dims.layers = segments_;
+  p.dims.capacity_blocks = blocks;
+  p.layout.override_layout = "LBHNC";  // one segment per layer
+  KVD_ASSIGN_OR_RETURN(PoolInfo pool, client_->CreatePool(p));
+  pools_.push_back(p.name);
+  if (pool.geometry.segments != segments_) {
+    return absl::InternalError(
+        absl::StrCat("pool ", p.name, " has ", pool.geometry.segments, " segments, expected ", segments_));
+  }
+  return pool;
+}
+
+Line& Bench::GetLine(const std::string& name, const std::string& variant) {
+  for (Line& l : lines_) {
+    if (l.name == name && l.variant == variant) return l;
+  }
+  lines_.push_back(Line{.name = name, .variant = variant, .kvd_what = "kvd", .base_what = "raw device calls"});
+  return lines_.back();
+}
+
+// An attach's phases from the second process's marks: the request over the socket pair; libkvd's
+// device look-up (a GetDeviceInfo RPC on a client's first attach only), the Attach RPC, the
+// handle-channel fetch of the lease's FDs, reserve + import + map of every chunk, the rest of the
+// Watch stream's start (sent before the import, confirmed after it); then reading one word per chunk.
+void Bench::AddAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& marks) {
+  const int64_t received = NsOf(marks, "received"), begin = NsOf(marks, "attach.begin"),
+                device = NsOf(marks, "attach.device"), rpc = NsOf(marks, "attach.rpc"),
+                fetched = NsOf(marks, "lease.fetched"), mapped = NsOf(marks, "attach.mapped"),
+                watching = NsOf(marks, "attach.watching"), attached = NsOf(marks, "attached"),
+                read = NsOf(marks, "read");
+  AddPhase(l.kvd_phases, "request", Between(sent, received));
+  AddPhase(l.kvd_phases, "device", Between(begin, device));
+  AddPhase(l.kvd_phases, "attach_rpc", Between(device, rpc));
+  AddPhase(l.kvd_phases, "fd_fetch", Between(rpc, fetched));
+  AddPhase(l.kvd_phases, "reserve_import_map", Between(fetched, mapped));
+  AddPhase(l.kvd_phases, "watch_start", Between(mapped, watching));
+  AddPhase(l.kvd_phases, "read", Between(attached, read));
+  // What no mark covers: the start of Attach and the return from it (the follower thread's start).
+  AddPhase(l.kvd_phases, "other", Between(received, begin) + Between(watching, attached));
+}
+
+void Bench::AddRawAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& parts) {
+  AddPhase(l.base_phases, "request", Between(sent, NsOf(parts, "received")));
+  AddPhase(l.base_phases, "reserve", MsOf(parts, "reserve_ms"));
+  AddPhase(l.base_phases, "fd_receive", MsOf(parts, "fd_receive_ms"));
+  AddPhase(l.base_phases, "import_map", MsOf(parts, "import_map_ms"));
+  AddPhase(l.base_phases, "read", MsOf(parts, "read_ms"));
+}
+
+// grow, attach (second process), sleep, wake, shrink of the main pool through kvd.
+absl::Status Bench::KvdCycle(bool paused, bool record) {
+  const std::string variant = paused ? "after_pause" : "after_release";
+  auto add = [&](const char* op, double ms) {
+    if (record) GetLine(op, variant).kvd.push_back(ms);
+  };
+  auto pause = [&] {
+    if (paused) Pause();
+  };
+  pause();
+  int64_t t = NowNs();
+  KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
+  add("grow", MsSince(t));
+  pause();
+  const std::string attach = absl::StrCat("kvd-attach ", socket_, " ", pool_, " ", pool_bytes_);
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), attach, {}));
+  std::map<std::string, std::string> marks;
+  KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply(attach, t, &marks));
+  add("attach", ms);
+  if (record) AddAttachPhases(GetLine("attach", variant), t, marks);
+  KVD_RETURN_IF_ERROR(child_->Call("kvd-marks").status());  // forget the marks since the attach
+  pause();
+  KVD_ASSIGN_OR_RETURN(uint64_t before, FreeBytes());
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(client_->Sleep(pool_, /*wait=*/true).status());
+  const int64_t replied = NowNs();
+  KVD_RETURN_IF_ERROR(WaitFree(before, pool_bytes_));
+  add("sleep", MsSince(t));
+  if (record) {
+    KVD_ASSIGN_OR_RETURN(std::vector<std::string> w, child_->Call("kvd-marks"));
+    const std::map<std::string, std::string> kv = Child::KeyValues(w);
+    const int64_t event = NsOf(kv, "release.event"), unmapped = NsOf(kv, "release.unmapped"),
+                  acking = NsOf(kv, "release.acknowledging");
+    Line& l = GetLine("sleep", variant);
+    // The daemon's Sleep until the importer's follower has the release event (the daemon's own
+    // unmap/release runs on after it sends the event), the importer's unmap + release, from its
+    // Acknowledge RPC's start to the Sleep's reply here (the daemon answers on the last
+    // acknowledgement), then the wait for the free count.
+    AddPhase(l.kvd_phases, "to_event", Between(t, event));
+    AddPhase(l.kvd_phases, "importer_unmap", Between(event, unmapped));
+    AddPhase(l.kvd_phases, "unmap_to_ack", Between(unmapped, acking));
+    AddPhase(l.kvd_phases, "ack_to_reply", Between(acking, replied));
+    AddPhase(l.kvd_phases, "free_wait", MsSince(replied));
+  }
+  pause();
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(client_->Wake(pool_).status());
+  add("wake", MsSince(t));
+  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("kvd-wait ", pool_bytes_)).status());
+  pause();
+  KVD_ASSIGN_OR_RETURN(before, FreeBytes());
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(client_->Shrink(pool_, 0, /*wait=*/true).status());
+  KVD_RETURN_IF_ERROR(WaitFree(before, pool_bytes_));
+  add("shrink", MsSince(t));
+  return child_->Call("kvd-detach").status();
+}
+
+// The same cycle with the bare calls: create/map/export here, import/map/read there.
+absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
+  const std::string variant = paused ? "after_pause" : "after_release";
+  auto add = [&](const char* op, double ms) {
+    if (record) GetLine(op, variant).base.push_back(ms);
+  };
+  auto pause = [&] {
+    if (paused) Pause();
+  };
+  auto release_both = [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(child_->Call("raw-release").status());
+    return raw.Release();
+  };
+  KVD_RETURN_IF_ERROR(raw.Reserve());
+  pause();
+  int64_t t = NowNs();
+  KVD_RETURN_IF_ERROR(raw.Grow());
+  add("grow", MsSince(t));
+  pause();
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));
+  std::map<std::string, std::string> parts;
+  KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply("raw-attach", t, &parts));
+  add("attach", ms);
+  if (record) AddRawAttachPhases(GetLine("attach", variant), t, parts);
+  pause();
+  KVD_ASSIGN_OR_RETURN(uint64_t before, FreeBytes());
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(child_->Call("raw-release").status());
+  const int64_t importer_done = NowNs();
+  KVD_RETURN_IF_ERROR(raw.Release());
+  const int64_t released = NowNs();
+  KVD_RETURN_IF_ERROR(WaitFree(before, raw.plan().bytes()));
+  add("sleep", MsSince(t));
+  if (record) {
+    Line& l = GetLine("sleep", variant);
+    AddPhase(l.base_phases, "importer_unmap", Between(t, importer_done));  // request + unmap + release there
+    AddPhase(l.base_phases, "exporter_release", Between(importer_done, released));
+    AddPhase(l.base_phases, "free_wait", MsSince(released));
+  }
+  pause();
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(raw.Grow());
+  add("wake", MsSince(t));
+  KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));  // the importer maps again, as kvd's follower does
+  KVD_RETURN_IF_ERROR(child_->Reply("raw-attach").status());
+  pause();
+  KVD_ASSIGN_OR_RETURN(before, FreeBytes());
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(release_both());
+  KVD_RETURN_IF_ERROR(WaitFree(before, raw.plan().bytes()));
+  add("shrink", MsSince(t));
+  return child_->Call("raw-detach").status();
+}
+
+// N grows of 1/N each, then a second process attaches: N chunks per segment.
+absl::Status Bench::Fragmented() {
+  KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("frag", blocks_));
+  const std::string name = pool.name;
+  auto kvd_round = [&](bool record) -> absl::StatusOr<PoolInfo> {
+    Pause();
+    int64_t t = NowNs();
+    for (int k = 1; k <= fragments_; ++k) KVD_RETURN_IF_ERROR(client_->Grow(name, blocks_ * k / fragments_).status());
+    if (record) GetLine("fragmented_grow", "after_pause").kvd.push_back(MsSince(t));
+    KVD_ASSIGN_OR_RETURN(PoolInfo grown, client_->GetPool(name));
+    Pause();
+    const std::string attach = absl::StrCat("kvd-attach ", socket_, " ", name, " ", grown.committed_bytes);
+    t = NowNs();
+    KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), attach, {}));
+    KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply(attach, t));
+    if (record) GetLine("fragmented_attach", "after_pause").kvd.push_back(ms);
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    KVD_RETURN_IF_ERROR(client_->Shrink(name, 0, true).status());
+    KVD_RETURN_IF_ERROR(WaitFree(before, grown.committed_bytes));
+    return grown;
+  };
+  KVD_ASSIGN_OR_RETURN(PoolInfo grown, kvd_round(false));  // warm-up, and the chunk plan
+  RawExporter raw(raw_.get(), PlanOf(grown));
+  auto raw_round = [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(raw.Reserve());
+    Pause();
+    int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(raw.Grow());
+    GetLine("fragmented_grow", "after_pause").base.push_back(MsSince(t));
+    Pause();
+    t = NowNs();
+    KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));
+    KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply("raw-attach", t));
+    GetLine("fragmented_attach", "after_pause").base.push_back(ms);
+    KVD_RETURN_IF_ERROR(child_->Call("raw-detach").status());
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    KVD_RETURN_IF_ERROR(raw.Release());
+    return WaitFree(before, raw.plan().bytes());
+  };
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    if (rep % 2 == 0) {
+      KVD_RETURN_IF_ERROR(kvd_round(true).status());
+      KVD_RETURN_IF_ERROR(raw_round());
+    } else {
+      KVD_RETURN_IF_ERROR(raw_round());
+      KVD_RETURN_IF_ERROR(kvd_round(true).status());
+    }
+  }
+  const std::string note = absl::StrFormat("%d grows, %d chunks", fragments_, grown.chunks.size());
+  GetLine("fragmented_grow", "after_pause").note = note;
+  GetLine("fragmented_attach", "after_pause").note = note;
+  GetLine("fragmented_attach", "after_compaction").skipped = "kvd has no compaction yet";
+  return client_->DeletePool(name, true).status();
+}
+
+// GetPool of a small pool through libkvd against a bare gRPC server answering the same method.
+absl::Status Bench::ControlRpc() {
+  KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
+  const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
+  unlink(ping_path.c_str());
+  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve ", ping_path)).status());
+  absl::Cleanup unlink_ping = [&] { unlink(ping_path.c_str()); };
+  std::unique_ptr<kvd::v1::Kvd::Stub> stub =
+      kvd::v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", ping_path), grpc::InsecureChannelCredentials()));
+  auto ping = [&]() -> absl::Status {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    kvd::v1::GetPoolRequest request;
+    request.set_name(ctl.name);
+    kvd::v1::Pool reply;
+    grpc::Status s = stub->GetPool(&context, request, &reply);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("bare ping: ", s.error_message()));
+    return absl::OkStatus();
+  };
+  auto get = [&]() -> absl::Status { return client_->GetPool(ctl.name).status(); };
+  const int calls = o_.rpc_calls;
+  for (int i = 0; i < 50; ++i) {
+    KVD_RETURN_IF_ERROR(ping());
+    KVD_RETURN_IF_ERROR(get());
+  }
+  Line& idle = GetLine("control_rpc", "idle");
+  idle.kvd_what = "libkvd GetPool";
+  idle.base_what = "bare gRPC unary (GetPool of a trivial server, second process)";
+  idle.ratio_means = "kvd/bare p50";
+  for (int batch = 0; batch < calls; batch += 100) {
+    for (const bool is_kvd : {batch % 200 == 0, batch % 200 != 0}) {  // alternate which goes first
+      for (int i = 0; i < 100; ++i) {
+        const int64_t t = NowNs();
+        KVD_RETURN_IF_ERROR(is_kvd ? get() : ping());
+        (is_kvd ? idle.kvd : idle.base).push_back(MsSince(t));
+      }
+    }
+  }
+
+  // During grows of another pool (the main one, to the full size): only calls that start inside a
+  // Grow count.
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> grower, Client::Connect({.socket = socket_, .client_name = "grower"}));
+  std::vector<std::pair<int64_t, int64_t>> grows;
+  std::atomic<bool> done{false};
+  absl::Status grower_status;
+  std::thread thread([&] {
+    grower_status = [&]() -> absl::Status {
+      for (int i = 0; i < std::max(o_.reps, 3); ++i) {
+        Pause();
+        const int64_t t = NowNs();
+        KVD_RETURN_IF_ERROR(grower->Grow(pool_, blocks_).status());
+        grows.emplace_back(t, NowNs());
+        KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+        KVD_RETURN_IF_ERROR(grower->Shrink(pool_, 0, true).status());
+        KVD_RETURN_IF_ERROR(WaitFree(before, pool_bytes_));
+      }
+      return absl::OkStatus();
+    }();
+    done = true;
+  });
+  std::vector<std::pair<int64_t, double>> samples;
+  absl::Status s;
+  while (!done && s.ok()) {
+    const int64_t t = NowNs();
+    s = get();
+    samples.emplace_back(t, MsSince(t));
+  }
+  thread.join();
+  KVD_RETURN_IF_ERROR(s);
+  KVD_RETURN_IF_ERROR(grower_status);
+  Line& during = GetLine("control_rpc", "during_grow");
+  during.kvd_what = absl::StrCat("libkvd GetPool while another pool grows ", FormatBytes(pool_bytes_));
+  during.base_what = "libkvd GetPool idle";
+  during.ratio_means = "p99 during / p99 idle";
+  during.base = idle.kvd;
+  for (const auto& [start, ms] : samples) {
+    for (const auto& [from, to] : grows) {
+      if (start >= from && start < to) {
+        during.kvd.push_back(ms);
+        break;
+      }
+    }
+  }
+  if (during.kvd.empty()) during.skipped = "no call started during a grow (grows too short to sample)";
+  during.note = absl::StrFormat("%d calls during %d grows", during.kvd.size(), grows.size());
+  during.ratio = P99(during.kvd) / P99(during.base);
+  return client_->DeletePool(ctl.name, true).status();
+}
+
+// N pools resized by N threads at once, against the same resizes one pool at a time.
+absl::Status Bench::Concurrent() {
+  const int n = o_.threads;
+  const uint64_t blocks = blocks_ / n;
+  std::vector<std::string> names;
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int i = 0; i < n; ++i) {
+    KVD_ASSIGN_OR_RETURN(PoolInfo p, CreatePool(absl::StrCat("conc", i), blocks));
+    names.push_back(p.name);
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> c,
+                         Client::Connect({.socket = socket_, .client_name = absl::StrCat("resizer-", i)}));
+    clients.push_back(std::move(c));
+  }
+  auto each = [&](bool at_once, const std::function<absl::Status(int)>& fn) -> absl::StatusOr<double> {
+    const int64_t t = NowNs();
+    std::vector<absl::Status> results(n);
+    if (at_once) {
+      std::vector<std::thread> threads;
+      for (int i = 0; i < n; ++i) threads.emplace_back([&, i] { results[i] = fn(i); });
+      for (std::thread& th : threads) th.join();
+    } else {
+      for (int i = 0; i < n; ++i) results[i] = fn(i);
+    }
+    const double ms = MsSince(t);
+    for (const absl::Status& s : results) KVD_RETURN_IF_ERROR(s);
+    return ms;
+  };
+  Line& grow = GetLine("concurrent_resize_grow", absl::StrCat(n, "_pools"));
+  Line& shrink = GetLine("concurrent_resize_shrink", absl::StrCat(n, "_pools"));
+  for (Line* l : {&grow, &shrink}) {
+    l->kvd_what = absl::StrCat(n, " threads, one pool each, at once");
+    l->base_what = "the same resizes one pool at a time";
+    l->ratio_means = "at once / one at a time";
+  }
+  auto round = [&](bool at_once) -> absl::Status {
+    std::vector<uint64_t> committed(n);
+    Pause();
+    KVD_ASSIGN_OR_RETURN(double g, each(at_once, [&](int i) -> absl::Status {
+                           KVD_ASSIGN_OR_RETURN(PoolChange c, clients[i]->Grow(names[i], blocks));
+                           committed[i] = c.pool.committed_bytes;
+                           return absl::OkStatus();
+                         }));
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    KVD_ASSIGN_OR_RETURN(double s,
+                         each(at_once, [&](int i) { return clients[i]->Shrink(names[i], 0, true).status(); }));
+    uint64_t bytes = 0;
+    for (uint64_t c : committed) bytes += c;
+    KVD_RETURN_IF_ERROR(WaitFree(before, bytes));
+    (at_once ? grow.kvd : grow.base).push_back(g);
+    (at_once ? shrink.kvd : shrink.base).push_back(s);
+    return absl::OkStatus();
+  };
+  // The driver's own serialisation: the same chunk plans through kvd::Device on N threads of this process
+  // (create + map + export, then unmap + release + close), at once against one at a time. kvd's ratio is
+  // to be read against this one: kvd cannot be more parallel than the calls it makes.
+  std::vector<std::unique_ptr<RawExporter>> raws;
+  for (int i = 0; i < n; ++i) {
+    KVD_RETURN_IF_ERROR(clients[i]->Grow(names[i], blocks).status());
+    KVD_ASSIGN_OR_RETURN(PoolInfo grown, clients[i]->GetPool(names[i]));
+    KVD_RETURN_IF_ERROR(clients[i]->Shrink(names[i], 0, true).status());
+    raws.push_back(std::make_unique<RawExporter>(raw_.get(), PlanOf(grown)));
+    KVD_RETURN_IF_ERROR(raws.back()->Reserve());
+  }
+  Line& raw_grow = GetLine("concurrent_raw_grow", absl::StrCat(n, "_pools"));
+  Line& raw_shrink = GetLine("concurrent_raw_shrink", absl::StrCat(n, "_pools"));
+  for (Line* l : {&raw_grow, &raw_shrink}) {
+    l->kvd_what = absl::StrCat(n, " threads, raw device calls (the same chunk plans), at once");
+    l->base_what = "the same raw calls one plan at a time (the driver's own serialisation; no kvd)";
+    l->ratio_means = "at once / one at a time";
+  }
+  auto raw_round = [&](bool at_once) -> absl::Status {
+    Pause();
+    KVD_ASSIGN_OR_RETURN(double g, each(at_once, [&](int i) { return raws[i]->Grow(); }));
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    KVD_ASSIGN_OR_RETURN(double s, each(at_once, [&](int i) { return raws[i]->Release(); }));
+    uint64_t bytes = 0;
+    for (const auto& r : raws) bytes += r->plan().bytes();
+    KVD_RETURN_IF_ERROR(WaitFree(before, bytes));
+    (at_once ? raw_grow.kvd : raw_grow.base).push_back(g);
+    (at_once ? raw_shrink.kvd : raw_shrink.base).push_back(s);
+    return absl::OkStatus();
+  };
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    KVD_RETURN_IF_ERROR(round(rep % 2 == 0));
+    KVD_RETURN_IF_ERROR(round(rep % 2 != 0));
+    KVD_RETURN_IF_ERROR(raw_round(rep % 2 == 0));
+    KVD_RETURN_IF_ERROR(raw_round(rep % 2 != 0));
+  }
+  raws.clear();
+  for (const std::string& name : names) KVD_RETURN_IF_ERROR(client_->DeletePool(name, true).status());
+  return absl::OkStatus();
+}
+
+// The daemon's anonymous memory and FDs per chunk (a pool grown one granule per segment at a time)
+// and per (empty) pool, as least-squares slopes; the same chunks through kvd::Device here for the
+// driver's and device layer's own share.
+absl::Status Bench::MeasureBookkeeping() {
+  if (daemon_pid_ <= 0) {
+    book_.skipped = "the daemon's pid is unknown (SO_PEERCRED failed)";
+    return absl::OkStatus();
+  }
+  if (!RssAnonBytes(daemon_pid_).ok() || !MemoryFds(daemon_pid_).ok()) {
+    book_.skipped = absl::StrCat("cannot read /proc/", daemon_pid_, " (another user's daemon?)");
+    return absl::OkStatus();
+  }
+  KVD_ASSIGN_OR_RETURN(uint64_t bk_bytes, ParseBytes(o_.bookkeeping_bytes, "--bookkeeping-bytes"));
+  const uint64_t g = daemon_.granularity_bytes;
+  const uint64_t granule_blocks = g / kLayerBlockBytes;
+  const uint64_t steps = bk_bytes / (g * segments_);
+  if (g % kLayerBlockBytes != 0 || steps < 4) {
+    book_.skipped = absl::StrCat("--bookkeeping-bytes must hold at least 4 granules per segment (",
+                                 FormatBytes(4 * g * segments_), ")");
+    return absl::OkStatus();
+  }
+  KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("book", steps * granule_blocks));
+  KVD_ASSIGN_OR_RETURN(std::vector<int> fds_before, MemoryFds(daemon_pid_));
+  std::vector<double> x, rss, fds;
+  auto sample = [&](uint64_t chunks) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(uint64_t r, RssAnonBytes(daemon_pid_));
+    KVD_ASSIGN_OR_RETURN(std::vector<int> f, MemoryFds(daemon_pid_));
+    x.push_back(chunks);
+    rss.push_back(r);
+    fds.push_back(f.size());
+    return absl::OkStatus();
+  };
+  KVD_RETURN_IF_ERROR(sample(0));
+  for (uint64_t k = 1; k <= steps; ++k) {
+    KVD_RETURN_IF_ERROR(client_->Grow(pool.name, k * granule_blocks).status());
+    if (k % std::max<uint64_t>(1, steps / 8) == 0 || k == steps) KVD_RETURN_IF_ERROR(sample(k * segments_));
+  }
+  KVD_ASSIGN_OR_RETURN(PoolInfo grown, client_->GetPool(pool.name));
+  book_.chunks = grown.chunks.size();
+  book_.daemon_bytes_per_chunk = Slope(x, rss);
+  book_.fds_per_chunk = Slope(x, fds);
+  // Two attaches by the second process, then: memory FDs of the daemon per chunk, and how many distinct
+  // open files (exports) they are, by kcmp(KCMP_FILE).
+  for (int i = 0; i < 2; ++i) {
+    KVD_RETURN_IF_ERROR(
+        child_->Call(absl::StrCat("kvd-attach ", socket_, " ", pool.name, " ", grown.committed_bytes)).status());
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+  }
+  KVD_ASSIGN_OR_RETURN(std::vector<int> fds_after, MemoryFds(daemon_pid_));
+  std::vector<int> added;
+  std::set_difference(fds_after.begin(), fds_after.end(), fds_before.begin(), fds_before.end(),
+                      std::back_inserter(added));
+  book_.fds_per_chunk_after_attach = static_cast<double>(added.size()) / book_.chunks;
+  int kcmp_errno = 0;
+  auto less = [&](int a, int b) {
+    const long r = syscall(SYS_kcmp, daemon_pid_, daemon_pid_, KCMP_FILE, a, b);
+    if (r < 0) kcmp_errno = errno;
+    return r == 1;
+  };
+  std::sort(added.begin(), added.end(), less);
+  uint64_t distinct = 0;
+  for (size_t i = 0; i < added.size() && kcmp_errno == 0; ++i) {
+    if (i == 0 || less(added[i - 1], added[i])) ++distinct;
+  }
+  if (kcmp_errno != 0) {
+    book_.exports_skipped = absl::StrCat("kcmp on the daemon: ", std::strerror(kcmp_errno));
+  } else {
+    book_.exports_per_chunk = static_cast<double>(distinct) / book_.chunks;
+  }
+  KVD_RETURN_IF_ERROR(client_->Shrink(pool.name, 0, true).status());
+  KVD_RETURN_IF_ERROR(client_->DeletePool(pool.name, true).status());
+
+  // The device layer and driver alone: the same chunks created, mapped and exported in this process.
+  {
+    KVD_ASSIGN_OR_RETURN(uint64_t rss0, RssAnonBytes(getpid()));
+    Plan plan = PlanOf(grown);
+    std::vector<double> rx, ry;
+    rx.push_back(0);
+    ry.push_back(rss0);
+    const size_t per = plan.chunks.size() / 4;
+    std::vector<std::unique_ptr<RawExporter>> parts;
+    for (size_t q = 0; q < 4; ++q) {
+      Plan part{.reserve_bytes = plan.reserve_bytes};
+      part.chunks.assign(plan.chunks.begin() + q * per, plan.chunks.begin() + (q + 1) * per);
+      parts.push_back(std::make_unique<RawExporter>(raw_.get(), part));
+      KVD_RETURN_IF_ERROR(parts.back()->Grow());
+      KVD_ASSIGN_OR_RETURN(uint64_t r, RssAnonBytes(getpid()));
+      rx.push_back((q + 1) * per);
+      ry.push_back(r);
+    }
+    book_.raw_bytes_per_chunk = Slope(rx, ry);
+  }
+  book_.own_bytes_per_chunk = book_.daemon_bytes_per_chunk - book_.raw_bytes_per_chunk;
+
+  // Per pool: empty pools.
+  std::vector<double> px, py;
+  std::vector<std::string> created;
+  const uint64_t n = o_.bookkeeping_pools;
+  for (uint64_t i = 0; i <= n; ++i) {
+    if (i % std::max<uint64_t>(1, n / 4) == 0 || i == n) {
+      KVD_ASSIGN_OR_RETURN(uint64_t r, RssAnonBytes(daemon_pid_));
+      px.push_back(i);
+      py.push_back(r);
+    }
+    if (i == n) break;
+    KVD_ASSIGN_OR_RETURN(PoolInfo p, CreatePool(absl::StrCat("empty", i), blocks_));
+    created.push_back(p.name);
+  }
+  book_.pools = n;
+  book_.daemon_bytes_per_pool = Slope(px, py);
+  for (const std::string& name : created) KVD_RETURN_IF_ERROR(client_->DeletePool(name, true).status());
+  return absl::OkStatus();
+}
+
+// One handle per granule (in-process VMM allocators), grow + attach through the bare calls.
+absl::Status Bench::Granule() {
+  Line& l = GetLine("granule_design", "after_pause");
+  l.kvd_what = "kvd grow + attach (sum of each repetition's after_pause grow and attach)";
+  l.base_what = absl::StrCat("one ", FormatBytes(raw_info_.granularity),
+                             " handle per granule, create+map+export + import+map in a second process, in batches of ",
+                             kMaxFdsPerMessage, "; ratio = granule / (kvd grow + attach)");
+  l.ratio_means = "granule p50 / (kvd grow + attach) p50";
+  l.target = ">= 40";
+  const uint64_t g = raw_info_.granularity;
+  const uint64_t n = bytes_ / g;
+  // Exported, sent and closed in batches (GrowAndSendInBatches), imported and closed as they arrive:
+  // about 2 * kMaxFdsPerMessage FDs are open at once, not one per granule.
+  Plan plan{.reserve_bytes = n * g};
+  for (uint64_t i = 0; i < n; ++i) plan.chunks.push_back({i * g, g});
+  RawExporter raw(raw_.get(), std::move(plan));
+  for (int rep = 0; rep < o_.granule_reps; ++rep) {
+    KVD_RETURN_IF_ERROR(raw.Reserve());
+    Pause();
+    const int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(raw.GrowAndSendInBatches(*child_));
+    KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply("raw-attach", t));
+    l.base.push_back(ms);
+    KVD_RETURN_IF_ERROR(child_->Call("raw-detach").status());
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    KVD_RETURN_IF_ERROR(raw.Release());
+    KVD_RETURN_IF_ERROR(WaitFree(before, n * g));
+  }
+  return absl::OkStatus();
+}
+
+// torch.zeros of the same bytes in a Python subprocess, timed inside it (after CUDA's start).
+absl::Status Bench::Torch() {
+  Line& l = GetLine("torch_zeros", "after_pause");
+  l.kvd_what = "kvd grow + attach (sum of each repetition's after_pause grow and attach)";
+  l.base_what =
+      "torch.zeros(uint8) of the same bytes + synchronize, one process; ratio = torch.zeros / (kvd grow + attach)";
+  l.ratio_means = "torch.zeros p50 / (kvd grow + attach) p50";
+  l.target = ">= 8";
+  if (!gpu_ || backend_ != "cuda") {
+    l.skipped = absl::StrCat("torch.zeros on CUDA only (backend ", backend_, ")");
+    return absl::OkStatus();
+  }
+  if (!o_.torch) {
+    l.skipped = "--no-torch";
+    return absl::OkStatus();
+  }
+  const std::string script = absl::StrFormat(
+      "import json,sys,time\n"
+      "try:\n import torch\nexcept Exception as e:\n print(json.dumps({'skipped': 'torch not importable: %%s' %% e}))\n"
+      " sys.exit(0)\n"
+      "if not torch.cuda.is_available():\n print(json.dumps({'skipped': 'torch sees no CUDA device'})); sys.exit(0)\n"
+      "dev = torch.device('cuda', %d); torch.zeros(1, device=dev); torch.cuda.synchronize(dev)\n"
+      "ms = []\n"
+      "for _ in range(%d):\n"
+      " time.sleep(%f)\n"
+      " t = time.perf_counter(); x = torch.zeros(%d, dtype=torch.uint8, device=dev); torch.cuda.synchronize(dev)\n"
+      " ms.append((time.perf_counter() - t) * 1e3); del x; torch.cuda.empty_cache()\n"
+      "print(json.dumps({'ms': ms, 'torch': torch.__version__}))\n",
+      o_.device, o_.reps, pause_ms_ / 1000.0, bytes_);
+  const std::string path = absl::StrCat("/tmp/kvd-bench-torch-", getpid(), ".py");
+  {
+    std::ofstream out(path);
+    out << script;
+  }
+  absl::Cleanup remove = [&] { unlink(path.c_str()); };
+  FILE* p = popen(absl::StrCat("python3 ", path, " 2>/dev/null").c_str(), "r");
+  if (p == nullptr) {
+    l.skipped = "python3 cannot be started";
+    return absl::OkStatus();
+  }
+  std::string output;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) output.append(buf, n);
+  const int rc = pclose(p);
+  // The output is one line of JSON we wrote: {"skipped": "..."} or {"ms": [..], "torch": "..."}.
+  if (rc != 0 || output.empty()) {
+    l.skipped = absl::StrCat("python3 failed (exit ", WEXITSTATUS(rc), "): torch not importable or out of memory");
+    return absl::OkStatus();
+  }
+  if (size_t at = output.find("\"skipped\": \""); at != std::string::npos) {
+    l.skipped = output.substr(at + 12, output.rfind('"') - at - 12);
+    return absl::OkStatus();
+  }
+  const size_t open = output.find('['), close = output.find(']');
+  for (absl::string_view v : absl::StrSplit(output.substr(open + 1, close - open - 1), ',', absl::SkipEmpty())) {
+    double ms = 0;
+    if (absl::SimpleAtod(v, &ms)) l.base.push_back(ms);
+  }
+  if (size_t at = output.find("\"torch\": \""); at != std::string::npos) {
+    torch_version_ = output.substr(at + 10, output.find('"', at + 10) - at - 10);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Bench::Run() {
+  if (o_.socket.empty()) {
+    KVD_RETURN_IF_ERROR(StartDaemon());
+  } else {
+    socket_ = o_.socket;
+  }
+  KVD_ASSIGN_OR_RETURN(client_, Client::Connect({.socket = socket_, .client_name = "kvd-bench"}));
+  KVD_ASSIGN_OR_RETURN(daemon_, client_->DeviceInfo());
+  backend_ = daemon_.backend;
+  gpu_ = backend_ != "host";
+  if (absl::StatusOr<pid_t> pid = PeerPid(socket_); pid.ok()) daemon_pid_ = *pid;
+  KVD_ASSIGN_OR_RETURN(raw_, OpenDevice({.backend = backend_,
+                                         .index = static_cast<int>(daemon_.device_index),
+                                         .host_granularity = daemon_.granularity_bytes}));
+  KVD_ASSIGN_OR_RETURN(raw_info_, raw_->Info());
+  if (raw_info_.uuid != daemon_.uuid) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon serves ", daemon_.uuid, " but --device opens ", raw_info_.uuid));
+  }
+
+  KVD_ASSIGN_OR_RETURN(bytes_, ParseBytes(o_.bytes.empty() ? (gpu_ ? "128GiB" : "256MiB") : o_.bytes, "--bytes"));
+  segments_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
+  blocks_ = bytes_ / (segments_ * kLayerBlockBytes);
+  fragments_ = o_.fragments ? o_.fragments : (gpu_ ? 16 : 8);
+  pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
+  free_timeout_ms_ = gpu_ ? 10000 : 2000;
+  KVD_ASSIGN_OR_RETURN(slack_,
+                       ParseBytes(o_.free_slack.empty() ? (gpu_ ? "0" : "8MiB") : o_.free_slack, "--free-slack"));
+  slack_ = std::max(slack_, daemon_.granularity_bytes);
+  if (o_.bookkeeping_bytes.empty()) o_.bookkeeping_bytes = gpu_ ? "16GiB" : "1GiB";
+  if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
+  if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
+  if (blocks_ < static_cast<uint64_t>(fragments_) * (daemon_.granularity_bytes / kLayerBlockBytes) ||
+      blocks_ < static_cast<uint64_t>(o_.threads) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
+                     FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
+  }
+  prefix_ = absl::StrCat("bench-", getpid(), "-");
+
+  KVD_ASSIGN_OR_RETURN(child_, Child::Spawn(backend_, daemon_.device_index, daemon_.granularity_bytes));
+  KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("main", blocks_));
+  pool_ = pool.name;
+  std::fprintf(stderr, "kvd_bench: %s %s, %s as %llu segments, pause %d ms, %d reps\n", backend_.c_str(),
+               daemon_.name.c_str(), FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_), pause_ms_,
+               o_.reps);
+
+  // Warm-up (the second process's driver start, the daemon's first grow), and the chunk plan.
+  KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
+  KVD_ASSIGN_OR_RETURN(PoolInfo grown, client_->GetPool(pool_));
+  pool_bytes_ = grown.committed_bytes;
+  max_chunk_ = 0;
+  chunks_ = grown.chunks.size();
+  for (const ChunkInfo& c : grown.chunks) max_chunk_ = std::max(max_chunk_, c.bytes);
+  KVD_RETURN_IF_ERROR(client_->Shrink(pool_, 0, true).status());
+  RawExporter raw(raw_.get(), PlanOf(grown));
+  KVD_RETURN_IF_ERROR(KvdCycle(false, false));
+  KVD_RETURN_IF_ERROR(RawCycle(raw, false, false));
+  for (const char* op : {"grow", "attach", "sleep", "wake", "shrink"}) {
+    for (const char* variant : {"after_release", "after_pause"}) {
+      Line& l = GetLine(op, variant);
+      l.note = absl::StrFormat("%d chunks", grown.chunks.size());
+    }
+  }
+  GetLine("grow", "after_release").target = GetLine("grow", "after_pause").target = "<= 1.10";
+  GetLine("attach", "after_release").target = GetLine("attach", "after_pause").target = "<= 1.15";
+  GetLine("sleep", "after_release").target = GetLine("sleep", "after_pause").target = "<= 1.10";
+  GetLine("wake", "after_release").target = GetLine("wake", "after_pause").target = "<= 1.15";
+
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    std::fprintf(stderr, "kvd_bench: lifecycle, repetition %d/%d\n", rep + 1, o_.reps);
+    for (const bool paused : {false, true}) {
+      if (rep % 2 == 0) {
+        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
+        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
+      } else {
+        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
+        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
+      }
+    }
+  }
+  std::fprintf(stderr, "kvd_bench: fragmented\n");
+  KVD_RETURN_IF_ERROR(Fragmented());
+  std::fprintf(stderr, "kvd_bench: control RPC\n");
+  KVD_RETURN_IF_ERROR(ControlRpc());
+  GetLine("control_rpc", "idle").target = "<= 1.2";
+  GetLine("control_rpc", "during_grow").target = "<= 2";
+  std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
+  KVD_RETURN_IF_ERROR(Concurrent());
+  std::fprintf(stderr, "kvd_bench: bookkeeping\n");
+  KVD_RETURN_IF_ERROR(MeasureBookkeeping());
+  // The alternatives, against kvd's grow + attach after a pause.
+  std::vector<double> kvd_grow_attach;
+  const Line& g = GetLine("grow", "after_pause");
+  const Line& a = GetLine("attach", "after_pause");
+  for (size_t i = 0; i < std::min(g.kvd.size(), a.kvd.size()); ++i) kvd_grow_attach.push_back(g.kvd[i] + a.kvd[i]);
+  std::fprintf(stderr, "kvd_bench: granule design\n");
+  KVD_RETURN_IF_ERROR(Granule());
+  std::fprintf(stderr, "kvd_bench: torch.zeros\n");
+  KVD_RETURN_IF_ERROR(Torch());
+  for (const char* name : {"granule_design", "torch_zeros"}) {
+    Line& l = GetLine(name, "after_pause");
+    l.kvd = kvd_grow_attach;
+    if (l.skipped.empty()) l.ratio = P50(l.base) / P50(l.kvd);
+  }
+  for (Line& l : lines_) {
+    if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
+  }
+  return absl::OkStatus();
+}
+
+void Bench::Print(FILE* out) const {
+  std::fprintf(out,
+               "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s as %llu segments (%llu chunks of up to %s), "
+               "%d reps, pause %d ms\n",
+               backend_.c_str(), daemon_.name.c_str(), daemon_.uuid.c_str(),
+               daemon_.driver_version.empty() ? "-" : daemon_.driver_version.c_str(), daemon_.daemon_version.c_str(),
+               FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_),
+               static_cast<unsigned long long>(
+                   segments_ * ((pool_bytes_ / segments_ + max_chunk_ - 1) / std::max<uint64_t>(max_chunk_, 1))),
+               FormatBytes(max_chunk_).c_str(), o_.reps, pause_ms_);
+  std::fprintf(out, "%-26s %-16s %9s %9s %9s %9s %7s %8s  %s\n", "line", "variant", "kvd p50", "kvd p99", "base p50",
+               "base p99", "ratio", "target", "baseline; note");
+  for (const Line& l : lines_) {
+    if (!l.skipped.empty()) {
+      std::fprintf(out, "%-26s %-16s skipped: %s\n", l.name.c_str(), l.variant.c_str(), l.skipped.c_str());
+      continue;
+    }
+    std::fprintf(out, "%-26s %-16s %9.3f %9.3f %9.3f %9.3f %7.2f %8s  %s%s%s\n", l.name.c_str(), l.variant.c_str(),
+                 P50(l.kvd), P99(l.kvd), P50(l.base), P99(l.base), l.ratio, l.target.c_str(), l.base_what.c_str(),
+                 l.note.empty() ? "" : "; ", l.note.c_str());
+    auto phases = [](const std::vector<std::pair<std::string, std::vector<double>>>& ps) {
+      std::vector<std::string> parts;
+      for (const auto& [name, v] : ps) parts.push_back(absl::StrFormat("%s %.3f", name, P50(v)));
+      return absl::StrJoin(parts, ", ");
+    };
+    if (!l.kvd_phases.empty())
+      std::fprintf(out, "  %s %s phases, kvd p50: %s\n", l.name.c_str(), l.variant.c_str(),
+                   phases(l.kvd_phases).c_str());
+    if (!l.base_phases.empty())
+      std::fprintf(out, "  %s %s phases, raw p50: %s\n", l.name.c_str(), l.variant.c_str(),
+                   phases(l.base_phases).c_str());
+  }
+  std::fprintf(out, "(ms; ratio: %s unless the baseline says otherwise; targets are for the H200)\n", "kvd/raw p50");
+  if (!book_.skipped.empty()) {
+    std::fprintf(out, "bookkeeping: skipped: %s\n", book_.skipped.c_str());
+  } else {
+    std::fprintf(out,
+                 "bookkeeping (%llu chunks, %llu pools): kvd's own %.0f B/chunk (target <= 240) = daemon %.0f B/chunk "
+                 "- driver + device layer alone in a bare process %.0f B/chunk; %.0f B/pool, %.2f FDs/chunk (%.2f "
+                 "after two attaches), exports/chunk %s\n",
+                 static_cast<unsigned long long>(book_.chunks), static_cast<unsigned long long>(book_.pools),
+                 book_.own_bytes_per_chunk, book_.daemon_bytes_per_chunk, book_.raw_bytes_per_chunk,
+                 book_.daemon_bytes_per_pool, book_.fds_per_chunk, book_.fds_per_chunk_after_attach,
+                 book_.exports_skipped.empty() ? absl::StrFormat("%.2f", book_.exports_per_chunk).c_str()
+                                               : absl::StrCat("skipped: ", book_.exports_skipped).c_str());
+  }
+  if (free_timeouts_ > 0) {
+    std::fprintf(out, "warning: the free count did not come back within %d ms %llu times (timed as that)\n",
+                 free_timeout_ms_, static_cast<unsigned long long>(free_timeouts_));
+  }
+}
+
+std::string Quote(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out.push_back('\\');
+    if (static_cast<unsigned char>(c) >= 0x20) out.push_back(c);
+  }
+  return out + "\"";
+}
+std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.4f", v) : "null"; }
+std::string Samples(const std::vector<double>& v) {
+  std::vector<std::string> parts;
+  for (double x : v) parts.push_back(Num(x));
+  return absl::StrCat("{\"p50_ms\": ", Num(P50(v)), ", \"p99_ms\": ", Num(P99(v)), ", \"n\": ", v.size(),
+                      ", \"samples_ms\": [", absl::StrJoin(parts, ", "), "]}");
+}
+
+std::string Bench::Json() const {
+  std::string j = absl::StrFormat(
+      "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
+      "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
+      " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
+      "\"pause_ms\": %d, \"fragments\": %d, \"threads\": %d, \"granule_reps\": %d, \"torch\": %s, "
+      "\"free_timeouts\": %d},\n \"lines\": [",
+      Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
+      Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
+      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, o_.threads, o_.granule_reps,
+      Quote(torch_version_), free_timeouts_);
+  for (size_t i = 0; i < lines_.size(); ++i) {
+    const Line& l = lines_[i];
+    absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
+    if (!l.skipped.empty()) {
+      absl::StrAppend(&j, ", \"skipped\": ", Quote(l.skipped), "}");
+      continue;
+    }
+    absl::StrAppend(&j, ", \"kvd\": ", Samples(l.kvd), ", \"kvd_what\": ", Quote(l.kvd_what),
+                    ", \"baseline\": ", Samples(l.base), ", \"baseline_what\": ", Quote(l.base_what),
+                    ", \"ratio\": ", Num(l.ratio), ", \"ratio_means\": ", Quote(l.ratio_means),
+                    ", \"target\": ", Quote(l.target), ", \"note\": ", Quote(l.note));
+    if (!l.kvd_phases.empty() || !l.base_phases.empty()) {
+      auto phases = [](const std::vector<std::pair<std::string, std::vector<double>>>& ps) {
+        std::vector<std::string> parts;
+        for (const auto& [name, v] : ps) parts.push_back(absl::StrCat(Quote(name), ": ", Samples(v)));
+        return absl::StrCat("{", absl::StrJoin(parts, ", "), "}");
+      };
+      absl::StrAppend(&j, ", \"phases\": {\"kvd\": ", phases(l.kvd_phases), ", \"baseline\": ", phases(l.base_phases),
+                      "}");
+    }
+    j += "}";
+  }
+  j += "],\n \"bookkeeping\": ";
+  if (!book_.skipped.empty()) {
+    absl::StrAppend(&j, "{\"skipped\": ", Quote(book_.skipped), "}");
+  } else {
+    absl::StrAppend(&j, "{\"chunks\": ", book_.chunks, ", \"pools\": ", book_.pools,
+                    ", \"daemon_bytes_per_chunk\": ", Num(book_.daemon_bytes_per_chunk),
+                    ", \"raw_bytes_per_chunk\": ", Num(book_.raw_bytes_per_chunk),
+                    ", \"daemon_own_bytes_per_chunk\": ", Num(book_.own_bytes_per_chunk),
+                    ", \"daemon_bytes_per_pool\": ", Num(book_.daemon_bytes_per_pool),
+                    ", \"fds_per_chunk\": ", Num(book_.fds_per_chunk),
+                    ", \"fds_per_chunk_after_attach\": ", Num(book_.fds_per_chunk_after_attach),
+                    ", \"exports_per_chunk\": ",
+                    book_.exports_skipped.empty() ? Num(book_.exports_per_chunk)
+                                                  : absl::StrCat("{\"skipped\": ", Quote(book_.exports_skipped), "}"),
+                    "}");
+  }
+  j += "}\n";
+  return j;
+}
+
+}  // namespace
+}  // namespace kvd
+
+int main(int argc, char** argv) {
+  // Lift the soft open-file limit to the hard one (inherited by the kvd and the second process it starts):
+  // the granule design passes FDs in batches of a few hundred, but a large fragmented pool holds one FD
+  // per chunk in the daemon and a lease's worth in flight.
+  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &files);
+  }
+  kvd::Options o;
+  CLI::App app{
+      "kvd_bench: the whole path through kvd (grow, a second process's attach, sleep, wake, shrink; the fragmented "
+      "shape; control-RPC latency; concurrent resizes; the daemon's bookkeeping) against the bare device calls in a "
+      "bare pair of processes, interleaved, as medians, p99 and ratios (docs/benchmarks.md)."};
+  app.add_option("--socket", o.socket, "Use the running kvd on this gRPC socket (default: start one)");
+  app.add_option("--kvd", o.kvd_binary, "The kvd program to start (default: next to kvd_bench, else on PATH)");
+  app.add_option("--backend", o.backend, "Backend of the kvd it starts: auto, cuda or host")->capture_default_str();
+  app.add_option("--device", o.device, "Device index")->capture_default_str();
+  app.add_option("--budget", o.budget, "--budget of the kvd it starts")->capture_default_str();
+  app.add_option("--bytes", o.bytes, "Pool size (default 128GiB on a GPU, 256MiB on host)");
+  app.add_option("--segments", o.segments, "Segments (layers) of the pool (default 80 on a GPU, 8 on host)");
+  app.add_option("--chunk", o.chunk, "--max-chunk of the kvd it starts (default: kvd's, 4GiB)");
+  app.add_option("--reps", o.reps, "Repetitions of each measurement")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--fragments", o.fragments, "Grows of the fragmented shape (default 16 on a GPU, 8 on host)");
+  app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
+  app.add_option("--threads", o.threads, "Pools resized at once in the concurrent line")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 64));
+  app.add_option("--rpc-calls", o.rpc_calls, "Idle control RPCs of each kind (default 2000 on a GPU, 400 on host)");
+  app.add_option("--bookkeeping-bytes", o.bookkeeping_bytes,
+                 "Pool grown one granule per segment at a time for the per-chunk bookkeeping (default 16GiB / 1GiB)");
+  app.add_option("--bookkeeping-pools", o.bookkeeping_pools, "Empty pools for the per-pool bookkeeping")
+      ->capture_default_str();
+  app.add_option("--granule-reps", o.granule_reps, "Repetitions of the granule design (default min(reps, 3))");
+  app.add_option("--free-slack", o.free_slack,
+                 "How close the free count must come to its value before the release plus the bytes released "
+                 "(default one granule on a GPU, 8MiB on host, whose count is the machine's)");
+  app.add_flag("--torch,!--no-torch", o.torch, "Compare with torch.zeros when python3 imports torch (CUDA)")
+      ->capture_default_str();
+  app.add_flag("--json", o.json, "One JSON document on stdout (the table goes to stderr)");
+  app.add_option("--child-fd", o.child_fd, "internal: run as the second process on this socket")->group("");
+  app.add_option("--child-granularity", o.child_granularity, "internal")->group("");
+  CLI11_PARSE(app, argc, argv);
+  if (o.child_fd >= 0) return kvd::ChildMain(o.child_fd, o.backend, o.device, o.child_granularity);
+  signal(SIGPIPE, SIG_IGN);
+  kvd::Bench bench(o);
+  const absl::Status s = bench.Run();
+  if (!s.ok()) {
+    std::fprintf(stderr, "kvd_bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  bench.Print(o.json ? stderr : stdout);
+  if (o.json) std::fputs(bench.Json().c_str(), stdout);
+  return 0;
+}

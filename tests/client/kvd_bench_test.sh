@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# kvd_bench against a real kvd on the host backend (it starts its own): it runs, prints its table, and its
+# --json has every section and every line, each with non-negative numbers or a reason it was skipped.
+# A smoke test: no time is checked. Usage: kvd_bench_test.sh KVD KVD_BENCH
+set -euo pipefail
+kvd=$1 bench=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$bench" --help | grep -q -- "--bytes"
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --rpc-calls=200 \
+  --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
+cat "$dir/table.txt"
+for line in grow attach sleep wake shrink fragmented_grow fragmented_attach control_rpc concurrent_resize_grow \
+  concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink granule_design torch_zeros; do
+  grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
+done
+python3 - "$dir/out.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+assert d["program"] == "kvd_bench" and d["device"]["backend"] == "host", d["device"]
+for key in ("bytes", "segments", "chunks", "reps", "pause_ms"):
+    assert d["config"][key] >= 0, key
+want = {("grow", v) for v in ("after_release", "after_pause")}
+want |= {(op, v) for op in ("attach", "sleep", "wake", "shrink") for v in ("after_release", "after_pause")}
+want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
+         ("fragmented_attach", "after_compaction"), ("control_rpc", "idle"), ("control_rpc", "during_grow"),
+         ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
+         ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
+         ("granule_design", "after_pause"), ("torch_zeros", "after_pause")}
+got = {(l["name"], l["variant"]): l for l in d["lines"]}
+missing = want - set(got)
+assert not missing, f"missing lines: {sorted(missing)}"
+# Host: torch is CUDA only, and kvd has no compaction; everything else runs.
+must_skip = {("torch_zeros", "after_pause"), ("fragmented_attach", "after_compaction")}
+for key, l in got.items():
+    if key in must_skip:
+        assert l.get("skipped"), f"{key} must say why it was skipped"
+        continue
+    assert "skipped" not in l, f"{key} skipped: {l['skipped']}"
+    for side in ("kvd", "baseline"):
+        s = l[side]
+        assert s["n"] >= 3 and len(s["samples_ms"]) == s["n"], (key, side, s)
+        for v in [s["p50_ms"], s["p99_ms"]] + s["samples_ms"]:
+            assert v is not None and v >= 0 and math.isfinite(v), (key, side, v)
+    assert l["ratio"] is not None and l["ratio"] >= 0, (key, l["ratio"])
+# attach and sleep carry a per-phase breakdown on both sides, one sample per repetition.
+for op in ("attach", "sleep"):
+    for v in ("after_release", "after_pause"):
+        ph = got[(op, v)]["phases"]
+        for side in ("kvd", "baseline"):
+            assert ph[side], (op, v, side)
+            for name, s in ph[side].items():
+                assert s["n"] == got[(op, v)][side]["n"], (op, v, side, name)
+                assert all(x is not None and x >= 0 for x in s["samples_ms"]), (op, v, side, name, s)
+b = d["bookkeeping"]
+assert "skipped" not in b, b
+assert b["chunks"] > 0 and b["pools"] == 16, b
+for key in ("daemon_bytes_per_chunk", "raw_bytes_per_chunk", "daemon_own_bytes_per_chunk", "daemon_bytes_per_pool",
+            "fds_per_chunk",
+            "fds_per_chunk_after_attach"):
+    assert b[key] is not None and math.isfinite(b[key]), (key, b[key])
+assert b["fds_per_chunk"] >= 0, b
+assert isinstance(b["exports_per_chunk"], dict) or b["exports_per_chunk"] > 0, b
+print("kvd_bench JSON: %d lines, bookkeeping complete" % len(got))
+PY
+# A bad size is refused with the flag's name.
+if "$bench" --kvd="$kvd" --backend=host --bytes=4MiB 2>"$dir/err"; then echo "4MiB over 8 segments must fail"; exit 1; fi
+grep -q -- "--bytes" "$dir/err"
+echo "kvd_bench_test: 1 passed, 0 failed"
