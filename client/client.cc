@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/handle_client.h"
 #include "client/phase_marks.h"
@@ -105,7 +106,11 @@ LayoutResolution FromProto(const v1::LayoutResolution& r) {
 }
 
 ChunkInfo FromProto(const v1::Chunk& c) {
-  return ChunkInfo{.id = c.id(), .segment = c.segment(), .offset = c.offset(), .bytes = c.bytes()};
+  return ChunkInfo{.id = c.id(),
+                   .segment = c.segment(),
+                   .offset = c.offset(),
+                   .bytes = c.bytes(),
+                   .fabric_handle = c.fabric_handle()};
 }
 
 PoolState FromProto(v1::PoolState s) {
@@ -489,6 +494,17 @@ void Mapping::Impl::Lose(const absl::Status& why) {
   if (options.on_lost) options.on_lost(why);
 }
 
+namespace {
+
+// An event's ranges (connectors).
+std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
+  std::vector<ByteRange> out;
+  for (const v1::ByteRange& r : ev.ranges()) out.push_back({r.segment(), r.offset(), r.bytes()});
+  return out;
+}
+
+}  // namespace
+
 void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader) {
   v1::PoolEvent ev;
   while (reader->Read(&ev)) {
@@ -508,14 +524,16 @@ void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> re
         if (!mapped.ok()) {
           const absl::Status& s = mapped.status();
           Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())));
-        } else if (*mapped && options.on_grow) {
-          options.on_grow(committed);
+        } else if (*mapped) {
+          if (options.on_grow) options.on_grow(committed);
+          if (options.on_ranges_added) options.on_ranges_added(Ranges(ev));
         }
         break;
       }
       case v1::EVENT_TYPE_CHUNKS_RELEASED: {
         internal::MarkPhase("release.event");
         uint64_t committed = 0;
+        if (options.on_ranges_released) options.on_ranges_released(Ranges(ev));
         {
           absl::MutexLock lock(&mu);
           if (closing || state == Mapping::State::kLost) break;
@@ -658,20 +676,37 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   v1::DeviceInfo i;
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetDeviceInfo(impl_->Context().get(), v1::GetDeviceInfoRequest(), &i)));
   impl_->Observe(i);
-  return DeviceStatus{.backend = BackendString(i.backend()),
-                      .device_index = i.device_index(),
-                      .name = i.device_name(),
-                      .uuid = i.device_uuid(),
-                      .driver_version = i.driver_version(),
-                      .daemon_version = i.daemon_version(),
-                      .total_bytes = i.total_bytes(),
-                      .free_bytes = i.free_bytes(),
-                      .committed_bytes = i.committed_bytes(),
-                      .budget_bytes = i.budget_bytes(),
-                      .reserved_bytes = i.reserved_bytes(),
-                      .granularity_bytes = i.granularity_bytes(),
-                      .max_chunk_bytes = i.max_chunk_bytes(),
-                      .pool_count = i.pool_count()};
+  DeviceStatus out{.backend = BackendString(i.backend()),
+                   .device_index = i.device_index(),
+                   .name = i.device_name(),
+                   .uuid = i.device_uuid(),
+                   .driver_version = i.driver_version(),
+                   .daemon_version = i.daemon_version(),
+                   .total_bytes = i.total_bytes(),
+                   .free_bytes = i.free_bytes(),
+                   .committed_bytes = i.committed_bytes(),
+                   .budget_bytes = i.budget_bytes(),
+                   .reserved_bytes = i.reserved_bytes(),
+                   .granularity_bytes = i.granularity_bytes(),
+                   .max_chunk_bytes = i.max_chunk_bytes(),
+                   .pool_count = i.pool_count()};
+  for (int t : i.handle_types()) {
+    std::string name = v1::HandleType_Name(static_cast<v1::HandleType>(t));
+    out.handle_types.push_back(absl::AsciiStrToLower(absl::StripPrefix(name, "HANDLE_TYPE_")));
+  }
+  const v1::Capabilities& c = i.capabilities();
+  auto item = [](const v1::Capability& in) { return CapabilityReport::Item{in.supported(), in.detail()}; };
+  out.capabilities.posix_fd = item(c.posix_fd());
+  out.capabilities.fabric = item(c.fabric());
+  out.capabilities.dma_buf = item(c.dma_buf());
+  out.capabilities.gpu_direct_rdma_vmm = item(c.gpu_direct_rdma_vmm());
+  out.capabilities.range_spans_chunks = c.range_spans_chunks();
+  for (const v1::PeerAccess& p : c.peers()) {
+    out.capabilities.peers.push_back({p.device_index(), p.device_uuid(), p.access(), p.detail()});
+  }
+  out.capabilities.granularity_bytes = c.granularity_bytes();
+  out.capabilities.max_chunk_bytes = c.max_chunk_bytes();
+  return out;
 }
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
@@ -893,6 +928,58 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GrantPeerAccess(impl_->Context().get(), req, &resp)));
   impl_->Observe(resp);
   return FromProto(resp);
+}
+
+absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const std::vector<ByteRange>& ranges) {
+  v1::ExportRangesRequest req;
+  req.set_client_id(mapping.client_id());
+  for (const ByteRange& r : ranges) {
+    v1::ByteRange* p = req.add_ranges();
+    p->set_segment(r.segment);
+    p->set_offset(r.offset);
+    p->set_bytes(r.bytes);
+  }
+  v1::ExportRangesResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ExportRanges(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
+  RangeExport out{
+      .pool = resp.pool(), .ranges_span_chunks = resp.ranges_span_chunks(), .generation = resp.generation()};
+  for (const v1::RangeHandle& h : resp.handles()) {
+    out.handles.push_back({.segment = h.segment(),
+                           .offset = h.offset(),
+                           .bytes = h.bytes(),
+                           .fd_offset = h.fd_offset(),
+                           .chunk_ids = {h.chunk_ids().begin(), h.chunk_ids().end()}});
+  }
+  if (out.handles.empty()) return out;
+  KVD_ASSIGN_OR_RETURN(auto fds, impl_->session.Fetch(resp.lease().token()));
+  bool in_order = fds.size() == out.handles.size();
+  for (size_t i = 0; in_order && i < fds.size(); ++i) in_order = fds[i].first == i;
+  if (!in_order) {
+    for (const auto& f : fds) close(f.second);
+    return absl::DataLossError(absl::StrCat("ExportRanges: the handle channel sent ", fds.size(), " FDs for ",
+                                            out.handles.size(), " range handles, or out of order"));
+  }
+  for (size_t i = 0; i < fds.size(); ++i) out.handles[i].fd = fds[i].second;
+  return out;
+}
+
+absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, const std::vector<uint64_t>& block_ids) {
+  v1::DescribeTransferRequest req;
+  req.set_pool(std::string(pool));
+  for (uint64_t id : block_ids) req.add_block_ids(id);
+  v1::DescribeTransferResponse resp;
+  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DescribeTransfer(impl_->Context().get(), req, &resp)));
+  impl_->Observe(resp);
+  TransferPlan plan{.blocks = resp.blocks(),
+                    .bytes = resp.bytes(),
+                    .committed_blocks = resp.committed_blocks(),
+                    .generation = resp.generation()};
+  for (const v1::TransferDescriptor& d : resp.descriptors()) {
+    plan.descriptors.push_back(
+        {.segment = d.segment(), .offset = d.offset(), .bytes = d.bytes(), .stride = d.stride(), .count = d.count()});
+  }
+  return plan;
 }
 
 absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,

@@ -185,6 +185,25 @@ absl::StatusOr<int> ResolveDeviceSelector(const DeviceOptions& options, absl::st
                                                  Listing(found), "; give more of the UUID"));
 }
 
+DeviceCapabilities Device::Capabilities() const {
+  DeviceCapabilities caps;
+  caps.posix_fd = {true, "chunks export to FDs (Export)"};
+  caps.fabric = {false, "this backend has no fabric handles"};
+  caps.dma_buf = {false, "UNIMPLEMENTED: this backend has no range export"};
+  caps.gpu_direct_rdma = {false, "this backend has no GPUDirect RDMA"};
+  return caps;
+}
+
+absl::StatusOr<int> Device::ExportRange(uint64_t va, uint64_t bytes) {
+  return absl::UnimplementedError(absl::StrCat("ExportRange(", bytes, " bytes at 0x", absl::Hex(va), "): the ",
+                                               BackendName(kind()), " backend has no range export"));
+}
+
+absl::StatusOr<std::string> Device::ExportFabricHandle(const Chunk& chunk) {
+  return absl::UnimplementedError(absl::StrCat("ExportFabricHandle(chunk of ", chunk.bytes, " bytes): the ",
+                                               BackendName(kind()), " backend has no fabric handles"));
+}
+
 absl::Status ValidateBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (blocks[i] >= span.blocks) {

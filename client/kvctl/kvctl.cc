@@ -22,11 +22,13 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
@@ -280,6 +282,7 @@ struct Flags {
   std::vector<std::string> sockets;  // group: the daemons to search
   std::string socket_dir;
   std::string ttl = "30s";
+  std::string block_list;  // transfer: "1,2,5-9"
 };
 
 // --blocks or --bytes -> a target block count for `pool`.
@@ -311,6 +314,33 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   std::printf("granularity  %s (chunks up to %s)\n", FormatBytes(d.granularity_bytes).c_str(),
               FormatBytes(d.max_chunk_bytes).c_str());
   std::printf("pools        %u\n", d.pool_count);
+  return absl::OkStatus();
+}
+
+// kvctl caps: what the device's memory can be shared as, for connector operators.
+absl::Status Caps(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(DeviceStatus d, client.DeviceInfo());
+  if (f.json) return PrintReply<v1::DeviceInfo>(replies, {{"socket", JsonString(client.socket())}});
+  const CapabilityReport& c = d.capabilities;
+  std::printf("device          %u: %s (%s backend)%s%s\n", d.device_index, d.name.c_str(), d.backend.c_str(),
+              d.uuid.empty() ? "" : ", ", d.uuid.c_str());
+  std::printf("granularity     %s, chunks up to %s\n", FormatBytes(c.granularity_bytes).c_str(),
+              FormatBytes(c.max_chunk_bytes).c_str());
+  std::printf("handle types    %s\n", d.handle_types.empty() ? "none" : absl::StrJoin(d.handle_types, ", ").c_str());
+  auto line = [](const char* what, const CapabilityReport::Item& item) {
+    std::printf("%-15s %-3s %s\n", what, item.supported ? "yes" : "no", item.detail.c_str());
+  };
+  line("POSIX FD", c.posix_fd);
+  line("FABRIC", c.fabric);
+  line("DMA-BUF", c.dma_buf);
+  line("GPUDirect RDMA", c.gpu_direct_rdma_vmm);
+  std::printf("%-15s %s\n", "range FDs",
+              c.range_spans_chunks ? "one FD may span several chunks" : "one FD per chunk (with an offset into it)");
+  if (c.peers.empty()) std::printf("%-15s none visible to the daemon\n", "peers");
+  for (const CapabilityReport::Peer& p : c.peers) {
+    std::printf("%-15s %-3s device %u %s: %s\n", "peer access", p.access ? "yes" : "no", p.device_index,
+                p.device_uuid.c_str(), p.detail.c_str());
+  }
   return absl::OkStatus();
 }
 
@@ -467,6 +497,46 @@ absl::Status Grant(Client& client, const Flags& f, const Replies& replies, bool 
   std::printf("%s %s %s %s; peer devices now: %s\n", revoke ? "revoked" : "granted", f.device_uuid.c_str(),
               revoke ? "from" : "on", p.name.c_str(),
               p.peer_devices.empty() ? "none" : absl::StrJoin(p.peer_devices, ", ").c_str());
+  return absl::OkStatus();
+}
+
+// "1,2,5-9" -> {1, 2, 5, 6, 7, 8, 9} (order kept; the daemon refuses repeats).
+absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text) {
+  constexpr uint64_t kMaxIds = uint64_t{1} << 22;
+  std::vector<uint64_t> ids;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    item = absl::StripAsciiWhitespace(item);
+    const std::vector<absl::string_view> ends = absl::StrSplit(item, absl::MaxSplits('-', 1));
+    uint64_t first = 0, last = 0;
+    if (!absl::SimpleAtoi(ends[0], &first) || (ends.size() == 2 && !absl::SimpleAtoi(ends[1], &last))) {
+      return absl::InvalidArgumentError(absl::StrCat("--blocks: \"", item, "\" is not a block id or a range A-B"));
+    }
+    if (ends.size() == 1) last = first;
+    if (last < first) return absl::InvalidArgumentError(absl::StrCat("--blocks: range \"", item, "\" is empty"));
+    if (last - first >= kMaxIds || ids.size() + (last - first + 1) > kMaxIds) {
+      return absl::InvalidArgumentError(absl::StrCat("--blocks: more than ", kMaxIds, " block ids"));
+    }
+    for (uint64_t b = first; b <= last; ++b) ids.push_back(b);
+  }
+  if (ids.empty()) return absl::InvalidArgumentError("--blocks: names no block (e.g. --blocks 0,4,8-15)");
+  return ids;
+}
+
+absl::Status Transfer(Client& client, const Flags& f, const Replies& replies) {
+  std::vector<uint64_t> ids;
+  if (!f.block_list.empty()) {
+    KVD_ASSIGN_OR_RETURN(ids, ParseBlockList(f.block_list));
+  }
+  KVD_ASSIGN_OR_RETURN(TransferPlan plan, client.DescribeTransfer(f.pool, ids));
+  if (f.json) return PrintReply<v1::DescribeTransferResponse>(replies, {{"pool", JsonString(f.pool)}});
+  std::printf("%s: %lu blocks (%s) as %zu descriptors; %lu blocks committed, generation %lu\n", f.pool.c_str(),
+              plan.blocks, FormatBytes(plan.bytes).c_str(), plan.descriptors.size(), plan.committed_blocks,
+              plan.generation);
+  if (plan.descriptors.empty()) return absl::OkStatus();
+  std::printf("%-8s %16s %14s %14s %10s\n", "SEGMENT", "OFFSET", "BYTES", "STRIDE", "COUNT");
+  for (const TransferDescriptor& d : plan.descriptors) {
+    std::printf("%-8lu %16lu %14lu %14lu %10lu\n", d.segment, d.offset, d.bytes, d.stride, d.count);
+  }
   return absl::OkStatus();
 }
 
@@ -664,6 +734,8 @@ int Main(int argc, char** argv) {
   app.fallthrough();
 
   CLI::App* status = app.add_subcommand("status", "The device, its memory and the daemon's totals");
+  CLI::App* caps = app.add_subcommand(
+      "caps", "What the device's memory can be shared as (POSIX FD, fabric, DMA-BUF, GPUDirect RDMA, peers), probed");
   CLI::App* pools = app.add_subcommand("pools", "List pools");
   CLI::App* describe = app.add_subcommand("describe", "One pool: geometry, strides, segments, chunks, clients");
   describe->add_option("pool", f.pool, "Pool name")->required();
@@ -709,6 +781,12 @@ int Main(int argc, char** argv) {
     sub->add_option("device", f.device_uuid, "Device UUID as `kvctl status` of that device's kvd shows it, or '*'")
         ->required();
   }
+
+  CLI::App* transfer = app.add_subcommand(
+      "transfer", "A pool's blocks as strided transfer descriptors {segment, offset, bytes, stride, count}");
+  transfer->add_option("pool", f.pool, "Pool name")->required();
+  transfer->add_option("--blocks", f.block_list,
+                       "Block ids and ranges, e.g. 0,4,8-15 (default: every committed block)");
 
   CLI::App* group = app.add_subcommand("group", "One engine's pools on several daemons (its tensor-parallel ranks)");
   group->require_subcommand(1);
@@ -756,6 +834,9 @@ int Main(int argc, char** argv) {
     return Fail(e.what(), 2);
   }
   f.layout.env_given = env->count() > 0;
+  if (transfer->parsed() && transfer->count("--blocks") > 0 && f.block_list.empty()) {
+    return Fail("--blocks: names no block (e.g. --blocks 0,4,8-15)", 2);
+  }
   if ((grow->parsed() || shrink->parsed() || group_grow->parsed() || group_shrink->parsed()) &&
       f.bytes.empty() == (f.blocks == 0)) {
     return Fail("give exactly one of --blocks and --bytes", 2);
@@ -801,6 +882,8 @@ int Main(int argc, char** argv) {
   absl::Status s;
   if (status->parsed()) {
     s = Status(c, f, replies);
+  } else if (caps->parsed()) {
+    s = Caps(c, f, replies);
   } else if (pools->parsed()) {
     s = Pools(c, f, replies);
   } else if (describe->parsed()) {
@@ -817,6 +900,8 @@ int Main(int argc, char** argv) {
     s = Resolve(c, f, replies);
   } else if (grant->parsed() || revoke->parsed()) {
     s = Grant(c, f, replies, revoke->parsed());
+  } else if (transfer->parsed()) {
+    s = Transfer(c, f, replies);
   }
   if (!s.ok()) return Fail(s.ToString(), 1);
   std::fflush(stdout);

@@ -452,6 +452,94 @@ absl::StatusOr<BlockSpan> Pool::AwakeSpan() const {
   return plan_.geometry.Span(base_, committed_blocks());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Connectors
+
+absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::string_view client_id,
+                                                  const std::vector<ByteRange>& ranges, bool span_chunks) {
+  constexpr size_t kMaxRanges = 65536;
+  if (ranges.size() > kMaxRanges) {
+    return absl::InvalidArgumentError(absl::StrCat("ranges: ", ranges.size(), " ranges, at most ", kMaxRanges));
+  }
+  const Geometry& g = plan_.geometry;
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  if (it->second.session != caller.session) {
+    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
+  }
+  if (state_ == PoolState::kSleeping) return Sleeping(name_);
+
+  // The requested ranges, each inside one segment's committed prefix.
+  std::vector<ByteRange> wanted;
+  if (ranges.empty()) {
+    if (prefix_bytes_ > 0) {
+      for (uint64_t s = 0; s < g.segments(); ++s) wanted.push_back({s, g.SegmentOffset(s), prefix_bytes_});
+    }
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const ByteRange& r = ranges[i];
+    const uint64_t gran = g.granularity();
+    if (r.bytes == 0) return absl::InvalidArgumentError(absl::StrCat("ranges[", i, "].bytes: must be > 0"));
+    if (r.offset % gran != 0 || r.bytes % gran != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("ranges[", i, "]: offset ", r.offset, " and bytes ", r.bytes,
+                                                     " must be multiples of the granularity ", gran));
+    }
+    const uint64_t segment = (r.offset - g.offset()) / g.segment_stride();
+    const uint64_t start = segment < g.segments() ? g.SegmentOffset(segment) : 0;
+    if (segment >= g.segments() || r.bytes > prefix_bytes_ || r.offset - start > prefix_bytes_ - r.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("ranges[", i, "]: [", r.offset, ", +", r.bytes,
+                                                     ") is not inside one segment's committed prefix (", prefix_bytes_,
+                                                     " bytes at offset s * ", g.segment_stride(), ")"));
+    }
+    wanted.push_back({segment, r.offset, r.bytes});
+  }
+
+  RangeExport out;
+  out.pool = name_;
+  out.generation = generation_;
+  for (const ByteRange& r : wanted) {
+    const uint64_t end = r.offset + r.bytes;
+    RangeHandle whole{.segment = r.segment, .offset = r.offset, .bytes = r.bytes};
+    // chunks_ is sorted by (segment, offset) and offsets grow with the segment: start at the last chunk
+    // that begins at or before the range.
+    auto first = std::upper_bound(chunks_.begin(), chunks_.end(), r.offset,
+                                  [](uint64_t offset, const ChunkRecord& c) { return offset < c.info.offset; });
+    if (first != chunks_.begin()) --first;
+    for (auto c_it = first; c_it != chunks_.end() && c_it->info.offset < end; ++c_it) {
+      const ChunkRecord& c = *c_it;
+      const uint64_t c_end = c.info.offset + c.info.bytes;
+      if (c.info.segment != r.segment || c_end <= r.offset) continue;
+      if (span_chunks) {
+        whole.chunk_ids.push_back(c.info.id);
+        continue;
+      }
+      const uint64_t from = std::max(r.offset, c.info.offset);
+      out.handles.push_back({.segment = r.segment,
+                             .offset = from,
+                             .bytes = std::min(end, c_end) - from,
+                             .fd_offset = from - c.info.offset,
+                             .chunk_ids = {c.info.id}});
+    }
+    if (span_chunks) out.handles.push_back(std::move(whole));
+  }
+  out.lease = shared_.leases->IssueRanges(name_, caller.session, out.handles, span_chunks);
+  return out;
+}
+
+absl::Status Pool::CheckChunksLive(const std::vector<uint64_t>& chunk_ids) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
+  for (uint64_t id : chunk_ids) {
+    if (std::none_of(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; })) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint64_t>& chunk_ids) const {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));

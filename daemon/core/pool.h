@@ -38,6 +38,7 @@
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
 #include "daemon/core/sessions.h"
+#include "daemon/core/transfer.h"
 #include "kvd/device.h"
 #include "kvd/unique_fd.h"
 
@@ -178,6 +179,20 @@ class Pool {
   };
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(const std::vector<uint64_t>& chunk_ids) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Connectors (docs/connectors.md) ---
+
+  // The handles of a range export for client `client_id` (attached through `caller`'s session, so every
+  // release of a chunk it covers waits for that client's acknowledgement) and their lease. `ranges`
+  // (offset and bytes from the base; empty: every segment's committed prefix) must be granularity
+  // multiples inside one segment's committed prefix: INVALID_ARGUMENT naming ranges[i]. With
+  // `span_chunks` each range is one handle; otherwise one handle per chunk it touches. NOT_FOUND for a
+  // client not attached here, PERMISSION_DENIED for another session's, FAILED_PRECONDITION asleep.
+  [[nodiscard]] absl::StatusOr<RangeExport> PlanRangeExport(const Caller& caller, absl::string_view client_id,
+                                                            const std::vector<ByteRange>& ranges, bool span_chunks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when every chunk of `chunk_ids` is still in the table (FAILED_PRECONDITION naming one otherwise).
+  [[nodiscard]] absl::Status CheckChunksLive(const std::vector<uint64_t>& chunk_ids) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
   // the budget and hands the daemon's chunks (the table's and a held transaction's) to the caller to

@@ -51,6 +51,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
     : device_(device),
       options_(std::move(options)),
       device_info_(ReadInfo(device)),
+      capabilities_(device->Capabilities()),
       budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
       leases_(options_.lease_ttl),
       shared_{.leases = &leases_,
@@ -95,6 +96,7 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   }
   s.committed_bytes = budget_.committed();
   s.pools = static_cast<uint32_t>(pools.size());
+  s.capabilities = capabilities_;
   return s;
 }
 
@@ -162,6 +164,15 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
       return fd.status();
     }
     r.fd.reset(*fd);
+    if (capabilities_.fabric.supported) {
+      // Export once, like the FD: every reply and event then carries the same bytes.
+      absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
+      if (!fabric.ok()) {
+        DiscardChunk(base, r);
+        return fabric.status();
+      }
+      r.info.fabric_handle = *std::move(fabric);
+    }
     made.push_back(std::move(r));
   }
   std::move(undo).Cancel();
@@ -572,6 +583,23 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
 // ---------------------------------------------------------------------------------------------
 // Block operations
 
+absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
+                                                           absl::Span<const uint64_t> block_ids) const {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  const PoolView view = pool->View();
+  if (view.state == PoolState::kSleeping) {
+    return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is sleeping: it has no committed blocks"));
+  }
+  TransferPlan plan;
+  KVD_ASSIGN_OR_RETURN(plan.descriptors,
+                       ::kvd::daemon::DescribeTransfer(view.geometry, view.committed_blocks, block_ids));
+  plan.blocks = block_ids.empty() ? view.committed_blocks : block_ids.size();
+  for (const TransferDescriptor& d : plan.descriptors) plan.bytes += d.bytes * d.count;
+  plan.committed_blocks = view.committed_blocks;
+  plan.generation = view.generation;
+  return plan;
+}
+
 absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
@@ -605,7 +633,46 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl
     if (p != pools_.end()) pool = p->second;
   }
   if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
-  return pool->DupFds(lease.chunk_ids);
+  if (lease.ranges.empty()) return pool->DupFds(lease.chunk_ids);
+  return RedeemRanges(*pool, lease);
+}
+
+absl::StatusOr<RangeExport> PoolManager::ExportRanges(const Caller& caller, absl::string_view client_id,
+                                                      const std::vector<ByteRange>& ranges) {
+  if (!capabilities_.dma_buf.supported) {
+    return absl::UnimplementedError(absl::StrCat("ExportRanges: the ", BackendName(device_->kind()),
+                                                 " backend has no range export: ", capabilities_.dma_buf.detail));
+  }
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
+  if (!pool->Allows(caller.uid)) {
+    return absl::PermissionDeniedError(absl::StrCat("uid ", caller.uid, " may not use pool ", pool->name()));
+  }
+  return pool->PlanRangeExport(caller, client_id, ranges, capabilities_.range_spans_chunks);
+}
+
+absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Pool& pool, const LeaseRecord& lease) {
+  std::vector<LeasedFd> out;
+  absl::Cleanup close_all = [&] {
+    for (const LeasedFd& f : out) close(f.fd);
+  };
+  if (!lease.ranges_span_chunks) {
+    // One chunk per range: its exported FD, which the handle's fd_offset points into.
+    for (size_t i = 0; i < lease.ranges.size(); ++i) {
+      KVD_ASSIGN_OR_RETURN(std::vector<LeasedFd> one, pool.DupFds(lease.ranges[i].chunk_ids));
+      for (LeasedFd& f : one) out.push_back({.chunk_id = i, .fd = f.fd});
+    }
+  } else {
+    // op_mu keeps every covered chunk mapped in the daemon while the device exports the range.
+    absl::ReaderMutexLock op(&pool.op_mu);
+    for (size_t i = 0; i < lease.ranges.size(); ++i) {
+      const RangeHandle& r = lease.ranges[i];
+      KVD_RETURN_IF_ERROR(pool.CheckChunksLive(r.chunk_ids));
+      KVD_ASSIGN_OR_RETURN(const int fd, device_->ExportRange(pool.base() + r.offset, r.bytes));
+      out.push_back({.chunk_id = i, .fd = fd});
+    }
+  }
+  std::move(close_all).Cancel();
+  return out;
 }
 
 void PoolManager::Shutdown() {

@@ -63,6 +63,7 @@
 #include "daemon/core/pool_types.h"
 #include "daemon/core/sessions.h"
 #include "daemon/core/transactions.h"
+#include "daemon/core/transfer.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
@@ -95,6 +96,8 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<DeviceStatus> GetDeviceStatus() const;
   [[nodiscard]] absl::StatusOr<LayoutResolution> ResolveLayout(const LayoutRequest& request) const;
   const ManagerOptions& options() const { return options_; }
+  // Whether one range FD of ExportRanges may span several chunks (the device's capability).
+  bool range_spans_chunks() const { return capabilities_.range_spans_chunks; }
 
   [[nodiscard]] absl::StatusOr<PoolView> CreatePool(const Caller& caller, const PoolSpec& spec);
   [[nodiscard]] absl::StatusOr<PoolView> GetPool(const Caller& caller, absl::string_view name) const;
@@ -148,11 +151,25 @@ class PoolManager {
   [[nodiscard]] absl::Status CopyBlocks(const Caller& caller, absl::string_view pool,
                                         absl::Span<const BlockCopy> copies);
 
+  // Connectors: the descriptors of `block_ids` (empty: every committed block) under the pool's layout
+  // (transfer.h). INVALID_ARGUMENT naming block_ids[i]; FAILED_PRECONDITION while the pool sleeps.
+  [[nodiscard]] absl::StatusOr<TransferPlan> DescribeTransfer(const Caller& caller, absl::string_view pool,
+                                                              absl::Span<const uint64_t> block_ids) const;
+
+  // Connectors: FDs over byte ranges of the pool that client `client_id` (attached through `caller`'s
+  // session) belongs to, for RDMA registration (Pool::PlanRangeExport has the rules and errors). The
+  // lease yields one FD per handle: a DMA-BUF over the range where the device's range export spans chunks
+  // (CUDA), else a dup() of the one chunk's FD with fd_offset into it (host memfd). UNIMPLEMENTED when
+  // the device has no range export.
+  [[nodiscard]] absl::StatusOr<RangeExport> ExportRanges(const Caller& caller, absl::string_view client_id,
+                                                         const std::vector<ByteRange>& ranges);
+
   // The handle channel: a session's single-use lease becomes dup()s of its chunks' exported FDs (the
   // caller owns and closes them), in lease order. UNAUTHENTICATED for an unknown session;
   // PERMISSION_DENIED when `peer_uid` (SO_PEERCRED of the fetching connection) is not the session's
   // uid or the lease was issued to another session; NOT_FOUND for unknown or used leases;
-  // DEADLINE_EXCEEDED for expired ones; FAILED_PRECONDITION if a chunk was released since.
+  // DEADLINE_EXCEEDED for expired ones; FAILED_PRECONDITION if a chunk was released since. A range lease
+  // (ExportRanges) yields one FD per range, with LeasedFd::chunk_id holding the range's index.
   using LeasedFd = Pool::LeasedFd;
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
                                                                   absl::string_view lease_token, uint32_t peer_uid);
@@ -197,6 +214,9 @@ class PoolManager {
                        absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // The pool holding `transaction`, found through the transaction table.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransaction(absl::string_view transaction) const;
+  // A range lease's FDs (RedeemLease).
+  [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemRanges(Pool& pool, const LeaseRecord& lease)
+      ABSL_LOCKS_EXCLUDED(pool.op_mu);
   // The reaper thread: aborts transactions whose ttl passed.
   void ReapExpired();
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
@@ -205,6 +225,7 @@ class PoolManager {
   Device* const device_;
   const ManagerOptions options_;
   DeviceInfo device_info_;
+  DeviceCapabilities capabilities_;  // probed when the device opened
   Budget budget_;
   SessionTable sessions_;
   LeaseTable leases_;

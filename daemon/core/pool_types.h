@@ -30,6 +30,20 @@ struct ChunkInfo {
   uint64_t segment = 0;
   uint64_t offset = 0;  // from the pool's base
   uint64_t bytes = 0;
+  // CU_MEM_HANDLE_TYPE_FABRIC bytes, exported once at creation where the device delivers fabric handles
+  // (its probe succeeded); empty otherwise.
+  std::string fabric_handle;
+};
+
+// One FD of a range export (PoolManager::ExportRanges): the pool's bytes [offset, offset + bytes) from its
+// base, inside `segment`, found at `fd_offset` in the FD; `chunk_ids` are the chunks it covers (a release
+// naming any of them means: deregister this FD first).
+struct RangeHandle {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t fd_offset = 0;
+  std::vector<uint64_t> chunk_ids;
 };
 
 // A single-use capability to fetch the FDs of `chunk_ids` on the handle channel, for `uid`.
@@ -71,6 +85,15 @@ struct PoolView {
   GroupMembership group;
   std::vector<std::string> peer_devices;
   std::string transaction;  // the prepared transaction holding the pool, if any
+};
+
+// A range export's handles and the lease that turns them into FDs on the handle channel (the lease's
+// chunk_ids stay empty: its FDs are the handles', in order).
+struct RangeExport {
+  std::string pool;
+  std::vector<RangeHandle> handles;
+  Lease lease;
+  uint64_t generation = 0;
 };
 
 // The result of one change to a pool's chunk table.
@@ -129,6 +152,8 @@ struct DeviceStatus {
   uint64_t budget_bytes = 0;
   uint64_t max_chunk_bytes = 0;
   uint32_t pools = 0;
+  // As the device probed them, less what this daemon's API does not deliver (fabric handles).
+  DeviceCapabilities capabilities;
 };
 
 }  // namespace kvd::daemon

@@ -52,6 +52,18 @@ bool SessionTable::Contains(absl::string_view session) const {
   return sessions_.contains(session);
 }
 
+Lease LeaseTable::IssueRanges(absl::string_view pool, absl::string_view session, std::vector<RangeHandle> ranges,
+                              bool span_chunks) {
+  Lease lease = Issue(pool, session, {});
+  absl::MutexLock lock(&mu_);
+  auto it = leases_.find(lease.token);
+  if (it != leases_.end()) {
+    it->second.ranges = std::move(ranges);
+    it->second.ranges_span_chunks = span_chunks;
+  }
+  return lease;
+}
+
 Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids) {
   const absl::Time now = absl::Now();
   Lease lease{.token = RandomToken("l-"), .chunk_ids = std::move(chunk_ids), .expires = now + ttl_};

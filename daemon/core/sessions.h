@@ -45,6 +45,9 @@ struct LeaseRecord {
   std::string session;
   std::vector<uint64_t> chunk_ids;
   absl::Time expires;
+  // A range lease (ExportRanges) yields one FD per range instead of chunk FDs.
+  std::vector<RangeHandle> ranges;
+  bool ranges_span_chunks = false;  // each range is one device range export; else one chunk's FD
 };
 
 class LeaseTable {
@@ -54,6 +57,9 @@ class LeaseTable {
   // A new lease of `chunk_ids` of `pool` for `session`; drops expired leases on the way.
   Lease Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A new range lease: `ranges` of `pool` for `session` (the returned Lease has no chunk_ids).
+  Lease IssueRanges(absl::string_view pool, absl::string_view session, std::vector<RangeHandle> ranges,
+                    bool span_chunks) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes the lease out, whatever happens next (single use). NOT_FOUND for an unknown or used lease,
   // PERMISSION_DENIED when it was issued to another session, DEADLINE_EXCEEDED once expired.
   [[nodiscard]] absl::StatusOr<LeaseRecord> Redeem(absl::string_view session, absl::string_view token)

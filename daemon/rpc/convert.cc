@@ -157,6 +157,7 @@ v1::Chunk ToProto(const ChunkInfo& chunk) {
   p.set_segment(chunk.segment);
   p.set_offset(chunk.offset);
   p.set_bytes(chunk.bytes);
+  if (!chunk.fabric_handle.empty()) p.set_fabric_handle(chunk.fabric_handle);
   return p;
 }
 
@@ -229,6 +230,7 @@ v1::PoolEvent ToProto(const PoolEvent& event) {
   p.set_release_id(event.release_id);
   p.set_committed_blocks(event.committed_blocks);
   p.set_state(ToProto(event.state));
+  for (const ByteRange& r : MergeChunkRanges(event.chunks)) *p.add_ranges() = ToProto(r);
   return p;
 }
 
@@ -244,13 +246,84 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_budget_bytes(status.budget_bytes);
   p.set_granularity_bytes(status.info.granularity);
   p.set_max_chunk_bytes(status.max_chunk_bytes);
-  p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
-  if (status.info.fabric_handles) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  const DeviceCapabilities& caps = status.capabilities;
+  if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
+  if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
+  if (caps.dma_buf.supported) p.add_handle_types(v1::HANDLE_TYPE_DMA_BUF);
+  v1::Capabilities* c = p.mutable_capabilities();
+  auto set = [](v1::Capability* out, const Capability& in) {
+    out->set_supported(in.supported);
+    out->set_detail(in.detail);
+  };
+  set(c->mutable_posix_fd(), caps.posix_fd);
+  set(c->mutable_fabric(), caps.fabric);
+  set(c->mutable_dma_buf(), caps.dma_buf);
+  set(c->mutable_gpu_direct_rdma_vmm(), caps.gpu_direct_rdma);
+  c->set_range_spans_chunks(caps.range_spans_chunks);
+  for (const PeerCapability& peer : caps.peers) {
+    v1::PeerAccess* out = c->add_peers();
+    out->set_device_index(peer.index > 0 ? static_cast<uint32_t>(peer.index) : 0);
+    out->set_device_uuid(peer.uuid);
+    out->set_access(peer.access);
+    out->set_detail(peer.detail);
+  }
+  c->set_granularity_bytes(status.info.granularity);
+  c->set_max_chunk_bytes(status.max_chunk_bytes);
   p.set_driver_version(status.info.driver_version);
   p.set_daemon_version(KVD_VERSION);
   p.set_reserved_bytes(status.reserved_bytes);
   p.set_pool_count(status.pools);
   return p;
+}
+
+v1::DescribeTransferResponse ToProto(const TransferPlan& plan) {
+  v1::DescribeTransferResponse out;
+  for (const TransferDescriptor& d : plan.descriptors) {
+    v1::TransferDescriptor* p = out.add_descriptors();
+    p->set_segment(d.segment);
+    p->set_offset(d.offset);
+    p->set_bytes(d.bytes);
+    p->set_stride(d.stride);
+    p->set_count(d.count);
+  }
+  out.set_blocks(plan.blocks);
+  out.set_bytes(plan.bytes);
+  out.set_committed_blocks(plan.committed_blocks);
+  out.set_generation(plan.generation);
+  return out;
+}
+
+v1::ByteRange ToProto(const ByteRange& range) {
+  v1::ByteRange p;
+  p.set_segment(range.segment);
+  p.set_offset(range.offset);
+  p.set_bytes(range.bytes);
+  return p;
+}
+
+std::vector<ByteRange> FromProto(const google::protobuf::RepeatedPtrField<v1::ByteRange>& proto) {
+  std::vector<ByteRange> out;
+  out.reserve(proto.size());
+  for (const v1::ByteRange& r : proto) out.push_back({r.segment(), r.offset(), r.bytes()});
+  return out;
+}
+
+v1::ExportRangesResponse ToProto(const RangeExport& exported, bool span_chunks) {
+  v1::ExportRangesResponse out;
+  out.set_pool(exported.pool);
+  for (const RangeHandle& h : exported.handles) {
+    v1::RangeHandle* p = out.add_handles();
+    p->set_segment(h.segment);
+    p->set_offset(h.offset);
+    p->set_bytes(h.bytes);
+    p->set_fd_offset(h.fd_offset);
+    for (uint64_t id : h.chunk_ids) p->add_chunk_ids(id);
+  }
+  *out.mutable_lease() = ToProto(exported.lease);
+  out.set_handle_type(v1::HANDLE_TYPE_DMA_BUF);
+  out.set_ranges_span_chunks(span_chunks);
+  out.set_generation(exported.generation);
+  return out;
 }
 
 }  // namespace kvd::daemon

@@ -34,8 +34,12 @@ v1::ClientInfo ToProto(const ClientView& client);
 v1::Pool ToProto(const PoolView& pool);
 v1::PoolUpdate ToProto(const PoolUpdate& update);
 v1::PoolEvent ToProto(const PoolEvent& event);
-// daemon_version is the build's version (KVD_VERSION); handle_types lists POSIX_FD, plus FABRIC where
-// the device exports fabric handles.
+// daemon_version is the build's version (KVD_VERSION); handle_types lists what status.capabilities says
+// is delivered (POSIX_FD, DMA_BUF, FABRIC); capabilities carries the probes' details.
 v1::DeviceInfo ToProto(const DeviceStatus& status);
+v1::DescribeTransferResponse ToProto(const TransferPlan& plan);
+v1::ByteRange ToProto(const ByteRange& range);
+std::vector<ByteRange> FromProto(const google::protobuf::RepeatedPtrField<v1::ByteRange>& proto);
+v1::ExportRangesResponse ToProto(const RangeExport& exported, bool span_chunks);
 
 }  // namespace kvd::daemon

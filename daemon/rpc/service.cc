@@ -398,6 +398,34 @@ grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::Copy
   return Finish("CopyBlocks", status);
 }
 
+grpc::Status KvdService::DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
+                                          v1::DescribeTransferResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
+    KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
+    *response = ToProto(plan);
+    return absl::OkStatus();
+  }();
+  return Finish("DescribeTransfer", status);
+}
+
+grpc::Status KvdService::ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
+                                      v1::ExportRangesResponse* response) {
+  absl::Status status = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
+    KVD_ASSIGN_OR_RETURN(RangeExport exported,
+                         manager_->ExportRanges(caller, request->client_id(), FromProto(request->ranges())));
+    *response = ToProto(exported, manager_->range_spans_chunks());
+    spdlog::info("pool {}: {} range handles exported for client {} (pid {})", exported.pool, exported.handles.size(),
+                 request->client_id(), caller.pid);
+    return absl::OkStatus();
+  }();
+  return Finish("ExportRanges", status);
+}
+
 grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                                  v1::PrepareResponse* response) {
   absl::Status status = [&]() -> absl::Status {

@@ -76,6 +76,10 @@ class KvdService final : public v1::Kvd::Service {
                                v1::Pool* response) override;
   grpc::Status CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
                           v1::CopyBlocksResponse* response) override;
+  grpc::Status ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
+                            v1::ExportRangesResponse* response) override;
+  grpc::Status DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
+                                v1::DescribeTransferResponse* response) override;
 
  private:
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown.

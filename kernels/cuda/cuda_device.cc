@@ -35,12 +35,13 @@ std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 
 std::string Range(uint64_t va, uint64_t bytes) { return absl::StrCat("[", Hex(va), ", +", bytes, ")"); }
 
-CUmemAllocationProp AllocationProp(int ordinal, CUmemAllocationHandleType types) {
+CUmemAllocationProp AllocationProp(int ordinal, CUmemAllocationHandleType types, bool rdma = false) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = ordinal;
   prop.requestedHandleTypes = types;
+  prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
   return prop;
 }
 
@@ -162,7 +163,10 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
 
   // Fabric: the attribute says the GPU can; whether this node can (IMEX channel, permissions) shows
   // only by trying, so create and export one granule. Any failure means POSIX FD handles only.
+  dev->caps_.posix_fd = {true, "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR), once per chunk"};
+  dev->caps_.fabric = {false, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0"};
   if (fabric != 0) {
+    dev->caps_.fabric.detail = "the attribute is 1 but the probe could not create a fabric-exportable granule";
     const auto both =
         static_cast<CUmemAllocationHandleType>(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC);
     absl::StatusOr<uint64_t> fabric_granularity = granularity(both);
@@ -173,10 +177,16 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
       if (d.cuMemCreate_(&probe, probe_bytes, &prop, 0) == CUDA_SUCCESS) {
         absl::Cleanup release = [&] { (void)d.cuMemRelease_(probe); };
         CUmemFabricHandle handle{};
-        if (d.cuMemExportToShareableHandle_(&handle, probe, CU_MEM_HANDLE_TYPE_FABRIC, 0) == CUDA_SUCCESS) {
+        if (const CUresult r = d.cuMemExportToShareableHandle_(&handle, probe, CU_MEM_HANDLE_TYPE_FABRIC, 0);
+            r == CUDA_SUCCESS) {
           dev->fabric_handles_ = true;
           dev->handle_types_ = both;
           dev->granularity_ = probe_bytes;
+          dev->caps_.fabric = {true, "probe: cuMemExportToShareableHandle(FABRIC) of a granule succeeded"};
+        } else {
+          dev->caps_.fabric.detail = absl::StrCat(
+              "the attribute is 1 but the probe's cuMemExportToShareableHandle(FABRIC) failed: ", CudaErrorName(d, r),
+              " (no IMEX channel?)");
         }
       }
     }
@@ -184,6 +194,23 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Open(int index) {
 
   // The granularity is final now (the fabric probe may have raised it).
   dev->book_ = std::make_unique<VaBook>(dev->granularity_);
+
+  KVD_ASSIGN_OR_RETURN(const int dma_buf, attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, "DMA_BUF_SUPPORTED"));
+  KVD_ASSIGN_OR_RETURN(const int rdma_vmm, attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                                                     "GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"));
+  dev->rdma_flag_ = rdma_vmm != 0;
+  dev->ProbeRangeExport(dma_buf != 0);
+  if (rdma_vmm == 0) {
+    dev->caps_.gpu_direct_rdma = {false, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 0"};
+  } else if (!dev->caps_.dma_buf.supported) {
+    dev->caps_.gpu_direct_rdma = {
+        false, "the attribute is 1 but no DMA-BUF of the RDMA-flagged chunks: " + dev->caps_.dma_buf.detail};
+  } else {
+    dev->caps_.gpu_direct_rdma = {true,
+                                  "chunks are created gpuDirectRDMACapable and their DMA-BUF export was probed; "
+                                  "no NIC registration was tried (none is needed to state this)"};
+  }
+  KVD_RETURN_IF_ERROR(dev->ProbePeers());
 
   KVD_RETURN_IF_ERROR(
       CudaStatus(d, d.cuStreamCreate_(&dev->stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate(block kernels)"));
@@ -305,7 +332,7 @@ absl::Status CudaDevice::Free(uint64_t va, uint64_t bytes) {
 absl::StatusOr<Chunk> CudaDevice::Create(uint64_t bytes) {
   KVD_RETURN_IF_ERROR(book_->CheckSize("Create", "bytes", bytes));
   KVD_RETURN_IF_ERROR(MakeCurrent());
-  const CUmemAllocationProp prop = AllocationProp(ordinal_, handle_types_);
+  const CUmemAllocationProp prop = AllocationProp(ordinal_, handle_types_, rdma_flag_);
   CUmemGenericAllocationHandle handle = 0;
   if (const CUresult r = driver_.cuMemCreate_(&handle, bytes, &prop, 0); r != CUDA_SUCCESS) {
     absl::Status s = CudaStatusLazy(driver_, r, [&] { return absl::StrCat("cuMemCreate(", bytes, " bytes)"); });
@@ -382,6 +409,101 @@ absl::StatusOr<int> CudaDevice::Export(const Chunk& chunk) {
   return fd.release();
 }
 
+void CudaDevice::ProbeRangeExport(bool attribute) {
+  if (!attribute) {
+    caps_.dma_buf = {false, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0"};
+    return;
+  }
+  // Two chunks as Create makes them, mapped side by side as a pool's grows map them; one DMA-BUF over
+  // both is what a connector registers.
+  const CudaDriver& d = driver_;
+  const uint64_t g = granularity_;
+  absl::Status probe = [&]() -> absl::Status {
+    CUdeviceptr va = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuMemAddressReserve_(&va, 2 * g, g, 0, 0), "cuMemAddressReserve"));
+    absl::Cleanup free_va = [&] { (void)d.cuMemAddressFree_(va, 2 * g); };
+    const CUmemAllocationProp prop = AllocationProp(ordinal_, handle_types_, rdma_flag_);
+    CUmemGenericAllocationHandle chunks[2] = {0, 0};
+    absl::Cleanup release = [&] {
+      for (CUmemGenericAllocationHandle h : chunks) {
+        if (h != 0) (void)d.cuMemRelease_(h);
+      }
+    };
+    int mapped = 0;
+    absl::Cleanup unmap = [&] {
+      for (int i = 0; i < mapped; ++i) (void)d.cuMemUnmap_(va + i * g, g);
+    };
+    for (int i = 0; i < 2; ++i) {
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuMemCreate_(&chunks[i], g, &prop, 0),
+                                     rdma_flag_ ? "cuMemCreate(gpuDirectRDMACapable)" : "cuMemCreate"));
+      KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuMemMap_(va + i * g, g, 0, chunks[i], 0), "cuMemMap"));
+      ++mapped;
+    }
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = ordinal_;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuMemSetAccess_(va, 2 * g, &desc, 1), "cuMemSetAccess"));
+    int raw = -1;
+    KVD_RETURN_IF_ERROR(
+        CudaStatus(d, d.cuMemGetHandleForAddressRange_(&raw, va, 2 * g, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
+                   "cuMemGetHandleForAddressRange(DMA_BUF_FD, two chunks)"));
+    UniqueFd fd(raw);
+    if (!fd) return absl::InternalError("cuMemGetHandleForAddressRange succeeded but returned no FD");
+    return absl::OkStatus();
+  }();
+  if (probe.ok()) {
+    caps_.dma_buf = {true, "probe: cuMemGetHandleForAddressRange(DMA_BUF_FD) over two mapped chunks gave one FD"};
+    caps_.range_spans_chunks = true;
+  } else {
+    caps_.dma_buf = {false, absl::StrCat("the attribute is 1 but the probe failed: ", probe.message())};
+  }
+}
+
+absl::Status CudaDevice::ProbePeers() {
+  int count = 0;
+  KVD_RETURN_IF_ERROR(CudaStatus(driver_, driver_.cuDeviceGetCount_(&count), "cuDeviceGetCount"));
+  for (int i = 0; i < count; ++i) {
+    if (i == ordinal_) continue;
+    CUdevice peer = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(driver_, driver_.cuDeviceGet_(&peer, i), "cuDeviceGet"));
+    PeerCapability p;
+    p.index = i;
+    KVD_ASSIGN_OR_RETURN(p.uuid, DeviceUuid(driver_, peer));
+    int can = 0;
+    KVD_RETURN_IF_ERROR(
+        CudaStatus(driver_, driver_.cuDeviceCanAccessPeer_(&can, peer, device_), "cuDeviceCanAccessPeer"));
+    p.access = can != 0;
+    p.detail = absl::StrCat("cuDeviceCanAccessPeer(device ", i, ", device ", ordinal_, ") = ", can);
+    caps_.peers.push_back(std::move(p));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> CudaDevice::ExportRange(uint64_t va, uint64_t bytes) {
+  if (!caps_.dma_buf.supported) {
+    return absl::UnimplementedError(
+        absl::StrCat("ExportRange: CUDA device ", ordinal_, " has no DMA-BUF range export: ", caps_.dma_buf.detail));
+  }
+  KVD_RETURN_IF_ERROR(book_->CheckSize("ExportRange", "bytes", bytes));
+  if (va % granularity_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ExportRange: va ", Hex(va), " is not a multiple of the granularity ", granularity_));
+  }
+  UniqueFd fd;
+  KVD_RETURN_IF_ERROR(book_->UseRange("ExportRange", va, bytes, /*write=*/false, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    int raw = -1;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(
+        driver_, driver_.cuMemGetHandleForAddressRange_(&raw, va, bytes, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
+        [&] { return absl::StrCat("cuMemGetHandleForAddressRange(DMA_BUF_FD, ", Range(va, bytes), ")"); }));
+    fd.reset(raw);
+    if (!fd) return absl::InternalError("cuMemGetHandleForAddressRange succeeded but returned no FD");
+    return absl::OkStatus();
+  }));
+  return fd.release();
+}
+
 absl::StatusOr<Chunk> CudaDevice::Import(int fd, uint64_t bytes) {
   if (fd < 0) return absl::InvalidArgumentError(absl::StrCat("Import: fd ", fd, " is not a file descriptor"));
   KVD_RETURN_IF_ERROR(book_->CheckSize("Import", "bytes", bytes));
@@ -412,6 +534,11 @@ absl::StatusOr<FabricHandle> CudaDevice::ExportFabric(const Chunk& chunk) {
     return absl::OkStatus();
   }));
   return out;
+}
+
+absl::StatusOr<std::string> CudaDevice::ExportFabricHandle(const Chunk& chunk) {
+  KVD_ASSIGN_OR_RETURN(const FabricHandle handle, ExportFabric(chunk));
+  return std::string(reinterpret_cast<const char*>(handle.bytes.data()), handle.bytes.size());
 }
 
 absl::StatusOr<Chunk> CudaDevice::ImportFabric(const FabricHandle& fabric, uint64_t bytes) {

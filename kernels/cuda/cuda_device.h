@@ -113,6 +113,17 @@ class CudaDevice final : public Device {
   // or a pair without peer access.
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
 
+  // Probed at Open: fabric by exporting a granule (the attribute alone is not trusted), DMA-BUF by
+  // cuMemGetHandleForAddressRange over a mapped range of two separately created chunks (with the
+  // GPUDirect-RDMA flag where CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 1, as every
+  // chunk then is), peers by cuDeviceCanAccessPeer.
+  DeviceCapabilities Capabilities() const override { return caps_; }
+  // cuMemGetHandleForAddressRange(DMA_BUF_FD): one DMA-BUF over a mapped range of any number of chunks.
+  // UNIMPLEMENTED when the probe at Open failed (the capability's detail says why).
+  [[nodiscard]] absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override;
+  // ExportFabric's bytes; FAILED_PRECONDITION without fabric handles, as ExportFabric.
+  [[nodiscard]] absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk) override;
+
   // CUDA only: fabric handles (multi-node NVLink). Chunks are created fabric-exportable only when
   // fabric_handles() is true; otherwise both calls are FAILED_PRECONDITION.
   bool fabric_handles() const { return fabric_handles_; }
@@ -131,6 +142,9 @@ class CudaDevice final : public Device {
 
   // Makes the primary context current on this thread.
   absl::Status MakeCurrent() const;
+  // Open's probes (Capabilities()): a failed DMA-BUF probe is recorded, not returned.
+  void ProbeRangeExport(bool attribute);
+  absl::Status ProbePeers();
   // Records a chunk the driver just handed out (one more reference), or releases it again if the book
   // refuses it.
   absl::StatusOr<Chunk> Record(const Chunk& chunk, ChunkOrigin origin);
@@ -151,6 +165,8 @@ class CudaDevice final : public Device {
   uint64_t granularity_ = 0;
   CUmemAllocationHandleType handle_types_ = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   bool fabric_handles_ = false;
+  bool rdma_flag_ = false;  // chunks are created with allocFlags.gpuDirectRDMACapable
+  DeviceCapabilities caps_;
   int multiprocessors_ = 1;
   std::string name_;
   std::string uuid_;

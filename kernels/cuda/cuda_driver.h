@@ -62,6 +62,7 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuMemSetAccess)                     \
   X(cuMemExportToShareableHandle)       \
   X(cuMemImportFromShareableHandle)     \
+  X(cuMemGetHandleForAddressRange)      \
   X(cuMemAlloc)                         \
   X(cuMemFree)                          \
   X(cuMemcpyHtoD)                       \

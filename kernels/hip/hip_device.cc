@@ -659,4 +659,15 @@ absl::StatusOr<std::unique_ptr<Device>> OpenHipDevice(int index) {
 
 absl::StatusOr<std::vector<DeviceInfo>> ListHipDevices() { return hip::ListVisibleDevices(); }
 
+DeviceCapabilities hip::HipDevice::Capabilities() const {
+  DeviceCapabilities caps;
+  caps.posix_fd = {true, "hipMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR), once per chunk"};
+  caps.fabric = {false, "HIP has no fabric handle type"};
+  caps.dma_buf = {false,
+                  "UNIMPLEMENTED: kvd's HIP backend does not export ranges yet (hipMemGetHandleForAddressRange is "
+                  "not in its runtime table)"};
+  caps.gpu_direct_rdma = {false, "not probed on HIP"};
+  return caps;
+}
+
 }  // namespace kvd

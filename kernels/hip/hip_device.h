@@ -115,6 +115,7 @@ class HipDevice final : public Device {
   // grant. NOT_FOUND (naming ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) when no visible device has the
   // UUID; FAILED_PRECONDITION for a non-HIP UUID or a pair without peer access.
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
+  DeviceCapabilities Capabilities() const override;
 
  private:
   HipDevice(const HipRuntimeTable& hip, int index, int runtime_version, int driver_version);

@@ -368,4 +368,16 @@ absl::Status HostDevice::UnpackBlocks(const BlockSpan& span, uint64_t src, absl:
   });
 }
 
+DeviceCapabilities HostDevice::Capabilities() const {
+  DeviceCapabilities caps;
+  caps.posix_fd = {true, "each chunk is a memfd, passed as an FD"};
+  caps.fabric = {false, "host memory has no fabric handles"};
+  caps.dma_buf = {true,
+                  "memfd ranges: a range is exported chunk by chunk, each chunk's memfd with the offset into it "
+                  "(what a host-memory connector maps or registers with ibv_reg_mr); no kernel DMA-BUF"};
+  caps.range_spans_chunks = false;
+  caps.gpu_direct_rdma = {false, "host memory: an RDMA NIC registers it as ordinary memory"};
+  return caps;
+}
+
 }  // namespace kvd

@@ -105,6 +105,7 @@ class HostDevice final : public Device {
   // OK for every "host-<this boot id>-<N>" (host memory is reachable from every host device);
   // FAILED_PRECONDITION for a host UUID of another boot or machine, or a device of another backend.
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
+  DeviceCapabilities Capabilities() const override;
 
  private:
   HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid);

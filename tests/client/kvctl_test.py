@@ -192,11 +192,42 @@ class KvctlTest(KvctlCase):
         self.assertEqual(len(r.stderr.splitlines()), 1)
         self.assertIn("UNAVAILABLE", r.stderr)
 
+    def test_caps(self):
+        s = self.json("caps")
+        d = self.proto(s["reply"], kvd_pb2.DeviceInfo)
+        c = d.capabilities
+        self.assertTrue(c.posix_fd.supported)
+        self.assertFalse(c.fabric.supported)
+        self.assertNotIn(kvd_pb2.HANDLE_TYPE_FABRIC, d.handle_types)
+        self.assertFalse(c.gpu_direct_rdma_vmm.supported)
+        self.assertEqual(c.granularity_bytes, 2 * MiB)
+        self.assertIn("capabilities", self.json("status")["reply"])  # status --json carries it too
+        human = self.ok("caps")
+        self.assertRegex(human, r"POSIX FD +yes")
+        self.assertRegex(human, r"FABRIC +no")
+
+    def test_transfer(self):
+        self.ok("create", "kv", *DIMS, "--initial-blocks", "1024", "--layout", "LHBNC")
+        doc = self.json("transfer", "kv")
+        self.assertEqual(sorted(doc), ["pool", "reply"])
+        t = self.proto(doc["reply"], kvd_pb2.DescribeTransferResponse)
+        self.assertEqual(t.blocks, 1024)
+        self.assertEqual(t.committed_blocks, 1024)
+        self.assertEqual(len(t.descriptors), 1)  # every committed block: one run per segment, 4 segments
+        self.assertEqual(t.descriptors[0].count, 4)
+        t = self.proto(self.json("transfer", "kv", "--blocks", "0,2,4,6-7")["reply"], kvd_pb2.DescribeTransferResponse)
+        self.assertEqual(t.blocks, 5)
+        self.assertEqual(t.bytes, 5 * 2 * 2 * 16 * 64 * 2)
+        self.assertIn("1 blocks", self.ok("transfer", "kv", "--blocks", "3"))
+        self.assertIn("block_ids[1]: 1 repeats block_ids[0]", self.fails("transfer", "kv", "--blocks", "1,1"))
+        self.assertIn("--blocks", self.fails("transfer", "kv", "--blocks", "two"))
+        self.assertIn("NOT_FOUND", self.fails("transfer", "missing"))
+
     def test_help_on_every_verb(self):
         for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
                      ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
                      ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
-                     ["group", "wake"]]:
+                     ["group", "wake"], ["transfer"], ["caps"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)

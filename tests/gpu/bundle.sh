@@ -5,7 +5,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${1:-$root/build} dest=${2:-$root/.device}
-keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench kvd_bench)
+keep=(device_conformance_test device_peer cuda_device_test kvd_device_bench kvd kvd_probe kvctl kvd_group_bench kvd_bench
+      connector_peer)
 # device-bundle takes every program of the tree it is given: give it just the ones the GPU run uses.
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

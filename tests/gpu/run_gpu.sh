@@ -2,7 +2,7 @@
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
 # build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
-# STEPS="device daemon group python bench" (the default: all) picks steps.
+# STEPS="device daemon group python bench connectors" (the default: all) picks steps.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -153,5 +153,81 @@ if want bench; then
   # the log, the JSON to kvd_bench.json.
   TAIL=40 run kvd_bench bash -c "kvd_bench --backend=cuda --json ${KVD_BENCH_ARGS:-} >$out/kvd_bench.json"
 fi
+if want connectors; then
+step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"
+dir=$(mktemp -d)
+sock=$dir/gpu0.sock
+kvd --backend=cuda --socket="$sock" --log-level=info >"$out/kvd-connectors.log" 2>&1 &
+daemon=$!
+for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
+run caps kvctl --socket="$sock" caps
+run caps_json kvctl --socket="$sock" --json caps
+grep -q '"HANDLE_TYPE_DMA_BUF"' "$out/caps_json.log" || { echo "!!! DMA_BUF not advertised"; status=1; }
+# wait_for FILE PATTERN [COUNT]: until FILE has COUNT lines matching PATTERN (2 min), or the peer said error.
+wait_for() {
+  for _ in $(seq 1200); do
+    (($(grep -c -- "$2" "$1") >= ${3:-1})) && return 0
+    grep -q '^error' "$1" && { grep '^error' "$1"; return 1; }
+    sleep 0.1
+  done
+  echo "!!! timed out waiting for $2 in $1"
+  return 1
+}
+# check_dmabufs FILE FIRST_LINE: every dmabuf line from FIRST_LINE on has fdinfo size == bytes and
+# exp_name nv_dmabuf; prints the count and bytes.
+check_dmabufs() {
+  tail -n "+$2" "$1" | awk '$1 == "dmabuf" { n++; bytes += $4; if ($6 != $4 || $7 != "nv_dmabuf") { bad++; print "!!! " $0 } }
+    END { printf "%d DMA-BUF FDs, %.2f GiB, %d with a wrong size or exporter\n", n, bytes / 2^30, bad; exit (bad > 0 || n == 0) }'
+}
+# Llama-70B-like: 80 layers, 5 MiB blocks, created at half the size and grown to all of it, so every
+# segment has two chunks or more. LBNHC: 80 segments, one FD each spanning its chunks; BLNHC: one segment
+# of 4 GiB chunks, one FD spanning them all.
+dims=(--layers=80 --capacity-blocks=32768 --heads=16 --block-tokens=16 --channels=128 --element-bytes=2)
+blocks=$(python3 -c 'import re,sys; n,u=re.fullmatch(r"(\d+)([KMGT]i)?B?",sys.argv[1]).groups(); print(int(n)*{None:1,"Ki":2**10,"Mi":2**20,"Gi":2**30,"Ti":2**40}[u]//(5*2**20))' "$pool_size")
+for layout in LBNHC BLNHC; do
+  pool=kv-$layout
+  run "create_$layout" kvctl --socket="$sock" create "$pool" "${dims[@]}" --layout="$layout" --initial-blocks=$((blocks / 2))
+  run "grow_$layout" kvctl --socket="$sock" grow "$pool" --blocks="$blocks"
+  # Chunk.fabric_handle is filled exactly where FABRIC is advertised (the probe export worked).
+  kvctl --socket="$sock" --json describe "$pool" | python3 -c 'import json, sys
+p = json.load(sys.stdin); fab = sys.argv[1] != "0"
+bad = [c["id"] for c in p["chunks"] if bool(c.get("fabric_handle")) != fab]
+print(len(p["chunks"]), "chunks; fabric handles", "expected" if fab else "absent", "; wrong:", bad); sys.exit(1 if bad else 0)' \
+    "$(grep -c '"HANDLE_TYPE_FABRIC"' "$out/caps_json.log")" || status=1
+  run "transfer_$layout" kvctl --socket="$sock" transfer "$pool" --blocks="0-$((blocks / 8)),$((blocks / 4))-$((blocks / 2)),$((blocks - 1))"
+  fifo=$dir/peer-$layout.in
+  mkfifo "$fifo"
+  log=$out/peer-$layout.log
+  connector_peer --fdinfo "$sock" "$pool" <"$fifo" >"$log" 2>&1 &
+  peer=$!
+  exec {w}>"$fifo"
+  step "$layout: the connector process exports every committed range"
+  wait_for "$log" '^exported' || status=1
+  grep '^exported' "$log"
+  check_dmabufs "$log" 1 || status=1
+  step "$layout: shrink to half with --wait (releases the grown chunks): the connector deregisters first"
+  kvctl --socket="$sock" shrink "$pool" --blocks=$((blocks / 2)) --wait || status=1
+  wait_for "$log" '^deregistered' || status=1
+  grep -c '^released' "$log"
+  step "$layout: grow back: the connector exports only the new ranges"
+  kvctl --socket="$sock" grow "$pool" --blocks="$blocks" || status=1
+  wait_for "$log" '^added' || status=1
+  sleep 1  # every added line of the event
+  first=$(($(wc -l <"$log") + 1))
+  echo export-added >&"$w"
+  wait_for "$log" '^exported' 2 || status=1
+  grep '^exported' "$log" | tail -n 1
+  check_dmabufs "$log" "$first" || status=1
+  echo quit >&"$w"
+  exec {w}>&-
+  wait "$peer" || { echo "!!! connector_peer exited $?"; status=1; }
+  kvctl --socket="$sock" delete "$pool" >/dev/null || status=1
+done
+kill -TERM "$daemon"
+wait "$daemon"
+echo "kvd exited $?"
+rm -rf "$dir"
+fi
+
 step "gpu run: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
 exit $status

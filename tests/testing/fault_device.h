@@ -6,6 +6,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <string>
 
 #include "absl/synchronization/mutex.h"
 #include "kvd/device.h"
@@ -23,6 +24,9 @@ class FaultDevice final : public Device {
     absl::MutexLock lock(&mu_);
     faults_[op] = {nth, std::move(status)};
   }
+  // From now on the device claims fabric handles (a stand-in for a CUDA node whose fabric probe
+  // succeeded): Capabilities() says so and ExportFabricHandle returns 64 bytes naming the chunk.
+  void PretendFabric() { pretend_fabric_ = true; }
   int live_chunks() const { return live_chunks_; }
   int live_mappings() const { return live_mappings_; }
   int live_reservations() const { return live_reservations_; }
@@ -70,6 +74,18 @@ class FaultDevice final : public Device {
   }
   absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override { return inner_->Import(fd, bytes); }
   absl::Status CheckPeerAccess(absl::string_view owner_uuid) override { return inner_->CheckPeerAccess(owner_uuid); }
+  DeviceCapabilities Capabilities() const override {
+    DeviceCapabilities caps = inner_->Capabilities();
+    if (pretend_fabric_) caps.fabric = {true, "FaultDevice::PretendFabric"};
+    return caps;
+  }
+  absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk) override {
+    if (!pretend_fabric_) return inner_->ExportFabricHandle(chunk);
+    std::string bytes = "fabric-" + std::to_string(chunk.handle);
+    bytes.resize(64, '\0');
+    return bytes;
+  }
+  absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override { return inner_->ExportRange(va, bytes); }
   absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
     return inner_->CopyToHost(dst, src_va, bytes);
   }
@@ -108,6 +124,7 @@ class FaultDevice final : public Device {
   absl::Mutex mu_;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0};
+  std::atomic<bool> pretend_fabric_{false};
 };
 
 }  // namespace kvd::testing

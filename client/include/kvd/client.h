@@ -65,6 +65,29 @@ struct ConnectOptions {
   std::function<void(const google::protobuf::Message& reply)> on_reply;
 };
 
+// What the device's memory can be shared as (proto Capabilities), probed when the daemon started; an
+// item is `supported` only when this daemon's API delivers it. docs/connectors.md.
+struct CapabilityReport {
+  struct Item {
+    bool supported = false;
+    std::string detail;  // how it was established, or why not
+  };
+  struct Peer {
+    uint32_t device_index = 0;
+    std::string device_uuid;
+    bool access = false;
+    std::string detail;
+  };
+  Item posix_fd;
+  Item fabric;
+  Item dma_buf;
+  Item gpu_direct_rdma_vmm;
+  bool range_spans_chunks = false;
+  std::vector<Peer> peers;
+  uint64_t granularity_bytes = 0;
+  uint64_t max_chunk_bytes = 0;
+};
+
 // GetDeviceInfo.
 struct DeviceStatus {
   std::string backend;  // "host", "cuda", "hip"
@@ -81,6 +104,8 @@ struct DeviceStatus {
   uint64_t granularity_bytes = 0;
   uint64_t max_chunk_bytes = 0;
   uint32_t pool_count = 0;
+  std::vector<std::string> handle_types;  // "posix_fd", "fabric", "dma_buf": what the API delivers
+  CapabilityReport capabilities;
 };
 
 // [L, B, H, N, C] and the element size (proto PoolDims).
@@ -153,6 +178,9 @@ struct ChunkInfo {
   uint64_t segment = 0;
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  // CU_MEM_HANDLE_TYPE_FABRIC bytes where the daemon delivers them (DeviceStatus::handle_types has
+  // "fabric"): importers across an NVLink domain pass them to cuMemImportFromShareableHandle.
+  std::string fabric_handle;
 };
 
 struct ClientInfo {
@@ -237,6 +265,50 @@ struct ResolvedLayout {
   Geometry geometry;
 };
 
+// KV connectors (docs/connectors.md). `count` runs of `bytes` bytes; run i starts at
+// offset + i*stride from the pool's base address (proto TransferDescriptor).
+struct TransferDescriptor {
+  uint64_t segment = 0;  // of the first run
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t stride = 0;  // == bytes when count == 1
+  uint64_t count = 0;
+};
+
+// A contiguous byte range of a pool, from its base address, inside one segment (proto ByteRange).
+struct ByteRange {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// One FD of a range export: the pool's bytes [offset, offset + bytes) are at fd_offset in `fd` (CUDA: a
+// DMA-BUF to register with ibv_reg_dmabuf_mr / UCX / NIXL; host: a memfd to mmap or ibv_reg_mr).
+struct RangeHandle {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t fd_offset = 0;
+  std::vector<uint64_t> chunk_ids;  // a release naming one of them means: deregister this handle first
+  int fd = -1;                      // the caller's: close it once registered (the registration keeps it)
+};
+
+struct RangeExport {
+  std::string pool;
+  std::vector<RangeHandle> handles;
+  bool ranges_span_chunks = false;  // one FD per range (CUDA); else one per chunk a range touches (host)
+  uint64_t generation = 0;
+};
+
+// DescribeTransfer's reply: every byte of the blocks in exactly one run of one descriptor.
+struct TransferPlan {
+  std::vector<TransferDescriptor> descriptors;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;  // sum of bytes*count
+  uint64_t committed_blocks = 0;
+  uint64_t generation = 0;
+};
+
 // Layer l of every block: the bytes of (l, b, h, n, c) are at
 //   data + b*stride_b + h*stride_h + n*stride_n + c*stride_c.
 struct LayerView {
@@ -268,6 +340,14 @@ struct AttachOptions {
   // release: everything is unmapped, the Mapping is lost (state() == kLost) and detached in the daemon.
   // Argument: why.
   std::function<void(const absl::Status& why)> on_lost;
+  // KV connectors (docs/connectors.md). New bytes as contiguous ranges per segment, once mapped (grow or
+  // wake by another session; this Client's own Grow/Wake reply carries `added` instead): export and
+  // register just these (Client::ExportRanges with them).
+  std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_added;
+  // Bytes being released (shrink or sleep), called *before* the follower unmaps and acknowledges:
+  // deregister every registration overlapping them and close their FDs. The daemon's release (and a
+  // Shrink/Sleep with wait) waits until this returns.
+  std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_released;
 };
 
 class Client;
@@ -340,6 +420,18 @@ class Client {
   // Grants (or with `revoke` takes back) peer access to the pool for a device UUID or "*".
   [[nodiscard]] absl::StatusOr<PoolInfo> GrantPeerAccess(absl::string_view pool, absl::string_view device_uuid,
                                                          bool revoke = false);
+
+  // The strided descriptors covering `block_ids` (empty: every committed block) under the pool's layout.
+  // INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id.
+  [[nodiscard]] absl::StatusOr<TransferPlan> DescribeTransfer(absl::string_view pool,
+                                                              const std::vector<uint64_t>& block_ids = {});
+
+  // FDs over byte ranges of `mapping`'s pool for one-time RDMA registration, fetched on the handle channel
+  // (docs/connectors.md). `ranges`: granularity multiples, each inside one segment's committed prefix;
+  // empty: every segment's whole committed prefix. The caller owns (and closes) every handle's fd.
+  // UNIMPLEMENTED where the daemon's device has no range export (kvctl caps says why).
+  [[nodiscard]] absl::StatusOr<RangeExport> ExportRanges(const Mapping& mapping,
+                                                         const std::vector<ByteRange>& ranges = {});
 
   // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.

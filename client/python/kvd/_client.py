@@ -372,6 +372,34 @@ class Client:
         self._call("CopyBlocks", pb.CopyBlocksRequest(pool=name, copies=[pb.BlockCopy(src=s, dst=d)
                                                                           for s, d in copies]))
 
+    # -- KV connectors (docs/connectors.md) -----------------------------------------------------
+    def describe_transfer(self, name, block_ids=None):
+        """DescribeTransfer -> kvd.v1.DescribeTransferResponse: the strided descriptors (segment,
+        offset, bytes, stride, count: `count` runs of `bytes` bytes, run i at offset + i*stride from the
+        pool's base) covering `block_ids` (None or empty: every committed block) under the pool's
+        layout. Raises INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id."""
+        return self._call("DescribeTransfer",
+                          pb.DescribeTransferRequest(pool=name, block_ids=list(block_ids or [])))
+
+    def export_ranges(self, client_id, ranges=None):
+        """ExportRanges -> (kvd.v1.ExportRangesResponse, [fd, ...]): FDs over byte ranges of the pool that
+        the attached client `client_id` (of this Client) belongs to, one per response handle, in order;
+        the pool's bytes [h.offset, h.offset + h.bytes) are at h.fd_offset in handle h's FD (CUDA: a
+        DMA-BUF; host: a memfd). `ranges`: [(offset, bytes), ...], granularity multiples inside one
+        segment's committed prefix; None: every segment's whole committed prefix. The caller closes the
+        FDs (once registered)."""
+        req = pb.ExportRangesRequest(client_id=client_id,
+                                     ranges=[pb.ByteRange(offset=o, bytes=b) for o, b in (ranges or [])])
+        resp = self._call("ExportRanges", req)
+        if not resp.handles:
+            return resp, []
+        fds = self.session.fetch(resp.lease.token)
+        if [i for i, _ in fds] != list(range(len(resp.handles))):
+            for _, fd in fds:
+                os.close(fd)
+            raise KvdError("DATA_LOSS", f"ExportRanges: {len(fds)} FDs for {len(resp.handles)} handles, or out of order")
+        return resp, [fd for _, fd in fds]
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
         """Closes every Mapping, the channel and the session (the daemon detaches what is left)."""

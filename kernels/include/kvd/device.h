@@ -102,6 +102,37 @@ struct BlockCopy {
 
 enum class Access { kReadWrite, kRead };
 
+// One way of sharing memory, as established by a probe with a real allocation when the device was
+// opened (an attribute alone is not trusted: CUDA reports fabric support on nodes without an IMEX
+// channel, where every fabric export fails).
+struct Capability {
+  bool supported = false;
+  std::string detail;  // how it was established, or why not ("UNIMPLEMENTED: ...", the failed call)
+};
+
+struct PeerCapability {
+  int index = 0;     // as this process numbers the devices
+  std::string uuid;  // DeviceInfo::uuid of that device
+  bool access = false;
+  std::string detail;  // the query that decided
+};
+
+// What a device's memory can be shared as, for KV connectors (docs/connectors.md).
+struct DeviceCapabilities {
+  Capability posix_fd;  // Export: one FD per chunk, imported with Import
+  Capability fabric;    // CU_MEM_HANDLE_TYPE_FABRIC bytes per chunk (across an NVLink domain)
+  // ExportRange: one FD over a mapped range (CUDA: a DMA-BUF that an RDMA NIC registers; host: the
+  // range's memfd, which a host-memory connector maps or registers).
+  Capability dma_buf;
+  // Whether ExportRange covers a range of several chunks with one FD (CUDA's DMA-BUF does). When false,
+  // a range is exported chunk by chunk: each chunk's Export FD with the offset into it.
+  bool range_spans_chunks = false;
+  // An RDMA NIC can register this device's VMM chunks (GPUDirect RDMA with VMM): chunks are created
+  // with the RDMA flag and their DMA-BUF export was probed; no NIC registration is tried.
+  Capability gpu_direct_rdma;
+  std::vector<PeerCapability> peers;  // every other device this process can see
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -169,6 +200,21 @@ class Device {
   // (docs/backends.md, "Peer access"); no other call is needed.
   // See Note [Peer access is granted by the pool and checked by the importer] in docs/architecture.md.
   [[nodiscard]] virtual absl::Status CheckPeerAccess(absl::string_view owner_uuid) = 0;
+
+  // What this device's memory can be shared as: probed once when the device was opened (the probes
+  // allocate and release real memory then), so this is cheap. The default describes a backend with
+  // POSIX-FD chunk exports only.
+  virtual DeviceCapabilities Capabilities() const;
+  // A new FD (the caller's) referring to [va, va + bytes) of this device's mapped memory, for backends
+  // whose Capabilities() say range_spans_chunks (CUDA: cuMemGetHandleForAddressRange, a DMA-BUF).
+  // `va` and `bytes` are multiples of granularity(); every byte must be mapped by this device.
+  // INVALID_ARGUMENT / FAILED_PRECONDITION as "Misuse" above; UNIMPLEMENTED where the backend has no
+  // range export (the default).
+  [[nodiscard]] virtual absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes);
+  // The chunk as CU_MEM_HANDLE_TYPE_FABRIC bytes (64 opaque bytes an importer anywhere in the NVLink
+  // domain passes to cuMemImportFromShareableHandle), for backends whose Capabilities() say fabric.
+  // INVALID_ARGUMENT for a chunk that is not live; UNIMPLEMENTED where the backend has none (the default).
+  [[nodiscard]] virtual absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk);
 };
 
 struct DeviceOptions {

@@ -205,6 +205,41 @@ class KvdPythonTest(unittest.TestCase):
         self.assertEqual(r.geometry.reserved_bytes, p.geometry.reserved_bytes)
         self.assertIn("layout", [x.name for x in self.c.pools()])
 
+    def test_describe_transfer(self):
+        p = self.create("xfer")
+        t = self.c.describe_transfer("xfer")
+        self.assertEqual(t.blocks, p.committed_blocks)
+        self.assertEqual(len(t.descriptors), 1)  # BLNHC: one segment, one run
+        t = self.c.describe_transfer("xfer", [0, 2, 4, 6])
+        self.assertEqual(len(t.descriptors), 1)
+        d = t.descriptors[0]
+        self.assertEqual((d.offset, d.bytes, d.stride, d.count),
+                         (0, p.geometry.block_stride, 2 * p.geometry.block_stride, 4))
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.describe_transfer("xfer", [1, 1])
+        self.assertIn("block_ids[1]", str(e.exception))
+
+    def test_export_ranges(self):
+        import ctypes
+        import mmap
+        self.create("ranges", initial=200)
+        with self.c.attach("ranges") as m:
+            resp, fds = self.c.export_ranges(m.client_id)
+            try:
+                self.assertEqual(resp.handle_type, kvd.v1_pb2.HANDLE_TYPE_DMA_BUF)
+                self.assertEqual(len(fds), len(resp.handles))
+                h = resp.handles[0]
+                pattern = bytes(range(256)) * 16
+                ctypes.memmove(m.base + h.offset + 8192, pattern, len(pattern))
+                with mmap.mmap(fds[0], h.bytes, prot=mmap.PROT_READ, offset=h.fd_offset) as view:
+                    self.assertEqual(view[8192:8192 + len(pattern)], pattern)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            with self.assertRaises(kvd.KvdError) as e:
+                self.c.export_ranges(m.client_id, [(4096, 4096)])
+            self.assertIn("ranges[0]", str(e.exception))
+
     def test_two_processes_share_grow_sleep_wake(self):
         self.create("shared")
         with self.c.attach("shared") as m:

@@ -761,5 +761,29 @@ TEST_F(PoolManagerTest, ConcurrentTransactionsOnManyPoolsKeepTheAccountsStraight
   EXPECT_EQ(Committed(), sum);
 }
 
+// Where the device delivers fabric handles, every chunk carries its bytes from creation on (in the
+// Attach view and the grow's added chunks), and the status advertises it; elsewhere nothing does.
+TEST_F(PoolManagerTest, FabricHandlesTravelWithChunksOnlyWhereTheDeviceHasThem) {
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus plain, manager_->GetDeviceStatus());
+  EXPECT_FALSE(plain.capabilities.fabric.supported);
+  // The manager reads the capabilities when it starts: a new one over the device, now claiming fabric.
+  manager_.reset();
+  device_->PretendFabric();
+  manager_ =
+      std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 256 * kMiB, .daemon_uid = 4242});
+  alice_ = Session(1000, "alice");
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus status, manager_->GetDeviceStatus());
+  EXPECT_TRUE(status.capabilities.fabric.supported);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("kv", 64)));
+  ASSERT_FALSE(pool.chunks.empty());
+  for (const ChunkInfo& c : pool.chunks) {
+    EXPECT_EQ(c.fabric_handle.size(), 64u);
+    EXPECT_EQ(c.fabric_handle.rfind("fabric-", 0), 0u);
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "kv", 256));
+  ASSERT_FALSE(grown.added.empty());
+  for (const ChunkInfo& c : grown.added) EXPECT_EQ(c.fabric_handle.size(), 64u);
+}
+
 }  // namespace
 }  // namespace kvd::daemon

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <ostream>
@@ -20,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvd/device.h"
@@ -240,6 +242,64 @@ TEST_F(CudaDeviceTest, FabricHandleImportsWhereSupported) {
   EXPECT_THAT(device_->Unmap(va2, granularity_), IsOk());
   EXPECT_THAT(device_->Release(imported), IsOk());
   EXPECT_THAT(device_->Free(va2, granularity_), IsOk());
+}
+
+// "<key>:\t<value>" of /proc/self/fdinfo/<fd>, or "" when the key is missing.
+std::string FdInfo(int fd, const std::string& key) {
+  std::ifstream in("/proc/self/fdinfo/" + std::to_string(fd));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) return std::string(absl::StripAsciiWhitespace(line.substr(key.size() + 1)));
+  }
+  return "";
+}
+
+// The capability report states what the probes at Open found (printed for the GPU run's log), and the
+// fabric capability agrees with the device's own fabric flag.
+TEST_F(CudaDeviceTest, CapabilitiesAreProbed) {
+  const DeviceCapabilities caps = device_->Capabilities();
+  std::cout << "posix_fd " << caps.posix_fd.supported << " (" << caps.posix_fd.detail << ")\n"
+            << "fabric " << caps.fabric.supported << " (" << caps.fabric.detail << ")\n"
+            << "dma_buf " << caps.dma_buf.supported << " (" << caps.dma_buf.detail << ")\n"
+            << "gpu_direct_rdma " << caps.gpu_direct_rdma.supported << " (" << caps.gpu_direct_rdma.detail << ")\n";
+  for (const PeerCapability& p : caps.peers) {
+    std::cout << "peer " << p.index << " " << p.uuid << " " << p.access << " (" << p.detail << ")\n";
+  }
+  EXPECT_TRUE(caps.posix_fd.supported);
+  EXPECT_EQ(caps.fabric.supported, cuda_->fabric_handles());
+  EXPECT_EQ(caps.range_spans_chunks, caps.dma_buf.supported);
+  EXPECT_TRUE(!caps.gpu_direct_rdma.supported || caps.dma_buf.supported);
+}
+
+// One DMA-BUF over four separately created chunks mapped side by side: its fdinfo names the NVIDIA
+// exporter and the whole range's size.
+TEST_F(CudaDeviceTest, RangeExportIsOneDmaBufOverSeveralChunks) {
+  const DeviceCapabilities caps = device_->Capabilities();
+  if (!caps.dma_buf.supported) GTEST_SKIP() << "no DMA-BUF range export: " << caps.dma_buf.detail;
+  const uint64_t bytes = 4 * granularity_;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, device_->Reserve(bytes));
+  std::vector<Chunk> chunks;
+  for (int i = 0; i < 4; ++i) {
+    KVD_ASSERT_OK_AND_ASSIGN(Chunk c, device_->Create(granularity_));
+    ASSERT_THAT(device_->Map(va + i * granularity_, c, Access::kReadWrite), IsOk());
+    chunks.push_back(c);
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, device_->ExportRange(va, bytes));
+  EXPECT_EQ(FdInfo(fd, "exp_name"), "nv_dmabuf");
+  EXPECT_EQ(FdInfo(fd, "size"), std::to_string(bytes));
+  close(fd);
+  // A part of it, and the misuse rules of the contract.
+  KVD_ASSERT_OK_AND_ASSIGN(fd, device_->ExportRange(va + granularity_, 2 * granularity_));
+  EXPECT_EQ(FdInfo(fd, "size"), std::to_string(2 * granularity_));
+  close(fd);
+  EXPECT_THAT(device_->ExportRange(va + 4096, granularity_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ExportRange")));
+  ASSERT_THAT(device_->Unmap(va + 3 * granularity_, granularity_), IsOk());
+  EXPECT_THAT(device_->ExportRange(va, bytes).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("ExportRange")));
+  ASSERT_THAT(device_->Unmap(va, 3 * granularity_), IsOk());
+  for (const Chunk& c : chunks) EXPECT_THAT(device_->Release(c), IsOk());
+  EXPECT_THAT(device_->Free(va, bytes), IsOk());
 }
 
 TEST_F(CudaDeviceTest, OutOfMemoryIsResourceExhausted) {
