@@ -29,13 +29,16 @@ TEST(VocabulariesTest, BothGroupOpNamesLinkAndAgree) {
 }
 
 TEST(VocabulariesTest, TheDaemonGeometryAndTheClientDimsDescribeTheSamePool) {
-  const daemon::PoolDims dims{.layers = 4, .capacity_blocks = 64, .heads = 2, .block_tokens = 16, .channels = 8,
-                              .element_bytes = 2};
+  const daemon::PoolDims dims{
+      .layers = 4, .capacity_blocks = 64, .heads = 2, .block_tokens = 16, .channels = 8, .element_bytes = 2};
   absl::StatusOr<daemon::Geometry> geometry =
       daemon::Geometry::Compute(daemon::Layout::Default(), dims, uint64_t{2} << 20);
   ASSERT_TRUE(geometry.ok()) << geometry.status();
-  const PoolDims client{.layers = dims.layers, .capacity_blocks = dims.capacity_blocks, .heads = dims.heads,
-                        .block_tokens = dims.block_tokens, .channels = dims.channels,
+  const PoolDims client{.layers = dims.layers,
+                        .capacity_blocks = dims.capacity_blocks,
+                        .heads = dims.heads,
+                        .block_tokens = dims.block_tokens,
+                        .channels = dims.channels,
                         .element_bytes = dims.element_bytes};
   EXPECT_EQ(geometry->dims().layers, client.layers);
   EXPECT_EQ(geometry->segments(), client.layers);  // LBNHC: one segment per layer

@@ -52,11 +52,11 @@ extern char** environ;
 namespace kvd {
 namespace {
 
-using ::kvd::testing::IsOk;
-using ::kvd::testing::StatusIs;
 using ::kvd::daemon::Geometry;
 using ::kvd::daemon::Layout;
 using ::kvd::daemon::PoolDims;
+using ::kvd::testing::IsOk;
+using ::kvd::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
