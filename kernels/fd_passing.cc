@@ -1,5 +1,6 @@
 #include "kvd/fd_passing.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -82,6 +83,13 @@ absl::StatusOr<MessageWithFds> ReceiveWithFds(int socket, size_t max_payload) {
   out.fds.reserve(received.size());
   for (UniqueFd& fd : received) out.fds.push_back(fd.release());
   return out;
+}
+
+void RaiseOpenFileLimit() {
+  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &files);
+  }
 }
 
 }  // namespace kvd

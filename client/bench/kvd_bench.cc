@@ -1662,10 +1662,7 @@ int main(int argc, char** argv) {
   // Lift the soft open-file limit to the hard one (inherited by the kvd and the second process it starts):
   // the granule design passes FDs in batches of a few hundred, but a large fragmented pool holds one FD
   // per chunk in the daemon and a lease's worth in flight.
-  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    (void)setrlimit(RLIMIT_NOFILE, &files);
-  }
+  kvd::RaiseOpenFileLimit();
   kvd::Options o;
   CLI::App app{
       "kvd_bench: the whole path through kvd (grow, a second process's attach, sleep, wake, shrink; the fragmented "

@@ -851,10 +851,7 @@ int ExporterMain(const Options& o) {
 
 int main(int argc, char** argv) {
   // Both processes hold one FD per chunk at once (16384 for 32 GiB as 2 MiB chunks): lift the soft limit.
-  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    (void)setrlimit(RLIMIT_NOFILE, &files);
-  }
+  kvd::RaiseOpenFileLimit();
   kvd::Options o;
   CLI::App app{
       "kvd_device_bench: commits --total bytes as chunks of each --chunk size through kvd::Device and through the raw "

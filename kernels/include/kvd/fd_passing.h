@@ -29,4 +29,9 @@ struct MessageWithFds {
 // socket; DATA_LOSS when the payload or the FDs were truncated (received FDs are closed then).
 [[nodiscard]] absl::StatusOr<MessageWithFds> ReceiveWithFds(int socket, size_t max_payload);
 
+// Lifts this process's soft open-file limit to its hard limit (children inherit it), for programs
+// that hold one FD per chunk of many chunks at once (the benchmarks). Best effort: a failure leaves
+// the limit as it was.
+void RaiseOpenFileLimit();
+
 }  // namespace kvd
