@@ -502,6 +502,9 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
       SpawnFetch(std::move(conn), std::move(*fetch->mutable_session_token()), std::move(*fetch->mutable_lease_token()));
       return false;
     }
+    case v1::HandleChannelRequest::kReturnHandles:
+      Reject(conn.fd, absl::UnimplementedError("return_handles: not served by this daemon yet"));
+      return false;
     case v1::HandleChannelRequest::KIND_NOT_SET:
       break;
   }
