@@ -28,6 +28,7 @@
 #include "client/phase_marks.h"
 #include "grpcpp/grpcpp.h"
 #include "kvd/device.h"
+#include "kvd/fd_passing.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
 #include "kvd/v1/kvd.grpc.pb.h"
@@ -482,6 +483,9 @@ struct Mapping::Impl {
   std::unique_ptr<grpc::ClientContext> watch_ctx ABSL_GUARDED_BY(mu);
 
   std::thread follower;
+  // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
+  // its way out and the next one is awaited.
+  bool restart_announced = false;
 
   // Fetches `lease` on `c` and maps each chunk of `added` at base + offset, keeping its FD. A chunk
   // mapped already with the same segment, offset and bytes stays as it is.
@@ -704,6 +708,7 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
     if (closing || state == Mapping::State::kLost) return std::nullopt;
   }
   const bool reconnect = client->options.reconnect_for > absl::ZeroDuration();
+  restart_announced = restarting;
   if (restarting) {
     if (reconnect) return absl::UnavailableError("kvd is restarting");
     Lose(absl::UnavailableError("kvd is restarting and this client does not reconnect (reconnect_for = 0)"));
@@ -760,6 +765,20 @@ std::unique_ptr<Mapping::Impl::Reader> Mapping::Impl::Reattach(const absl::Statu
   }
 }
 
+namespace {
+
+// Whether a pool found after a restart places every byte where `mapped` does.
+bool SameGeometry(const Geometry& found, const Geometry& mapped) {
+  const PoolDims &a = found.dims, &b = mapped.dims;
+  return found.layout == mapped.layout && a.layers == b.layers && a.capacity_blocks == b.capacity_blocks &&
+         a.heads == b.heads && a.block_tokens == b.block_tokens && a.channels == b.channels &&
+         a.element_bytes == b.element_bytes && found.offset == mapped.offset &&
+         found.segment_stride == mapped.segment_stride && found.segments == mapped.segments &&
+         found.reserved_bytes == mapped.reserved_bytes;
+}
+
+}  // namespace
+
 Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   Conn old;
   {
@@ -770,7 +789,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   if (!live.ok()) return {.status = live.status()};
   const Conn c = *live;
   // The daemon says RESTARTING before it exits: attach to the one that comes next, not to this one.
-  if (c == old)
+  if (restart_announced && c == old)
     return {.status = absl::UnavailableError(absl::StrCat("kvd at ", client->options.socket, " is still stopping"))};
 
   v1::GetPoolRequest get;
@@ -838,12 +857,21 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
     ctx->TryCancel();
     reader->Finish().ok();  // cancelled: the status says so
   };
+  if (!SameGeometry(FromProto(resp.pool().geometry()), geometry)) {
+    return {.status = absl::FailedPreconditionError(
+                absl::StrCat("pool ", pool, " has another geometry since kvd restarted (it was created again)")),
+            .fatal = true};
+  }
+  // Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has the
+  // same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same name since.
+  const bool restored = resp.pool().epoch() > 1;
   {
     absl::MutexLock lock(&mu);
     if (closing || state == Mapping::State::kLost) return {.status = absl::CancelledError("closing"), .fatal = true};
     // Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
     std::set<uint64_t> kept;
     for (const v1::Chunk& theirs : resp.pool().chunks()) {
+      if (!restored) break;
       auto it = chunks.find(theirs.id());
       if (it != chunks.end() && it->second.info.segment == theirs.segment() &&
           it->second.info.offset == theirs.offset() && it->second.info.bytes == theirs.bytes()) {
@@ -979,6 +1007,9 @@ std::vector<ChunkInfo> Mapping::chunks() const {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ConnectOptions options) {
   if (options.socket.empty()) options.socket = wire::SocketFromEnvironment(options.device);
   if (options.client_name.empty()) options.client_name = "libkvd";
+  // A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart).
+  static const bool raised = (RaiseOpenFileLimit(), true);
+  (void)raised;
   KVD_ASSIGN_OR_RETURN(Impl::Conn conn, Impl::Open(options));
   return std::unique_ptr<Client>(new Client(std::make_shared<Impl>(std::move(options), std::move(conn))));
 }

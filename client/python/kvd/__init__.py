@@ -26,6 +26,6 @@ from ._client import (Client, CudaArray, DaemonRestart, Geometry, GroupMembershi
                       layout_rule_name)
 from ._group import Group, GroupChange, GroupRank, find_socket, node_sockets
 
-__all__ = ["connect", "default_socket", "Client", "Mapping", "DaemonRestart", "Geometry", "CudaArray", "KvdError", "v1_pb2",
-           "GroupMembership", "Group", "GroupRank", "GroupChange", "node_sockets", "find_socket", "layout_rule_name"]
+__all__ = ["connect", "default_socket", "Client", "Mapping", "DaemonRestart", "Geometry", "CudaArray", "KvdError",
+           "v1_pb2", "GroupMembership", "Group", "GroupRank", "GroupChange", "node_sockets", "find_socket", "layout_rule_name"]
 __version__ = "0.1.0"

@@ -156,6 +156,25 @@ class DaemonRestart:
     committed_blocks: int      # the pool's, now
 
 
+_raised_open_file_limit = False
+
+
+def _raise_open_file_limit():
+    """A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart): lift this
+    process's soft open-file limit to its hard limit, once, as libkvd's Client::Connect does."""
+    global _raised_open_file_limit
+    if _raised_open_file_limit:
+        return
+    _raised_open_file_limit = True
+    try:
+        import resource  # noqa: PLC0415
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError):
+        pass  # best effort: the limit stays as it was
+
+
 class _Connection:
     """One session with the daemon: the handle-channel session and a gRPC channel opened with it (as
     libkvd's Client::Impl::Connection). A restarted daemon knows none of the old sessions, so both are
@@ -192,6 +211,7 @@ class Client:
         self.reconnect_for = reconnect_for
         name = client_name if client_name is not None else f"py-{os.getpid()}"
         self.client_name = name
+        _raise_open_file_limit()
         self._conn = _Connection(socket, name, timeout)
         self._reopen_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -561,6 +581,7 @@ class Mapping:
         self._chunks = {}  # id -> _Mapped
         self.events_seen = 0
         self._watch = self._thread = None
+        self._restart_announced = False  # the follower's: the last stream ended with DAEMON_RESTARTING
         self.base = memory.reserve(self.geometry.reserved_bytes, self.geometry.granularity_bytes)
         try:
             self._map_lease(attached.lease, list(pool.chunks))
@@ -733,6 +754,7 @@ class Mapping:
                 if self.closed or self.gone is not None:
                     return None
             reconnect = self._client.reconnect_for > 0
+            self._restart_announced = restarting
             if restarting:
                 watch.cancel()  # the daemon closes it anyway
                 if reconnect:
@@ -784,7 +806,7 @@ class Mapping:
         client, name = self._client, self.pool_name
         old = self._conn
         c = client._live()
-        if c is old:  # the daemon says RESTARTING before it exits: attach to the next one, not this one
+        if self._restart_announced and c is old:  # it says RESTARTING before it exits: attach to the next one
             raise KvdError("UNAVAILABLE", f"kvd at {client.socket} is still stopping")
         try:
             now = client._call("GetPool", pb.GetPoolRequest(name=name), conn=c)
@@ -824,12 +846,20 @@ class Mapping:
             raise _Fatal(KvdError(e.code, f"attaching pool {name} again after kvd restarted: {e.message}")) from None
         watch = None
         try:
+            found = Geometry.from_proto(resp.pool.geometry)
+            if dataclasses.replace(found, rule="") != dataclasses.replace(self.geometry, rule=""):
+                raise _Fatal(KvdError("FAILED_PRECONDITION", f"pool {name} has another geometry since kvd restarted "
+                                      "(it was created again)"))
+            # Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has
+            # the same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same
+            # name since.
+            restored = resp.pool.epoch > 1
             watch = c.stub.Watch(pb.WatchRequest(client_id=resp.client_id), metadata=c.md)
             with self._lock:
                 if self.closed or self.gone is not None:
                     raise _Fatal(KvdError("CANCELLED", "closing"))
                 # Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
-                theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks}
+                theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks} if restored else {}
                 gone = [cid for cid, m in self._chunks.items() if theirs.get(cid) != (m.segment, m.offset, m.bytes)]
                 for cid in gone:
                     restart.lost_chunk_ids.append(cid)
