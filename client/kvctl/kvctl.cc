@@ -432,6 +432,10 @@ absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
               FormatBytes(p.committed_bytes).c_str());
   if (p.state == PoolState::kSleeping) std::printf(" (wakes to %lu blocks)", p.wake_blocks);
   std::printf("\npending      %s\n", FormatBytes(p.pending_release_bytes).c_str());
+  if (!p.missing_chunk_ids.empty()) {
+    std::printf("missing      %zu chunks no client has given back yet (recovering after a restart): %s\n",
+                p.missing_chunk_ids.size(), absl::StrJoin(p.missing_chunk_ids, " ").c_str());
+  }
   std::printf("chunks       %zu\n", p.chunks.size());
   for (const ChunkInfo& c : p.chunks) {
     std::printf("  #%-6lu segment %-4lu offset %-14lu %s\n", c.id, c.segment, c.offset, FormatBytes(c.bytes).c_str());
