@@ -52,7 +52,7 @@ constexpr absl::Duration kWait = absl::Seconds(30);
 // A kvd on the host backend in its own temporary directory (tests/testing/kvd_process.h).
 class Daemon : public ::kvd::testing::KvdProcess {
  public:
-  absl::Status Start() { return KvdProcess::Start(KVD_BINARY); }
+  absl::Status Start(std::vector<std::string> extra = {}) { return KvdProcess::Start(KVD_BINARY, 0, std::move(extra)); }
 };
 
 // What a Mapping's callbacks reported, waited on with a bound.
@@ -437,12 +437,16 @@ TEST_F(ClientTest, DaemonErrorsKeepTheirCodeAndMessage) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
+// A daemon that stops for good (--drain-on-stop) takes the memory with it.
 TEST_F(ClientTest, DaemonStoppingLosesTheMapping) {
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  Daemon draining;
+  ASSERT_THAT(draining.Start({"--drain-on-stop"}), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine,
+                           Client::Connect({.socket = draining.socket(), .client_name = "engine"}));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
   Events ea;
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
-  daemon_.Terminate();
+  draining.Terminate();
   ASSERT_TRUE(ea.WaitFor(&Events::lost, 1));
   EXPECT_EQ(a->state(), Mapping::State::kLost);
   EXPECT_TRUE(a->chunks().empty());
