@@ -32,7 +32,9 @@ absl::Status MakeDir(const std::string& path) {
   return ErrnoStatus(errno, absl::StrCat("mkdir ", path));
 }
 
-// Replaces `path` with `bytes`: written to a temporary beside it, flushed, renamed over it.
+// Replaces `path` with `bytes`: written to a temporary beside it and renamed over it, so a reader sees the
+// old record or the new one. Not fsync'ed: the record must outlive the daemon process, not the machine
+// (whose reboot frees the device memory it describes anyway), and the page cache outlives the process.
 absl::Status WriteAtomically(const std::string& dir, absl::string_view name, const std::string& bytes) {
   const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
@@ -43,7 +45,6 @@ absl::Status WriteAtomically(const std::string& dir, absl::string_view name, con
     if (n < 0) return ErrnoStatus(errno, absl::StrCat("write ", tmp));
     done += static_cast<size_t>(n);
   }
-  if (fdatasync(fd.get()) != 0) return ErrnoStatus(errno, absl::StrCat("fdatasync ", tmp));
   fd.reset();
   const std::string path = absl::StrCat(dir, "/", name);
   if (rename(tmp.c_str(), path.c_str()) != 0) return ErrnoStatus(errno, absl::StrCat("rename to ", path));

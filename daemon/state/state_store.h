@@ -5,7 +5,7 @@
 //
 // Layout of the state directory (mode 0700, owned by the daemon's user):
 //   daemon         kvd.state.DaemonRecord: the device and the epoch
-//   pools/<name>   kvd.state.PoolRecord, one per pool, replaced atomically (write, fsync, rename)
+//   pools/<name>   kvd.state.PoolRecord, one per pool, replaced atomically (write, rename)
 //
 // Thread-safe. Failures to write are logged and counted (write_errors) here; the caller goes on.
 #pragma once
