@@ -17,6 +17,18 @@ namespace {
 
 absl::Status Stopping() { return absl::UnavailableError("kvd is shutting down"); }
 
+// Whether `fd` can be chunk memory of `bytes` (restore, ReturnHandles). On the host backend a chunk is a
+// memfd of exactly its size; a GPU driver's FD is checked by importing and mapping it.
+absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
+  if (backend != BackendKind::kHost) return absl::OkStatus();
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return absl::InvalidArgumentError("cannot be examined (fstat failed)");
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("has ", st.st_size, " bytes, the chunk ", bytes));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* GroupOpName(GroupOp op) {
@@ -778,6 +790,7 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
     auto fd = fds.extract(info.id);
     absl::Status adopted =
         fd.empty() ? absl::NotFoundError("no FD for it in the service manager's store") : absl::OkStatus();
+    if (adopted.ok()) adopted = CheckChunkFd(device_->kind(), fd.mapped().get(), info.bytes);
     if (adopted.ok()) {
       absl::StatusOr<Chunk> chunk = device_->Import(fd.mapped().get(), info.bytes);
       adopted = chunk.status();
@@ -788,10 +801,10 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
       if (adopted.ok()) {
         r.chunk = *chunk;
         r.fd = std::move(fd.mapped());
-      } else if (options_.store != nullptr) {
-        options_.store->DropChunkFd(info.id);
       }
     }
+    // An FD that is not the chunk leaves the store: a client may give the real one back.
+    if (!adopted.ok() && !fd.empty() && options_.store != nullptr) options_.store->DropChunkFd(info.id);
     if (adopted.ok()) {
       ++report.chunks_adopted;
       report.bytes_adopted += info.bytes;
@@ -864,18 +877,16 @@ absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_vi
       return absl::InvalidArgumentError(
           absl::StrCat("chunk_ids[", i, "]: the FD given for chunk ", info.id, " of pool ", pool->name(), " ", why));
     };
-    struct stat given {};
-    if (host && fstat(fd, &given) != 0) return wrong("cannot be examined");
     if (!plan[i].missing) {
+      struct stat given {};
       struct stat held {};
-      if (host && (fstat(plan[i].fd, &held) != 0 || held.st_dev != given.st_dev || held.st_ino != given.st_ino)) {
+      if (host && (fstat(fd, &given) != 0 || fstat(plan[i].fd, &held) != 0 || held.st_dev != given.st_dev ||
+                   held.st_ino != given.st_ino)) {
         return wrong("is not that chunk's memory");
       }
       continue;
     }
-    if (host && static_cast<uint64_t>(given.st_size) != info.bytes) {
-      return wrong(absl::StrCat("has ", given.st_size, " bytes, the chunk ", info.bytes));
-    }
+    if (absl::Status fits = CheckChunkFd(device_->kind(), fd, info.bytes); !fits.ok()) return wrong(fits.message());
     absl::StatusOr<Chunk> chunk = device_->Import(fd, info.bytes);
     if (!chunk.ok()) return wrong(absl::StrCat("cannot be imported: ", chunk.status().message()));
     if (absl::Status mapped = device_->Map(base + info.offset, *chunk, Access::kReadWrite); !mapped.ok()) {

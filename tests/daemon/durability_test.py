@@ -302,6 +302,23 @@ class FdStoreTest(DurabilityCase):
         c = self.client()
         self.assert_store_matches(self.manager, c)
 
+    def test_wrong_size_fd_in_the_store_is_reported_and_not_adopted(self):
+        self.start()
+        c = self.client()
+        c.create_pool("p", initial_blocks=64, **DIMS)
+        victim = c.pool("p").chunks[0].id
+        self.manager.kill(signal.SIGTERM)
+        os.close(self.manager.fds.pop(f"c{victim}"))
+        bigger = os.memfd_create("bigger")
+        os.ftruncate(bigger, 4 << 20)
+        self.manager.fds[f"c{victim}"] = bigger
+        self.start()
+        self.assertIn(f"chunk {victim} ", self.log())
+        self.assertIn("has 4194304 bytes, the chunk 2097152", self.log())
+        c = self.client()
+        self.assertEqual(list(c.pool("p").missing_chunk_ids), [victim])
+        self.assertNotIn(f"c{victim}", self.manager.stored())  # taken out of the store, not kept
+
     def test_lost_fd_is_reported_and_its_pool_recovers_or_sleeps(self):
         """A chunk whose FD is missing from the store: reported chunk by chunk, its pool RECOVERING (Attach
         UNAVAILABLE) until the grace passes, then asleep with its size remembered; its bytes counted until then."""
