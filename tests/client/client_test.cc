@@ -493,12 +493,12 @@ TEST_F(ClientTest, DaemonErrorsKeepTheirCodeAndMessage) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
-// A stop that gives the memory back (--drain-on-stop): DAEMON_STOPPING, and the Mapping is lost. (A plain
-// SIGTERM keeps the pools: the Mapping reconnects, restart_test and the scenarios.)
+// A daemon that stops for good (--drain-on-stop) takes the memory with it.
 TEST_F(ClientTest, DaemonStoppingLosesTheMapping) {
   Daemon draining;
   ASSERT_THAT(draining.Start({"--drain-on-stop"}), IsOk());
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Client::Connect({.socket = draining.socket()}));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine,
+                           Client::Connect({.socket = draining.socket(), .client_name = "engine"}));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
   Events ea;
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
