@@ -829,7 +829,8 @@ int Main(int argc, char** argv) {
                "docs/integrating.md)");
   app.fallthrough();
 
-  CLI::App* status = app.add_subcommand("status", "The device, its memory and the daemon's totals");
+  CLI::App* status = app.add_subcommand(
+      "status", "The device, the daemon (version, epoch, uptime, durability), its memory and the daemon's totals");
   CLI::App* caps = app.add_subcommand(
       "caps", "What the device's memory can be shared as (POSIX FD, fabric, DMA-BUF, GPUDirect RDMA, peers), probed");
   CLI::App* pools = app.add_subcommand("pools", "List pools");
