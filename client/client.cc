@@ -754,7 +754,8 @@ std::unique_ptr<Mapping::Impl::Reader> Mapping::Impl::Reattach(const absl::Statu
     last = attempt.status;
     if (absl::Now() + delay > give_up) {
       Lose(absl::UnavailableError(absl::StrCat("kvd at ", client->options.socket, " did not take pool ", pool,
-                                               " back within ", absl::FormatDuration(limit), ": ", last.message())));
+                                               " back within ", absl::ToDoubleSeconds(limit), "s", ": ",
+                                               last.message())));
       return nullptr;
     }
     {
