@@ -789,7 +789,10 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
     ChunkRecord r{.info = info};
     auto fd = fds.extract(info.id);
     absl::Status adopted =
-        fd.empty() ? absl::NotFoundError("no FD for it in the service manager's store") : absl::OkStatus();
+        !fd.empty() ? absl::OkStatus()
+        : options_.store != nullptr && options_.store->durability() == Durability::kFdStore
+            ? absl::NotFoundError("no FD for it in the service manager's store")
+            : absl::NotFoundError("no FD store: waiting for the clients that map it to give it back");
     if (adopted.ok()) adopted = CheckChunkFd(device_->kind(), fd.mapped().get(), info.bytes);
     if (adopted.ok()) {
       absl::StatusOr<Chunk> chunk = device_->Import(fd.mapped().get(), info.bytes);
