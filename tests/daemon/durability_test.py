@@ -322,13 +322,13 @@ class FdStoreTest(DurabilityCase):
     def test_lost_fd_is_reported_and_its_pool_recovers_or_sleeps(self):
         """A chunk whose FD is missing from the store: reported chunk by chunk, its pool RECOVERING (Attach
         UNAVAILABLE) until the grace passes, then asleep with its size remembered; its bytes counted until then."""
-        self.start("--recovery-grace=1s")
+        self.start("--recovery-grace=3s")
         c = self.client()
         c.create_pool("p", initial_blocks=64, **DIMS)
         victim = c.pool("p").chunks[0].id
         self.manager.kill(signal.SIGTERM)
         os.close(self.manager.fds.pop(f"c{victim}"))
-        self.start("--recovery-grace=1s")
+        self.start("--recovery-grace=3s")
         self.assertIn(f"chunk {victim} ", self.log())
         c = self.client()
         pool = c.pool("p")

@@ -12,6 +12,7 @@ them.
 import array
 import fcntl
 import os
+import select
 import signal
 import socket
 import threading
@@ -32,6 +33,7 @@ class PlayedManager:
         self.stopping = threading.Event()
         self.proc = None
         self._lock = threading.Lock()
+        self._busy = threading.Lock()  # held from a datagram's arrival until it is handled
         self._closed = False
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
@@ -40,36 +42,59 @@ class PlayedManager:
         fd_size = array.array("i").itemsize
         while not self._closed:
             try:
-                data, ancdata, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(253 * fd_size))
-            except OSError:
+                if not select.select([self.sock], [], [], 0.05)[0]:
+                    continue
+            except (OSError, ValueError):
                 return
-            received = []
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(payload[:len(payload) - len(payload) % fd_size])
-                    received.extend(fds)
-            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
-            with self._lock:
-                self.messages.append(fields)
-                if fields.get("FDSTORE") == "1":
-                    name = fields.get("FDNAME", "stored")
-                    for fd in received:
-                        old = self.fds.pop(name, None)  # systemd replaces an FD stored under the same name
-                        if old is not None:
-                            os.close(old)
-                        self.fds[name] = fd
-                    received = []
-                if fields.get("FDSTOREREMOVE") == "1":
-                    old = self.fds.pop(fields.get("FDNAME", ""), None)
+            with self._busy:
+                if not self._handle_one(fd_size):
+                    return
+
+    def _handle_one(self, fd_size):
+        try:
+            data, ancdata, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(253 * fd_size), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        received = []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[:len(payload) - len(payload) % fd_size])
+                received.extend(fds)
+        fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+        with self._lock:
+            self.messages.append(fields)
+            if fields.get("FDSTORE") == "1":
+                name = fields.get("FDNAME", "stored")
+                for fd in received:
+                    old = self.fds.pop(name, None)  # systemd replaces an FD stored under the same name
                     if old is not None:
                         os.close(old)
-            for fd in received:
-                os.close(fd)
-            if fields.get("READY") == "1":
-                self.ready.set()
-            if fields.get("STOPPING") == "1":
-                self.stopping.set()
+                    self.fds[name] = fd
+                received = []
+            if fields.get("FDSTOREREMOVE") == "1":
+                old = self.fds.pop(fields.get("FDNAME", ""), None)
+                if old is not None:
+                    os.close(old)
+        for fd in received:
+            os.close(fd)
+        if fields.get("READY") == "1":
+            self.ready.set()
+        if fields.get("STOPPING") == "1":
+            self.stopping.set()
+        return True
+
+    def _settle(self, timeout=5):
+        """Returns once every notification already sent has been handled: systemd handles what a process
+        sent before it handles the process's exit."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._busy:
+                if not select.select([self.sock], [], [], 0)[0]:
+                    return
+            time.sleep(0.002)
 
     def stored(self):
         """The FD store's names, sorted."""
@@ -122,7 +147,9 @@ class PlayedManager:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         os.kill(self.proc.pid, sig)
-        return self.proc.wait(timeout)
+        rc = self.proc.wait(timeout)
+        self._settle()
+        return rc
 
     def close(self):
         """The unit is stopped for good: the store is emptied (systemd closes its FDs)."""
