@@ -1287,6 +1287,38 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   return FromProto(resp);
 }
 
+namespace {
+
+PoolMetadata FromProto(const v1::PoolMetadata& p) {
+  return {.pool = p.pool(),
+          .version = p.version(),
+          .data = p.data(),
+          .updated_at = absl::FromUnixMillis(static_cast<int64_t>(p.updated_at_unix_ms()))};
+}
+
+}  // namespace
+
+absl::StatusOr<PoolMetadata> Client::GetPoolMetadata(absl::string_view pool) {
+  v1::GetPoolMetadataRequest req;
+  req.set_pool(std::string(pool));
+  v1::PoolMetadata resp;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::GetPoolMetadata, req, &resp));
+  impl_->Observe(resp);
+  return FromProto(resp);
+}
+
+absl::StatusOr<PoolMetadata> Client::SetPoolMetadata(absl::string_view pool, uint64_t expected_version,
+                                                     std::string data) {
+  v1::SetPoolMetadataRequest req;
+  req.set_pool(std::string(pool));
+  req.set_expected_version(expected_version);
+  req.set_data(std::move(data));
+  v1::PoolMetadata resp;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::SetPoolMetadata, req, &resp));
+  impl_->Observe(resp);
+  return FromProto(resp);
+}
+
 absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const std::vector<ByteRange>& ranges) {
   v1::ExportRangesRequest req;
   req.set_client_id(mapping.client_id());

@@ -11,8 +11,10 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -23,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -283,7 +286,10 @@ struct Flags {
   std::vector<std::string> sockets;  // group: the daemons to search
   std::string socket_dir;
   std::string ttl = "30s";
-  std::string block_list;  // transfer: "1,2,5-9"
+  std::string block_list;    // transfer: "1,2,5-9"
+  std::string metadata_out;  // metadata: write the data to this file
+  std::string metadata_in;   // metadata --set: the file to store
+  int64_t expected_version = -1;
 };
 
 // --blocks or --bytes -> a target block count for `pool`.
@@ -596,6 +602,42 @@ absl::Status Grant(Client& client, const Flags& f, const Replies& replies, bool 
   return absl::OkStatus();
 }
 
+// kvctl metadata POOL [--out FILE] | --set FILE --expected-version N: the pool's metadata blob.
+absl::Status Metadata(Client& client, const Flags& f, const Replies& replies) {
+  PoolMetadata m;
+  if (!f.metadata_in.empty()) {
+    if (f.expected_version < 0) {
+      return absl::InvalidArgumentError(
+          "--expected-version: required with --set (0 for a pool never set; "
+          "`kvctl metadata POOL` shows the version)");
+    }
+    std::ifstream in(f.metadata_in, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("--set: cannot read ", f.metadata_in));
+    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    KVD_ASSIGN_OR_RETURN(m, client.SetPoolMetadata(f.pool, static_cast<uint64_t>(f.expected_version), std::move(data)));
+  } else {
+    KVD_ASSIGN_OR_RETURN(m, client.GetPoolMetadata(f.pool));
+  }
+  if (!f.metadata_out.empty()) {
+    std::ofstream out(f.metadata_out, std::ios::binary | std::ios::trunc);
+    if (!out || !out.write(m.data.data(), static_cast<std::streamsize>(m.data.size()))) {
+      return absl::UnavailableError(absl::StrCat("--out: cannot write ", f.metadata_out));
+    }
+  }
+  if (f.json) return PrintReply<v1::PoolMetadata>(replies);
+  std::printf("%s metadata: version %lu, %s", m.pool.c_str(), static_cast<unsigned long>(m.version),
+              FormatBytes(m.data.size()).c_str());
+  if (m.version > 0)
+    std::printf(", updated %s", absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", m.updated_at, absl::UTCTimeZone()).c_str());
+  constexpr size_t kShown = 64;
+  if (!m.data.empty() && f.metadata_out.empty()) {
+    std::printf("\n%s%s", absl::CHexEscape(absl::string_view(m.data).substr(0, kShown)).c_str(),
+                m.data.size() > kShown ? " ... (--out FILE for all of it)" : "");
+  }
+  std::printf("\n");
+  return absl::OkStatus();
+}
+
 // "1,2,5-9" -> {1, 2, 5, 6, 7, 8, 9} (order kept; the daemon refuses repeats).
 absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text) {
   constexpr uint64_t kMaxIds = uint64_t{1} << 22;
@@ -883,6 +925,14 @@ int Main(int argc, char** argv) {
         ->required();
   }
 
+  CLI::App* metadata = app.add_subcommand(
+      "metadata", "A pool's metadata: engine-defined bytes kept with it across restarts (show, save, or --set)");
+  metadata->add_option("pool", f.pool, "Pool name")->required();
+  metadata->add_option("--out", f.metadata_out, "Write the data to this file");
+  metadata->add_option("--set", f.metadata_in, "Store this file's bytes as the metadata (compare-and-set)");
+  metadata->add_option("--expected-version", f.expected_version,
+                       "With --set: the version it replaces (0 for a pool never set); another one is ABORTED");
+
   CLI::App* transfer = app.add_subcommand(
       "transfer", "A pool's blocks as strided transfer descriptors {segment, offset, bytes, stride, count}");
   transfer->add_option("pool", f.pool, "Pool name")->required();
@@ -1005,6 +1055,8 @@ int Main(int argc, char** argv) {
     s = Grant(c, f, replies, revoke->parsed());
   } else if (transfer->parsed()) {
     s = Transfer(c, f, replies);
+  } else if (metadata->parsed()) {
+    s = Metadata(c, f, replies);
   }
   if (!s.ok()) return Fail(s.ToString(), 1);
   std::fflush(stdout);

@@ -151,6 +151,27 @@ TEST_F(ClientTest, DeviceInfoAndPools) {
   EXPECT_EQ(after.pool_count, 1u);
 }
 
+// Pool metadata: a compare-and-set blob; the pool's view shows its version and size.
+TEST_F(ClientTest, PoolMetadataIsACompareAndSet) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Connect("engine"));
+  ASSERT_THAT(c->CreatePool(SmallPool("kv")).status(), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolMetadata empty, c->GetPoolMetadata("kv"));
+  EXPECT_EQ(empty.pool, "kv");
+  EXPECT_EQ(empty.version, 0u);
+  EXPECT_TRUE(empty.data.empty());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolMetadata set, c->SetPoolMetadata("kv", 0, std::string("block\0table", 11)));
+  EXPECT_EQ(set.version, 1u);
+  EXPECT_GT(set.updated_at, absl::UnixEpoch());
+  EXPECT_THAT(c->SetPoolMetadata("kv", 0, "stale").status(),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("at version 1, not 0")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolMetadata read, c->GetPoolMetadata("kv"));
+  EXPECT_EQ(read.data, std::string("block\0table", 11));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, c->GetPool("kv"));
+  EXPECT_EQ(p.metadata_version, 1u);
+  EXPECT_EQ(p.metadata_bytes, 11u);
+  EXPECT_THAT(c->GetPoolMetadata("nope").status(), StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+}
+
 // on_reply hands over every OK reply as its kvd.v1 message (what kvctl --json prints), and no failed one.
 TEST_F(ClientTest, OnReplySeesEveryReplyMessage) {
   std::vector<std::string> seen;

@@ -116,6 +116,27 @@ class KvctlTest(KvctlCase):
         self.assertEqual(self.proto(doc["pools"][0]["reply"], kvd_pb2.DeletePoolResponse).released_bytes, 4 * MiB)
         self.assertIn("drained 0 of 0 pools", self.ok("drain"))
 
+    def test_metadata_show_set_and_save(self):
+        self.ok("create", "kv", *DIMS)
+        self.assertEqual(self.ok("metadata", "kv"), "kv metadata: version 0, 0 B\n")
+        blob = os.path.join(self.dir, "blob")
+        with open(blob, "wb") as f:
+            f.write(b"table\x00\x01" * 20)
+        self.assertIn("--expected-version: required with --set", self.fails("metadata", "kv", "--set", blob))
+        human = self.ok("metadata", "kv", "--set", blob, "--expected-version", "0")
+        self.assertTrue(human.startswith("kv metadata: version 1, 140 B, updated "), human)
+        self.assertIn("table\\x00\\x01", human)
+        self.assertIn("(--out FILE for all of it)", human)
+        line = self.fails("metadata", "kv", "--set", blob, "--expected-version", "0")
+        self.assertIn("ABORTED", line)
+        self.assertIn("at version 1, not 0", line)
+        out = os.path.join(self.dir, "out")
+        self.ok("metadata", "kv", "--out", out)
+        with open(out, "rb") as f:
+            self.assertEqual(f.read(), b"table\x00\x01" * 20)
+        doc = self.proto(self.json("metadata", "kv"), kvd_pb2.PoolMetadata)
+        self.assertEqual((doc.pool, doc.version, doc.data), ("kv", 1, b"table\x00\x01" * 20))
+
     def test_socket_from_environment(self):
         env = dict(os.environ, KVD_SOCKET=self.socket)
         r = self.run_kvctl("--json", "status", env=env, use_socket=False)

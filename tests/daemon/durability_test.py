@@ -144,8 +144,8 @@ class DurabilityCase(unittest.TestCase):
         c.create_pool("rank1", initial_blocks=32, **DIMS, group=kvd.GroupMembership("g", 1, 2))
         c.grant_peer_access("rank1", "*")
         c.create_pool("shared", initial_blocks=64, allowed_uids=[4242], **DIMS)
-        c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="shared", expected_version=0, data=b"block table v1"))
-        c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="shared", expected_version=1, data=b"block table v2"))
+        c.set_metadata("shared", b"block table v1", expected_version=0)
+        c.set_metadata("shared", b"block table v2", expected_version=1)
         written = {}
         for name in ("steps", "rank1", "shared"):
             written[name] = write_patterns(c, name)
@@ -197,7 +197,7 @@ class FdStoreTest(DurabilityCase):
         self.assert_same_pools(before, c, epoch=2)
         for name, ids in written.items():
             self.assertEqual(differing_bytes(c, name, ids), 0, name)
-        md = c._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool="shared"))
+        md = c.metadata("shared")
         self.assertEqual((md.version, md.data), (2, b"block table v2"))
         self.assert_store_matches(self.manager, c)
         # The restored pools work as before: grow, shrink, sleep, wake; chunk ids are never reused.
@@ -397,7 +397,7 @@ class ClientsReturnHandlesTest(DurabilityCase):
         c = self.client()
         self.assertEqual(c.device_info().durability, pb.DURABILITY_CLIENTS)
         c.create_pool("p", initial_blocks=300, **DIMS)  # 2 segments, several chunks each (8 MiB max)
-        c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="p", expected_version=0, data=b"index"))
+        c.set_metadata("p", b"index", expected_version=0)
         written = write_patterns(c, "p")
         before = self.snapshot(c)
         held = chunk_fds(c, "p")  # the engine's FDs: they keep the memory after the daemon dies
@@ -443,7 +443,7 @@ class ClientsReturnHandlesTest(DurabilityCase):
 
         self.assert_same_pools(before, c, epoch=2)
         self.assertEqual(differing_bytes(c, "p", written), 0)
-        md = c._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool="p"))
+        md = c.metadata("p")
         self.assertEqual((md.version, md.data), (1, b"index"))
         c.grow("p", 400)  # usable
 
@@ -481,21 +481,21 @@ class MetadataTest(DurabilityCase):
         self.start("--max-metadata-bytes=1KiB")
         c = self.client()
         c.create_pool("p", **DIMS)
-        md = c._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool="p"))
+        md = c.metadata("p")
         self.assertEqual((md.pool, md.version, md.data, md.updated_at_unix_ms), ("p", 0, b"", 0))
-        md = c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="p", expected_version=0, data=b"a"))
+        md = c.set_metadata("p", b"a", expected_version=0)
         self.assertEqual((md.version, md.data), (1, b"a"))
         self.assertGreater(md.updated_at_unix_ms, 0)
         with self.assertRaises(kvd.KvdError) as e:
-            c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="p", expected_version=0, data=b"b"))
+            c.set_metadata("p", b"b", expected_version=0)
         self.assertEqual(e.exception.code, "ABORTED")
         self.assertIn("version 1", e.exception.message)
         with self.assertRaises(kvd.KvdError) as e:
-            c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool="p", expected_version=1, data=b"x" * 1025))
+            c.set_metadata("p", b"x" * 1025, expected_version=1)
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
         self.assertIn("data: 1025 bytes, at most 1024", e.exception.message)
         with self.assertRaises(kvd.KvdError) as e:
-            c._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool="nope"))
+            c.metadata("nope")
         self.assertEqual(e.exception.code, "NOT_FOUND")
         pool = c.pool("p")
         self.assertEqual((pool.metadata_version, pool.metadata_bytes), (1, 1))
@@ -513,7 +513,7 @@ class MetadataTest(DurabilityCase):
         engine.kill()
         engine.wait(WAIT_S)
         c2 = self.client()
-        md = c2._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool="engine"))
+        md = c2.metadata("engine")
         self.assertEqual([int(x) for x in md.data.decode().split()], ids)
         self.assertEqual(differing_bytes(c2, "engine", ids), 0)
 
@@ -522,9 +522,7 @@ def engine_main(sock, pool):
     """--engine: writes patterns and its index into `pool`, says so, then waits to be killed."""
     c = connect(sock)
     ids = write_patterns(c, pool)
-    md = c._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool=pool))
-    c._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool=pool, expected_version=md.version,
-                                                         data=" ".join(map(str, ids)).encode()))
+    c.set_metadata(pool, " ".join(map(str, ids)).encode(), expected_version=c.metadata(pool).version)
     print(" ".join(map(str, ids)), flush=True)
     time.sleep(3600)
 

@@ -322,6 +322,15 @@ struct RangeExport {
   uint64_t generation = 0;
 };
 
+// The pool's metadata (proto PoolMetadata): engine-defined bytes kept with the pool across restarts of
+// kvd and of the engine (docs/api.md, "Pool metadata").
+struct PoolMetadata {
+  std::string pool;
+  uint64_t version = 0;  // 0 until the first set
+  std::string data;
+  absl::Time updated_at = absl::UnixEpoch();  // the epoch until the first set
+};
+
 // DescribeTransfer's reply: every byte of the blocks in exactly one run of one descriptor.
 struct TransferPlan {
   std::vector<TransferDescriptor> descriptors;
@@ -465,6 +474,12 @@ class Client {
   // Grants (or with `revoke` takes back) peer access to the pool for a device UUID or "*".
   [[nodiscard]] absl::StatusOr<PoolInfo> GrantPeerAccess(absl::string_view pool, absl::string_view device_uuid,
                                                          bool revoke = false);
+
+  // The pool's metadata. SetPoolMetadata is a compare-and-set: ABORTED (nothing changed) unless
+  // `expected_version` is the current version; INVALID_ARGUMENT past the daemon's --max-metadata-bytes.
+  [[nodiscard]] absl::StatusOr<PoolMetadata> GetPoolMetadata(absl::string_view pool);
+  [[nodiscard]] absl::StatusOr<PoolMetadata> SetPoolMetadata(absl::string_view pool, uint64_t expected_version,
+                                                             std::string data);
 
   // The strided descriptors covering `block_ids` (empty: every committed block) under the pool's layout.
   // INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id.

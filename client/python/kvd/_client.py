@@ -449,6 +449,19 @@ class Client:
             raise first_error
         return updates
 
+    # -- pool metadata ---------------------------------------------------------------------------
+    def metadata(self, name):
+        """GetPoolMetadata -> kvd.v1.PoolMetadata (pool, version, data, updated_at_unix_ms): engine-defined
+        bytes kept with the pool across restarts of kvd and of the engine; version 0 until first set."""
+        return self._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool=name))
+
+    def set_metadata(self, name, data, expected_version):
+        """SetPoolMetadata -> kvd.v1.PoolMetadata, a compare-and-set: ABORTED (nothing changed) unless
+        `expected_version` is the current version (0 for a pool never set); INVALID_ARGUMENT past the
+        daemon's --max-metadata-bytes."""
+        return self._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool=name, expected_version=expected_version,
+                                                                        data=bytes(data)))
+
     # -- engine groups and peer access ----------------------------------------------------------
     def grant_peer_access(self, name, device_uuid, revoke=False):
         """GrantPeerAccess -> kvd.v1.Pool: lets processes on the device `device_uuid` (as that device's
