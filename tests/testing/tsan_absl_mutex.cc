@@ -6,9 +6,17 @@
 // names, which the program's own definitions take over from the library at dynamic link time), forwards
 // each to the library (dlsym(RTLD_NEXT)) and tells TSan the happens-before edges: a release on the mutex's
 // address before it is given up, an acquire after it is taken. A wait (Await, CondVar::Wait) is both.
-// That is the edge a lock gives and nothing more: TSan still reports every access that no lock, atomic
-// or thread start/join orders. Lock-order (deadlock) detection is not provided; Note [Lock order] and
-// the clang -Wthread-safety build cover lock discipline.
+// Abseil evaluates a Condition inside the library, holding the mutex it took there (a waiter between
+// its wake-up and its return, or an unlocking thread for its waiters): Condition::Eval is interposed
+// too and, while one of the calls below is in progress on this thread, brackets the evaluation with an
+// acquire and a release of that mutex. That is the edge a lock gives and nothing more: TSan still reports every access
+// that no lock, atomic or thread start/join orders. Lock-order (deadlock) detection is not provided; Note [Lock order]
+// and the clang -Wthread-safety build cover lock discipline.
+//
+// Abseil's own code (its deadlock detector's graph, for one) writes memory through functions TSan
+// intercepts, under locks TSan cannot see: __tsan_default_options below has TSan ignore accesses made
+// from libraries that are not instrumented (ignore_noninstrumented_modules), for every program of the
+// build whatever TSAN_OPTIONS adds.
 //
 // If the library's names are not the ones below (another Abseil), the first call aborts with the name,
 // rather than leaving TSan blind.
@@ -26,6 +34,8 @@ static_assert(ABSL_OPTION_USE_INLINE_NAMESPACE == 1, "the mangled names below as
 extern "C" {
 void __tsan_acquire(void* addr);
 void __tsan_release(void* addr);
+
+const char* __tsan_default_options() { return "ignore_noninstrumented_modules=1"; }
 }
 
 namespace {
@@ -43,6 +53,15 @@ Fn Next(const char* name) {
 using Condition = absl::Condition;
 using Duration = absl::Duration;
 using Time = absl::Time;
+
+// The mutex a call of this thread into Abseil is waiting on or giving up: conditions evaluated meanwhile
+// read what it guards.
+thread_local void* current_mutex = nullptr;
+struct InCall {
+  explicit InCall(void* mu) : saved(current_mutex) { current_mutex = mu; }
+  ~InCall() { current_mutex = saved; }
+  void* saved;
+};
 
 }  // namespace
 
@@ -79,6 +98,7 @@ KVD_TRYLOCK(_ZN4absl7debian35Mutex13ReaderTryLockEv)
 #define KVD_UNLOCK(name)         \
   void name(void* mu) {          \
     KVD_NEXT(void, name, void*); \
+    InCall in_call(mu);          \
     __tsan_release(mu);          \
     next(mu);                    \
   }
@@ -89,11 +109,13 @@ KVD_UNLOCK(_ZN4absl7debian35Mutex12ReaderUnlockEv)
 // LockWhen*: returns holding the lock (whatever a timed variant returns).
 void _ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(void* mu, const Condition& cond) {
   KVD_NEXT(void, _ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE, void*, const Condition&);
+  InCall in_call(mu);
   next(mu, cond);
   __tsan_acquire(mu);
 }
 void _ZN4absl7debian35Mutex14ReaderLockWhenERKNS0_9ConditionE(void* mu, const Condition& cond) {
   KVD_NEXT(void, _ZN4absl7debian35Mutex14ReaderLockWhenERKNS0_9ConditionE, void*, const Condition&);
+  InCall in_call(mu);
   next(mu, cond);
   __tsan_acquire(mu);
 }
@@ -101,6 +123,7 @@ bool _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE
                                                                                  Duration timeout) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE, void*, const Condition&,
            Duration);
+  InCall in_call(mu);
   const bool met = next(mu, cond, timeout);
   __tsan_acquire(mu);
   return met;
@@ -109,6 +132,7 @@ bool _ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE(vo
                                                                               Time deadline) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE, void*, const Condition&,
            Time);
+  InCall in_call(mu);
   const bool met = next(mu, cond, deadline);
   __tsan_acquire(mu);
   return met;
@@ -117,6 +141,7 @@ bool _ZN4absl7debian35Mutex25ReaderLockWhenWithTimeoutERKNS0_9ConditionENS0_8Dur
                                                                                        Duration timeout) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex25ReaderLockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE, void*,
            const Condition&, Duration);
+  InCall in_call(mu);
   const bool met = next(mu, cond, timeout);
   __tsan_acquire(mu);
   return met;
@@ -125,6 +150,7 @@ bool _ZN4absl7debian35Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4Ti
                                                                                     Time deadline) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE, void*,
            const Condition&, Time);
+  InCall in_call(mu);
   const bool met = next(mu, cond, deadline);
   __tsan_acquire(mu);
   return met;
@@ -133,6 +159,7 @@ bool _ZN4absl7debian35Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4Ti
 // Waits give the lock up and take it back: release before, acquire after.
 void _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(void* mu, const Condition& cond) {
   KVD_NEXT(void, _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE, void*, const Condition&);
+  InCall in_call(mu);
   __tsan_release(mu);
   next(mu, cond);
   __tsan_acquire(mu);
@@ -141,6 +168,7 @@ bool _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(vo
                                                                               Duration timeout) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE, void*, const Condition&,
            Duration);
+  InCall in_call(mu);
   __tsan_release(mu);
   const bool met = next(mu, cond, timeout);
   __tsan_acquire(mu);
@@ -149,6 +177,7 @@ bool _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(vo
 bool _ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(void* mu, const Condition& cond,
                                                                            Time deadline) {
   KVD_NEXT(bool, _ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE, void*, const Condition&, Time);
+  InCall in_call(mu);
   __tsan_release(mu);
   const bool met = next(mu, cond, deadline);
   __tsan_acquire(mu);
@@ -173,6 +202,16 @@ bool _ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE(void* cv,
   const bool timed_out = next(cv, mu, deadline);
   __tsan_acquire(mu);
   return timed_out;
+}
+
+// Conditions: evaluated with the mutex of the call in progress held (see the top of the file).
+bool _ZNK4absl7debian39Condition4EvalEv(const void* cond) {
+  KVD_NEXT(bool, _ZNK4absl7debian39Condition4EvalEv, const void*);
+  void* mu = current_mutex;
+  if (mu != nullptr) __tsan_acquire(mu);
+  const bool met = next(cond);
+  if (mu != nullptr) __tsan_release(mu);
+  return met;
 }
 
 }  // extern "C"
