@@ -99,13 +99,16 @@ std::optional<std::string> Receive(int fd) {
   }
   std::string bytes(128 * 1024, '\0');
   iovec iov{bytes.data(), bytes.size()};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 64)];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 64)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   const ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  // On failure msg_control is not written: reading it would close whatever FD numbers the stack holds,
+  // the daemon's own sockets among them (they share this process).
+  if (n < 0) return std::nullopt;
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -115,7 +118,7 @@ std::optional<std::string> Receive(int fd) {
       close(received);
     }
   }
-  if (n <= 0) return std::nullopt;
+  if (n == 0) return std::nullopt;
   bytes.resize(static_cast<size_t>(n));
   return bytes;
 }
