@@ -17,7 +17,7 @@
 #   KVD_FUZZ_SECONDS  test mode: how long each fuzz target runs (default 20)
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 mode=${1:-}
 case $mode in
   run | test | build) shift ;;
