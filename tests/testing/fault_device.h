@@ -1,6 +1,10 @@
 // FaultDevice: a Device that forwards to a real one, counts the handles and mappings its caller holds,
-// and fails the Nth call of an operation on request. It proves rollback: after a failed operation the
-// live counts must be what they were before.
+// and fails the Nth call of an operation (or the Nth fallible call of any kind) on request. It proves
+// rollback: after a failed operation the live counts must be what they were before.
+//
+// The fallible calls are the ones that acquire something or can fail for want of it: Info, Reserve,
+// Create, Map, Export, ExportFabricHandle and ExportRange. The calls that give things back (Free,
+// Release, Unmap) and the block operations are forwarded and counted, never failed.
 #pragma once
 
 #include <atomic>
@@ -15,7 +19,7 @@ namespace kvd::testing {
 
 class FaultDevice final : public Device {
  public:
-  enum class Op { kReserve, kCreate, kMap, kExport };
+  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange };
 
   explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
 
@@ -24,6 +28,19 @@ class FaultDevice final : public Device {
     absl::MutexLock lock(&mu_);
     faults_[op] = {nth, std::move(status)};
   }
+  // The `nth` fallible call (1-based, counted from now) of whatever operation fails with `status`; see
+  // fault_pending() for whether it has happened yet.
+  void FailNthCall(int nth, absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    any_fault_ = {nth, std::move(status)};
+  }
+  // Whether a FailNthCall fault is still waiting for its call.
+  bool fault_pending() const {
+    absl::MutexLock lock(&mu_);
+    return any_fault_.countdown > 0;
+  }
+  // Fallible calls made since the device was made.
+  int fallible_calls() const { return fallible_calls_; }
   // From now on the device claims fabric handles (a stand-in for a CUDA node whose fabric probe
   // succeeded): Capabilities() says so and ExportFabricHandle returns 64 bytes naming the chunk.
   void PretendFabric() { pretend_fabric_ = true; }
@@ -33,7 +50,10 @@ class FaultDevice final : public Device {
 
   BackendKind kind() const override { return inner_->kind(); }
   uint64_t granularity() const override { return inner_->granularity(); }
-  absl::StatusOr<DeviceInfo> Info() override { return inner_->Info(); }
+  absl::StatusOr<DeviceInfo> Info() override {
+    if (absl::Status s = Fault(Op::kInfo); !s.ok()) return s;
+    return inner_->Info();
+  }
 
   absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
     if (absl::Status s = Fault(Op::kReserve); !s.ok()) return s;
@@ -80,12 +100,16 @@ class FaultDevice final : public Device {
     return caps;
   }
   absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk) override {
+    if (absl::Status s = Fault(Op::kExportFabricHandle); !s.ok()) return s;
     if (!pretend_fabric_) return inner_->ExportFabricHandle(chunk);
     std::string bytes = "fabric-" + std::to_string(chunk.handle);
     bytes.resize(64, '\0');
     return bytes;
   }
-  absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override { return inner_->ExportRange(va, bytes); }
+  absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kExportRange); !s.ok()) return s;
+    return inner_->ExportRange(va, bytes);
+  }
   absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
     return inner_->CopyToHost(dst, src_va, bytes);
   }
@@ -112,6 +136,8 @@ class FaultDevice final : public Device {
   };
   absl::Status Fault(Op op) {
     absl::MutexLock lock(&mu_);
+    ++fallible_calls_;
+    if (any_fault_.countdown > 0 && --any_fault_.countdown == 0) return std::move(any_fault_.status);
     auto it = faults_.find(op);
     if (it == faults_.end()) return absl::OkStatus();
     if (--it->second.countdown > 0) return absl::OkStatus();
@@ -121,9 +147,10 @@ class FaultDevice final : public Device {
   }
 
   std::unique_ptr<Device> inner_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
-  std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0};
+  Fault_ any_fault_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0}, fallible_calls_{0};
   std::atomic<bool> pretend_fabric_{false};
 };
 

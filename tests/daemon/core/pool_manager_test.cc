@@ -163,7 +163,8 @@ struct Fault {
   int nth;
 };
 void PrintTo(const Fault& f, std::ostream* os) {
-  static constexpr const char* kOps[] = {"Reserve", "Create", "Map", "Export"};
+  static constexpr const char* kOps[] = {"Reserve",    "Create", "Map", "Export", "Info", "ExportFabricHandle",
+                                         "ExportRange"};
   *os << kOps[static_cast<int>(f.op)] << f.nth;
 }
 class GrowRollbackTest : public PoolManagerTest, public ::testing::WithParamInterface<Fault> {};
