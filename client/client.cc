@@ -151,6 +151,7 @@ PoolInfo FromProto(const v1::Pool& p) {
   out.group = GroupMembership{.name = p.group().name(), .rank = p.group().rank(), .size = p.group().size()};
   out.peer_devices.assign(p.peer_devices().begin(), p.peer_devices().end());
   out.transaction = p.transaction();
+  out.client_count = p.client_count();
   return out;
 }
 
@@ -710,11 +711,16 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
 }
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
-  v1::ListPoolsResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListPools(impl_->Context().get(), v1::ListPoolsRequest(), &resp)));
-  impl_->Observe(resp);
+  // Every page, in order (ListPools is paginated: kvd.proto, docs/api.md).
   std::vector<PoolInfo> out;
-  for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
+  v1::ListPoolsRequest req;
+  do {
+    v1::ListPoolsResponse resp;
+    KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListPools(impl_->Context().get(), req, &resp)));
+    impl_->Observe(resp);
+    for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
   return out;
 }
 

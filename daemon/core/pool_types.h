@@ -78,13 +78,14 @@ struct PoolView {
   uint64_t wake_blocks = 0;
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
-  std::vector<ClientView> clients;
-  std::vector<ChunkInfo> chunks;  // by (segment, offset)
+  std::vector<ClientView> clients;  // empty when the view only counts them (ViewClients::kCounted)
+  std::vector<ChunkInfo> chunks;    // by (segment, offset)
   uint64_t generation = 0;
   absl::Time created_at;
   GroupMembership group;
   std::vector<std::string> peer_devices;
-  std::string transaction;  // the prepared transaction holding the pool, if any
+  std::string transaction;    // the prepared transaction holding the pool, if any
+  uint64_t client_count = 0;  // attached clients, whether or not `clients` lists them
 };
 
 // A range export's handles and the lease that turns them into FDs on the handle channel (the lease's

@@ -205,6 +205,7 @@ v1::Pool ToProto(const PoolView& pool) {
   }
   for (const std::string& d : pool.peer_devices) p.add_peer_devices(d);
   p.set_transaction(pool.transaction);
+  p.set_client_count(static_cast<uint32_t>(pool.client_count));
   return p;
 }
 

@@ -218,6 +218,7 @@ struct PoolInfo {
   uint64_t wake_blocks = 0;
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
+  // Listed by GetPool, ListPools and CreatePool; empty in the pool of Attach's and resizes' replies.
   std::vector<ClientInfo> clients;
   std::vector<ChunkInfo> chunks;
   uint64_t generation = 0;
@@ -225,6 +226,7 @@ struct PoolInfo {
   GroupMembership group;
   std::vector<std::string> peer_devices;  // device UUIDs (or "*") whose clients may attach
   std::string transaction;                // the prepared group operation holding the pool, if any
+  uint32_t client_count = 0;              // attached clients, in every reply
 };
 
 struct PoolOptions {
@@ -397,6 +399,7 @@ class Client {
   const std::string& socket() const;
 
   [[nodiscard]] absl::StatusOr<DeviceStatus> DeviceInfo();
+  // Every pool this uid may use, by name: all pages of the paginated ListPools.
   [[nodiscard]] absl::StatusOr<std::vector<PoolInfo>> ListPools();
   [[nodiscard]] absl::StatusOr<PoolInfo> GetPool(absl::string_view name);
   [[nodiscard]] absl::StatusOr<PoolInfo> CreatePool(const PoolOptions& options);

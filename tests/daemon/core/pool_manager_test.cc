@@ -59,7 +59,7 @@ class PoolManagerTest : public ::testing::Test {
   }
 
   Caller Session(uint32_t uid, std::string name) {
-    const std::string token = manager_->OpenSession(uid, 100 + uid, name);
+    const std::string token = *manager_->OpenSession(uid, 100 + uid, name);
     return *manager_->Authenticate(token);
   }
 

@@ -53,7 +53,7 @@ TEST(BudgetTest, ConcurrentTakersNeverOvercommit) {
 
 TEST(SessionTableTest, AClosedSessionNoLongerAuthenticates) {
   SessionTable sessions;
-  const std::string token = sessions.Open(1000, 42, "engine");
+  const std::string token = *sessions.Open(1000, 42, "engine");
   absl::StatusOr<Caller> caller = sessions.Authenticate(token);
   ASSERT_THAT(caller.status(), IsOk());
   EXPECT_EQ(caller->uid, 1000u);

@@ -57,7 +57,7 @@ class FakeBackend : public HandleChannelBackend {
     std::string name;
   };
 
-  std::string OpenSession(uint32_t uid, int32_t pid, std::string name) override {
+  absl::StatusOr<std::string> OpenSession(uint32_t uid, int32_t pid, std::string name) override {
     absl::MutexLock lock(&mu_);
     std::string token = absl::StrCat("session-", ++next_session_);
     sessions_[token] = SessionInfo{uid, pid, std::move(name)};
@@ -569,10 +569,10 @@ TEST_F(HandleChannelTest, ConnectionsBeyondTheLimitAreRefused) {
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession first, HandleSession::Open(path_, "one", ClientOptions()));
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession second, HandleSession::Open(path_, "two", ClientOptions()));
   EXPECT_THAT(HandleSession::Open(path_, "three", ClientOptions()),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 connections")));
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 of 2 for uid")));
   // Fetches count too.
   MakeLease("lease", 1);
-  EXPECT_THAT(first.Fetch("lease"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 connections")));
+  EXPECT_THAT(first.Fetch("lease"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 of 2 for uid")));
   EXPECT_EQ(backend_.redeems(), 0);
 
   // A slot frees once a session ends.
