@@ -250,7 +250,7 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   }
   Staged staged;
   // The budget first, from arithmetic alone: a plan is built only for bytes the budget holds, so its
-  // size is bounded by the budget (at most budget / granularity chunks plus one per segment).
+  // size is bounded by the budget (at most budget / max chunk chunks plus one per segment).
   KVD_ASSIGN_OR_RETURN(staged.bytes, pool.GrowBytes(target_blocks));
   // Taken now, so that concurrent grows of other pools see it.
   if (uint64_t free = 0; !budget_.TryTake(staged.bytes, &free)) {
