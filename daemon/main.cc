@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -579,9 +580,18 @@ absl::Status Run(const Flags& f) {
   std::move(stop_server).Cancel();
   server->GetHealthCheckService()->SetServingStatus(false);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
-  std::thread server_stopper([&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); });
+  const auto stop_server_now = [&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); };
+  std::thread server_stopper;
+  try {
+    server_stopper = std::thread(stop_server_now);
+  } catch (const std::system_error& e) {
+    // No thread to spare (out of threads or memory): stop the server first; the deadline ends the
+    // watch streams that only manager.Shutdown() would have ended.
+    spdlog::warn("stopping without a helper thread ({}): RPCs in flight get one second", e.what());
+    stop_server_now();
+  }
   manager.Shutdown();
-  server_stopper.join();
+  if (server_stopper.joinable()) server_stopper.join();
   channel->Stop();
   RemoveSocket(socket_path, socket_id);
   RemoveSocket(handles_path, IdOf(handles_path));
@@ -688,7 +698,14 @@ int Main(int argc, char** argv) {
     std::cerr << "kvd: " << logging.message() << "\n";
     return 1;
   }
-  absl::Status status = Run(f);
+  absl::Status status;
+  try {
+    status = Run(f);
+  } catch (const std::system_error& e) {
+    // std::thread reports a thread it cannot start only by throwing; at start-up (the manager's reaper,
+    // the channel's threads are checked where they start) it stops kvd with one line, not an abort.
+    status = absl::ResourceExhaustedError(absl::StrCat("cannot start a thread (out of threads or memory): ", e.what()));
+  }
   if (!status.ok()) {
     spdlog::error("kvd: {}", Sv(status.message()));
     return 1;

@@ -262,8 +262,13 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   if (listen(channel->listen_fd_.get(), SOMAXCONN) != 0)
     return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
 
-  channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
-  channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
+  try {
+    channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
+    channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
+  } catch (const std::system_error& e) {
+    // Out of threads or memory: the channel's destructor (Stop) ends whatever thread did start.
+    return absl::ResourceExhaustedError(absl::StrCat("handle channel: cannot start its threads: ", e.what()));
+  }
   return channel;
 }
 
