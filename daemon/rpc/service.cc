@@ -195,10 +195,12 @@ grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListP
     const size_t page_size =
         request->page_size() == 0 ? kDefaultListPageSize : std::min<size_t>(request->page_size(), kMaxListPageSize);
     PoolPage page = manager_->ListPools(caller, after, page_size);
-    size_t bytes = 0;
+    // The reply's encoding: each pool with its field tag and length (at most 6 bytes), and room for the
+    // token (a base64 name of at most 64 bytes, with its tag and length).
+    size_t bytes = 96;
     for (size_t i = 0; i < page.pools.size(); ++i) {
       v1::Pool pool = ToProto(page.pools[i]);
-      bytes += pool.ByteSizeLong();
+      bytes += pool.ByteSizeLong() + 6;
       // Never past the page's byte bound, but never an empty page while pools remain.
       if (i > 0 && bytes > kMaxListPageBytes) {
         page.more = true;
