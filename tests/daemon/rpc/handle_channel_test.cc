@@ -516,6 +516,36 @@ TEST_F(HandleChannelTest, StopReturnsPromptlyWhileAPeerSaysNothing) {
   EXPECT_THAT(backend_.closed(), ElementsAre(session.token()));
 }
 
+TEST_F(HandleChannelTest, FetchesBeyondTheWorkerLimitWaitTheirTurn) {
+  HandleChannel::Options options;
+  options.max_fetch_workers = 1;
+  StartChannel(options);
+  MakeLease("slow", 2);
+  MakeLease("next", 3, 2000);
+  absl::Notification gate;
+  backend_.GateLease("slow", &gate);
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
+  // The one worker is held by "slow"; "next" waits in the queue, unredeemed, until it is free.
+  std::optional<absl::StatusOr<std::vector<std::pair<uint64_t, int>>>> slow, next;
+  std::thread first([&] { slow.emplace(session.Fetch("slow")); });
+  ASSERT_TRUE(WaitFor([&] { return backend_.redeems() == 1; }));
+  std::thread second([&] { next.emplace(session.Fetch("next")); });
+  // Give the queued fetch every chance to be served early: it must not be.
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(backend_.redeems(), 1);
+  gate.Notify();
+  first.join();
+  second.join();
+  ASSERT_TRUE(slow->ok()) << slow->status();
+  ASSERT_TRUE(next->ok()) << next->status();
+  EXPECT_EQ((*slow)->size(), 2u);
+  EXPECT_EQ((*next)->size(), 3u);
+  for (const auto* fds : {&**slow, &**next}) {
+    for (const auto& [chunk_id, fd] : *fds) close(fd);
+  }
+  EXPECT_EQ(backend_.redeems(), 2);
+}
+
 TEST_F(HandleChannelTest, StopClosesEverySessionAndUnlinksTheSocket) {
   StartChannel();
   std::vector<HandleSession> sessions;
