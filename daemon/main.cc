@@ -463,8 +463,8 @@ absl::Status Run(const Flags& f) {
   KVD_ASSIGN_OR_RETURN(const Limits limits, MakeLimits(f, static_cast<uint32_t>(getuid())));
   KVD_ASSIGN_OR_RETURN(const uint64_t max_request_bytes, ParseBytes(f.max_request_bytes, "--max-request-bytes"));
   if (max_request_bytes < 4096 || max_request_bytes > uint64_t{INT32_MAX}) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-request-bytes: ", FormatBytes(max_request_bytes), " is not between 4KiB and 2GiB"));
+    return absl::InvalidArgumentError(absl::StrCat("--max-request-bytes: ", FormatBytes(max_request_bytes),
+                                                   " must be at least 4KiB and less than 2GiB"));
   }
 
   KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
