@@ -162,6 +162,7 @@ PoolInfo FromProto(const v1::Pool& p) {
   out.metadata_version = p.metadata_version();
   out.metadata_bytes = p.metadata_bytes();
   out.missing_chunk_ids.assign(p.missing_chunk_ids().begin(), p.missing_chunk_ids().end());
+  out.client_count = p.client_count();
   return out;
 }
 
@@ -1060,11 +1061,16 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
 }
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
-  v1::ListPoolsResponse resp;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ListPools, v1::ListPoolsRequest(), &resp));
-  impl_->Observe(resp);
+  // Every page, in order (ListPools is paginated: kvd.proto, docs/api.md).
   std::vector<PoolInfo> out;
-  for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
+  v1::ListPoolsRequest req;
+  do {
+    v1::ListPoolsResponse resp;
+    KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ListPools, req, &resp));
+    impl_->Observe(resp);
+    for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
   return out;
 }
 

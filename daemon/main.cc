@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -48,6 +49,7 @@
 #include "absl/time/time.h"
 #include "daemon/core/layout.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/rpc/handle_channel.h"
@@ -91,6 +93,19 @@ struct Flags {
   std::string recovery_grace = "60s";
   bool drain_on_stop = false;
   std::string max_metadata = "1MiB";
+  // Limits (docs/operations.md, "Limits"; daemon/core/limits.h).
+  uint64_t max_pools = 1024;
+  uint64_t max_pools_per_uid = 256;
+  uint64_t max_sessions = 768;
+  uint64_t max_sessions_per_uid = 128;
+  std::string max_reserved = "96TiB";
+  std::string max_reserved_per_uid = "64TiB";
+  uint64_t max_clients_per_pool = 256;
+  uint64_t max_handle_connections = 1024;
+  uint64_t max_handle_connections_per_uid = 256;
+  uint64_t max_block_ids = 65536;
+  std::string max_request_bytes = "4MiB";
+  std::string operator_reserve = "5%";
   bool list_devices = false;
   bool json = false;
 };
@@ -188,6 +203,64 @@ absl::StatusOr<uint64_t> ParseBudget(const std::string& text, uint64_t total, ui
         absl::StrCat("--budget: ", FormatBytes(budget), " exceeds the device's ", FormatBytes(total), " of memory"));
   }
   return budget;
+}
+
+// The limits the flags set, checked: every one > 0, and each total leaving ordinary uids a share.
+absl::StatusOr<Limits> MakeLimits(const Flags& f, uint32_t daemon_uid) {
+  Limits limits{.max_pools = f.max_pools,
+                .max_pools_per_uid = f.max_pools_per_uid,
+                .max_sessions = f.max_sessions,
+                .max_sessions_per_uid = f.max_sessions_per_uid,
+                .max_clients_per_pool = f.max_clients_per_pool,
+                .max_block_ids = f.max_block_ids,
+                .daemon_uid = daemon_uid};
+  KVD_ASSIGN_OR_RETURN(limits.max_reserved_bytes, ParseBytes(f.max_reserved, "--max-reserved"));
+  KVD_ASSIGN_OR_RETURN(limits.max_reserved_bytes_per_uid, ParseBytes(f.max_reserved_per_uid, "--max-reserved-per-uid"));
+  absl::string_view pct = absl::StripAsciiWhitespace(f.operator_reserve);
+  absl::ConsumeSuffix(&pct, "%");
+  if (!absl::SimpleAtoi(pct, &limits.operator_reserve_percent) || limits.operator_reserve_percent > 50) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--operator-reserve: \"", f.operator_reserve, "\" is not a percentage from 0% to 50%"));
+  }
+  const std::pair<const char*, uint64_t> totals[] = {{"--max-pools", limits.max_pools},
+                                                     {"--max-sessions", limits.max_sessions},
+                                                     {"--max-reserved", limits.max_reserved_bytes},
+                                                     {"--max-clients-per-pool", limits.max_clients_per_pool},
+                                                     {"--max-handle-connections", f.max_handle_connections}};
+  for (const auto& [flag, total] : totals) {
+    if (total == 0) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be > 0"));
+    if (total == OperatorShare(total, limits.operator_reserve_percent)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, "=", total,
+          " leaves nothing for ordinary uids after --operator-reserve=", limits.operator_reserve_percent, "%"));
+    }
+  }
+  const std::pair<const char*, uint64_t> others[] = {
+      {"--max-pools-per-uid", limits.max_pools_per_uid},
+      {"--max-sessions-per-uid", limits.max_sessions_per_uid},
+      {"--max-reserved-per-uid", limits.max_reserved_bytes_per_uid},
+      {"--max-handle-connections-per-uid", f.max_handle_connections_per_uid},
+      {"--max-block-ids", limits.max_block_ids}};
+  for (const auto& [flag, value] : others) {
+    if (value == 0) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be > 0"));
+  }
+  return limits;
+}
+
+// Every limit flag and its value, for kvd_limit (docs/metrics.md).
+std::vector<LimitValue> LimitValues(const Flags& f, const Limits& limits, uint64_t max_request_bytes) {
+  return {{"max-pools", limits.max_pools},
+          {"max-pools-per-uid", limits.max_pools_per_uid},
+          {"max-sessions", limits.max_sessions},
+          {"max-sessions-per-uid", limits.max_sessions_per_uid},
+          {"max-reserved", limits.max_reserved_bytes},
+          {"max-reserved-per-uid", limits.max_reserved_bytes_per_uid},
+          {"max-clients-per-pool", limits.max_clients_per_pool},
+          {"max-handle-connections", f.max_handle_connections},
+          {"max-handle-connections-per-uid", f.max_handle_connections_per_uid},
+          {"max-block-ids", limits.max_block_ids},
+          {"max-request-bytes", max_request_bytes},
+          {"operator-reserve", limits.operator_reserve_percent}};
 }
 
 absl::StatusOr<LayoutPolicy> MakeLayoutPolicy(const Flags& f) {
@@ -394,6 +467,13 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(absl::StrCat("--lease-ttl: \"", f.lease_ttl, "\" is not a positive duration"));
   }
 
+  KVD_ASSIGN_OR_RETURN(const Limits limits, MakeLimits(f, static_cast<uint32_t>(getuid())));
+  KVD_ASSIGN_OR_RETURN(const uint64_t max_request_bytes, ParseBytes(f.max_request_bytes, "--max-request-bytes"));
+  if (max_request_bytes < 4096 || max_request_bytes > uint64_t{INT32_MAX}) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-request-bytes: ", FormatBytes(max_request_bytes),
+                                                   " must be at least 4KiB and less than 2GiB"));
+  }
+
   KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
@@ -459,7 +539,8 @@ absl::Status Run(const Flags& f) {
                                                    .epoch = saved.epoch + 1,
                                                    .started_at = started_at,
                                                    .recovery_grace = recovery_grace,
-                                                   .warn = [](const std::string& line) { spdlog::warn("{}", line); }});
+                                                   .warn = [](const std::string& line) { spdlog::warn("{}", line); },
+                                                   .limits = limits});
   if (store != nullptr) {
     const absl::Time restore_start = absl::Now();
     const size_t saved_pools = saved.pools.size();
@@ -488,6 +569,8 @@ absl::Status Run(const Flags& f) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("unix:", socket_path), grpc::InsecureServerCredentials());
+  // Larger requests are refused by gRPC itself, before any handler runs (RESOURCE_EXHAUSTED).
+  builder.SetMaxReceiveMessageSize(static_cast<int>(max_request_bytes));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
@@ -500,7 +583,27 @@ absl::Status Run(const Flags& f) {
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
 
-  KVD_ASSIGN_OR_RETURN(std::unique_ptr<HandleChannel> channel, HandleChannel::Start(handles_path, &backend));
+  KVD_ASSIGN_OR_RETURN(
+      std::unique_ptr<HandleChannel> channel,
+      HandleChannel::Start(handles_path, &backend,
+                           HandleChannel::Options{.max_connections = f.max_handle_connections,
+                                                  .reserved_connections = OperatorShare(
+                                                      f.max_handle_connections, limits.operator_reserve_percent),
+                                                  .operator_uid = limits.daemon_uid,
+                                                  .max_connections_per_uid = f.max_handle_connections_per_uid}));
+  if (metrics != nullptr) {
+    const HandleChannel* served = channel.get();
+    metrics->SetLimits(LimitValues(f, limits, max_request_bytes), [served] {
+      const HandleChannel::Refusals refused = served->refusals();
+      return HandleChannelUsage{.connections_by_uid = served->ConnectionsByUid(),
+                                .refused_total = refused.total,
+                                .refused_per_uid = refused.per_uid};
+    });
+  }
+  // Scrapes stop reading the channel before it goes (metrics outlives it).
+  absl::Cleanup forget_channel = [&] {
+    if (metrics != nullptr) metrics->SetLimits(LimitValues(f, limits, max_request_bytes), nullptr);
+  };
   if (chmod(handles_path.c_str(), 0660) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0660 ", handles_path));
 
   spdlog::info(
@@ -508,6 +611,13 @@ absl::Status Run(const Flags& f) {
       "granularity {}, pid {}",
       KVD_VERSION, BackendName(device->kind()), info.name, info.index, info.uuid, socket_path, handles_path,
       FormatBytes(budget), FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
+  spdlog::info(
+      "limits: pools {} ({} per uid), sessions {} ({} per uid), reserved {} ({} per uid), {} clients per pool, "
+      "handle-channel connections {} ({} per uid), {} block ids and {} per request; {}% kept for root and uid {}",
+      limits.max_pools, limits.max_pools_per_uid, limits.max_sessions, limits.max_sessions_per_uid,
+      FormatBytes(limits.max_reserved_bytes), FormatBytes(limits.max_reserved_bytes_per_uid),
+      limits.max_clients_per_pool, f.max_handle_connections, f.max_handle_connections_per_uid, limits.max_block_ids,
+      FormatBytes(max_request_bytes), limits.operator_reserve_percent, limits.daemon_uid);
   // systemd Type=notify (deploy/systemd/kvd@.service): both sockets exist now. No-op without NOTIFY_SOCKET.
   sd_notifyf(0, "READY=1\nSTATUS=serving unix:%s, budget %s\nMAINPID=%d", socket_path.c_str(),
              FormatBytes(budget).c_str(), static_cast<int>(getpid()));
@@ -530,9 +640,18 @@ absl::Status Run(const Flags& f) {
   std::move(stop_server).Cancel();
   server->GetHealthCheckService()->SetServingStatus(false);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
-  std::thread server_stopper([&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); });
+  const auto stop_server_now = [&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); };
+  std::thread server_stopper;
+  try {
+    server_stopper = std::thread(stop_server_now);
+  } catch (const std::system_error& e) {
+    // No thread to spare (out of threads or memory): stop the server first; the deadline ends the
+    // watch streams that only manager.Shutdown() would have ended.
+    spdlog::warn("stopping without a helper thread ({}): RPCs in flight get one second", e.what());
+    stop_server_now();
+  }
   manager.Shutdown(keep_pools);
-  server_stopper.join();
+  if (server_stopper.joinable()) server_stopper.join();
   channel->Stop();
   RemoveSocket(socket_path, socket_id);
   RemoveSocket(handles_path, IdOf(handles_path));
@@ -604,6 +723,33 @@ int Main(int argc, char** argv) {
   app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error, critical or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
       ->capture_default_str();
+  // Limits (docs/operations.md, "Limits").
+  app.add_option("--max-pools", f.max_pools, "Pools of all uids together")->capture_default_str();
+  app.add_option("--max-pools-per-uid", f.max_pools_per_uid, "Pools one uid may own")->capture_default_str();
+  app.add_option("--max-sessions", f.max_sessions, "Handle-channel sessions of all uids together")
+      ->capture_default_str();
+  app.add_option("--max-sessions-per-uid", f.max_sessions_per_uid, "Sessions one uid may have open")
+      ->capture_default_str();
+  app.add_option("--max-reserved", f.max_reserved, "Address space reserved by all pools together")
+      ->capture_default_str();
+  app.add_option("--max-reserved-per-uid", f.max_reserved_per_uid, "Address space reserved by one uid's pools")
+      ->capture_default_str();
+  app.add_option("--max-clients-per-pool", f.max_clients_per_pool, "Clients attached to one pool")
+      ->capture_default_str();
+  app.add_option("--max-handle-connections", f.max_handle_connections,
+                 "Handle-channel connections of every kind open at once")
+      ->capture_default_str();
+  app.add_option("--max-handle-connections-per-uid", f.max_handle_connections_per_uid,
+                 "Handle-channel connections one uid may have open")
+      ->capture_default_str();
+  app.add_option("--max-block-ids", f.max_block_ids,
+                 "Block ids (or copies) one ZeroBlocks, CopyBlocks or DescribeTransfer may name")
+      ->capture_default_str();
+  app.add_option("--max-request-bytes", f.max_request_bytes, "Largest gRPC request accepted")->capture_default_str();
+  app.add_option("--operator-reserve", f.operator_reserve,
+                 "Share of every total limit (pools, sessions, reserved, clients per pool, handle-channel "
+                 "connections) only root and kvd's own uid may use")
+      ->capture_default_str();
   app.footer(absl::StrCat("Environment: ", kLayoutEnv,
                           " sets the daemon's layout preference (rule 3 of the chain); an invalid value stops kvd."));
   try {
@@ -631,7 +777,14 @@ int Main(int argc, char** argv) {
     std::cerr << "kvd: " << logging.message() << "\n";
     return 1;
   }
-  absl::Status status = Run(f);
+  absl::Status status;
+  try {
+    status = Run(f);
+  } catch (const std::system_error& e) {
+    // std::thread reports a thread it cannot start only by throwing; at start-up (the manager's reaper,
+    // the channel's threads are checked where they start) it stops kvd with one line, not an abort.
+    status = absl::ResourceExhaustedError(absl::StrCat("cannot start a thread (out of threads or memory): ", e.what()));
+  }
   if (!status.ok()) {
     spdlog::error("kvd: {}", Sv(status.message()));
     return 1;

@@ -382,14 +382,23 @@ absl::Status Caps(Client& client, const Flags& f, const Replies& replies) {
 
 absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
-  if (f.json) return PrintReply<v1::ListPoolsResponse>(replies);
+  if (f.json) {
+    // Every page as one ListPoolsResponse (next_page_token empty).
+    v1::ListPoolsResponse all;
+    for (const v1::ListPoolsResponse& page : replies.All<v1::ListPoolsResponse>()) {
+      for (const v1::Pool& p : page.pools()) *all.add_pools() = p;
+    }
+    KVD_ASSIGN_OR_RETURN(std::string json, ProtoJson(all));
+    PrintJson(json);
+    return absl::OkStatus();
+  }
   std::vector<std::vector<std::string>> rows = {
       {"NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"}};
   for (const PoolInfo& p : pools) {
     rows.push_back({p.name, PoolStateName(p.state), p.geometry.layout,
                     absl::StrCat(p.committed_blocks, "/", p.geometry.dims.capacity_blocks),
                     FormatBytes(p.committed_bytes), FormatBytes(p.pending_release_bytes),
-                    absl::StrCat(p.clients.size())});
+                    absl::StrCat(p.client_count)});
   }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows) {
@@ -730,9 +739,9 @@ bool Consistent(const std::vector<GroupRank>& ranks) {
 
 void PrintRanks(const std::vector<GroupRank>& ranks) {
   for (const GroupRank& r : ranks) {
-    std::printf("  rank %-3u %-20s %-9s %8lu blocks %10s  %zu clients  %s (%s)%s\n", r.rank, r.pool.name.c_str(),
+    std::printf("  rank %-3u %-20s %-9s %8lu blocks %10s  %u clients  %s (%s)%s\n", r.rank, r.pool.name.c_str(),
                 PoolStateName(r.pool.state), r.pool.committed_blocks, FormatBytes(r.pool.committed_bytes).c_str(),
-                r.pool.clients.size(), r.socket.c_str(), r.device_uuid.c_str(),
+                r.pool.client_count, r.socket.c_str(), r.device_uuid.c_str(),
                 r.pool.transaction.empty() ? "" : absl::StrCat(" held by ", r.pool.transaction).c_str());
   }
 }

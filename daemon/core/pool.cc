@@ -70,9 +70,9 @@ bool Pool::Allows(uint32_t uid) const {
 // ---------------------------------------------------------------------------------------------
 // Views
 
-PoolView Pool::View() const {
+PoolView Pool::View(ViewClients clients) const {
   absl::MutexLock lock(&mu_);
-  return ViewLocked();
+  return ViewLocked(clients);
 }
 
 PoolState Pool::state() const {
@@ -96,7 +96,7 @@ uint64_t Pool::PendingBytesLocked() const {
   return sum;
 }
 
-PoolView Pool::ViewLocked() const {
+PoolView Pool::ViewLocked(ViewClients clients) const {
   PoolView v{.name = name_,
              .state = state_,
              .geometry = plan_.geometry,
@@ -116,8 +116,10 @@ PoolView Pool::ViewLocked() const {
              .epoch = shared_.epoch,
              .metadata_version = metadata_.version,
              .metadata_bytes = metadata_.data.size(),
-             .missing_chunk_ids = {missing_.begin(), missing_.end()}};
+             .missing_chunk_ids = {missing_.begin(), missing_.end()},
+             .client_count = clients_.size()};
   for (const auto& [id, c] : clients_) {
+    if (clients == ViewClients::kCounted) break;
     uint64_t mapped = 0;
     for (const auto& [chunk, bytes] : c.handed) mapped += bytes;
     v.clients.push_back({.id = c.id,
@@ -189,9 +191,26 @@ absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
   return change;
 }
 
-absl::StatusOr<std::vector<PlannedChunk>> Pool::PlanGrow(uint64_t target_blocks, uint64_t max_chunk_bytes) const {
+absl::StatusOr<uint64_t> Pool::GrowBytes(uint64_t target_blocks) const {
+  const Geometry& g = plan_.geometry;
+  if (target_blocks > g.dims().capacity_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("target_blocks: ", target_blocks, " exceeds the capacity of ",
+                                                   g.dims().capacity_blocks, " blocks"));
+  }
+  const uint64_t to = g.PrefixBytes(target_blocks);
   absl::MutexLock lock(&mu_);
-  return plan_.geometry.PlanGrow(prefix_bytes_, target_blocks, max_chunk_bytes);
+  // Both prefixes lie inside the reservation, so the product cannot overflow.
+  return to > prefix_bytes_ ? (to - prefix_bytes_) * g.segments() : 0;
+}
+
+absl::StatusOr<std::vector<PlannedChunk>> Pool::PlanGrow(uint64_t target_blocks, uint64_t max_chunk_bytes) const {
+  uint64_t prefix = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    prefix = prefix_bytes_;
+  }
+  // Planned outside the state lock: readers (views, the handle channel, metrics) never wait for it.
+  return plan_.geometry.PlanGrow(prefix, target_blocks, max_chunk_bytes);
 }
 
 PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released) {
@@ -205,7 +224,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
       state_ = PoolState::kAwake;
       wake_blocks_ = 0;
       if (change.target_blocks > 0) return PublishLocked(std::move(change.staged), change.target_blocks, session);
-      return PoolUpdate{.pool = ViewLocked()};
+      return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
     case GroupOp::kShrink:
       return ReleaseLocked(plan_.geometry.PrefixBytes(change.target_blocks), released);
     case GroupOp::kSleep:
@@ -213,7 +232,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
       state_ = PoolState::kSleeping;
       return ReleaseLocked(0, released);
   }
-  return PoolUpdate{.pool = ViewLocked()};
+  return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
 }
 
 PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session) {
@@ -243,7 +262,7 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
     e.lease = shared_.leases->Issue(name_, client.session, ids);
     client.events->Push(std::move(e));
   }
-  update.pool = ViewLocked();
+  update.pool = ViewLocked(ViewClients::kCounted);
   return update;
 }
 
@@ -289,7 +308,7 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
     SettleReleasesLocked();
     if (releases_.contains(id)) update.release_id = id;
   }
-  update.pool = ViewLocked();
+  update.pool = ViewLocked(ViewClients::kCounted);
   return update;
 }
 
@@ -360,6 +379,10 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
   }
   // Checked under this lock for the same reason as in Hold: a closing session detaches what it finds.
   if (!sessions.Contains(caller.session)) return absl::UnauthenticatedError("kvd-session: the session has closed");
+  if (shared_.limits != nullptr) {
+    KVD_RETURN_IF_ERROR(CheckCount(absl::StrCat("clients of pool ", name_), caller.uid, 0, 0, "", clients_.size(),
+                                   shared_.limits->max_clients_per_pool, "--max-clients-per-pool", *shared_.limits));
+  }
   Client c{.id = RandomToken("c-"),
            .name = client_name.empty() ? caller.name : std::string(client_name),
            .uid = caller.uid,
@@ -375,7 +398,7 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
   AttachResult result{.client_id = c.id};
   result.lease = shared_.leases->Issue(name_, caller.session, std::move(ids));
   clients_.emplace(c.id, std::move(c));
-  result.pool = ViewLocked();
+  result.pool = ViewLocked(ViewClients::kCounted);
   return result;
 }
 

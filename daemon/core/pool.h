@@ -36,6 +36,7 @@
 #include "daemon/core/budget.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
 #include "daemon/core/sessions.h"
@@ -80,9 +81,14 @@ struct PoolShared {
   Budget* budget = nullptr;
   std::atomic<uint64_t>* next_chunk_id = nullptr;
   uint32_t daemon_uid = 0;
-  std::string device_uuid;  // the daemon's own device: attaching from it needs no grant
-  uint64_t epoch = 0;       // the daemon's, shown in every view
+  std::string device_uuid;         // the daemon's own device: attaching from it needs no grant
+  uint64_t epoch = 0;              // the daemon's, shown in every view
+  const Limits* limits = nullptr;  // the manager's; null: no limits (max_clients_per_pool)
 };
+
+// What a view says of the attached clients: each of them (GetPool, ListPools), or only their number
+// (the pool in replies to Attach and resizes, so that a reply's size does not grow with the clients).
+enum class ViewClients { kListed, kCounted };
 
 // NOT_FOUND "pool P does not exist".
 absl::Status PoolGone(absl::string_view pool);
@@ -110,7 +116,7 @@ class Pool {
   uint64_t base() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) { return base_; }
   void set_base(uint64_t base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) { base_ = base; }
 
-  PoolView View() const ABSL_LOCKS_EXCLUDED(mu_);
+  PoolView View(ViewClients clients = ViewClients::kListed) const ABSL_LOCKS_EXCLUDED(mu_);
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
   bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -159,7 +165,13 @@ class Pool {
   // committed blocks. Returns the change with the blocks a wake recommits.
   [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The chunks that take every segment's prefix from where it is to `target_blocks`.
+  // The bytes a grow to `target_blocks` commits (0 when not above the prefix), computed without
+  // planning: the budget is checked against it before any plan is built. INVALID_ARGUMENT past the
+  // capacity.
+  [[nodiscard]] absl::StatusOr<uint64_t> GrowBytes(uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The chunks that take every segment's prefix from where it is to `target_blocks` (planned outside
+  // the state lock).
   [[nodiscard]] absl::StatusOr<std::vector<PlannedChunk>> PlanGrow(uint64_t target_blocks,
                                                                    uint64_t max_chunk_bytes) const
       ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
@@ -190,7 +202,8 @@ class Pool {
   // --- Clients ---
 
   // A new client of `caller`'s session with a lease of every chunk. PERMISSION_DENIED when
-  // `peer_device` (not the daemon's own) is not granted; UNAUTHENTICATED once the session closed.
+  // `peer_device` (not the daemon's own) is not granted; UNAUTHENTICATED once the session closed;
+  // RESOURCE_EXHAUSTED when the pool has its share of --max-clients-per-pool (limits.h).
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view client_name,
                                                     absl::string_view peer_device, const SessionTable& sessions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
@@ -267,7 +280,7 @@ class Pool {
     return plan_.geometry.CommittedBytes(prefix_bytes_);
   }
   uint64_t PendingBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  PoolView ViewLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  PoolView ViewLocked(ViewClients clients = ViewClients::kListed) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolEvent EventLocked(EventType type) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckNotHeldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolUpdate PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session)

@@ -29,6 +29,26 @@ absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
   return absl::OkStatus();
 }
 
+ManagerOptions WithDaemonUid(ManagerOptions options) {
+  options.limits.daemon_uid = options.daemon_uid;
+  return options;
+}
+
+// The flag a limit's RESOURCE_EXHAUSTED names: "--max-pools" in "... (--max-pools=1024, less ...)".
+std::string LimitFlag(absl::string_view message) {
+  const size_t at = message.rfind("(--");
+  if (at == absl::string_view::npos) return "";
+  absl::string_view flag = message.substr(at + 1);
+  return std::string(flag.substr(0, flag.find_first_of("=,) ")));
+}
+
+void Decrement(std::map<uint32_t, uint64_t>& counts, uint32_t uid, uint64_t by) {
+  auto it = counts.find(uid);
+  if (it == counts.end()) return;
+  it->second -= std::min(it->second, by);
+  if (it->second == 0) counts.erase(it);
+}
+
 }  // namespace
 
 const char* GroupOpName(GroupOp op) {
@@ -62,17 +82,19 @@ DeviceInfo ReadInfo(Device* device) {
 
 PoolManager::PoolManager(Device* device, ManagerOptions options)
     : device_(device),
-      options_(std::move(options)),
+      options_(WithDaemonUid(std::move(options))),
       device_info_(ReadInfo(device)),
       capabilities_(device->Capabilities()),
       budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
+      sessions_(options_.limits),
       leases_(options_.lease_ttl),
       shared_{.leases = &leases_,
               .budget = &budget_,
               .next_chunk_id = &next_chunk_id_,
               .daemon_uid = options_.daemon_uid,
               .device_uuid = device_info_.uuid,
-              .epoch = options_.epoch} {
+              .epoch = options_.epoch,
+              .limits = &options_.limits} {
   // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
   next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
@@ -87,8 +109,44 @@ void PoolManager::Warn(const std::string& line) const {
   if (options_.warn) options_.warn(line);
 }
 
-std::string PoolManager::OpenSession(uint32_t uid, int32_t pid, std::string name) {
-  return sessions_.Open(uid, pid, std::move(name));
+absl::StatusOr<std::string> PoolManager::OpenSession(uint32_t uid, int32_t pid, std::string name) {
+  absl::StatusOr<std::string> token = sessions_.Open(uid, pid, std::move(name));
+  if (!token.ok()) return Refused(token.status());
+  return token;
+}
+
+absl::Status PoolManager::Refused(absl::Status status) const {
+  if (!absl::IsResourceExhausted(status)) return status;
+  const std::string flag = LimitFlag(status.message());
+  for (size_t i = 0; i < kLimitFlags.size(); ++i) {
+    if (flag == kLimitFlags[i]) refusals_[i].fetch_add(1, std::memory_order_relaxed);
+  }
+  return status;
+}
+
+std::map<std::string, uint64_t> PoolManager::LimitRefusals() const {
+  std::map<std::string, uint64_t> out;
+  for (size_t i = 0; i < kLimitFlags.size(); ++i) out[kLimitFlags[i]] = refusals_[i].load(std::memory_order_relaxed);
+  return out;
+}
+
+TenantUsage PoolManager::Usage() const {
+  TenantUsage usage;
+  usage.sessions = sessions_.CountByUid();
+  absl::MutexLock lock(&mu_);
+  usage.pools = pools_by_uid_;
+  usage.reserved_bytes = reserved_by_uid_;
+  return usage;
+}
+
+void PoolManager::ErasePoolLocked(const Pool& pool) {
+  auto it = pools_.find(pool.name());
+  if (it == pools_.end() || it->second.get() != &pool) return;
+  pools_.erase(it);
+  const uint64_t reserved = pool.geometry().reserved_bytes();
+  Decrement(pools_by_uid_, pool.owner_uid(), 1);
+  Decrement(reserved_by_uid_, pool.owner_uid(), reserved);
+  reserved_total_ -= std::min(reserved_total_, reserved);
 }
 
 void PoolManager::CloseSession(absl::string_view session) {
@@ -217,8 +275,9 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
     if (stopping_) return Stopping();
   }
   Staged staged;
-  KVD_ASSIGN_OR_RETURN(std::vector<PlannedChunk> plan, pool.PlanGrow(target_blocks, options_.max_chunk_bytes));
-  for (const PlannedChunk& p : plan) staged.bytes += p.bytes;
+  // The budget first, from arithmetic alone: a plan is built only for bytes the budget holds, so its
+  // size is bounded by the budget (at most budget / max chunk chunks plus one per segment).
+  KVD_ASSIGN_OR_RETURN(staged.bytes, pool.GrowBytes(target_blocks));
   // Taken now, so that concurrent grows of other pools see it.
   if (uint64_t free = 0; !budget_.TryTake(staged.bytes, &free)) {
     return absl::ResourceExhaustedError(
@@ -226,7 +285,12 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
                      FormatBytes(staged.bytes), ") but only ", free, " bytes (", FormatBytes(free),
                      ") of the daemon's budget of ", FormatBytes(budget_.limit()), " are free"));
   }
-  absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(pool.base(), plan);
+  absl::StatusOr<std::vector<PlannedChunk>> plan = pool.PlanGrow(target_blocks, options_.max_chunk_bytes);
+  if (!plan.ok()) {
+    budget_.Give(staged.bytes);
+    return plan.status();
+  }
+  absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(pool.base(), *plan);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
     if (absl::IsResourceExhausted(made.status())) {
@@ -279,6 +343,21 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     if (pools_.contains(spec.name)) {
       return absl::AlreadyExistsError(absl::StrCat("name: pool ", spec.name, " already exists"));
     }
+    // Limits, before anything is reserved (limits.h): the pool counts against its owner, the caller.
+    const Limits& limits = options_.limits;
+    const uint32_t uid = caller.uid;
+    const auto of = [uid](const std::map<uint32_t, uint64_t>& m) {
+      auto it = m.find(uid);
+      return it == m.end() ? uint64_t{0} : it->second;
+    };
+    KVD_RETURN_IF_ERROR(
+        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, "--max-pools-per-uid",
+                           pools_.size(), limits.max_pools, "--max-pools", limits)));
+    const uint64_t reserved = pool->geometry().reserved_bytes();
+    KVD_RETURN_IF_ERROR(
+        Refused(CheckBytes(absl::StrCat("reserved address space (pool ", spec.name, ")"), uid, reserved,
+                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, "--max-reserved-per-uid",
+                           reserved_total_, limits.max_reserved_bytes, "--max-reserved", limits)));
     if (!spec.group.name.empty()) {
       for (const auto& [other_name, other] : pools_) {
         if (other->group().name != spec.group.name) continue;
@@ -297,13 +376,16 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     // Visible at once so that a concurrent create of the same name fails; other requests on it wait
     // for op_mu and find it deleted if creation fails.
     pools_[spec.name] = pool;
+    ++pools_by_uid_[uid];
+    reserved_by_uid_[uid] += reserved;
+    reserved_total_ += reserved;
   }
   // On failure the pool leaves the map again; requests that found it meanwhile find it deleted.
   auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu) {
     std::vector<ChunkRecord> none;
     pool->Destroy(EventType::kPoolDeleted, &none);
     absl::MutexLock lock(&mu_);
-    pools_.erase(spec.name);
+    ErasePoolLocked(*pool);
     return why;
   };
   absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
@@ -335,21 +417,42 @@ std::vector<PoolView> PoolManager::ListPools(const Caller& caller) const {
   return out;
 }
 
+PoolPage PoolManager::ListPools(const Caller& caller, absl::string_view after, size_t max_pools) const {
+  std::vector<std::shared_ptr<Pool>> page;
+  bool more = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = after.empty() ? pools_.begin() : pools_.upper_bound(after); it != pools_.end(); ++it) {
+      if (!it->second->Allows(caller.uid)) continue;
+      if (page.size() == max_pools) {
+        more = true;
+        break;
+      }
+      page.push_back(it->second);
+    }
+  }
+  // Views outside the manager's lock: each takes its pool's state lock.
+  PoolPage out{.more = more};
+  out.pools.reserve(page.size());
+  for (const std::shared_ptr<Pool>& pool : page) out.pools.push_back(pool->View());
+  return out;
+}
+
 absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::string_view name, bool force) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_RETURN_IF_ERROR(pool->CheckDeletable(force));
-  const uint64_t bytes = pool->View().committed_bytes;
+  const uint64_t bytes = pool->View(ViewClients::kCounted).committed_bytes;
   {
     absl::MutexLock lock(&mu_);
-    pools_.erase(pool->name());
+    ErasePoolLocked(*pool);
   }
   Destroy(*pool, EventType::kPoolDeleted);
   return bytes;
 }
 
 void PoolManager::Destroy(Pool& pool, EventType why) {
-  if (const std::string held = pool.View().transaction; !held.empty()) {
+  if (const std::string held = pool.View(ViewClients::kCounted).transaction; !held.empty()) {
     transactions_.Remove(held, why == EventType::kPoolDeleted ? "its pool was deleted" : "kvd is shutting down");
   }
   const bool forget = why != EventType::kDaemonRestarting && options_.store != nullptr;
@@ -374,8 +477,10 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
   if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
   absl::MutexLock op(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(AttachResult result,
-                       pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), sessions_));
+  absl::StatusOr<AttachResult> attached =
+      pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), sessions_);
+  if (!attached.ok()) return Refused(attached.status());
+  AttachResult result = *std::move(attached);
   absl::MutexLock lock(&mu_);
   client_pools_[result.client_id] = pool->name();
   return result;
@@ -434,7 +539,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::
   }
   if (wait && update.release_id != 0) {
     pool->AwaitRelease(update.release_id, deadline);
-    update.pool = pool->View();
+    update.pool = pool->View(ViewClients::kCounted);
   }
   return update;
 }
@@ -475,7 +580,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller,
   if (wait) {
     for (size_t i = 0; i < updates.size(); ++i) {
       slept[i]->AwaitRelease(updates[i].release_id, deadline);
-      updates[i].pool = slept[i]->View();
+      updates[i].pool = slept[i]->View(ViewClients::kCounted);
     }
   }
   return updates;
@@ -530,7 +635,10 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
     return absl::UnauthenticatedError("kvd-session: the session has closed");
   }
   transactions_.Add(id, pool->name(), expires);
-  PreparedOp prepared{.transaction = id, .pool = pool->View(), .prepared_bytes = prepared_bytes, .expires = expires};
+  PreparedOp prepared{.transaction = id,
+                      .pool = pool->View(ViewClients::kCounted),
+                      .prepared_bytes = prepared_bytes,
+                      .expires = expires};
   prepared.elapsed = absl::Now() - start;
   return prepared;
 }
@@ -582,7 +690,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
   }
   if (wait && result.update.release_id != 0) {
     pool->AwaitRelease(result.update.release_id, deadline);
-    result.update.pool = pool->View();
+    result.update.pool = pool->View(ViewClients::kCounted);
   }
   result.update.elapsed = absl::Now() - start;
   return result;
@@ -638,10 +746,22 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
 // ---------------------------------------------------------------------------------------------
 // Block operations
 
+namespace {
+
+// RESOURCE_EXHAUSTED when one request names more than --max-block-ids blocks (or copies).
+absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits) {
+  if (count <= limits.max_block_ids) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(field, ": ", count, " in one request, more than ", limits.max_block_ids, " (--max-block-ids)"));
+}
+
+}  // namespace
+
 absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
                                                            absl::Span<const uint64_t> block_ids) const {
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", block_ids.size(), options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  const PoolView view = pool->View();
+  const PoolView view = pool->View(ViewClients::kCounted);
   if (view.state == PoolState::kSleeping) {
     return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is sleeping: it has no committed blocks"));
   }
@@ -661,6 +781,7 @@ absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller,
 }
 
 absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks) {
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", blocks.size(), options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
@@ -668,6 +789,7 @@ absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view nam
 }
 
 absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies) {
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("copies", copies.size(), options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
@@ -747,8 +869,13 @@ RestoreReport PoolManager::Restore(SavedState saved) {
   for (const SavedPool& record : saved.pools) {
     std::shared_ptr<Pool> pool = RestorePool(record, saved.fds, report);
     if (pool == nullptr) continue;
+    // Counted against the owner's limits like a pool it creates, but never refused: it exists already.
+    const uint64_t reserved = pool->geometry().reserved_bytes();
     absl::MutexLock lock(&mu_);
     pools_[pool->name()] = pool;
+    ++pools_by_uid_[pool->owner_uid()];
+    reserved_by_uid_[pool->owner_uid()] += reserved;
+    reserved_total_ += reserved;
   }
   // FDs no record accounts for: chunks of a grow or group prepare that never committed, or of a pool
   // whose record was lost. Nobody can map them through this daemon; keeping them would hide memory.
@@ -939,6 +1066,9 @@ void PoolManager::Shutdown(bool keep_pools) {
     stopping_ = true;
     for (auto& [name, pool] : pools_) pools.push_back(pool);
     pools_.clear();
+    pools_by_uid_.clear();
+    reserved_by_uid_.clear();
+    reserved_total_ = 0;
   }
   transactions_.Stop();
   if (reaper_.joinable()) reaper_.join();

@@ -39,6 +39,7 @@
 // or the transaction expired), and the device's own codes.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -60,6 +61,7 @@
 #include "daemon/core/event_queue.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
@@ -88,6 +90,21 @@ struct ManagerOptions {
   absl::Duration recovery_grace = absl::Seconds(60);
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
   std::function<void(const std::string&)> warn;
+  // What tenants may hold (limits.h); its daemon_uid is set from daemon_uid above.
+  Limits limits;
+};
+
+// One page of ListPools: pools by name, after the page before.
+struct PoolPage {
+  std::vector<PoolView> pools;
+  bool more = false;  // pools the caller may see come after the last one here
+};
+
+// What tenants hold now, for metrics: by uid (uids holding nothing are absent).
+struct TenantUsage {
+  std::map<uint32_t, uint64_t> pools;
+  std::map<uint32_t, uint64_t> reserved_bytes;
+  std::map<uint32_t, uint64_t> sessions;
 };
 
 class PoolManager {
@@ -100,8 +117,9 @@ class PoolManager {
   PoolManager& operator=(const PoolManager&) = delete;
 
   // Sessions: opened on the handle channel (uid and pid from SO_PEERCRED); closing one detaches
-  // every client attached through it and drops its pending acknowledgements.
-  std::string OpenSession(uint32_t uid, int32_t pid, std::string name);
+  // every client attached through it and drops its pending acknowledgements. RESOURCE_EXHAUSTED past
+  // --max-sessions-per-uid or --max-sessions (limits.h).
+  [[nodiscard]] absl::StatusOr<std::string> OpenSession(uint32_t uid, int32_t pid, std::string name);
   void CloseSession(absl::string_view session);
   // UNAUTHENTICATED for an unknown or closed session.
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(absl::string_view session) const;
@@ -112,10 +130,19 @@ class PoolManager {
   // Whether one range FD of ExportRanges may span several chunks (the device's capability).
   bool range_spans_chunks() const { return capabilities_.range_spans_chunks; }
 
+  // RESOURCE_EXHAUSTED, before anything is reserved, when the caller's uid (the owner) would pass
+  // --max-pools-per-uid or --max-reserved-per-uid, or all uids their share of --max-pools or
+  // --max-reserved (limits.h).
   [[nodiscard]] absl::StatusOr<PoolView> CreatePool(const Caller& caller, const PoolSpec& spec);
   [[nodiscard]] absl::StatusOr<PoolView> GetPool(const Caller& caller, absl::string_view name) const;
   // The pools `caller` may see, by name.
   std::vector<PoolView> ListPools(const Caller& caller) const;
+  // At most `max_pools` of them whose names come after `after` (empty: from the first), by name.
+  PoolPage ListPools(const Caller& caller, absl::string_view after, size_t max_pools) const;
+  // Pools, reserved bytes and sessions by uid now.
+  TenantUsage Usage() const;
+  // Requests refused by a limit since start, by the limit's flag ("--max-pools-per-uid").
+  std::map<std::string, uint64_t> LimitRefusals() const;
   // FAILED_PRECONDITION while clients are attached unless `force`. Returns the bytes released.
   [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(const Caller& caller, absl::string_view name, bool force);
 
@@ -130,6 +157,7 @@ class PoolManager {
   [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id);
 
   // All-or-nothing: on failure every chunk this call made is released and the pool is as before.
+  // The budget is checked against the bytes asked before any chunk is planned.
   [[nodiscard]] absl::StatusOr<PoolUpdate> Grow(const Caller& caller, absl::string_view pool, uint64_t target_blocks);
   // With `wait`, returns once every client acknowledged or `deadline` passed (then with bytes still
   // pending in the view).
@@ -159,6 +187,7 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
                                                      uint64_t release_id);
 
+  // RESOURCE_EXHAUSTED, before anything else, for more than --max-block-ids ids (or copies).
   [[nodiscard]] absl::Status ZeroBlocks(const Caller& caller, absl::string_view pool,
                                         absl::Span<const uint64_t> blocks);
   [[nodiscard]] absl::Status CopyBlocks(const Caller& caller, absl::string_view pool,
@@ -222,6 +251,10 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindClient(absl::string_view client_id) const
       ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::shared_ptr<Pool>> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes `pool` out of pools_ and its owner's usage.
+  void ErasePoolLocked(const Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a refusal by a limit (a RESOURCE_EXHAUSTED from limits.h's checks) and passes it on.
+  absl::Status Refused(absl::Status status) const;
   void ForgetClients(const std::vector<std::string>& ids) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The resize state machine, op_mu held: Check, Stage (grow and wake), Apply, then the daemon's
@@ -281,6 +314,12 @@ class PoolManager {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Pool>, std::less<>> pools_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string, std::less<>> client_pools_ ABSL_GUARDED_BY(mu_);  // client id -> pool
+  // Pools and reserved bytes by owner uid, and in total; owners with no pool are absent.
+  std::map<uint32_t, uint64_t> pools_by_uid_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, uint64_t> reserved_by_uid_ ABSL_GUARDED_BY(mu_);
+  uint64_t reserved_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // Refusals by limit, indexed as kLimitFlags (limits.h); atomics, so counting takes no lock.
+  mutable std::array<std::atomic<uint64_t>, kLimitFlags.size()> refusals_{};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
   std::thread recovery_;

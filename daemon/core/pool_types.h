@@ -90,8 +90,8 @@ struct PoolView {
   uint64_t wake_blocks = 0;
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
-  std::vector<ClientView> clients;
-  std::vector<ChunkInfo> chunks;  // by (segment, offset)
+  std::vector<ClientView> clients;  // empty when the view only counts them (ViewClients::kCounted)
+  std::vector<ChunkInfo> chunks;    // by (segment, offset)
   uint64_t generation = 0;
   absl::Time created_at;
   GroupMembership group;
@@ -101,6 +101,7 @@ struct PoolView {
   uint64_t metadata_version = 0;
   uint64_t metadata_bytes = 0;
   std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has given back yet
+  uint64_t client_count = 0;                // attached clients, whether or not `clients` lists them
 };
 
 // A range export's handles and the lease that turns them into FDs on the handle channel (the lease's

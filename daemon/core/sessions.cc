@@ -23,10 +23,18 @@ std::string RandomToken(absl::string_view prefix) {
                       absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes))));
 }
 
-std::string SessionTable::Open(uint32_t uid, int32_t pid, std::string name) {
+absl::StatusOr<std::string> SessionTable::Open(uint32_t uid, int32_t pid, std::string name) {
   std::string token = RandomToken("s-");
   absl::MutexLock lock(&mu_);
+  auto used = per_uid_.find(uid);
+  if (absl::Status fits =
+          CheckCount("sessions", uid, used == per_uid_.end() ? 0 : used->second, limits_.max_sessions_per_uid,
+                     "--max-sessions-per-uid", sessions_.size(), limits_.max_sessions, "--max-sessions", limits_);
+      !fits.ok()) {
+    return fits;
+  }
   sessions_[token] = Caller{.uid = uid, .pid = pid, .session = token, .name = std::move(name)};
+  ++per_uid_[uid];
   return token;
 }
 
@@ -34,8 +42,15 @@ bool SessionTable::Close(absl::string_view session) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return false;
+  auto used = per_uid_.find(it->second.uid);
+  if (used != per_uid_.end() && --used->second == 0) per_uid_.erase(used);
   sessions_.erase(it);
   return true;
+}
+
+std::map<uint32_t, uint64_t> SessionTable::CountByUid() const {
+  absl::MutexLock lock(&mu_);
+  return per_uid_;
 }
 
 absl::StatusOr<Caller> SessionTable::Authenticate(absl::string_view session) const {

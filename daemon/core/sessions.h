@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool_types.h"
 
 namespace kvd::daemon {
@@ -28,16 +29,25 @@ std::string RandomToken(absl::string_view prefix);
 
 class SessionTable {
  public:
-  std::string Open(uint32_t uid, int32_t pid, std::string name) ABSL_LOCKS_EXCLUDED(mu_);
+  // Sessions are bounded by --max-sessions-per-uid and --max-sessions (limits.h).
+  explicit SessionTable(Limits limits = {}) : limits_(limits) {}
+
+  // A new session's token. RESOURCE_EXHAUSTED naming the limit and its flag when `uid` has
+  // max_sessions_per_uid open, or all uids together their share of max_sessions.
+  [[nodiscard]] absl::StatusOr<std::string> Open(uint32_t uid, int32_t pid, std::string name) ABSL_LOCKS_EXCLUDED(mu_);
   // False when `session` is unknown or already closed.
   bool Close(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
   // UNAUTHENTICATED for an unknown or closed session.
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
   bool Contains(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Open sessions by uid (uids with none are absent), for metrics.
+  std::map<uint32_t, uint64_t> CountByUid() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  const Limits limits_;
   mutable absl::Mutex mu_;
   std::map<std::string, Caller, std::less<>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, uint64_t> per_uid_ ABSL_GUARDED_BY(mu_);  // open sessions by uid, none absent
 };
 
 struct LeaseRecord {

@@ -10,6 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -53,6 +55,12 @@ void Add(prometheus::MetricFamily& family, std::vector<prometheus::ClientMetric:
 class SnapshotCollector final : public prometheus::Collectable {
  public:
   SnapshotCollector(const PoolManager* manager, BuildInfo build) : manager_(manager), build_(std::move(build)) {}
+
+  void SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel) {
+    absl::MutexLock lock(&mu_);
+    limits_ = std::move(limits);
+    channel_ = std::move(channel);
+  }
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     std::vector<prometheus::MetricFamily> out;
@@ -150,12 +158,68 @@ class SnapshotCollector final : public prometheus::Collectable {
                     &pending, &held, &group, &mapped}) {
       out.push_back(std::move(*f));
     }
+    CollectLimits(out);
     return out;
   }
 
  private:
+  // kvd_limit, kvd_tenant_* and kvd_limit_refusals_total (docs/metrics.md, "Limits").
+  void CollectLimits(std::vector<prometheus::MetricFamily>& out) const {
+    std::vector<LimitValue> limits;
+    std::function<HandleChannelUsage()> channel;
+    {
+      absl::MutexLock lock(&mu_);
+      limits = limits_;
+      channel = channel_;
+    }
+    const HandleChannelUsage handles = channel ? channel() : HandleChannelUsage{};
+    prometheus::MetricFamily limit =
+        Gauge("kvd_limit", "The value of each limit flag (label limit: the flag without --); docs/operations.md.");
+    for (const LimitValue& l : limits) {
+      Add(limit, {{"device", build_.device}, {"limit", l.limit}}, static_cast<double>(l.value));
+    }
+    out.push_back(std::move(limit));
+
+    const TenantUsage usage = manager_->Usage();
+    const auto by_uid = [&](std::string name, std::string help, const std::map<uint32_t, uint64_t>& values) {
+      prometheus::MetricFamily family = Gauge(std::move(name), std::move(help));
+      for (const auto& [uid, value] : values) {
+        Add(family, {{"device", build_.device}, {"uid", absl::StrCat(uid)}}, static_cast<double>(value));
+      }
+      out.push_back(std::move(family));
+    };
+    by_uid("kvd_tenant_pools", "Pools owned by the uid (--max-pools-per-uid, --max-pools).", usage.pools);
+    by_uid("kvd_tenant_reserved_bytes",
+           "Address space reserved by the uid's pools (--max-reserved-per-uid, --max-reserved).", usage.reserved_bytes);
+    by_uid("kvd_tenant_sessions", "Open sessions of the uid (--max-sessions-per-uid, --max-sessions).", usage.sessions);
+    if (channel) {
+      by_uid("kvd_tenant_handle_connections",
+             "Open handle-channel connections of the uid (--max-handle-connections-per-uid, "
+             "--max-handle-connections).",
+             handles.connections_by_uid);
+    }
+
+    prometheus::MetricFamily refusals;
+    refusals.name = "kvd_limit_refusals_total";
+    refusals.help = "Requests refused with RESOURCE_EXHAUSTED by each limit (label limit: the flag without --).";
+    refusals.type = prometheus::MetricType::Counter;
+    const auto count = [&](absl::string_view flag, uint64_t value) {
+      prometheus::ClientMetric m;
+      m.label = {{"device", build_.device}, {"limit", std::string(absl::StripPrefix(flag, "--"))}};
+      m.counter.value = static_cast<double>(value);
+      refusals.metric.push_back(std::move(m));
+    };
+    for (const auto& [flag, value] : manager_->LimitRefusals()) count(flag, value);
+    count("--max-handle-connections", handles.refused_total);
+    count("--max-handle-connections-per-uid", handles.refused_per_uid);
+    out.push_back(std::move(refusals));
+  }
+
   const PoolManager* const manager_;
   const BuildInfo build_;
+  mutable absl::Mutex mu_;
+  std::vector<LimitValue> limits_ ABSL_GUARDED_BY(mu_);
+  std::function<HandleChannelUsage()> channel_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -244,6 +308,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
 int Metrics::port() const {
   const std::vector<int> ports = impl_->exposer->GetListeningPorts();
   return ports.empty() ? 0 : ports.front();
+}
+
+void Metrics::SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel) {
+  impl_->snapshots->SetLimits(std::move(limits), std::move(channel));
 }
 
 void Metrics::CountRpc(absl::string_view method, absl::StatusCode code) {

@@ -14,8 +14,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -31,6 +34,19 @@ struct BuildInfo {
   std::string backend;  // "host", "cuda", "hip"
   std::string device;   // the device index ("0"): label `device` of every kvd_ series
   std::string uuid;     // the device UUID: label `uuid` of kvd_build_info and the device gauges
+};
+
+// One limit flag and its value: kvd_limit{limit="max-pools"} (the flag without "--").
+struct LimitValue {
+  std::string limit;
+  uint64_t value = 0;
+};
+
+// The handle channel's side of the limits, read at scrape time.
+struct HandleChannelUsage {
+  std::map<uint32_t, uint64_t> connections_by_uid;
+  uint64_t refused_total = 0;    // by --max-handle-connections
+  uint64_t refused_per_uid = 0;  // by --max-handle-connections-per-uid
 };
 
 // The timed operations: label op of kvd_operations_total and kvd_operation_duration_seconds.
@@ -56,6 +72,10 @@ class Metrics {
   // One core operation that took `elapsed`: kvd_operations_total{op, result="ok"|"error"} and, for
   // every call, kvd_operation_duration_seconds{op}.
   void ObserveOperation(Operation op, absl::Duration elapsed, bool ok);
+  // The limits to export (kvd_limit) and the handle channel's usage (kvd_tenant_handle_connections and
+  // its kvd_limit_refusals_total); until called, only the core's limits' usage and refusals are
+  // exported. `channel` is called at every scrape, from the exposer's threads.
+  void SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel);
 
  private:
   struct Impl;

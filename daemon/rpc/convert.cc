@@ -274,6 +274,7 @@ v1::Pool ToProto(const PoolView& pool) {
   p.set_metadata_version(pool.metadata_version);
   p.set_metadata_bytes(pool.metadata_bytes);
   for (uint64_t id : pool.missing_chunk_ids) p.add_missing_chunk_ids(id);
+  p.set_client_count(static_cast<uint32_t>(pool.client_count));
   return p;
 }
 

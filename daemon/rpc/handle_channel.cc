@@ -13,6 +13,10 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <list>
+#include <map>
+#include <optional>
+#include <system_error>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -35,6 +39,16 @@ struct HandleChannel::Connection {
   int32_t pid = 0;
   Clock::time_point deadline;
   std::string session;
+};
+
+// A FetchHandles request waiting for a worker.
+// A queued job for a worker: a lease to redeem (FetchHandles), or FDs given back (ReturnHandles).
+struct HandleChannel::Fetch {
+  Connection conn;
+  std::string session;
+  std::string lease;
+  std::optional<v1::ReturnHandles> returned;  // set for ReturnHandles: its first packet
+  std::vector<UniqueFd> fds;                  // and that packet's FDs
 };
 
 namespace {
@@ -218,6 +232,13 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   }
   if (backend == nullptr) return absl::InvalidArgumentError("backend: must not be null");
   if (options.max_connections == 0) return absl::InvalidArgumentError("max_connections: must be > 0");
+  if (options.reserved_connections >= options.max_connections) {
+    return absl::InvalidArgumentError("reserved_connections: must be < max_connections");
+  }
+  if (options.max_connections_per_uid == 0) {
+    return absl::InvalidArgumentError("max_connections_per_uid: must be > 0");
+  }
+  if (options.max_fetch_workers == 0) return absl::InvalidArgumentError("max_fetch_workers: must be > 0");
   if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
   if (options.first_request_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("first_request_timeout: must be > 0");
@@ -250,8 +271,13 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   if (listen(channel->listen_fd_.get(), SOMAXCONN) != 0)
     return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
 
-  channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
-  channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
+  try {
+    channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
+    channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
+  } catch (const std::system_error& e) {
+    // Out of threads or memory: the channel's destructor (Stop) ends whatever thread did start.
+    return absl::ResourceExhaustedError(absl::StrCat("handle channel: cannot start its threads: ", e.what()));
+  }
   return channel;
 }
 
@@ -300,6 +326,48 @@ void HandleChannel::Stop() {
   stop_fd_.reset();
 }
 
+absl::Status HandleChannel::Admit(int fd, uint32_t uid) {
+  const bool operator_uid = uid == 0 || uid == options_.operator_uid;
+  absl::MutexLock lock(&conn_mu_);
+  uint64_t& mine = conns_by_uid_[uid];
+  absl::Status refused;
+  if (!operator_uid && mine >= options_.max_connections_per_uid) {
+    refused_per_uid_.fetch_add(1, std::memory_order_relaxed);
+    refused = absl::ResourceExhaustedError(absl::StrCat("handle-channel connections of uid ", uid, ": ", mine, " of ",
+                                                        options_.max_connections_per_uid,
+                                                        " (--max-handle-connections-per-uid)"));
+  } else if (const size_t usable =
+                 operator_uid ? options_.max_connections : options_.max_connections - options_.reserved_connections;
+             conn_uids_.size() >= usable) {
+    refused_total_.fetch_add(1, std::memory_order_relaxed);
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "handle-channel connections of all uids: ", conn_uids_.size(), " of ", usable, " for uid ", uid, " (",
+        operator_uid || options_.reserved_connections == 0
+            ? std::string("--max-handle-connections")
+            : absl::StrCat("--max-handle-connections=", options_.max_connections, ", less ",
+                           options_.reserved_connections, " kept for root and uid ", options_.operator_uid,
+                           " by --operator-reserve"),
+        ")"));
+  }
+  if (!refused.ok()) {
+    if (mine == 0) conns_by_uid_.erase(uid);
+    return refused;
+  }
+  ++mine;
+  conn_uids_[fd] = uid;
+  return absl::OkStatus();
+}
+
+std::map<uint32_t, uint64_t> HandleChannel::ConnectionsByUid() const {
+  absl::MutexLock lock(&conn_mu_);
+  return conns_by_uid_;
+}
+
+HandleChannel::Refusals HandleChannel::refusals() const {
+  return {.total = refused_total_.load(std::memory_order_relaxed),
+          .per_uid = refused_per_uid_.load(std::memory_order_relaxed)};
+}
+
 HandleChannel::Stats HandleChannel::stats() const {
   Stats stats;
   stats.sessions_opened = sessions_opened_.load(std::memory_order_relaxed);
@@ -328,16 +396,15 @@ void HandleChannel::AcceptLoop() {
       WaitForStop(absl::Milliseconds(100));
       continue;
     }
-    // Counted from here; Reject and CloseConnection uncount it.
-    if (connections_.fetch_add(1, std::memory_order_relaxed) >= options_.max_connections) {
-      Reject(fd, absl::ResourceExhaustedError(absl::StrCat("handle channel: ", options_.max_connections,
-                                                           " connections are open already; try again later")));
-      continue;
-    }
     ucred cred{};
     socklen_t len = sizeof(cred);
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
       Reject(fd, ErrnoToStatus("getsockopt(SO_PEERCRED)", errno));
+      continue;
+    }
+    // Counted from here against the limits; CloseConnection uncounts it.
+    if (absl::Status admitted = Admit(fd, cred.uid); !admitted.ok()) {
+      Reject(fd, admitted);
       continue;
     }
     Connection conn{
@@ -482,7 +549,12 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
                                                                 kMaxClientNameBytes, " characters of [A-Za-z0-9._-]")));
         return false;
       }
-      std::string token = backend_->OpenSession(conn.uid, conn.pid, std::move(*name));
+      absl::StatusOr<std::string> opened = backend_->OpenSession(conn.uid, conn.pid, std::move(*name));
+      if (!opened.ok()) {
+        Reject(conn.fd, opened.status());
+        return false;
+      }
+      std::string token = *std::move(opened);
       v1::HandleChannelReply reply;
       reply.mutable_session_opened()->set_session_token(token);
       reply.mutable_session_opened()->set_uid(conn.uid);
@@ -508,7 +580,9 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
         Reject(conn.fd, valid);
         return false;
       }
-      SpawnFetch(std::move(conn), std::move(*fetch->mutable_session_token()), std::move(*fetch->mutable_lease_token()));
+      SpawnFetch(Fetch{.conn = std::move(conn),
+                       .session = std::move(*fetch->mutable_session_token()),
+                       .lease = std::move(*fetch->mutable_lease_token())});
       return false;
     }
     case v1::HandleChannelRequest::kReturnHandles: {
@@ -520,7 +594,7 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
         Reject(conn.fd, valid);
         return false;
       }
-      SpawnReturn(std::move(conn), std::move(*ret), std::move(received.fds));
+      SpawnFetch(Fetch{.conn = std::move(conn), .returned = std::move(*ret), .fds = std::move(received.fds)});
       return false;
     }
     case v1::HandleChannelRequest::KIND_NOT_SET:
@@ -530,29 +604,52 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
   return false;
 }
 
-void HandleChannel::SpawnFetch(Connection conn, std::string session, std::string lease) {
+void HandleChannel::SpawnFetch(Fetch fetch) {
   absl::MutexLock lock(&mu_);
+  fetches_.push_back(std::move(fetch));
+  if (workers_.size() >= options_.max_fetch_workers) return;  // a running worker takes it
   auto self = workers_.emplace(workers_.end());
-  // The worker cannot finish before `*self` is assigned: its last step takes mu_, held here.
-  *self = std::thread(
-      [this, self, conn = std::move(conn), session = std::move(session), lease = std::move(lease)]() mutable {
-        ServeFetch(std::move(conn), std::move(session), std::move(lease));
-        absl::MutexLock worker_lock(&mu_);
-        finished_.push_back(std::move(*self));
-        workers_.erase(self);
-      });
+  // The worker cannot finish before `*self` is assigned: it takes mu_, held here, before it ends.
+  try {
+    *self = std::thread(&HandleChannel::FetchWorker, this, self);
+  } catch (const std::system_error&) {
+    // Out of threads or memory (std::thread reports it only by throwing): never an abort. A running
+    // worker serves the queue; with none, the fetch is refused.
+    workers_.erase(self);
+    if (!workers_.empty()) return;
+    Fetch refused = std::move(fetches_.back());
+    fetches_.pop_back();
+    Reject(refused.conn.fd,
+           absl::ResourceExhaustedError("handle channel: no thread to serve the fetch (the daemon is out of threads "
+                                        "or memory); try again"));
+  }
 }
 
-void HandleChannel::SpawnReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds) {
-  absl::MutexLock lock(&mu_);
-  auto self = workers_.emplace(workers_.end());
-  // As in SpawnFetch.
-  *self = std::thread([this, self, conn = std::move(conn), first = std::move(first), fds = std::move(fds)]() mutable {
-    ServeReturn(std::move(conn), std::move(first), std::move(fds));
-    absl::MutexLock worker_lock(&mu_);
-    finished_.push_back(std::move(*self));
-    workers_.erase(self);
-  });
+void HandleChannel::FetchWorker(std::list<std::thread>::iterator self) {
+  while (true) {
+    Fetch fetch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (fetches_.empty()) {
+        finished_.push_back(std::move(*self));
+        workers_.erase(self);
+        return;
+      }
+      fetch = std::move(fetches_.front());
+      fetches_.pop_front();
+    }
+    // Once Stop() began, queued fetches are answered without redeeming their leases.
+    pollfd stop{stop_fd_.get(), POLLIN, 0};
+    if (poll(&stop, 1, 0) > 0 && (stop.revents & POLLIN) != 0) {
+      Reject(fetch.conn.fd, absl::UnavailableError("the handle channel is stopping"));
+      continue;
+    }
+    if (fetch.returned.has_value()) {
+      ServeReturn(std::move(fetch.conn), *std::move(fetch.returned), std::move(fetch.fds));
+    } else {
+      ServeFetch(std::move(fetch.conn), std::move(fetch.session), std::move(fetch.lease));
+    }
+  }
 }
 
 void HandleChannel::ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds) {
@@ -689,8 +786,15 @@ void HandleChannel::CloseConnection(int fd) {
     CloseReceivedFds(msg);
     if (n == 0 && msg.msg_controllen == 0) break;
   }
+  {
+    absl::MutexLock lock(&conn_mu_);
+    if (auto it = conn_uids_.find(fd); it != conn_uids_.end()) {
+      auto mine = conns_by_uid_.find(it->second);
+      if (mine != conns_by_uid_.end() && --mine->second == 0) conns_by_uid_.erase(mine);
+      conn_uids_.erase(it);
+    }
+  }
   close(fd);
-  connections_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvd::daemon

@@ -10,11 +10,15 @@
 // before the connection is closed.
 //
 // Threads. One accept thread (poll on the listening socket and a stop eventfd) checks the peer and the
-// connection limit; one watcher thread polls every connection that has not sent its request yet (with
-// a deadline) and every open session (for EOF), and answers OpenSession itself; each FetchHandles is
-// served on its own short-lived, tracked worker thread. The number of connections of any kind is
-// bounded by Options::max_connections, so the number of workers is too. No socket operation blocks:
-// a peer that stops reading is dropped after Options::send_timeout, and Stop() interrupts every wait.
+// connection limits; one watcher thread polls every connection that has not sent its request yet (with
+// a deadline) and every open session (for EOF), and answers OpenSession itself; FetchHandles requests
+// are queued and served by at most Options::max_fetch_workers worker threads, started on demand and
+// ending when the queue is empty. A worker that cannot be started (the process is out of threads or
+// memory) is not an abort: the fetch waits for a running worker, or, when none runs, is answered
+// RESOURCE_EXHAUSTED. The number of connections of any kind is bounded by Options::max_connections in
+// total and Options::max_connections_per_uid per peer uid, so the queue is too. No socket operation
+// blocks: a peer that stops reading is dropped after Options::send_timeout, and Stop() interrupts
+// every wait.
 //
 // Ownership. The channel owns its sockets and every FD that RedeemLease hands it (closed on every path,
 // success or failure). The backend must outlive the channel; its methods are called from the
@@ -27,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <list>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -51,8 +56,9 @@ class HandleChannelBackend {
   virtual ~HandleChannelBackend() = default;
 
   // A new session for the peer (uid and pid from SO_PEERCRED; `name` is what the client called itself,
-  // already checked to be [A-Za-z0-9._-]{0,64}). Returns the session token.
-  virtual std::string OpenSession(uint32_t uid, int32_t pid, std::string name) = 0;
+  // already checked to be [A-Za-z0-9._-]{0,64}). Returns the session token, or an error (a session
+  // limit: RESOURCE_EXHAUSTED) that reaches the client unchanged.
+  [[nodiscard]] virtual absl::StatusOr<std::string> OpenSession(uint32_t uid, int32_t pid, std::string name) = 0;
   // The session's connection has closed (or the channel is stopping). Called exactly once per token
   // that OpenSession returned.
   virtual void CloseSession(absl::string_view session) = 0;
@@ -78,8 +84,16 @@ class HandleChannel {
  public:
   struct Options {
     // Connections of every kind (waiting for their request, sessions, fetches) served at once; beyond
-    // it a new connection gets RESOURCE_EXHAUSTED and is closed.
+    // it a new connection gets RESOURCE_EXHAUSTED naming --max-handle-connections and is closed. The
+    // last `reserved_connections` of them only operator uids (root and `operator_uid`) may take.
     size_t max_connections = 1024;
+    size_t reserved_connections = 0;
+    uint32_t operator_uid = 0;
+    // Connections of one peer uid at once (operator uids are bound by max_connections alone); beyond
+    // it RESOURCE_EXHAUSTED naming --max-handle-connections-per-uid.
+    size_t max_connections_per_uid = 1024;
+    // Fetches served at once; the rest wait in a queue, in arrival order.
+    size_t max_fetch_workers = 16;
     // A peer that connects and sends no request within this is sent DEADLINE_EXCEEDED and dropped.
     absl::Duration first_request_timeout = absl::Seconds(5);
     // A larger request is refused with INVALID_ARGUMENT.
@@ -125,6 +139,14 @@ class HandleChannel {
   const std::string& path() const { return path_; }
   size_t open_sessions() const { return open_sessions_.load(std::memory_order_relaxed); }
   Stats stats() const;
+  // Open connections by peer uid (uids with none are absent), and connections refused by the limits
+  // (total, per uid) since start; for metrics.
+  std::map<uint32_t, uint64_t> ConnectionsByUid() const ABSL_LOCKS_EXCLUDED(conn_mu_);
+  struct Refusals {
+    uint64_t total = 0;    // --max-handle-connections
+    uint64_t per_uid = 0;  // --max-handle-connections-per-uid
+  };
+  Refusals refusals() const;
 
  private:
   struct Connection;
@@ -137,11 +159,16 @@ class HandleChannel {
   // yet and `conn` keeps waiting; otherwise `conn` was moved into `sessions`, handed to a fetch worker
   // or closed.
   bool ServeFirstRequest(Connection& conn, std::vector<Connection>& sessions);
+  struct Fetch;
   void ServeFetch(Connection conn, std::string session, std::string lease);
-  void SpawnFetch(Connection conn, std::string session, std::string lease);
-  // ReturnHandles: the rest of the packets, then the backend, on a worker thread.
+  // Queues a fetch and starts a worker when fewer than max_fetch_workers run.
+  void SpawnFetch(Fetch fetch);
+  // ReturnHandles: the rest of the packets, then the backend (on a fetch worker).
   void ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
-  void SpawnReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
+  // A worker: serves queued fetches until the queue is empty.
+  void FetchWorker(std::list<std::thread>::iterator self);
+  // Counts the connection `fd` of `uid` against the limits, or says which limit it would pass.
+  [[nodiscard]] absl::Status Admit(int fd, uint32_t uid) ABSL_LOCKS_EXCLUDED(conn_mu_);
   void ReapFinishedWorkers();
   // After a failed poll (errno set): returns at once on EINTR, else counts an error and waits a little.
   void BackOffAfterPollFailure();
@@ -160,8 +187,9 @@ class HandleChannel {
   dev_t socket_dev_ = 0;
   ino_t socket_ino_ = 0;
 
-  std::atomic<size_t> connections_{0};
   std::atomic<size_t> open_sessions_{0};
+  std::atomic<uint64_t> refused_total_{0};
+  std::atomic<uint64_t> refused_per_uid_{0};
   std::atomic<uint64_t> sessions_opened_{0};
   std::atomic<uint64_t> sessions_closed_{0};
   std::atomic<uint64_t> fetches_served_{0};
@@ -171,10 +199,16 @@ class HandleChannel {
   std::thread accept_thread_;
   std::thread watch_thread_;
 
+  // Admitted connections: each one's peer uid by FD, and counts by uid. A leaf lock.
+  mutable absl::Mutex conn_mu_;
+  std::map<int, uint32_t> conn_uids_ ABSL_GUARDED_BY(conn_mu_);
+  std::map<uint32_t, uint64_t> conns_by_uid_ ABSL_GUARDED_BY(conn_mu_);
+
   mutable absl::Mutex mu_;
   std::vector<Connection> accepted_ ABSL_GUARDED_BY(mu_);   // accept thread -> watcher
-  std::list<std::thread> workers_ ABSL_GUARDED_BY(mu_);     // running fetches
-  std::vector<std::thread> finished_ ABSL_GUARDED_BY(mu_);  // fetches done, to be joined
+  std::list<Fetch> fetches_ ABSL_GUARDED_BY(mu_);           // fetches waiting for a worker
+  std::list<std::thread> workers_ ABSL_GUARDED_BY(mu_);     // running workers
+  std::vector<std::thread> finished_ ABSL_GUARDED_BY(mu_);  // workers done, to be joined
 
   absl::Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;

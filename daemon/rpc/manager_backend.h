@@ -21,7 +21,7 @@ class ManagerBackend final : public HandleChannelBackend {
  public:
   explicit ManagerBackend(PoolManager* manager) : manager_(manager) {}
 
-  std::string OpenSession(uint32_t uid, int32_t pid, std::string name) override {
+  [[nodiscard]] absl::StatusOr<std::string> OpenSession(uint32_t uid, int32_t pid, std::string name) override {
     return manager_->OpenSession(uid, pid, std::move(name));
   }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/metrics/metrics.h"
@@ -44,6 +45,11 @@ T Timed(Metrics* metrics, Operation op, const std::function<T()>& call) {
 std::string Elapsed(absl::Duration d) { return absl::FormatDuration(d); }
 
 constexpr uint64_t kDefaultTransactionTtlMs = 30'000;
+// ListPools pages (kvd.proto, docs/api.md): pools per page by default and at most, and the encoded
+// size a page stops before.
+constexpr size_t kDefaultListPageSize = 100;
+constexpr size_t kMaxListPageSize = 1000;
+constexpr size_t kMaxListPageBytes = size_t{1} << 20;
 constexpr uint64_t kMaxTransactionTtlMs = 600'000;
 
 absl::StatusOr<GroupOp> FromProto(v1::Operation op) {
@@ -174,11 +180,37 @@ grpc::Status KvdService::GetPool(grpc::ServerContext* context, const v1::GetPool
   return Finish("GetPool", status);
 }
 
-grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest*,
+grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
                                    v1::ListPoolsResponse* response) {
   absl::Status status = [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    for (const PoolView& pool : manager_->ListPools(caller)) *response->add_pools() = ToProto(pool);
+    // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
+    // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
+    std::string after;
+    if (!request->page_token().empty() &&
+        (!absl::WebSafeBase64Unescape(request->page_token(), &after) || !ValidateName(after, "page_token").ok())) {
+      return absl::InvalidArgumentError(
+          "page_token: not a next_page_token of a ListPools reply (leave it empty for the first page)");
+    }
+    const size_t page_size =
+        request->page_size() == 0 ? kDefaultListPageSize : std::min<size_t>(request->page_size(), kMaxListPageSize);
+    PoolPage page = manager_->ListPools(caller, after, page_size);
+    // The reply's encoding: each pool with its field tag and length (at most 6 bytes), and room for the
+    // token (a base64 name of at most 64 bytes, with its tag and length).
+    size_t bytes = 96;
+    for (size_t i = 0; i < page.pools.size(); ++i) {
+      v1::Pool pool = ToProto(page.pools[i]);
+      bytes += pool.ByteSizeLong() + 6;
+      // Never past the page's byte bound, but never an empty page while pools remain.
+      if (i > 0 && bytes > kMaxListPageBytes) {
+        page.more = true;
+        break;
+      }
+      *response->add_pools() = std::move(pool);
+    }
+    if (page.more && response->pools_size() > 0) {
+      response->set_next_page_token(absl::WebSafeBase64Escape(response->pools(response->pools_size() - 1).name()));
+    }
     return absl::OkStatus();
   }();
   return Finish("ListPools", status);

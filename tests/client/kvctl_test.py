@@ -198,7 +198,7 @@ class KvctlTest(KvctlCase):
 
         deleted = self.json("delete", "kv")
         self.assertEqual(deleted, {"pool": "kv", "reply": {"released_bytes": str(16 * MiB)}})
-        self.assertEqual(self.json("pools"), {"pools": []})
+        self.assertEqual(self.json("pools"), {"pools": [], "next_page_token": ""})  # every page in one
 
     def test_layout_resolve(self):
         doc = self.json("layout", "resolve", "--require", "FA=LBHNC,LBNHC", "--connector", "nixl=LBNHC")

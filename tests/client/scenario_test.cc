@@ -110,7 +110,7 @@ void ObservePool(const PoolInfo& p, scenario::Expect* o) {
   o->set_committed_blocks(p.committed_blocks);
   o->set_state(PoolStateName(p.state));
   o->set_pending_release_bytes(p.pending_release_bytes);
-  o->set_clients(static_cast<uint32_t>(p.clients.size()));
+  o->set_clients(p.client_count);
   o->set_held(!p.transaction.empty());
   o->set_layout(p.layout.layout);
   o->set_rule(p.layout.rule);

@@ -236,6 +236,7 @@ struct PoolInfo {
   uint64_t wake_blocks = 0;
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
+  // Listed by GetPool, ListPools and CreatePool; empty in the pool of Attach's and resizes' replies.
   std::vector<ClientInfo> clients;
   std::vector<ChunkInfo> chunks;
   uint64_t generation = 0;
@@ -247,6 +248,7 @@ struct PoolInfo {
   uint64_t metadata_version = 0;          // the pool metadata's version; 0: never set
   uint64_t metadata_bytes = 0;
   std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has handed back yet
+  uint32_t client_count = 0;              // attached clients, in every reply
 };
 
 struct PoolOptions {
@@ -451,6 +453,7 @@ class Client {
   const std::string& socket() const;
 
   [[nodiscard]] absl::StatusOr<DeviceStatus> DeviceInfo();
+  // Every pool this uid may use, by name: all pages of the paginated ListPools.
   [[nodiscard]] absl::StatusOr<std::vector<PoolInfo>> ListPools();
   [[nodiscard]] absl::StatusOr<PoolInfo> GetPool(absl::string_view name);
   [[nodiscard]] absl::StatusOr<PoolInfo> CreatePool(const PoolOptions& options);

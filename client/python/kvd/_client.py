@@ -292,8 +292,14 @@ class Client:
         return self._call("GetDeviceInfo", pb.GetDeviceInfoRequest(), session=False)
 
     def pools(self):
-        """ListPools -> [kvd.v1.Pool] (only pools this uid may use)."""
-        return list(self._call("ListPools", pb.ListPoolsRequest()).pools)
+        """ListPools -> [kvd.v1.Pool] (only pools this uid may use), every page of it, by name."""
+        out, token = [], ""
+        while True:
+            reply = self._call("ListPools", pb.ListPoolsRequest(page_token=token))
+            out.extend(reply.pools)
+            token = reply.next_page_token
+            if not token:
+                return out
 
     def pool(self, name):
         """GetPool -> kvd.v1.Pool."""

@@ -205,6 +205,18 @@ class KvdPythonTest(unittest.TestCase):
         self.assertEqual(r.geometry.reserved_bytes, p.geometry.reserved_bytes)
         self.assertIn("layout", [x.name for x in self.c.pools()])
 
+    def test_pools_follows_every_page(self):
+        # ListPools answers 100 pools a page by default; pools() returns them all, by name.
+        names = [f"page{i:03d}" for i in range(105)]
+        for n in names:
+            self.c.create_pool(n, initial_blocks=0, **DIMS)
+            self.addCleanup(self._delete, n)
+        first = self.c._call("ListPools", kvd.v1_pb2.ListPoolsRequest())
+        self.assertEqual(len(first.pools), 100)
+        self.assertTrue(first.next_page_token)
+        listed = [p.name for p in self.c.pools() if p.name.startswith("page")]
+        self.assertEqual(listed, names)
+
     def test_describe_transfer(self):
         p = self.create("xfer")
         t = self.c.describe_transfer("xfer")

@@ -86,7 +86,7 @@ def observe_pool(p, o):
     o.committed_blocks = p.committed_blocks
     o.state = pool_state_name(p.state)
     o.pending_release_bytes = p.pending_release_bytes
-    o.clients = len(p.clients)
+    o.clients = p.client_count
     o.held = bool(p.transaction)
     o.layout = p.layout.layout
     o.rule = kvd.layout_rule_name(p.layout.rule)

@@ -76,7 +76,7 @@ class FaultSweepTest : public ::testing::TestWithParam<Operation> {
     device_ = std::make_unique<FaultDevice>(*std::move(host));
     manager_ =
         std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 256 * kMiB, .daemon_uid = 4242});
-    alice_ = *manager_->Authenticate(manager_->OpenSession(1000, 1100, "alice"));
+    alice_ = *manager_->Authenticate(*manager_->OpenSession(1000, 1100, "alice"));
     transaction_.clear();
   }
   void Stop() {

@@ -59,7 +59,7 @@ class PoolManagerTest : public ::testing::Test {
   }
 
   Caller Session(uint32_t uid, std::string name) {
-    const std::string token = manager_->OpenSession(uid, 100 + uid, name);
+    const std::string token = *manager_->OpenSession(uid, 100 + uid, name);
     return *manager_->Authenticate(token);
   }
 
@@ -706,7 +706,12 @@ TEST_F(PoolManagerTest, AClientOnAnotherDeviceAttachesOnlyWhereGranted) {
   ASSERT_THAT(manager_->CreatePool(alice_, spec), IsOk());
   const std::string own = manager_->GetDeviceStatus()->info.uuid;
   KVD_ASSERT_OK_AND_ASSIGN(AttachResult same, manager_->Attach(alice_, "p", "local", own));
-  EXPECT_TRUE(same.pool.clients[0].device_uuid.empty());
+  // Attach's pool counts its clients; GetPool lists them.
+  EXPECT_TRUE(same.pool.clients.empty());
+  EXPECT_EQ(same.pool.client_count, 1u);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView listed, manager_->GetPool(alice_, "p"));
+  ASSERT_EQ(listed.clients.size(), 1u);
+  EXPECT_TRUE(listed.clients[0].device_uuid.empty());
   EXPECT_THAT(manager_->Attach(alice_, "p", "peer", "GPU-peer-1"),
               StatusIs(absl::StatusCode::kPermissionDenied,
                        AllOf(HasSubstr("device_uuid"), HasSubstr("GPU-peer-1"), HasSubstr("kvctl grant"))));

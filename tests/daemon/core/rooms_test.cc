@@ -2,6 +2,7 @@
 // EventQueue (daemon/core/budget.h, sessions.h, transactions.h, event_queue.h). PoolManager's tests
 // cover how they work together.
 #include <atomic>
+#include <map>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "daemon/core/budget.h"
 #include "daemon/core/event_queue.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/sessions.h"
 #include "daemon/core/transactions.h"
 #include "gmock/gmock.h"
@@ -53,7 +55,7 @@ TEST(BudgetTest, ConcurrentTakersNeverOvercommit) {
 
 TEST(SessionTableTest, AClosedSessionNoLongerAuthenticates) {
   SessionTable sessions;
-  const std::string token = sessions.Open(1000, 42, "engine");
+  const std::string token = *sessions.Open(1000, 42, "engine");
   absl::StatusOr<Caller> caller = sessions.Authenticate(token);
   ASSERT_THAT(caller.status(), IsOk());
   EXPECT_EQ(caller->uid, 1000u);
@@ -63,6 +65,47 @@ TEST(SessionTableTest, AClosedSessionNoLongerAuthenticates) {
   EXPECT_FALSE(sessions.Close(token));
   EXPECT_FALSE(sessions.Contains(token));
   EXPECT_THAT(sessions.Authenticate(token).status(), StatusIs(absl::StatusCode::kUnauthenticated, ::testing::_));
+}
+
+TEST(SessionTableTest, SessionsAreLimitedPerUidAndInTotalWithAShareForOperators) {
+  // 6 in total, 1 kept for operators (ceil(6 * 10%)); 2 per ordinary uid; uid 990 is the daemon's.
+  SessionTable sessions(
+      Limits{.max_sessions = 6, .max_sessions_per_uid = 2, .operator_reserve_percent = 10, .daemon_uid = 990});
+  const std::string first = *sessions.Open(1000, 1, "a");
+  ASSERT_THAT(sessions.Open(1000, 1, "a").status(), IsOk());
+  EXPECT_THAT(sessions.Open(1000, 1, "a").status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, "sessions of uid 1000: 2 of 2 (--max-sessions-per-uid)"));
+  ASSERT_THAT(sessions.Open(1001, 2, "b").status(), IsOk());
+  ASSERT_THAT(sessions.Open(1001, 2, "b").status(), IsOk());
+  ASSERT_THAT(sessions.Open(1002, 3, "c").status(), IsOk());
+  EXPECT_THAT(sessions.Open(1003, 4, "d").status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       "sessions of all uids: 5 of 5 for uid 1003 (--max-sessions=6, less 1 kept for root and uid "
+                       "990 by --operator-reserve=10%)"));
+  // The operator's share, beyond any per-uid limit; then the total binds operators too.
+  const std::string probe = *sessions.Open(990, 5, "probe");
+  EXPECT_THAT(
+      sessions.Open(0, 6, "root").status(),
+      StatusIs(absl::StatusCode::kResourceExhausted, "sessions of all uids: 6 of 6 for uid 0 (--max-sessions)"));
+  EXPECT_EQ(sessions.CountByUid(), (std::map<uint32_t, uint64_t>{{990, 1}, {1000, 2}, {1001, 2}, {1002, 1}}));
+  // A closed session frees its slot; the operator's session counts in the total.
+  EXPECT_TRUE(sessions.Close(first));
+  EXPECT_THAT(sessions.Open(1000, 1, "a").status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("5 of 5")));
+  EXPECT_TRUE(sessions.Close(probe));
+  EXPECT_THAT(sessions.Open(1000, 1, "a").status(), IsOk());
+}
+
+TEST(LimitsTest, TheOperatorShareIsRoundedUp) {
+  EXPECT_EQ(OperatorShare(1024, 5), 52u);
+  EXPECT_EQ(OperatorShare(8, 5), 1u);
+  EXPECT_EQ(OperatorShare(100, 0), 0u);
+  EXPECT_EQ(OperatorShare(uint64_t{96} << 40, 5), 5277655813325u);
+  EXPECT_EQ(OperatorShare(~uint64_t{0}, 50), uint64_t{1} << 63);
+  const Limits limits{.operator_reserve_percent = 5, .daemon_uid = 990};
+  EXPECT_EQ(UsableShare(1024, limits, 1000), 972u);
+  EXPECT_EQ(UsableShare(1024, limits, 990), 1024u);
+  EXPECT_EQ(UsableShare(1024, limits, 0), 1024u);
 }
 
 TEST(LeaseTableTest, ALeaseIsRedeemedOnceByItsSession) {

@@ -86,6 +86,40 @@ class KvdFixture(KvdDaemonCase):
         return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
 
+class LimitsMetricsTest(KvdFixture):
+    """kvd_limit, kvd_tenant_* and kvd_limit_refusals_total (docs/metrics.md, "Limits")."""
+
+    def kvd_args(self):
+        return super().kvd_args() + ["--max-pools=2"]
+
+    def test_limits_usage_and_refusals(self):
+        self.kvctl_json("create", "a", *DIMS)
+        self.kvctl_json("create", "b", *DIMS)
+        r = subprocess.run([KVCTL, "--socket=" + self.socket, "create", "c"] + DIMS, capture_output=True, text=True,
+                           timeout=WAIT_S)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("RESOURCE_EXHAUSTED: pools of all uids: 2 of 2 for uid 0 (--max-pools)", r.stderr)
+        d = self.kvctl_json("describe", "a")
+        text = self.scrape()
+        check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                               timeout=WAIT_S)
+        self.assertEqual(check.returncode, 0, "promtool check metrics:\n" + check.stdout + check.stderr + text)
+        s = parse_samples(text)
+        uid = str(os.getuid())
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-pools")))], 2)
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-pools-per-uid")))], 256)
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-request-bytes")))], 4 * MiB)
+        self.assertEqual(s[("kvd_limit", L(("limit", "operator-reserve")))], 5)
+        self.assertEqual(s[("kvd_tenant_pools", L(("uid", uid)))], 2)
+        self.assertEqual(s[("kvd_tenant_reserved_bytes", L(("uid", uid)))], 2 * int(d["reserved_bytes"]))
+        self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-pools")))], 1)
+        self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-sessions-per-uid")))], 0)
+        self.assertEqual(len([k for k in s if k[0] == "kvd_limit_refusals_total"]), 10)
+        self.kvctl_json("delete", "b")
+        s = parse_samples(self.scrape())
+        self.assertEqual(s[("kvd_tenant_pools", L(("uid", uid)))], 1)
+
+
 class MetricsScrapeTest(KvdFixture):
     def test_scrape_passes_promtool_and_matches_kvctl(self):
         self.kvctl_json("create", "kv", *DIMS, "--initial-blocks", "1024")

@@ -109,7 +109,7 @@ TEST_F(MetricsTest, APoolHeldByAGroupTransactionAndItsGroupAreScraped) {
   absl::StatusOr<std::unique_ptr<Metrics>> m =
       Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host", "0", info.uuid});
   ASSERT_TRUE(m.ok()) << m.status();
-  const std::string session = manager_->OpenSession(1000, 4242, "coordinator");
+  const std::string session = *manager_->OpenSession(1000, 4242, "coordinator");
   KVD_ASSERT_OK_AND_ASSIGN(Caller caller, manager_->Authenticate(session));
   PoolSpec spec{
       .name = "llama-r1",

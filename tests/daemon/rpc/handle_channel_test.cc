@@ -57,7 +57,7 @@ class FakeBackend : public HandleChannelBackend {
     std::string name;
   };
 
-  std::string OpenSession(uint32_t uid, int32_t pid, std::string name) override {
+  absl::StatusOr<std::string> OpenSession(uint32_t uid, int32_t pid, std::string name) override {
     absl::MutexLock lock(&mu_);
     std::string token = absl::StrCat("session-", ++next_session_);
     sessions_[token] = SessionInfo{uid, pid, std::move(name)};
@@ -532,6 +532,36 @@ TEST_F(HandleChannelTest, StopReturnsPromptlyWhileAPeerSaysNothing) {
   EXPECT_THAT(backend_.closed(), ElementsAre(session.token()));
 }
 
+TEST_F(HandleChannelTest, FetchesBeyondTheWorkerLimitWaitTheirTurn) {
+  HandleChannel::Options options;
+  options.max_fetch_workers = 1;
+  StartChannel(options);
+  MakeLease("slow", 2);
+  MakeLease("next", 3, 2000);
+  absl::Notification gate;
+  backend_.GateLease("slow", &gate);
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
+  // The one worker is held by "slow"; "next" waits in the queue, unredeemed, until it is free.
+  std::optional<absl::StatusOr<std::vector<std::pair<uint64_t, int>>>> slow, next;
+  std::thread first([&] { slow.emplace(session.Fetch("slow")); });
+  ASSERT_TRUE(WaitFor([&] { return backend_.redeems() == 1; }));
+  std::thread second([&] { next.emplace(session.Fetch("next")); });
+  // Give the queued fetch every chance to be served early: it must not be.
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(backend_.redeems(), 1);
+  gate.Notify();
+  first.join();
+  second.join();
+  ASSERT_TRUE(slow->ok()) << slow->status();
+  ASSERT_TRUE(next->ok()) << next->status();
+  EXPECT_EQ((*slow)->size(), 2u);
+  EXPECT_EQ((*next)->size(), 3u);
+  for (const auto* fds : {&**slow, &**next}) {
+    for (const auto& [chunk_id, fd] : *fds) close(fd);
+  }
+  EXPECT_EQ(backend_.redeems(), 2);
+}
+
 TEST_F(HandleChannelTest, StopClosesEverySessionAndUnlinksTheSocket) {
   StartChannel();
   std::vector<HandleSession> sessions;
@@ -585,10 +615,10 @@ TEST_F(HandleChannelTest, ConnectionsBeyondTheLimitAreRefused) {
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession first, HandleSession::Open(path_, "one", ClientOptions()));
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession second, HandleSession::Open(path_, "two", ClientOptions()));
   EXPECT_THAT(HandleSession::Open(path_, "three", ClientOptions()),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 connections")));
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 of 2 for uid")));
   // Fetches count too.
   MakeLease("lease", 1);
-  EXPECT_THAT(first.Fetch("lease"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 connections")));
+  EXPECT_THAT(first.Fetch("lease"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 of 2 for uid")));
   EXPECT_EQ(backend_.redeems(), 0);
 
   // A slot frees once a session ends.

@@ -1,0 +1,67 @@
+// Limits: how much of the daemon one tenant (a uid) and all tenants together may hold, so that no user
+// of the sockets can starve or out-budget the others (DESIGN.md section 7, docs/operations.md "Limits").
+//
+// Every limit is a daemon flag. A total limit keeps a share for the operator: root and the daemon's own
+// uid ("operator uids") may use all of it, every other uid only the ordinary share, the total less
+// OperatorShare(). Operator uids are not bound by the per-uid limits (the totals bound them), so
+// `kvctl status`, probes and an operator's repair always get in when one uid holds every ordinary slot.
+//
+// An exhausted limit is RESOURCE_EXHAUSTED naming the limit and its flag, built by the functions below:
+//   "pools of uid 1000: 256 of 256 (--max-pools-per-uid)".
+// Plain values and pure functions; the rooms that count usage enforce them (PoolManager, SessionTable,
+// Pool, the handle channel).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvd::daemon {
+
+struct Limits {
+  uint64_t max_pools = 1024;                                 // --max-pools
+  uint64_t max_pools_per_uid = 256;                          // --max-pools-per-uid
+  uint64_t max_sessions = 768;                               // --max-sessions
+  uint64_t max_sessions_per_uid = 128;                       // --max-sessions-per-uid
+  uint64_t max_reserved_bytes = uint64_t{96} << 40;          // --max-reserved (96 TiB)
+  uint64_t max_reserved_bytes_per_uid = uint64_t{64} << 40;  // --max-reserved-per-uid (64 TiB)
+  uint64_t max_clients_per_pool = 256;                       // --max-clients-per-pool
+  uint64_t max_block_ids = 65536;                            // --max-block-ids
+  uint32_t operator_reserve_percent = 5;                     // --operator-reserve
+  uint32_t daemon_uid = 0;                                   // the daemon's own uid (an operator uid)
+};
+
+// The flags of the limits the core enforces, as their RESOURCE_EXHAUSTED messages name them.
+inline constexpr std::array<const char*, 8> kLimitFlags = {
+    "--max-pools",    "--max-pools-per-uid",    "--max-sessions",         "--max-sessions-per-uid",
+    "--max-reserved", "--max-reserved-per-uid", "--max-clients-per-pool", "--max-block-ids"};
+
+// Root and the daemon's own uid.
+inline bool IsOperatorUid(uint32_t uid, uint32_t daemon_uid) { return uid == 0 || uid == daemon_uid; }
+
+// The part of `total` kept for operator uids: ceil(total * percent / 100), at most `total`.
+uint64_t OperatorShare(uint64_t total, uint32_t percent);
+
+// What `uid` may use of a total limit: all of it for an operator uid, else the total less the share.
+uint64_t UsableShare(uint64_t total, const Limits& limits, uint32_t uid);
+
+// Checks that one more of a counted resource fits: `used` of `uid` against the per-uid limit (skipped
+// for operator uids) and `used_total` against the total. RESOURCE_EXHAUSTED otherwise, e.g.
+//   "pools of uid 1000: 256 of 256 (--max-pools-per-uid)"
+//   "pools of all uids: 972 of 972 for uid 1000 (--max-pools=1024, less 52 kept for root and uid 990 by
+//    --operator-reserve=5%)"
+// `per_uid_flag` may be empty for a resource with no per-uid limit.
+[[nodiscard]] absl::Status CheckCount(absl::string_view what, uint32_t uid, uint64_t used, uint64_t per_uid_limit,
+                                      absl::string_view per_uid_flag, uint64_t used_total, uint64_t total_limit,
+                                      absl::string_view total_flag, const Limits& limits);
+
+// The same for bytes: `asked` more bytes on top of `used` (of `uid`) and `used_total`; the message states
+// the bytes asked and free.
+[[nodiscard]] absl::Status CheckBytes(absl::string_view what, uint32_t uid, uint64_t asked, uint64_t used,
+                                      uint64_t per_uid_limit, absl::string_view per_uid_flag, uint64_t used_total,
+                                      uint64_t total_limit, absl::string_view total_flag, const Limits& limits);
+
+}  // namespace kvd::daemon
