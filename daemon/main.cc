@@ -39,6 +39,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -50,6 +51,7 @@
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
@@ -128,12 +130,14 @@ class JsonMessageFlag final : public spdlog::custom_flag_formatter {
   std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
 };
 
-// gRPC's own log lines join kvd's, in kvd's format.
+// gRPC's own log lines join kvd's, in kvd's format. Their messages may quote what a peer sent (garbage
+// on the control socket is echoed by the HTTP/2 parser), so they are C-escaped: one line, no raw bytes.
 void GrpcLog(gpr_log_func_args* args) {
   const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
                                           : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
                                                                                     : spdlog::level::debug;
-  spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+  const std::string message = absl::CEscape(args->message == nullptr ? "" : args->message);
+  spdlog::log(level, "grpc: {} ({}:{})", message, args->file, args->line);
 }
 
 absl::Status SetUpLogging(const Flags& f) {
@@ -424,21 +428,25 @@ absl::Status Run(const Flags& f) {
                                                            .uuid = info.uuid}));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
   }
-  KvdService service(&manager, KvdService::Options{.granularity = granularity, .metrics = metrics.get()});
+  // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
+  // (SO_PEERCRED) a session token is checked against: ControlSocket.
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<ControlSocket> control, ControlSocket::Listen(socket_path, 0660));
+  const std::optional<SocketId> socket_id = IdOf(socket_path);
+  absl::Cleanup remove_socket = [&] { RemoveSocket(socket_path, socket_id); };
+  KvdService service(&manager,
+                     KvdService::Options{.granularity = granularity, .metrics = metrics.get(), .peers = control.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", socket_path), grpc::InsecureServerCredentials());
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
-  const std::optional<SocketId> socket_id = IdOf(socket_path);
   absl::Cleanup stop_server = [&] {
+    control->Stop();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    RemoveSocket(socket_path, socket_id);
   };
-  if (chmod(socket_path.c_str(), 0660) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0660 ", socket_path));
+  control->Serve(server.get());
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
 
@@ -468,6 +476,7 @@ absl::Status Run(const Flags& f) {
   // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
   // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
   std::move(stop_server).Cancel();
+  control->Stop();
   server->GetHealthCheckService()->SetServingStatus(false);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
   std::thread server_stopper([&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); });

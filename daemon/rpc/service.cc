@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status.h"
 #include "kvd/status.h"
@@ -101,7 +102,20 @@ absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& conte
     return absl::UnauthenticatedError(
         absl::StrCat(wire::kSessionMetadataKey, " metadata missing: open a session on the handle channel first"));
   }
-  return manager_->Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  KVD_ASSIGN_OR_RETURN(Caller caller, manager_->Authenticate(absl::string_view(it->second.data(), it->second.size())));
+  if (options_.peers == nullptr) return caller;
+  // The token is not a bearer secret: it is valid only from the uid that opened the session.
+  const std::optional<PeerCred> peer = options_.peers->PeerOf(context.peer());
+  if (!peer.has_value()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(wire::kSessionMetadataKey, ": the connection's peer is unknown (", context.peer(), ")"));
+  }
+  if (peer->uid != caller.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(wire::kSessionMetadataKey, ": the session belongs to uid ",
+                                                    caller.uid, "; this connection is uid ", peer->uid, " (pid ",
+                                                    peer->pid, "): a session token is valid only from its own uid"));
+  }
+  return caller;
 }
 
 absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const {

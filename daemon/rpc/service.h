@@ -23,6 +23,7 @@
 
 namespace kvd::daemon {
 
+class ControlSocket;
 class Metrics;
 
 class KvdService final : public v1::Kvd::Service {
@@ -36,6 +37,10 @@ class KvdService final : public v1::Kvd::Service {
     // Not owned; may be null (no metrics). Counts every RPC's status and times grow, shrink, sleep,
     // wake and attach.
     Metrics* metrics = nullptr;
+    // Not owned; may be null (then a session token is not checked against the connection's peer). The
+    // control socket that accepted every connection: a session token presented on a connection whose
+    // SO_PEERCRED uid is not the session's is PERMISSION_DENIED.
+    const ControlSocket* peers = nullptr;
   };
 
   KvdService(PoolManager* manager, Options options);
@@ -82,7 +87,9 @@ class KvdService final : public v1::Kvd::Service {
                                 v1::DescribeTransferResponse* response) override;
 
  private:
-  // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown.
+  // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
+  // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
+  // is not the uid that opened the session.
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
   absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
