@@ -55,6 +55,7 @@
 #include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kvd/device.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
@@ -78,6 +79,7 @@ struct Flags {
   std::string device = "0";  // an index or a UUID (prefix): ResolveDeviceSelector
   std::string socket;        // default /run/kvd/gpu<N>.sock
   std::string metrics_address;
+  bool metrics_clients = false;
   std::string budget = "90%";
   std::string host_capacity;  // default: physical memory
   std::string host_granularity = "2MiB";
@@ -140,6 +142,14 @@ void GrpcLog(gpr_log_func_args* args) {
   spdlog::log(level, "grpc: {} ({}:{})", message, args->file, args->line);
 }
 
+// Protobuf's own log lines (a request with a string field that is not UTF-8, say) join kvd's, escaped.
+void ProtobufLog(google::protobuf::LogLevel level, const char* filename, int line, const std::string& message) {
+  const spdlog::level::level_enum to = level >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+                                       : level == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                                                     : spdlog::level::info;
+  spdlog::log(to, "protobuf: {} ({}:{})", absl::CEscape(message), filename, line);
+}
+
 absl::Status SetUpLogging(const Flags& f) {
   auto logger = spdlog::stderr_color_mt("kvd");
   if (f.log_format == "json") {
@@ -154,6 +164,7 @@ absl::Status SetUpLogging(const Flags& f) {
   logger->set_level(level);
   spdlog::set_default_logger(std::move(logger));
   gpr_set_log_function(GrpcLog);
+  google::protobuf::SetLogHandler(ProtobufLog);
   gpr_set_log_verbosity(level <= spdlog::level::debug ? GPR_LOG_SEVERITY_DEBUG : GPR_LOG_SEVERITY_ERROR);
   return absl::OkStatus();
 }
@@ -425,7 +436,8 @@ absl::Status Run(const Flags& f) {
                                                  BuildInfo{.version = KVD_VERSION,
                                                            .backend = BackendName(device->kind()),
                                                            .device = absl::StrCat(info.index),
-                                                           .uuid = info.uuid}));
+                                                           .uuid = info.uuid},
+                                                 f.metrics_clients));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
   }
   // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
@@ -440,6 +452,9 @@ absl::Status Run(const Flags& f) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeParseErrorInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
   absl::Cleanup stop_server = [&] {
@@ -517,6 +532,9 @@ int Main(int argc, char** argv) {
                  "is the same path with .sock replaced by .handles");
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT to serve Prometheus /metrics on (default: not served)");
+  app.add_flag("--metrics-clients", f.metrics_clients,
+               "Also serve kvd_client_mapped_bytes, one series per attached client with its pid, uid and name "
+               "(off: /metrics has no authentication; turn on only where only trusted users can reach it)");
   app.add_option("--budget", f.budget, "Most memory committed at once: SIZE (100GiB) or PCT% of the device")
       ->capture_default_str();
   app.add_option("--host-capacity", f.host_capacity, "Host backend: memory it may commit (default: physical memory)");

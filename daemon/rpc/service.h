@@ -15,7 +15,10 @@
 // of its own beyond its constant configuration. `manager` must outlive the service.
 #pragma once
 
+#include <grpcpp/support/server_interceptor.h>
+
 #include <cstdint>
+#include <memory>
 
 #include "absl/time/time.h"
 #include "daemon/core/pool_manager.h"
@@ -91,6 +94,8 @@ class KvdService final : public v1::Kvd::Service {
   // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
   // is not the uid that opened the session.
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
+  // The call's deadline and cancellation, for work done in slices.
+  Interrupt InterruptOf(grpc::ServerContext& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
   absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
   // The edge: every RPC's status passes here once; a failure is logged once and every status counted.
@@ -99,5 +104,11 @@ class KvdService final : public v1::Kvd::Service {
   PoolManager* const manager_;
   const Options options_;
 };
+
+// A server interceptor that answers a request gRPC could not parse (a malformed message, or a string
+// field that is not UTF-8: protobuf refuses those before any handler runs, and gRPC would answer
+// INTERNAL with no message) with INVALID_ARGUMENT "request: ... is not a valid kvd.v1.<Type> ...".
+// Register it with ServerBuilder::experimental().SetInterceptorCreators.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeParseErrorInterceptorFactory();
 
 }  // namespace kvd::daemon
