@@ -364,16 +364,28 @@ void Pool::DetachLocked(const std::string& client_id, bool keep_holding) {
   shared_.leases->DropClient(client_id);
   auto it = clients_.find(client_id);
   if (it != clients_.end()) {
-    it->second.events->Close();
-    if (keep_holding && !it->second.handed.empty()) {
+    Client& c = it->second;
+    c.events->Close();
+    // What it may still map: the chunks it was handed and whose FDs it fetched. A chunk whose lease it
+    // never redeemed (it expired, say) was never in its hands.
+    std::map<uint64_t, uint64_t> held;
+    for (const auto& [id, bytes] : c.handed) {
+      if (c.fetched.contains(id)) held[id] = bytes;
+    }
+    for (auto& [id, release] : releases_) {
+      const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
+                                     [&](const ChunkInfo& chunk) { return held.contains(chunk.id); });
+      if (!keep_holding || !holds) release.waiting.erase(client_id);
+    }
+    if (keep_holding && !held.empty()) {
       // Its releases keep waiting for it: only the session's end proves the memory unmapped.
-      holders_[client_id] = Holder{.session = it->second.session, .handed = std::move(it->second.handed)};
-      clients_.erase(it);
-      return;
+      holders_[client_id] = Holder{.session = c.session, .handed = std::move(held)};
     }
     clients_.erase(it);
+    SettleReleasesLocked();
+    return;
   }
-  if (!keep_holding) holders_.erase(client_id);
+  holders_.erase(client_id);
   for (auto& [id, release] : releases_) release.waiting.erase(client_id);
   SettleReleasesLocked();
 }
@@ -571,34 +583,36 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
   return out;
 }
 
-absl::Status Pool::CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids) const {
+absl::Status Pool::CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
-  KVD_RETURN_IF_ERROR(LeaseHolderAttachedLocked(client_id));
+  KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
   for (uint64_t id : chunk_ids) {
     if (std::none_of(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; })) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
   }
+  client->fetched.insert(chunk_ids.begin(), chunk_ids.end());
   return absl::OkStatus();
 }
 
-absl::Status Pool::LeaseHolderAttachedLocked(absl::string_view client_id) const {
+absl::StatusOr<Pool::Client*> Pool::LeaseClientLocked(absl::string_view client_id) {
   // A lease ends with its client's attachment (Detach revokes it too; this closes the race with a
   // redemption already under way).
-  if (!clients_.contains(client_id)) {
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) {
     return absl::NotFoundError(absl::StrCat("lease_token: its client ", client_id, " detached from pool ", name_,
                                             "; a detached client's leases are revoked"));
   }
-  return absl::OkStatus();
+  return &it->second;
 }
 
 absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view client_id,
-                                                         const std::vector<uint64_t>& chunk_ids) const {
+                                                         const std::vector<uint64_t>& chunk_ids) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
-  KVD_RETURN_IF_ERROR(LeaseHolderAttachedLocked(client_id));
+  KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
   std::vector<LeasedFd> out;
   absl::Cleanup close_all = [&] {
     for (const LeasedFd& f : out) close(f.fd);
@@ -614,6 +628,8 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
     out.push_back({id, fd});
   }
   std::move(close_all).Cancel();
+  // From here the client may map these chunks: Note [A detached client still holds its chunks].
+  client->fetched.insert(chunk_ids.begin(), chunk_ids.end());
   return out;
 }
 

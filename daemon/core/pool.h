@@ -179,15 +179,15 @@ class Pool {
   [[nodiscard]] absl::Status CheckDeletable(bool force) const ABSL_LOCKS_EXCLUDED(mu_);
   // The committed blocks for block operations: NOT_FOUND once deleted, FAILED_PRECONDITION asleep.
   [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
-  // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id`: NOT_FOUND
-  // once that client detached; FAILED_PRECONDITION for a chunk released since (naming it). The caller
-  // owns the FDs.
+  // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id` (which is
+  // then known to hold them): NOT_FOUND once that client detached; FAILED_PRECONDITION for a chunk
+  // released since (naming it). The caller owns the FDs.
   struct LeasedFd {
     uint64_t chunk_id;
     int fd;
   };
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(absl::string_view client_id,
-                                                             const std::vector<uint64_t>& chunk_ids) const
+                                                             const std::vector<uint64_t>& chunk_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Connectors (docs/connectors.md) ---
@@ -202,8 +202,9 @@ class Pool {
                                                             const std::vector<ByteRange>& ranges, bool span_chunks)
       ABSL_LOCKS_EXCLUDED(mu_);
   // OK when client `client_id` is still attached (NOT_FOUND otherwise) and every chunk of `chunk_ids` is
-  // still in the table (FAILED_PRECONDITION naming one otherwise).
-  [[nodiscard]] absl::Status CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids) const
+  // still in the table (FAILED_PRECONDITION naming one otherwise); the client is then known to hold
+  // them (a range over them is exported to it next).
+  [[nodiscard]] absl::Status CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
@@ -222,11 +223,12 @@ class Pool {
     absl::Time attached_at;
     std::string device_uuid;
     std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes, until acknowledged as released
+    std::set<uint64_t> fetched;           // chunk ids whose FDs a lease of this client yielded
     std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
     bool watching = false;
   };
   // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
-  // daemon knows it still maps what it was handed, so releases of those chunks wait for it.
+  // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.
   struct Holder {
     std::string session;
     std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes
@@ -251,15 +253,16 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // With `keep_holding`, a client that was handed chunks stays a Holder until it acknowledges or its
-  // session ends; without (its session ended), everything it owed is dropped.
+  // With `keep_holding`, a client that fetched FDs of chunks it was handed stays a Holder of those
+  // until it acknowledges or its session ends; without (its session ended), everything it owed is
+  // dropped.
   void DetachLocked(const std::string& client_id, bool keep_holding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The attached client `client_id` of `caller`'s session: NOT_FOUND, or PERMISSION_DENIED for another's.
   [[nodiscard]] absl::StatusOr<Client*> OwnClientLocked(const Caller& caller, absl::string_view client_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // NOT_FOUND (naming the lease) unless client `client_id` is attached.
-  [[nodiscard]] absl::Status LeaseHolderAttachedLocked(absl::string_view client_id) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The attached client `client_id` a lease was issued to: NOT_FOUND (naming the lease) once detached.
+  [[nodiscard]] absl::StatusOr<Client*> LeaseClientLocked(absl::string_view client_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets completed releases; their bytes leave the budget.
   void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -1699,6 +1699,13 @@ TEST_F(KvdDaemonTest, LeaseIsNotRedeemableAfterItsClientDetached) {
     for (const auto& [id, fd] : *fds) close(fd);
   }
   EXPECT_THAT(fds.status(), testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")));
+  // It never fetched a chunk, so it holds none: releasing the pool's memory waits for nobody.
+  v1::SleepRequest sleep;
+  sleep.set_pool("kv");
+  v1::PoolUpdates slept;
+  ASSERT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &slept), GrpcOk());
+  EXPECT_EQ(Get("kv").pending_release_bytes(), 0u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
 }
 
 TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrItsSessionEnds) {
