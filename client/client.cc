@@ -1,6 +1,7 @@
 #include "kvd/client.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -25,7 +28,9 @@
 #include "client/phase_marks.h"
 #include "grpcpp/grpcpp.h"
 #include "kvd/device.h"
+#include "kvd/fd_passing.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "kvd/wire.h"
 
@@ -119,6 +124,8 @@ PoolState FromProto(v1::PoolState s) {
       return PoolState::kAwake;
     case v1::POOL_STATE_SLEEPING:
       return PoolState::kSleeping;
+    case v1::POOL_STATE_RECOVERING:
+      return PoolState::kRecovering;
     default:
       return PoolState::kUnknown;
   }
@@ -151,6 +158,10 @@ PoolInfo FromProto(const v1::Pool& p) {
   out.group = GroupMembership{.name = p.group().name(), .rank = p.group().rank(), .size = p.group().size()};
   out.peer_devices.assign(p.peer_devices().begin(), p.peer_devices().end());
   out.transaction = p.transaction();
+  out.epoch = p.epoch();
+  out.metadata_version = p.metadata_version();
+  out.metadata_bytes = p.metadata_bytes();
+  out.missing_chunk_ids.assign(p.missing_chunk_ids().begin(), p.missing_chunk_ids().end());
   return out;
 }
 
@@ -256,6 +267,8 @@ const char* PoolStateName(PoolState state) {
       return "awake";
     case PoolState::kSleeping:
       return "sleeping";
+    case PoolState::kRecovering:
+      return "recovering";
     default:
       return "unknown";
   }
@@ -264,38 +277,97 @@ const char* PoolStateName(PoolState state) {
 // ---------------------------------------------------------------------------------------------
 // Client::Impl
 
-struct Client::Impl {
-  Impl(ConnectOptions opts, HandleSession s) : options(std::move(opts)), session(std::move(s)) {}
+namespace {
+// The hint a call made while the daemon is away carries (docs/integrating.md, "When kvd restarts").
+constexpr absl::string_view kRetryHint = "retry in 1s";
+}  // namespace
 
-  ConnectOptions options;
-  HandleSession session;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Kvd::Stub> stub;
+struct Client::Impl {
+  // One session with the daemon: the handle-channel session and a gRPC channel opened with it. A
+  // restarted daemon knows none of the old sessions, so both are replaced together (a fresh channel
+  // also skips gRPC's reconnect backoff). Immutable once published; shared by the calls using it.
+  struct Connection {
+    explicit Connection(HandleSession s) : session(std::move(s)) {}
+    HandleSession session;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Kvd::Stub> stub;
+  };
+  using Conn = std::shared_ptr<const Connection>;
+  template <typename Req, typename Resp>
+  using Method = grpc::Status (v1::Kvd::Stub::*)(grpc::ClientContext*, const Req&, Resp*);
+
+  Impl(ConnectOptions opts, Conn c) : options(std::move(opts)), conn(std::move(c)) {}
+
+  const ConnectOptions options;
+
+  // Opens a session and a channel to options.socket.
+  static absl::StatusOr<Conn> Open(const ConnectOptions& options);
+  Conn Current() const ABSL_LOCKS_EXCLUDED(conn_mu) {
+    absl::MutexLock lock(&conn_mu);
+    return conn;
+  }
+  // The current connection while its session is up; else a new one (the daemon restarted). UNAVAILABLE
+  // with the retry hint while no daemon answers.
+  absl::StatusOr<Conn> Live() ABSL_LOCKS_EXCLUDED(reopen_mu, conn_mu);
+  // UNAVAILABLE from a daemon that went away, with the retry hint; anything else unchanged.
+  absl::Status NotAnswering(const absl::Status& s) const {
+    if (!absl::IsUnavailable(s)) return s;
+    return absl::UnavailableError(
+        absl::StrCat("kvd at ", options.socket, " is not answering (restarting?): ", kRetryHint, ": ", s.message()));
+  }
+
+  static std::unique_ptr<grpc::ClientContext> Context(const Connection& c, absl::Duration timeout) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata(wire::kSessionMetadataKey, c.session.token());
+    ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+    return ctx;  // wait_for_ready stays off: a call to a daemon that is away fails at once
+  }
+  // One RPC on `c`, within `timeout`.
+  template <typename Req, typename Resp>
+  absl::Status CallOn(const Connection& c, Method<Req, Resp> method, const Req& req, Resp* resp,
+                      absl::Duration timeout) const {
+    absl::Status s = FromGrpc(((*c.stub).*method)(Context(c, timeout).get(), req, resp));
+    // The daemon's own UNAVAILABLE (a RECOVERING pool) leaves the session up; a daemon that went away
+    // closed it.
+    if (absl::IsUnavailable(s) && !c.session.Alive()) return NotAnswering(s);
+    return s;
+  }
+  template <typename Req, typename Resp>
+  absl::Status CallOn(const Connection& c, Method<Req, Resp> method, const Req& req, Resp* resp) const {
+    return CallOn(c, method, req, resp, options.timeout);
+  }
+  // One RPC on a live connection (re-opening the session after a restart).
+  template <typename Req, typename Resp>
+  absl::Status Call(Method<Req, Resp> method, const Req& req, Resp* resp, absl::Duration timeout) {
+    KVD_ASSIGN_OR_RETURN(Conn c, Live());
+    return CallOn(*c, method, req, resp, timeout);
+  }
+  template <typename Req, typename Resp>
+  absl::Status Call(Method<Req, Resp> method, const Req& req, Resp* resp) {
+    return Call(method, req, resp, options.timeout);
+  }
+
+  // Hands a successful reply to ConnectOptions::on_reply.
+  void Observe(const google::protobuf::Message& reply) const {
+    if (options.on_reply) options.on_reply(reply);
+  }
+
+  absl::Mutex reopen_mu ABSL_ACQUIRED_BEFORE(conn_mu);  // one re-open at a time
+  mutable absl::Mutex conn_mu;
+  Conn conn ABSL_GUARDED_BY(conn_mu);
 
   absl::Mutex mu;
   // Opened on first use with the daemon's backend, by index; never reset while the Impl lives.
   std::map<int, std::unique_ptr<Device>> devices ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::weak_ptr<Mapping::Impl>> mappings ABSL_GUARDED_BY(mu);
 
-  std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout) const {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata(wire::kSessionMetadataKey, session.token());
-    ctx->set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
-    return ctx;
-  }
-  std::unique_ptr<grpc::ClientContext> Context() const { return Context(options.timeout); }
-  // Hands a successful reply to ConnectOptions::on_reply.
-  void Observe(const google::protobuf::Message& reply) const {
-    if (options.on_reply) options.on_reply(reply);
-  }
-
   // The device this process maps from (AttachOptions::device; empty: the daemon's), opened once.
   struct LocalDevice {
     Device* device = nullptr;
     std::string peer_uuid;  // set when it is not the daemon's device: the AttachRequest's device_uuid
   };
-  // Asks the daemon for its device once per selector: a Client's session (and so the daemon it talks to)
-  // does not outlive the daemon, so the answer cannot change under it (an Attach saves a round trip).
+  // Asks the daemon for its device once per selector: a restarted daemon serves the same device (its
+  // --device), so the answer does not change (an Attach saves a round trip).
   absl::StatusOr<LocalDevice> GetDevice(absl::string_view selector);
   absl::StatusOr<LocalDevice> OpenLocalDevice(absl::string_view selector);
   absl::flat_hash_map<std::string, LocalDevice> local_devices ABSL_GUARDED_BY(mu);
@@ -303,6 +375,32 @@ struct Client::Impl {
   // Maps the lease of `update` into this client's Mapping of its pool, if it has one.
   absl::Status Route(const v1::PoolUpdate& update);
 };
+
+absl::StatusOr<Client::Impl::Conn> Client::Impl::Open(const ConnectOptions& options) {
+  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPathFor(options.socket), options.client_name,
+                                                                  HandleClientOptions{.timeout = options.timeout}));
+  auto c = std::make_shared<Connection>(std::move(session));
+  // A subchannel of its own: gRPC's global pool would hand a new channel the old daemon's broken
+  // connection (or its reconnect backoff).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  c->channel = grpc::CreateCustomChannel("unix:" + options.socket, grpc::InsecureChannelCredentials(), args);
+  c->stub = v1::Kvd::NewStub(c->channel);
+  return Conn(std::move(c));
+}
+
+absl::StatusOr<Client::Impl::Conn> Client::Impl::Live() {
+  Conn c = Current();
+  if (c->session.Alive()) return c;
+  absl::MutexLock reopen(&reopen_mu);
+  c = Current();
+  if (c->session.Alive()) return c;  // another thread re-opened it meanwhile
+  absl::StatusOr<Conn> fresh = Open(options);
+  if (!fresh.ok()) return NotAnswering(fresh.status());
+  absl::MutexLock lock(&conn_mu);
+  conn = *fresh;
+  return *fresh;
+}
 
 absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_view selector) {
   {
@@ -317,7 +415,7 @@ absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::GetDevice(absl::string_v
 
 absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::OpenLocalDevice(absl::string_view selector) {
   v1::DeviceInfo info;
-  KVD_RETURN_IF_ERROR(FromGrpc(stub->GetDeviceInfo(Context().get(), v1::GetDeviceInfoRequest(), &info)));
+  KVD_RETURN_IF_ERROR(Call(&v1::Kvd::Stub::GetDeviceInfo, v1::GetDeviceInfoRequest(), &info));
   DeviceOptions opts{.backend = BackendString(info.backend()), .index = static_cast<int>(info.device_index())};
   if (info.backend() == v1::BACKEND_HOST && info.granularity_bytes() > 0) {
     opts.host_granularity = info.granularity_bytes();
@@ -360,29 +458,39 @@ struct Mapping::Impl {
   struct Mapped {
     ChunkInfo info;
     Chunk chunk;
+    UniqueFd fd;  // kept open so that the chunk can be handed back after a daemon restart
   };
+  using Conn = Client::Impl::Conn;
+  using Reader = grpc::ClientReader<v1::PoolEvent>;
 
   std::shared_ptr<Client::Impl> client;
   Device* device = nullptr;
+  std::string peer_uuid;  // the AttachRequest's device_uuid
   std::string pool;
-  std::string client_id;
   Geometry geometry;
   LayoutResolution layout;
   uint64_t base = 0;
   AttachOptions options;
 
   mutable absl::Mutex mu;
+  Conn conn ABSL_GUARDED_BY(mu);  // the session this Mapping is attached through
+  std::string client_id ABSL_GUARDED_BY(mu);
+  uint64_t epoch ABSL_GUARDED_BY(mu) = 0;
   std::map<uint64_t, Mapped> chunks ABSL_GUARDED_BY(mu);  // by chunk id
   uint64_t committed_blocks ABSL_GUARDED_BY(mu) = 0;
   Mapping::State state ABSL_GUARDED_BY(mu) = Mapping::State::kAwake;
   bool closing ABSL_GUARDED_BY(mu) = false;
+  std::unique_ptr<grpc::ClientContext> watch_ctx ABSL_GUARDED_BY(mu);
 
-  std::unique_ptr<grpc::ClientContext> watch_ctx;
   std::thread follower;
+  // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
+  // its way out and the next one is awaited.
+  bool restart_announced = false;
 
-  // Fetches `lease`, imports each FD (closing it at once) and maps it at base + offset.
-  absl::Status MapLease(const std::string& lease, const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Fetches `lease` on `c` and maps each chunk of `added` at base + offset, keeping its FD. A chunk
+  // mapped already with the same segment, offset and bytes stays as it is.
+  absl::Status MapLease(const Client::Impl::Connection& c, const std::string& lease,
+                        const google::protobuf::RepeatedPtrField<v1::Chunk>& added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // MapLease, except that a lease refused because its chunks were released meanwhile (a concurrent
   // shrink or sleep, whose release event follows) maps nothing and returns false.
   absl::StatusOr<bool> MapLeaseUnlessReleased(const std::string& lease,
@@ -391,24 +499,37 @@ struct Mapping::Impl {
   void UnmapOne(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void UnmapAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status ApplyUpdate(const v1::PoolUpdate& update);
-  void Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader);
+  // Follows one event stream until it ends. Returns why to reconnect (the daemon restarted), or
+  // nothing when the Mapping is lost or closing.
+  std::optional<absl::Status> FollowStream(Reader& reader);
+  void Follow(std::unique_ptr<Reader> reader);
+  // After a daemon restart: retries TryReattach with backoff for options.reconnect_for. The new event
+  // stream, or null once the Mapping is lost or closing.
+  std::unique_ptr<Reader> Reattach(const absl::Status& why);
+  struct Attempt {
+    std::unique_ptr<Reader> reader;  // set on success
+    absl::Status status;             // why not
+    bool fatal = false;              // no point retrying: the Mapping is lost
+  };
+  Attempt TryReattach(DaemonRestart* restart);
   void Lose(const absl::Status& why);
   void Shutdown();
 };
 
-absl::Status Mapping::Impl::MapLease(const std::string& lease,
+absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const std::string& lease,
                                      const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
   if (added.empty()) return absl::OkStatus();
   std::map<uint64_t, ChunkInfo> wanted;
-  for (const v1::Chunk& c : added) wanted[c.id()] = FromProto(c);
-  KVD_ASSIGN_OR_RETURN(auto fds, client->session.Fetch(lease));
+  for (const v1::Chunk& chunk : added) wanted[chunk.id()] = FromProto(chunk);
+  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease));
   internal::MarkPhase("lease.fetched");
   size_t next = 0;
   absl::Cleanup close_rest = [&] {
     for (size_t i = next; i < fds.size(); ++i) close(fds[i].second);
   };
   for (; next < fds.size(); ++next) {
-    const auto [id, fd] = fds[next];
+    const uint64_t id = fds[next].first;
+    UniqueFd fd(fds[next].second);
     auto it = wanted.find(id);
     if (it == wanted.end()) {
       return absl::InternalError(absl::StrCat("lease yielded chunk ", id, " which is not in the chunk list"));
@@ -416,6 +537,10 @@ absl::Status Mapping::Impl::MapLease(const std::string& lease,
     const ChunkInfo& info = it->second;
     if (info.offset + info.bytes > geometry.reserved_bytes) {
       return absl::InternalError(absl::StrCat("chunk ", id, " lies outside the pool's reservation"));
+    }
+    if (auto have = chunks.find(id); have != chunks.end() && have->second.info.segment == info.segment &&
+                                     have->second.info.offset == info.offset && have->second.info.bytes == info.bytes) {
+      continue;  // the same chunk, mapped already (a re-attach after a restart): the FD closes here
     }
     // The daemon's live chunks never overlap: a local chunk that does was released by a change whose
     // release event this follower has not handled yet (it will find the chunk gone and acknowledge).
@@ -426,28 +551,26 @@ absl::Status Mapping::Impl::MapLease(const std::string& lease,
       }
     }
     for (uint64_t s : stale) UnmapOne(s);
-    absl::StatusOr<Chunk> chunk = device->Import(fd, info.bytes);
-    close(fd);  // the imported chunk keeps the memory
-    KVD_RETURN_IF_ERROR(chunk.status());
-    if (absl::Status s = device->Map(base + info.offset, *chunk, Access::kReadWrite); !s.ok()) {
-      device->Release(*chunk).IgnoreError();
+    KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
+    if (absl::Status s = device->Map(base + info.offset, chunk, Access::kReadWrite); !s.ok()) {
+      device->Release(chunk).IgnoreError();
       return s;
     }
-    chunks[id] = Mapped{info, *chunk};
+    chunks[id] = Mapped{info, chunk, std::move(fd)};
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& lease,
                                                            const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
-  absl::Status s = MapLease(lease, added);
+  absl::Status s = MapLease(*conn, lease, added);
   if (s.ok()) return true;
   if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
   // Fetch is all-or-nothing: nothing of this lease was mapped. Fine if none of its chunks is live.
   v1::GetPoolRequest req;
   req.set_name(pool);
   v1::Pool now;
-  KVD_RETURN_IF_ERROR(FromGrpc(client->stub->GetPool(client->Context().get(), req, &now)));
+  KVD_RETURN_IF_ERROR(client->CallOn(*conn, &v1::Kvd::Stub::GetPool, req, &now));
   for (const v1::Chunk& live : now.chunks()) {
     for (const v1::Chunk& c : added) {
       if (c.id() == live.id()) return s;
@@ -461,7 +584,7 @@ void Mapping::Impl::UnmapOne(uint64_t id) {
   if (it == chunks.end()) return;
   device->Unmap(base + it->second.info.offset, it->second.info.bytes).IgnoreError();
   device->Release(it->second.chunk).IgnoreError();
-  chunks.erase(it);
+  chunks.erase(it);  // closes its FD
 }
 
 void Mapping::Impl::UnmapAll() {
@@ -486,11 +609,11 @@ void Mapping::Impl::Lose(const absl::Status& why) {
     UnmapAll();
     state = Mapping::State::kLost;
     committed_blocks = 0;
+    // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
+    // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
+    // which finds the Mapping lost already).
+    if (watch_ctx != nullptr) watch_ctx->TryCancel();
   }
-  // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
-  // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
-  // which finds the Mapping lost already).
-  watch_ctx->TryCancel();
   if (options.on_lost) options.on_lost(why);
 }
 
@@ -505,9 +628,10 @@ std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
 
 }  // namespace
 
-void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader) {
+std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
   v1::PoolEvent ev;
-  while (reader->Read(&ev)) {
+  bool restarting = false;
+  while (!restarting && reader.Read(&ev)) {
     switch (ev.type()) {
       case v1::EVENT_TYPE_CHUNKS_ADDED: {
         absl::StatusOr<bool> mapped;
@@ -534,21 +658,23 @@ void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> re
         internal::MarkPhase("release.event");
         uint64_t committed = 0;
         if (options.on_ranges_released) options.on_ranges_released(Ranges(ev));
+        Conn c;
+        v1::AcknowledgeRequest req;
         {
           absl::MutexLock lock(&mu);
           if (closing || state == Mapping::State::kLost) break;
-          for (const v1::Chunk& c : ev.chunks()) UnmapOne(c.id());
+          for (const v1::Chunk& chunk : ev.chunks()) UnmapOne(chunk.id());
           internal::MarkPhase("release.unmapped");
           committed_blocks = committed = ev.committed_blocks();
           if (ev.state() == v1::POOL_STATE_SLEEPING) state = Mapping::State::kSleeping;
+          c = conn;
+          req.set_client_id(client_id);
         }
         if (ev.release_id() != 0) {
           internal::MarkPhase("release.acknowledging");
-          v1::AcknowledgeRequest req;
-          req.set_client_id(client_id);
           req.set_release_id(ev.release_id());
           v1::AcknowledgeResponse resp;
-          absl::Status s = FromGrpc(client->stub->Acknowledge(client->Context().get(), req, &resp));
+          absl::Status s = client->CallOn(*c, &v1::Kvd::Stub::Acknowledge, req, &resp);
           if (!s.ok()) {
             Lose(absl::Status(s.code(), absl::StrCat("acknowledging release ", ev.release_id(), ": ", s.message())));
             break;
@@ -563,33 +689,248 @@ void Mapping::Impl::Follow(std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> re
       case v1::EVENT_TYPE_DAEMON_STOPPING:
         Lose(absl::UnavailableError("kvd is stopping"));
         break;
+      case v1::EVENT_TYPE_DAEMON_RESTARTING:
+        restarting = true;
+        break;
       default:
         break;
     }
   }
-  absl::Status finished = FromGrpc(reader->Finish());
+  Conn c;
+  {
+    absl::MutexLock lock(&mu);
+    if (restarting && watch_ctx != nullptr) watch_ctx->TryCancel();  // the daemon closes it anyway
+    c = conn;
+  }
+  absl::Status finished = FromGrpc(reader.Finish());
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return std::nullopt;
+  }
+  const bool reconnect = client->options.reconnect_for > absl::ZeroDuration();
+  restart_announced = restarting;
+  if (restarting) {
+    if (reconnect) return absl::UnavailableError("kvd is restarting");
+    Lose(absl::UnavailableError("kvd is restarting and this client does not reconnect (reconnect_for = 0)"));
+    return std::nullopt;
+  }
+  // A crash: the stream broke and the daemon closed the session with it.
+  if (reconnect && !finished.ok() && (absl::IsUnavailable(finished) || !c->session.Alive())) return finished;
   Lose(finished.ok() ? absl::UnavailableError(absl::StrCat("the event stream of pool ", pool, " ended"))
                      : absl::Status(finished.code(),
                                     absl::StrCat("the event stream of pool ", pool, " broke: ", finished.message())));
+  return std::nullopt;
+}
+
+void Mapping::Impl::Follow(std::unique_ptr<Reader> reader) {
+  while (reader != nullptr) {
+    std::optional<absl::Status> restarted = FollowStream(*reader);
+    reader.reset();
+    if (!restarted.has_value()) return;
+    reader = Reattach(*restarted);
+  }
+}
+
+std::unique_ptr<Mapping::Impl::Reader> Mapping::Impl::Reattach(const absl::Status& why) {
+  const absl::Duration limit = client->options.reconnect_for;
+  const absl::Time give_up = absl::Now() + limit;
+  absl::Duration delay = absl::Milliseconds(50);
+  absl::Status last = why;
+  DaemonRestart restart;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu);
+      if (closing || state == Mapping::State::kLost) return nullptr;
+    }
+    Attempt attempt = TryReattach(&restart);
+    if (attempt.reader != nullptr) {
+      if (options.on_restart) options.on_restart(restart);
+      return std::move(attempt.reader);
+    }
+    if (attempt.fatal) {
+      Lose(attempt.status);
+      return nullptr;
+    }
+    last = attempt.status;
+    if (absl::Now() + delay > give_up) {
+      Lose(absl::UnavailableError(absl::StrCat("kvd at ", client->options.socket, " did not take pool ", pool,
+                                               " back within ", absl::ToDoubleSeconds(limit), "s", ": ",
+                                               last.message())));
+      return nullptr;
+    }
+    {
+      absl::MutexLock lock(&mu);
+      mu.AwaitWithTimeout(absl::Condition(&closing), delay);
+    }
+    delay = std::min(delay * 2, absl::Seconds(2));
+  }
+}
+
+namespace {
+
+// Whether a pool found after a restart places every byte where `mapped` does.
+bool SameGeometry(const Geometry& found, const Geometry& mapped) {
+  const PoolDims &a = found.dims, &b = mapped.dims;
+  return found.layout == mapped.layout && a.layers == b.layers && a.capacity_blocks == b.capacity_blocks &&
+         a.heads == b.heads && a.block_tokens == b.block_tokens && a.channels == b.channels &&
+         a.element_bytes == b.element_bytes && found.offset == mapped.offset &&
+         found.segment_stride == mapped.segment_stride && found.segments == mapped.segments &&
+         found.reserved_bytes == mapped.reserved_bytes;
+}
+
+}  // namespace
+
+Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
+  Conn old;
+  {
+    absl::MutexLock lock(&mu);
+    old = conn;
+  }
+  absl::StatusOr<Conn> live = client->Live();
+  if (!live.ok()) return {.status = live.status()};
+  const Conn c = *live;
+  // The daemon says RESTARTING before it exits: attach to the one that comes next, not to this one.
+  if (restart_announced && c == old)
+    return {.status = absl::UnavailableError(absl::StrCat("kvd at ", client->options.socket, " is still stopping"))};
+
+  v1::GetPoolRequest get;
+  get.set_name(pool);
+  v1::Pool now;
+  if (absl::Status s = client->CallOn(*c, &v1::Kvd::Stub::GetPool, get, &now); !s.ok()) {
+    if (!absl::IsNotFound(s)) return {.status = s};
+    return {.status = absl::NotFoundError(absl::StrCat("pool ", pool, " did not survive the restart of kvd at ",
+                                                       client->options.socket, ": ", s.message())),
+            .fatal = true};
+  }
+  // A pool restored without its memory waits for its clients to hand the chunks back.
+  if (now.state() == v1::POOL_STATE_RECOVERING && now.missing_chunk_ids_size() > 0) {
+    std::vector<std::pair<uint64_t, int>> mine;
+    std::vector<UniqueFd> dups;  // the Mapping's own FDs stay its own: a concurrent unmap closes them
+    {
+      absl::MutexLock lock(&mu);
+      for (uint64_t id : now.missing_chunk_ids()) {
+        auto it = chunks.find(id);
+        if (it == chunks.end() || !it->second.fd) continue;
+        UniqueFd dup(fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0));
+        if (!dup) continue;
+        mine.emplace_back(id, dup.get());
+        dups.push_back(std::move(dup));
+      }
+    }
+    if (!mine.empty()) {
+      absl::StatusOr<HandleSession::Returned> returned = c->session.ReturnHandles(pool, mine);
+      if (returned.ok()) {
+        restart->returned_chunk_ids.insert(restart->returned_chunk_ids.end(), returned->adopted_chunk_ids.begin(),
+                                           returned->adopted_chunk_ids.end());
+      } else if (absl::IsUnavailable(returned.status()) || absl::IsDeadlineExceeded(returned.status())) {
+        return {.status = returned.status()};
+      }
+      // Otherwise (the daemon found that the pieces do not agree, or the pool no longer waits for
+      // them) nothing was adopted: whatever the daemon lacks shows as lost below.
+    }
+  }
+
+  v1::AttachRequest req;
+  req.set_pool(pool);
+  req.set_client_name(options.client_name);
+  req.set_device_uuid(peer_uuid);
+  v1::AttachResponse resp;
+  if (absl::Status s = client->CallOn(*c, &v1::Kvd::Stub::Attach, req, &resp); !s.ok()) {
+    // UNAVAILABLE: still RECOVERING, waiting for other clients' chunks or for its grace to pass.
+    if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) return {.status = s};
+    return {.status = absl::Status(s.code(),
+                                   absl::StrCat("attaching pool ", pool, " again after kvd restarted: ", s.message())),
+            .fatal = true};
+  }
+  absl::Cleanup detach = [&] {
+    v1::DetachRequest d;
+    d.set_pool(pool);
+    d.set_client_id(resp.client_id());
+    v1::DetachResponse r;
+    client->CallOn(*c, &v1::Kvd::Stub::Detach, d, &r).IgnoreError();  // best effort
+  };
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->AddMetadata(wire::kSessionMetadataKey, c->session.token());
+  v1::WatchRequest watch;
+  watch.set_client_id(resp.client_id());
+  std::unique_ptr<Reader> reader = c->stub->Watch(ctx.get(), watch);
+  absl::Cleanup stop_watch = [&] {
+    ctx->TryCancel();
+    reader->Finish().ok();  // cancelled: the status says so
+  };
+  if (!SameGeometry(FromProto(resp.pool().geometry()), geometry)) {
+    return {.status = absl::FailedPreconditionError(
+                absl::StrCat("pool ", pool, " has another geometry since kvd restarted (it was created again)")),
+            .fatal = true};
+  }
+  // Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has the
+  // same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same name since.
+  const bool restored = resp.pool().epoch() > 1;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return {.status = absl::CancelledError("closing"), .fatal = true};
+    // Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
+    std::set<uint64_t> kept;
+    for (const v1::Chunk& theirs : resp.pool().chunks()) {
+      if (!restored) break;
+      auto it = chunks.find(theirs.id());
+      if (it != chunks.end() && it->second.info.segment == theirs.segment() &&
+          it->second.info.offset == theirs.offset() && it->second.info.bytes == theirs.bytes()) {
+        kept.insert(theirs.id());
+      }
+    }
+    std::vector<uint64_t> gone;
+    for (const auto& [id, m] : chunks) {
+      if (!kept.contains(id)) gone.push_back(id);
+    }
+    for (uint64_t id : gone) {
+      restart->lost_chunk_ids.push_back(id);
+      restart->lost_bytes += chunks[id].info.bytes;
+      UnmapOne(id);
+    }
+    if (absl::Status s = MapLease(*c, resp.lease().token(), resp.pool().chunks()); !s.ok()) {
+      return {
+          .status = absl::Status(s.code(), absl::StrCat("mapping pool ", pool, " after kvd restarted: ", s.message())),
+          .fatal = true};
+    }
+    committed_blocks = resp.pool().committed_blocks();
+    state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
+    conn = c;
+    client_id = resp.client_id();
+    epoch = resp.pool().epoch();
+    watch_ctx = std::move(ctx);
+    restart->epoch = epoch;
+    restart->committed_blocks = committed_blocks;
+  }
+  // kvd sends the initial metadata once the watch is registered (events since the Attach are queued).
+  reader->WaitForInitialMetadata();
+  std::move(stop_watch).Cancel();
+  std::move(detach).Cancel();
+  return {.reader = std::move(reader)};
 }
 
 void Mapping::Impl::Shutdown() {
+  Conn c;
+  v1::DetachRequest req;
   {
     absl::MutexLock lock(&mu);
     closing = true;
+    c = conn;
+    req.set_pool(pool);
+    req.set_client_id(client_id);
   }
   {
     absl::MutexLock lock(&client->mu);
     auto it = client->mappings.find(pool);
     if (it != client->mappings.end() && it->second.lock().get() == this) client->mappings.erase(it);
   }
-  v1::DetachRequest req;
-  req.set_pool(pool);
-  req.set_client_id(client_id);
   v1::DetachResponse resp;
-  client->stub->Detach(client->Context(std::min(client->options.timeout, absl::Seconds(5))).get(), req, &resp)
-      .ok();  // the client may already be detached (pool deleted, daemon gone)
-  if (watch_ctx != nullptr) watch_ctx->TryCancel();
+  client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
+      .IgnoreError();  // the client may already be detached (pool deleted, daemon gone)
+  {
+    absl::MutexLock lock(&mu);
+    if (watch_ctx != nullptr) watch_ctx->TryCancel();
+  }
   if (follower.joinable()) follower.join();
   absl::MutexLock lock(&mu);
   UnmapAll();
@@ -621,7 +962,14 @@ Mapping::~Mapping() { impl_->Shutdown(); }
 
 void* Mapping::base() const { return reinterpret_cast<void*>(impl_->base); }
 const std::string& Mapping::pool() const { return impl_->pool; }
-const std::string& Mapping::client_id() const { return impl_->client_id; }
+std::string Mapping::client_id() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->client_id;
+}
+uint64_t Mapping::epoch() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->epoch;
+}
 const Geometry& Mapping::geometry() const { return impl_->geometry; }
 const LayoutResolution& Mapping::layout() const { return impl_->layout; }
 
@@ -660,12 +1008,11 @@ std::vector<ChunkInfo> Mapping::chunks() const {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ConnectOptions options) {
   if (options.socket.empty()) options.socket = wire::SocketFromEnvironment(options.device);
   if (options.client_name.empty()) options.client_name = "libkvd";
-  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(HandlesPathFor(options.socket), options.client_name,
-                                                                  HandleClientOptions{.timeout = options.timeout}));
-  auto impl = std::make_shared<Impl>(options, std::move(session));
-  impl->channel = grpc::CreateChannel("unix:" + options.socket, grpc::InsecureChannelCredentials());
-  impl->stub = v1::Kvd::NewStub(impl->channel);
-  return std::unique_ptr<Client>(new Client(std::move(impl)));
+  // A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart).
+  static const bool raised = (RaiseOpenFileLimit(), true);
+  (void)raised;
+  KVD_ASSIGN_OR_RETURN(Impl::Conn conn, Impl::Open(options));
+  return std::unique_ptr<Client>(new Client(std::make_shared<Impl>(std::move(options), std::move(conn))));
 }
 
 Client::~Client() = default;
@@ -674,7 +1021,7 @@ const std::string& Client::socket() const { return impl_->options.socket; }
 
 absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   v1::DeviceInfo i;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetDeviceInfo(impl_->Context().get(), v1::GetDeviceInfoRequest(), &i)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::GetDeviceInfo, v1::GetDeviceInfoRequest(), &i));
   impl_->Observe(i);
   DeviceStatus out{.backend = BackendString(i.backend()),
                    .device_index = i.device_index(),
@@ -689,7 +1036,10 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
                    .reserved_bytes = i.reserved_bytes(),
                    .granularity_bytes = i.granularity_bytes(),
                    .max_chunk_bytes = i.max_chunk_bytes(),
-                   .pool_count = i.pool_count()};
+                   .pool_count = i.pool_count(),
+                   .epoch = i.epoch(),
+                   .started_at_unix_ms = i.started_at_unix_ms()};
+  out.durability = absl::AsciiStrToLower(absl::StripPrefix(v1::Durability_Name(i.durability()), "DURABILITY_"));
   for (int t : i.handle_types()) {
     std::string name = v1::HandleType_Name(static_cast<v1::HandleType>(t));
     out.handle_types.push_back(absl::AsciiStrToLower(absl::StripPrefix(name, "HANDLE_TYPE_")));
@@ -711,7 +1061,7 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools() {
   v1::ListPoolsResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ListPools(impl_->Context().get(), v1::ListPoolsRequest(), &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ListPools, v1::ListPoolsRequest(), &resp));
   impl_->Observe(resp);
   std::vector<PoolInfo> out;
   for (const v1::Pool& p : resp.pools()) out.push_back(FromProto(p));
@@ -722,7 +1072,7 @@ absl::StatusOr<PoolInfo> Client::GetPool(absl::string_view name) {
   v1::GetPoolRequest req;
   req.set_name(std::string(name));
   v1::Pool pool;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPool(impl_->Context().get(), req, &pool)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::GetPool, req, &pool));
   impl_->Observe(pool);
   return FromProto(pool);
 }
@@ -741,7 +1091,7 @@ absl::StatusOr<PoolInfo> Client::CreatePool(const PoolOptions& options) {
   }
   for (const std::string& d : options.peer_devices) req.add_peer_devices(d);
   v1::Pool pool;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->CreatePool(impl_->Context().get(), req, &pool)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::CreatePool, req, &pool));
   impl_->Observe(pool);
   return FromProto(pool);
 }
@@ -751,7 +1101,7 @@ absl::StatusOr<ResolvedLayout> Client::ResolveLayout(const LayoutRequest& reques
   ToProto(request, req.mutable_layout_request());
   if (dims != nullptr) ToProto(*dims, req.mutable_dims());
   v1::ResolveLayoutResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ResolveLayout(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ResolveLayout, req, &resp));
   impl_->Observe(resp);
   return ResolvedLayout{.resolution = FromProto(resp.resolution()),
                         .has_geometry = resp.has_geometry(),
@@ -763,7 +1113,7 @@ absl::StatusOr<PoolChange> Client::Grow(absl::string_view pool, uint64_t target_
   req.set_pool(std::string(pool));
   req.set_target_blocks(target_blocks);
   v1::PoolUpdate update;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Grow(impl_->Context().get(), req, &update)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Grow, req, &update));
   impl_->Observe(update);
   KVD_RETURN_IF_ERROR(impl_->Route(update));
   return FromProto(update);
@@ -781,8 +1131,7 @@ absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t targe
   req.set_target_blocks(target_blocks);
   req.set_wait_for_release(wait);
   v1::PoolUpdate update;
-  KVD_RETURN_IF_ERROR(
-      FromGrpc(impl_->stub->Shrink(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Shrink, req, &update, WaitTimeout(impl_->options.timeout, wait)));
   impl_->Observe(update);
   return FromProto(update);
 }
@@ -796,8 +1145,7 @@ absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, bo
   }
   req.set_wait_for_release(wait);
   v1::PoolUpdates updates;
-  KVD_RETURN_IF_ERROR(
-      FromGrpc(impl_->stub->Sleep(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &updates)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Sleep, req, &updates, WaitTimeout(impl_->options.timeout, wait)));
   impl_->Observe(updates);
   std::vector<PoolChange> out;
   for (const v1::PoolUpdate& u : updates.updates()) out.push_back(FromProto(u));
@@ -812,7 +1160,7 @@ absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) {
     req.set_pool(std::string(pool));
   }
   v1::PoolUpdates updates;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Wake(impl_->Context().get(), req, &updates)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Wake, req, &updates));
   impl_->Observe(updates);
   std::vector<PoolChange> out;
   absl::Status first_error;
@@ -830,7 +1178,7 @@ absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force) 
   req.set_name(std::string(name));
   req.set_force(force);
   v1::DeletePoolResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DeletePool(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::DeletePool, req, &resp));
   impl_->Observe(resp);
   return resp.released_bytes();
 }
@@ -852,42 +1200,51 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   Device* device = local.device;
   internal::MarkPhase("attach.device");
 
+  KVD_ASSIGN_OR_RETURN(const Impl::Conn conn, impl_->Live());
   v1::AttachRequest req;
   req.set_pool(name);
   req.set_client_name(options.client_name);
   req.set_device_uuid(local.peer_uuid);
   v1::AttachResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Attach(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::Attach, req, &resp));
   impl_->Observe(resp);
   internal::MarkPhase("attach.rpc");
 
   auto m = std::make_shared<Mapping::Impl>();
   m->client = impl_;
   m->device = device;
+  m->peer_uuid = local.peer_uuid;
   m->pool = name;
-  m->client_id = resp.client_id();
   m->geometry = FromProto(resp.pool().geometry());
   m->layout = FromProto(resp.pool().layout());
   m->options = std::move(options);
   absl::Cleanup detach = [&] {
     v1::DetachRequest d;
     d.set_pool(name);
-    d.set_client_id(m->client_id);
+    d.set_client_id(resp.client_id());
     v1::DetachResponse r;
-    impl_->stub->Detach(impl_->Context().get(), d, &r).ok();  // best effort: the session's end detaches too
+    impl_->CallOn(*conn, &v1::Kvd::Stub::Detach, d, &r).IgnoreError();  // best effort: the session's end detaches too
   };
   // The event stream starts now and is confirmed after the import (WaitForInitialMetadata below), so its
   // round trip overlaps the import instead of following it. Events since the Attach are queued in the
   // daemon either way, and the follower reads them only once the lease is mapped.
-  m->watch_ctx = std::make_unique<grpc::ClientContext>();
-  m->watch_ctx->AddMetadata(wire::kSessionMetadataKey, impl_->session.token());
+  auto watch_ctx = std::make_unique<grpc::ClientContext>();
+  watch_ctx->AddMetadata(wire::kSessionMetadataKey, conn->session.token());
   v1::WatchRequest watch;
-  watch.set_client_id(m->client_id);
-  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = impl_->stub->Watch(m->watch_ctx.get(), watch);
+  watch.set_client_id(resp.client_id());
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> reader = conn->stub->Watch(watch_ctx.get(), watch);
+  grpc::ClientContext* const ctx = watch_ctx.get();
   absl::Cleanup stop_watch = [&] {
-    m->watch_ctx->TryCancel();
+    ctx->TryCancel();
     reader->Finish().ok();  // cancelled: the status says so
   };
+  {
+    absl::MutexLock lock(&m->mu);
+    m->conn = conn;
+    m->client_id = resp.client_id();
+    m->epoch = resp.pool().epoch();
+    m->watch_ctx = std::move(watch_ctx);
+  }
   KVD_ASSIGN_OR_RETURN(m->base, device->Reserve(m->geometry.reserved_bytes));
   absl::Cleanup free_va = [&] {
     absl::MutexLock lock(&m->mu);
@@ -896,7 +1253,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   };
   {
     absl::MutexLock lock(&m->mu);
-    KVD_RETURN_IF_ERROR(m->MapLease(resp.lease().token(), resp.pool().chunks()));
+    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks()));
     m->committed_blocks = resp.pool().committed_blocks();
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }
@@ -925,7 +1282,7 @@ absl::StatusOr<PoolInfo> Client::GrantPeerAccess(absl::string_view pool, absl::s
   req.set_device_uuid(std::string(device_uuid));
   req.set_revoke(revoke);
   v1::Pool resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->GrantPeerAccess(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::GrantPeerAccess, req, &resp));
   impl_->Observe(resp);
   return FromProto(resp);
 }
@@ -940,7 +1297,8 @@ absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const s
     p->set_bytes(r.bytes);
   }
   v1::ExportRangesResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->ExportRanges(impl_->Context().get(), req, &resp)));
+  KVD_ASSIGN_OR_RETURN(const Impl::Conn conn, impl_->Live());  // the lease is the session's
+  KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::ExportRanges, req, &resp));
   impl_->Observe(resp);
   RangeExport out{
       .pool = resp.pool(), .ranges_span_chunks = resp.ranges_span_chunks(), .generation = resp.generation()};
@@ -952,7 +1310,7 @@ absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const s
                            .chunk_ids = {h.chunk_ids().begin(), h.chunk_ids().end()}});
   }
   if (out.handles.empty()) return out;
-  KVD_ASSIGN_OR_RETURN(auto fds, impl_->session.Fetch(resp.lease().token()));
+  KVD_ASSIGN_OR_RETURN(auto fds, conn->session.Fetch(resp.lease().token()));
   bool in_order = fds.size() == out.handles.size();
   for (size_t i = 0; in_order && i < fds.size(); ++i) in_order = fds[i].first == i;
   if (!in_order) {
@@ -969,7 +1327,7 @@ absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, co
   req.set_pool(std::string(pool));
   for (uint64_t id : block_ids) req.add_block_ids(id);
   v1::DescribeTransferResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->DescribeTransfer(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::DescribeTransfer, req, &resp));
   impl_->Observe(resp);
   TransferPlan plan{.blocks = resp.blocks(),
                     .bytes = resp.bytes(),
@@ -990,7 +1348,7 @@ absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp o
   req.set_target_blocks(target_blocks);
   req.set_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(absl::ToInt64Milliseconds(ttl), 1)));
   v1::PrepareResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Prepare(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Prepare, req, &resp));
   impl_->Observe(resp);
   return PreparedChange{.transaction = resp.transaction(),
                         .pool = FromProto(resp.pool()),
@@ -1004,8 +1362,7 @@ absl::StatusOr<PoolChange> Client::Commit(absl::string_view transaction, bool wa
   req.set_transaction(std::string(transaction));
   req.set_wait_for_release(wait);
   v1::PoolUpdate update;
-  KVD_RETURN_IF_ERROR(
-      FromGrpc(impl_->stub->Commit(impl_->Context(WaitTimeout(impl_->options.timeout, wait)).get(), req, &update)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Commit, req, &update, WaitTimeout(impl_->options.timeout, wait)));
   impl_->Observe(update);
   KVD_RETURN_IF_ERROR(impl_->Route(update));
   return FromProto(update);
@@ -1015,7 +1372,7 @@ absl::StatusOr<uint64_t> Client::Abort(absl::string_view transaction) {
   v1::AbortRequest req;
   req.set_transaction(std::string(transaction));
   v1::AbortResponse resp;
-  KVD_RETURN_IF_ERROR(FromGrpc(impl_->stub->Abort(impl_->Context().get(), req, &resp)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Abort, req, &resp));
   impl_->Observe(resp);
   return resp.released_bytes();
 }

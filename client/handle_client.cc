@@ -212,6 +212,18 @@ HandleSession& HandleSession::operator=(HandleSession&& other) noexcept {
 
 HandleSession::~HandleSession() { Close(); }
 
+bool HandleSession::Alive() const {
+  if (fd_ < 0) return false;
+  pollfd polled{fd_, POLLIN | POLLRDHUP, 0};
+  int ready;
+  do {
+    ready = poll(&polled, 1, 0);
+  } while (ready < 0 && errno == EINTR);
+  // The daemon sends nothing on a session's connection after SessionOpened: anything readable is its
+  // end of file.
+  return ready == 0;
+}
+
 void HandleSession::Close() {
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
@@ -260,6 +272,54 @@ absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl:
   }
   std::move(close_handles).Cancel();
   return handles;
+}
+
+absl::StatusOr<HandleSession::Returned> HandleSession::ReturnHandles(
+    absl::string_view pool, const std::vector<std::pair<uint64_t, int>>& chunks) const {
+  if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
+  const Clock::time_point deadline = DeadlineAfter(options_.timeout);
+  KVD_ASSIGN_OR_RETURN(const UniqueFd connection, Connect(path_, deadline, options_.timeout));
+  const int fd = connection.get();
+  size_t next = 0;
+  do {
+    const size_t n = std::min(kMaxFdsPerMessage, chunks.size() - next);
+    v1::HandleChannelRequest request;
+    v1::ReturnHandles* r = request.mutable_return_handles();
+    r->set_session_token(token_);
+    r->set_pool(std::string(pool));
+    std::vector<int> fds;
+    for (size_t i = next; i < next + n; ++i) {
+      r->add_chunk_ids(chunks[i].first);
+      fds.push_back(chunks[i].second);
+    }
+    next += n;
+    r->set_last(next == chunks.size());
+    if (absl::Status sent = SendWithFds(fd, request.SerializeAsString(), fds); !sent.ok()) {
+      // The daemon may have refused an earlier packet and closed: its error wins.
+      absl::StatusOr<MessageWithFds> reply = ReceivePacket(fd, path_, Clock::now(), options_.timeout);
+      v1::HandleChannelReply parsed;
+      if (reply.ok() && parsed.ParseFromString(reply->payload) && parsed.has_error()) {
+        CloseAll(reply->fds);
+        return FromReply(parsed.error());
+      }
+      if (reply.ok()) CloseAll(reply->fds);
+      return absl::UnavailableError(absl::StrCat("handle channel ", path_, ": returning handles: ", sent.message()));
+    }
+  } while (next < chunks.size());
+  KVD_ASSIGN_OR_RETURN(MessageWithFds packet, ReceivePacket(fd, path_, deadline, options_.timeout));
+  absl::Cleanup close_packet_fds = [&packet] { CloseAll(packet.fds); };
+  v1::HandleChannelReply reply;
+  if (!reply.ParseFromString(packet.payload)) {
+    return absl::InternalError(absl::StrCat("handle channel ", path_, ": reply is not a HandleChannelReply"));
+  }
+  if (reply.has_error()) return FromReply(reply.error());
+  if (!reply.has_handles_returned()) {
+    return absl::InternalError(absl::StrCat("handle channel ", path_, ": unexpected reply to ReturnHandles"));
+  }
+  const v1::HandlesReturned& h = reply.handles_returned();
+  return Returned{.adopted_chunk_ids = {h.adopted_chunk_ids().begin(), h.adopted_chunk_ids().end()},
+                  .missing_chunk_ids = {h.missing_chunk_ids().begin(), h.missing_chunk_ids().end()},
+                  .state = h.state()};
 }
 
 }  // namespace kvd

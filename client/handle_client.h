@@ -49,10 +49,25 @@ class HandleSession {
   int32_t pid() const { return pid_; }
   const std::string& path() const { return path_; }
   bool is_open() const { return fd_ >= 0; }
+  // Whether the session's connection is still up: false once the daemon closed it (it exited or
+  // restarted; its sessions do not survive) or after Close(). Does not block.
+  bool Alive() const;
 
   // Redeems a lease: (chunk id, FD) in the lease's order. The caller owns and closes the FDs (each has
   // FD_CLOEXEC set). On failure every FD received so far is closed. FAILED_PRECONDITION once closed.
   [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token) const;
+
+  // What the daemon answered to ReturnHandles (proto HandlesReturned).
+  struct Returned {
+    std::vector<uint64_t> adopted_chunk_ids;
+    std::vector<uint64_t> missing_chunk_ids;
+    int state = 0;  // kvd.v1.PoolState
+  };
+  // After a daemon restart: gives the FDs of `pool`'s chunks back to the daemon (a RECOVERING pool),
+  // in packets of at most 250 FDs, on a connection of its own. The FDs stay the caller's. The
+  // daemon's refusal arrives with its code and message unchanged.
+  [[nodiscard]] absl::StatusOr<Returned> ReturnHandles(absl::string_view pool,
+                                                       const std::vector<std::pair<uint64_t, int>>& chunks) const;
 
   // Ends the session (closes its connection). Idempotent.
   void Close();

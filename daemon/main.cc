@@ -55,6 +55,7 @@
 #include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
+#include "daemon/state/state_store.h"
 #include "google/protobuf/stubs/logging.h"
 #include "kvd/device.h"
 #include "kvd/status.h"
@@ -88,6 +89,12 @@ struct Flags {
   std::string layout_override;
   std::string log_format = "text";
   std::string log_level = "info";
+  std::string state_dir = "auto";  // auto: beside the socket, <socket without .sock>.state
+  std::string fdstore = "auto";
+  uint64_t fdstore_max = 16384;
+  std::string recovery_grace = "60s";
+  bool drain_on_stop = false;
+  std::string max_metadata = "1MiB";
   bool list_devices = false;
   bool json = false;
 };
@@ -423,11 +430,62 @@ absl::Status Run(const Flags& f) {
                                                    FormatBytes(granularity)));
   }
 
+  // What a predecessor left (Note [Durable pools] in docs/architecture.md), read before anything serves.
+  const absl::Time started_at = absl::Now();
+  KVD_ASSIGN_OR_RETURN(uint64_t max_metadata, ParseSize(f.max_metadata, "--max-metadata-bytes"));
+  absl::Duration recovery_grace;
+  if (!absl::ParseDuration(f.recovery_grace, &recovery_grace) || recovery_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--recovery-grace: \"", f.recovery_grace, "\" is not a duration (e.g. 60s)"));
+  }
+  std::unique_ptr<FileStateStore> store;
+  SavedState saved;
+  if (f.state_dir != "none") {
+    FileStateStore::Options options{.dir = f.state_dir, .fd_store_max = f.fdstore_max};
+    if (options.dir == "auto") {
+      absl::string_view stem = socket_path;
+      absl::ConsumeSuffix(&stem, ".sock");
+      options.dir = absl::StrCat(stem, ".state");
+    }
+    const char* notify = std::getenv("NOTIFY_SOCKET");
+    const char* fdstore_env = std::getenv("FDSTORE");  // systemd >= 254: FileDescriptorStoreMax=
+    uint64_t unit_max = 0;
+    const bool unit_has_store = fdstore_env == nullptr || (absl::SimpleAtoi(fdstore_env, &unit_max) && unit_max > 0);
+    options.fd_store = f.fdstore == "yes" || (f.fdstore == "auto" && notify != nullptr && unit_has_store);
+    if (options.fd_store && notify == nullptr) {
+      return absl::FailedPreconditionError("--fdstore=yes: $NOTIFY_SOCKET is not set (no service manager)");
+    }
+    if (fdstore_env != nullptr && unit_max > 0) options.fd_store_max = std::min(options.fd_store_max, unit_max);
+    KVD_ASSIGN_OR_RETURN(store, FileStateStore::Open(options, info, &saved));
+    for (const std::string& line : saved.problems) spdlog::warn("saved state: {}", line);
+    spdlog::info("saved state in {}: epoch {}, {} pools, {} chunk FDs from the service manager; chunk FDs go to {}",
+                 options.dir, saved.epoch, saved.pools.size(), saved.fds.size(),
+                 options.fd_store ? absl::StrCat("its FD store (at most ", options.fd_store_max, ")")
+                                  : std::string("no FD store (clients give them back after a restart)"));
+  }
+
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,
                                                    .lease_ttl = lease_ttl,
                                                    .layout_policy = layout_policy,
-                                                   .daemon_uid = static_cast<uint32_t>(getuid())});
+                                                   .daemon_uid = static_cast<uint32_t>(getuid()),
+                                                   .max_metadata_bytes = max_metadata,
+                                                   .store = store.get(),
+                                                   .epoch = saved.epoch + 1,
+                                                   .started_at = started_at,
+                                                   .recovery_grace = recovery_grace,
+                                                   .warn = [](const std::string& line) { spdlog::warn("{}", line); }});
+  if (store != nullptr) {
+    const absl::Time restore_start = absl::Now();
+    const size_t saved_pools = saved.pools.size();
+    const RestoreReport report = manager.Restore(std::move(saved));
+    spdlog::info(
+        "restored {} of {} pools ({} chunks, {}) in {}; {} recovering ({} chunks missing); {} stray FDs "
+        "released; epoch {}",
+        report.pools_restored + report.pools_recovering, saved_pools, report.chunks_adopted,
+        FormatBytes(report.bytes_adopted), absl::FormatDuration(absl::Now() - restore_start), report.pools_recovering,
+        report.chunks_missing, report.fds_released, manager.options().epoch);
+  }
   ManagerBackend backend(&manager);
   // /metrics is bound before any socket listens: a taken --metrics-address stops kvd here.
   std::unique_ptr<Metrics> metrics;
@@ -486,7 +544,9 @@ absl::Status Run(const Flags& f) {
     if (errno != EINTR) return ErrnoStatus(errno, "sigwaitinfo");
   }
   spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
-  sd_notify(0, "STOPPING=1\nSTATUS=stopping: releasing all memory");
+  const bool keep_pools = store != nullptr && !f.drain_on_stop;
+  sd_notify(0, keep_pools ? "STOPPING=1\nSTATUS=stopping: keeping every pool for the next start"
+                          : "STOPPING=1\nSTATUS=stopping: releasing all memory");
 
   // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
   // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
@@ -495,12 +555,12 @@ absl::Status Run(const Flags& f) {
   server->GetHealthCheckService()->SetServingStatus(false);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
   std::thread server_stopper([&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); });
-  manager.Shutdown();
+  manager.Shutdown(keep_pools);
   server_stopper.join();
   channel->Stop();
   RemoveSocket(socket_path, socket_id);
   RemoveSocket(handles_path, IdOf(handles_path));
-  spdlog::info("kvd stopped");
+  spdlog::info("kvd stopped ({})", keep_pools ? "pools kept for the next start" : "all memory released");
   return absl::OkStatus();
 }
 
@@ -546,6 +606,25 @@ int Main(int argc, char** argv) {
   app.add_option("--layout-override", f.layout_override,
                  "Operator layout override for pools whose request names none (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, "
                  "BHLNC)");
+  app.add_option("--state-dir", f.state_dir,
+                 "Where pool records are saved so that a restart keeps every pool (auto: beside --socket, "
+                 "/run/kvd/gpu<N>.state; none: a restart loses every pool). docs/operations.md")
+      ->capture_default_str();
+  app.add_option("--fdstore", f.fdstore,
+                 "Hand chunk FDs to systemd's file-descriptor store (auto: when $NOTIFY_SOCKET is set)")
+      ->check(CLI::IsMember({"auto", "yes", "no"}))
+      ->capture_default_str();
+  app.add_option("--fdstore-max", f.fdstore_max,
+                 "Most chunk FDs in the FD store, as FileDescriptorStoreMax= of the unit; a grow past it is refused")
+      ->capture_default_str();
+  app.add_option("--recovery-grace", f.recovery_grace,
+                 "After a restart, how long a pool waits for clients to give back chunks the FD store did not have")
+      ->capture_default_str();
+  app.add_flag("--drain-on-stop", f.drain_on_stop,
+               "On SIGTERM delete every pool and release all memory (engines are told to unmap) instead of keeping "
+               "the pools for the next start");
+  app.add_option("--max-metadata-bytes", f.max_metadata, "Largest pool metadata blob (SetPoolMetadata)")
+      ->capture_default_str();
   app.add_option("--log-format", f.log_format, "text or json (one JSON object per line)")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();

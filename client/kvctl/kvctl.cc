@@ -30,6 +30,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/struct.pb.h"
@@ -298,6 +299,23 @@ absl::StatusOr<uint64_t> TargetBlocks(Client& client, const Flags& f, bool round
 // ---------------------------------------------------------------------------------------------
 // Verbs
 
+// A duration in the two largest units that matter: "3d 4h", "1h 2m", "5m 3s", "42s".
+std::string HumanDuration(uint64_t seconds) {
+  const uint64_t d = seconds / 86400, h = seconds / 3600 % 24, m = seconds / 60 % 60, s = seconds % 60;
+  if (d > 0) return absl::StrCat(d, "d ", h, "h");
+  if (h > 0) return absl::StrCat(h, "h ", m, "m");
+  if (m > 0) return absl::StrCat(m, "m ", s, "s");
+  return absl::StrCat(s, "s");
+}
+
+// What each Durability means for a restart of the daemon (docs/operations.md).
+const char* DurabilityMeaning(absl::string_view durability) {
+  if (durability == "none") return "a restart loses every pool";
+  if (durability == "clients") return "pools survive a restart where attached clients still map them";
+  if (durability == "fd_store") return "every pool survives a restart (systemd file-descriptor store)";
+  return "not reported by this daemon";
+}
+
 absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(DeviceStatus d, client.DeviceInfo());
   if (f.json) return PrintReply<v1::DeviceInfo>(replies, {{"socket", JsonString(client.socket())}});
@@ -306,6 +324,18 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   if (!d.uuid.empty()) std::printf("uuid         %s\n", d.uuid.c_str());
   if (!d.driver_version.empty()) std::printf("driver       %s\n", d.driver_version.c_str());
   std::printf("kvd          %s\n", d.daemon_version.c_str());
+  std::printf("epoch        %lu\n", d.epoch);
+  if (d.started_at_unix_ms > 0) {
+    const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+    const uint64_t up_s = now_ms > static_cast<int64_t>(d.started_at_unix_ms)
+                              ? (static_cast<uint64_t>(now_ms) - d.started_at_unix_ms) / 1000
+                              : 0;
+    std::printf("uptime       %s (started %s)\n", HumanDuration(up_s).c_str(),
+                absl::FormatTime("%Y-%m-%d %H:%M:%S UTC",
+                                 absl::FromUnixMillis(static_cast<int64_t>(d.started_at_unix_ms)), absl::UTCTimeZone())
+                    .c_str());
+  }
+  std::printf("durability   %s: %s\n", d.durability.c_str(), DurabilityMeaning(d.durability));
   std::printf("memory       %s total, %s free\n", FormatBytes(d.total_bytes).c_str(),
               FormatBytes(d.free_bytes).c_str());
   std::printf("committed    %s of a %s budget\n", FormatBytes(d.committed_bytes).c_str(),
@@ -402,6 +432,10 @@ absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
               FormatBytes(p.committed_bytes).c_str());
   if (p.state == PoolState::kSleeping) std::printf(" (wakes to %lu blocks)", p.wake_blocks);
   std::printf("\npending      %s\n", FormatBytes(p.pending_release_bytes).c_str());
+  if (!p.missing_chunk_ids.empty()) {
+    std::printf("missing      %zu chunks no client has given back yet (recovering after a restart): %s\n",
+                p.missing_chunk_ids.size(), absl::StrJoin(p.missing_chunk_ids, " ").c_str());
+  }
   std::printf("chunks       %zu\n", p.chunks.size());
   for (const ChunkInfo& c : p.chunks) {
     std::printf("  #%-6lu segment %-4lu offset %-14lu %s\n", c.id, c.segment, c.offset, FormatBytes(c.bytes).c_str());
@@ -477,6 +511,68 @@ absl::Status Delete(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(uint64_t released, client.DeletePool(f.pool, f.force));
   if (f.json) return PrintReply<v1::DeletePoolResponse>(replies, {{"pool", JsonString(f.pool)}});
   std::printf("deleted %s, released %s\n", f.pool.c_str(), FormatBytes(released).c_str());
+  return absl::OkStatus();
+}
+
+// kvctl drain: force-deletes every pool the caller may change, one by one, so that the device's memory
+// is really given back (before a stop that should not keep the pools: docs/operations.md). A pool the
+// daemon refuses to this uid (PERMISSION_DENIED) or that is gone meanwhile (NOT_FOUND) is skipped;
+// any other failure is reported and makes the exit status 1 once every pool was tried.
+absl::Status Drain(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
+  uint64_t released = 0;
+  size_t deleted = 0, skipped = 0, failed = 0;
+  std::vector<std::string> items;
+  absl::Status first_failure;
+  for (size_t i = 0; i < pools.size(); ++i) {
+    const PoolInfo& p = pools[i];
+    absl::StatusOr<uint64_t> r = client.DeletePool(p.name, /*force=*/true);
+    const std::string progress = absl::StrCat("(", i + 1, "/", pools.size(), ")");
+    if (r.ok()) {
+      ++deleted;
+      released += *r;
+      if (f.json) {
+        KVD_ASSIGN_OR_RETURN(v1::DeletePoolResponse reply, replies.Last<v1::DeletePoolResponse>());
+        KVD_ASSIGN_OR_RETURN(std::string json, ProtoJson(reply));
+        items.push_back(JsonObject({{"pool", JsonString(p.name)}, {"reply", json}}));
+      } else {
+        std::printf("deleted %s %s, released %s, %zu clients detached\n", p.name.c_str(), progress.c_str(),
+                    FormatBytes(*r).c_str(), p.clients.size());
+        std::fflush(stdout);
+      }
+      continue;
+    }
+    const bool skip = absl::IsPermissionDenied(r.status()) || absl::IsNotFound(r.status());
+    ++(skip ? skipped : failed);
+    if (!skip && first_failure.ok()) first_failure = r.status();
+    if (f.json) {
+      items.push_back(JsonObject({{"pool", JsonString(p.name)},
+                                  {"code", JsonString(absl::StatusCodeToString(r.status().code()))},
+                                  {"message", JsonString(r.status().message())},
+                                  {"skipped", skip ? "true" : "false"}}));
+    } else {
+      std::printf("%s %s %s: %s\n", skip ? "skipped" : "FAILED", p.name.c_str(), progress.c_str(),
+                  r.status().ToString().c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (f.json) {
+    PrintJson(JsonObject({{"socket", JsonString(client.socket())},
+                          {"pools", JsonArray(items)},
+                          {"deleted", absl::StrCat(deleted)},
+                          {"skipped", absl::StrCat(skipped)},
+                          {"failed", absl::StrCat(failed)},
+                          {"released_bytes", JsonString(absl::StrCat(released))}}));
+  } else {
+    std::printf("drained %zu of %zu pools, released %s%s%s\n", deleted, pools.size(), FormatBytes(released).c_str(),
+                skipped > 0 ? absl::StrCat(", ", skipped, " skipped").c_str() : "",
+                failed > 0 ? absl::StrCat(", ", failed, " failed").c_str() : "");
+  }
+  if (failed > 0) {
+    return absl::Status(first_failure.code(),
+                        absl::StrCat("drain: ", failed, " of ", pools.size(),
+                                     " pools could not be deleted; first: ", first_failure.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -733,7 +829,8 @@ int Main(int argc, char** argv) {
                "docs/integrating.md)");
   app.fallthrough();
 
-  CLI::App* status = app.add_subcommand("status", "The device, its memory and the daemon's totals");
+  CLI::App* status = app.add_subcommand(
+      "status", "The device, the daemon (version, epoch, uptime, durability), its memory and the daemon's totals");
   CLI::App* caps = app.add_subcommand(
       "caps", "What the device's memory can be shared as (POSIX FD, fabric, DMA-BUF, GPUDirect RDMA, peers), probed");
   CLI::App* pools = app.add_subcommand("pools", "List pools");
@@ -773,6 +870,10 @@ int Main(int argc, char** argv) {
   CLI::App* del = app.add_subcommand("delete", "Delete a pool");
   del->add_option("pool", f.pool, "Pool name")->required();
   del->add_flag("--force", f.force, "Delete even with clients attached");
+  CLI::App* drain = app.add_subcommand(
+      "drain",
+      "Force-delete every pool this uid may change, giving the device's memory back (before a stop that should "
+      "not keep the pools); attached engines lose their mappings");
 
   CLI::App* grant = app.add_subcommand("grant", "Let clients on another device of the node attach a pool");
   CLI::App* revoke = app.add_subcommand("revoke", "Take a peer-access grant back (attached clients keep theirs)");
@@ -896,6 +997,8 @@ int Main(int argc, char** argv) {
     s = SleepWake(c, f, replies, sleep->parsed());
   } else if (del->parsed()) {
     s = Delete(c, f, replies);
+  } else if (drain->parsed()) {
+    s = Drain(c, f, replies);
   } else if (resolve->parsed()) {
     s = Resolve(c, f, replies);
   } else if (grant->parsed() || revoke->parsed()) {

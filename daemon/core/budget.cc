@@ -20,6 +20,11 @@ bool Budget::TryTake(uint64_t bytes, uint64_t* free) {
   return true;
 }
 
+void Budget::Take(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  committed_ += bytes;
+}
+
 void Budget::Give(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   assert(bytes <= committed_);

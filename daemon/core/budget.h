@@ -20,6 +20,8 @@ class Budget {
   // Takes `bytes` when they fit under the limit. Otherwise takes nothing and returns false with the
   // bytes that were free in `*free`.
   [[nodiscard]] bool TryTake(uint64_t bytes, uint64_t* free) ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes `bytes` even past the limit: memory that exists already (restored after a restart).
+  void Take(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void Give(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -20,6 +20,15 @@ absl::Status Sleeping(absl::string_view pool) {
   return absl::FailedPreconditionError(absl::StrCat("pool ", pool, " is sleeping: wake it first"));
 }
 
+absl::Status Recovering(absl::string_view pool, size_t missing) {
+  return absl::UnavailableError(absl::StrCat("pool ", pool, " is recovering after a kvd restart: ", missing,
+                                             " chunks not yet given back by the clients that map them; retry"));
+}
+
+bool ByPlace(const ChunkRecord& a, const ChunkRecord& b) {
+  return std::tie(a.info.segment, a.info.offset) < std::tie(b.info.segment, b.info.offset);
+}
+
 }  // namespace
 
 absl::Status PoolGone(absl::string_view pool) {
@@ -35,6 +44,23 @@ Pool::Pool(const PoolSpec& spec, PoolPlan plan, uint32_t owner_uid, const PoolSh
       created_at_(absl::Now()),
       shared_(shared),
       peer_devices_(spec.peer_devices) {}
+
+Pool::Pool(const SavedPool& saved, PoolPlan plan, const PoolShared& shared)
+    : name_(saved.name),
+      plan_(std::move(plan)),
+      owner_uid_(saved.owner_uid),
+      allowed_uids_(saved.allowed_uids),
+      group_(saved.group),
+      created_at_(saved.created_at),
+      shared_(shared),
+      state_(saved.state),
+      prefix_bytes_(saved.prefix_bytes),
+      wake_blocks_(saved.wake_blocks),
+      generation_(saved.generation),
+      peer_devices_(saved.peer_devices),
+      metadata_(saved.metadata),
+      resume_state_(saved.state),
+      restart_pending_bytes_(saved.pending_release_bytes) {}
 
 bool Pool::Allows(uint32_t uid) const {
   return uid == 0 || uid == shared_.daemon_uid || uid == owner_uid_ ||
@@ -65,7 +91,7 @@ uint64_t Pool::pending_bytes() const {
 }
 
 uint64_t Pool::PendingBytesLocked() const {
-  uint64_t sum = 0;
+  uint64_t sum = restart_pending_bytes_;
   for (const auto& [id, r] : releases_) sum += r.bytes;
   return sum;
 }
@@ -86,7 +112,11 @@ PoolView Pool::ViewLocked() const {
              .created_at = created_at_,
              .group = group_,
              .peer_devices = peer_devices_,
-             .transaction = txn_.has_value() ? txn_->id : std::string()};
+             .transaction = txn_.has_value() ? txn_->id : std::string(),
+             .epoch = shared_.epoch,
+             .metadata_version = metadata_.version,
+             .metadata_bytes = metadata_.data.size(),
+             .missing_chunk_ids = {missing_.begin(), missing_.end()}};
   for (const auto& [id, c] : clients_) {
     uint64_t mapped = 0;
     for (const auto& [chunk, bytes] : c.handed) mapped += bytes;
@@ -126,6 +156,7 @@ absl::Status Pool::CheckNotHeldLocked() const {
 absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
+  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
   KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
   const uint64_t committed = committed_blocks();
   const bool awake = state_ == PoolState::kAwake;
@@ -188,13 +219,10 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
 PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session) {
   PoolUpdate update;
   for (ChunkRecord& r : staged.chunks) {
-    r.info.id = shared_.next_chunk_id->fetch_add(1);
     update.added.push_back(r.info);
     chunks_.push_back(std::move(r));
   }
-  std::sort(chunks_.begin(), chunks_.end(), [](const ChunkRecord& a, const ChunkRecord& b) {
-    return std::tie(a.info.segment, a.info.offset) < std::tie(b.info.segment, b.info.offset);
-  });
+  std::sort(chunks_.begin(), chunks_.end(), ByPlace);
   prefix_bytes_ = plan_.geometry.PrefixBytes(target_blocks);
   ++generation_;
   std::vector<uint64_t> ids;
@@ -332,6 +360,7 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
                                           absl::string_view peer_device, const SessionTable& sessions) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
+  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
   if (!peer_device.empty() && std::none_of(peer_devices_.begin(), peer_devices_.end(),
                                            [&](const std::string& d) { return d == "*" || d == peer_device; })) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -504,6 +533,7 @@ absl::StatusOr<BlockSpan> Pool::AwakeSpan() const {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
   if (state_ == PoolState::kSleeping) return Sleeping(name_);
+  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
   return plan_.geometry.Span(base_, committed_blocks());
 }
 
@@ -525,6 +555,7 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
     return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
   }
   if (state_ == PoolState::kSleeping) return Sleeping(name_);
+  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
 
   // The requested ranges, each inside one segment's committed prefix.
   std::vector<ByteRange> wanted;
@@ -619,7 +650,7 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
   };
   for (uint64_t id : chunk_ids) {
     auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
-    if (r == chunks_.end()) {
+    if (r == chunks_.end() || missing_.contains(id)) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
@@ -653,12 +684,125 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
   holders_.clear();
   // Clients still mapping released chunks free them when they unmap; the daemon stops counting.
   releases_.clear();
-  for (ChunkRecord& r : chunks_) chunks->push_back(std::move(r));
+  restart_pending_bytes_ = 0;
+  for (ChunkRecord& r : chunks_) {
+    if (!missing_.contains(r.info.id)) chunks->push_back(std::move(r));
+  }
   chunks_.clear();
+  missing_.clear();
   prefix_bytes_ = 0;
   shared_.budget->Give(bytes);
   shared_.leases->DropPool(name_);
   return ids;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Durability: see Note [Durable pools] in docs/architecture.md.
+
+SavedPool Pool::Saved() const {
+  absl::MutexLock lock(&mu_);
+  SavedPool saved{.name = name_,
+                  .dims = plan_.geometry.dims(),
+                  .layout = plan_.layout,
+                  .granularity = plan_.geometry.granularity(),
+                  .owner_uid = owner_uid_,
+                  .allowed_uids = allowed_uids_,
+                  .group = group_,
+                  .peer_devices = peer_devices_,
+                  .created_at = created_at_,
+                  .state = state_ == PoolState::kRecovering ? resume_state_ : state_,
+                  .prefix_bytes = prefix_bytes_,
+                  .wake_blocks = wake_blocks_,
+                  .generation = generation_,
+                  .pending_release_bytes = PendingBytesLocked(),
+                  .metadata = metadata_};
+  for (const ChunkRecord& r : chunks_) saved.chunks.push_back(r.info);
+  return saved;
+}
+
+void Pool::Recover(std::vector<ChunkRecord> chunks, std::set<uint64_t> missing) {
+  absl::MutexLock lock(&mu_);
+  chunks_ = std::move(chunks);
+  std::sort(chunks_.begin(), chunks_.end(), ByPlace);
+  missing_ = std::move(missing);
+  if (!missing_.empty()) state_ = PoolState::kRecovering;
+}
+
+absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<uint64_t>& chunk_ids) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  std::vector<Returned> out;
+  std::set<uint64_t> seen;
+  for (size_t i = 0; i < chunk_ids.size(); ++i) {
+    const uint64_t id = chunk_ids[i];
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is given twice"));
+    }
+    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
+    if (r == chunks_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is not in pool ", name_, "'s chunk table"));
+    }
+    const bool missing = missing_.contains(id);
+    out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd.get()});
+  }
+  return out;
+}
+
+std::vector<uint64_t> Pool::Adopt(std::vector<ChunkRecord> adopted) {
+  absl::MutexLock lock(&mu_);
+  for (ChunkRecord& a : adopted) {
+    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == a.info.id; });
+    if (r == chunks_.end() || !missing_.erase(a.info.id)) continue;
+    *r = std::move(a);
+  }
+  if (missing_.empty() && state_ == PoolState::kRecovering) state_ = resume_state_;
+  return {missing_.begin(), missing_.end()};
+}
+
+std::vector<ChunkInfo> Pool::GiveUpRecovery(std::vector<ChunkRecord>* present) {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkInfo> lost;
+  if (state_ != PoolState::kRecovering) return lost;
+  for (ChunkRecord& r : chunks_) {
+    if (missing_.contains(r.info.id)) {
+      lost.push_back(r.info);
+    } else {
+      present->push_back(std::move(r));
+    }
+  }
+  shared_.budget->Give(committed_bytes());
+  wake_blocks_ = resume_state_ == PoolState::kSleeping ? wake_blocks_ : committed_blocks();
+  chunks_.clear();
+  missing_.clear();
+  prefix_bytes_ = 0;
+  state_ = PoolState::kSleeping;
+  ++generation_;
+  return lost;
+}
+
+uint64_t Pool::ForgetRestartPending() {
+  absl::MutexLock lock(&mu_);
+  const uint64_t bytes = restart_pending_bytes_;
+  restart_pending_bytes_ = 0;
+  shared_.budget->Give(bytes);
+  return bytes;
+}
+
+PoolMetadata Pool::metadata() const {
+  absl::MutexLock lock(&mu_);
+  return metadata_;
+}
+
+absl::StatusOr<PoolMetadata> Pool::SetMetadata(uint64_t expected_version, std::string data) {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (expected_version != metadata_.version) {
+    return absl::AbortedError(absl::StrCat("expected_version: pool ", name_, "'s metadata is at version ",
+                                           metadata_.version, ", not ", expected_version, "; read it again"));
+  }
+  metadata_ = {.version = metadata_.version + 1, .data = std::move(data), .updated_at = absl::Now()};
+  return metadata_;
 }
 
 }  // namespace kvd::daemon

@@ -35,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/budget.h"
+#include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
@@ -81,6 +82,7 @@ struct PoolShared {
   std::atomic<uint64_t>* next_chunk_id = nullptr;
   uint32_t daemon_uid = 0;
   std::string device_uuid;  // the daemon's own device: attaching from it needs no grant
+  uint64_t epoch = 0;       // the daemon's, shown in every view
 };
 
 // NOT_FOUND "pool P does not exist".
@@ -89,6 +91,8 @@ absl::Status PoolGone(absl::string_view pool);
 class Pool {
  public:
   Pool(const PoolSpec& spec, PoolPlan plan, uint32_t owner_uid, const PoolShared& shared);
+  // A pool restored from its record after a restart, without chunks until Recover.
+  Pool(const SavedPool& saved, PoolPlan plan, const PoolShared& shared);
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
@@ -111,6 +115,43 @@ class Pool {
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
   bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Durability (Note [Durable pools] in docs/architecture.md) ---
+
+  // The record a restart restores.
+  SavedPool Saved() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Installs a restored pool's table: `chunks` in table order, where the ids in `missing` are placeholders
+  // (no memory, no FD) that clients may still give back. With none missing the pool is as saved; otherwise
+  // it is kRecovering. The budget already holds the saved committed and pending bytes.
+  void Recover(std::vector<ChunkRecord> chunks, std::set<uint64_t> missing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // ReturnHandles: the table's entry of each of `chunk_ids` and whether it is missing. INVALID_ARGUMENT
+  // naming chunk_ids[i] for an id not in the table or given twice.
+  struct Returned {
+    ChunkInfo info;
+    bool missing = false;
+    int fd = -1;  // the daemon's FD of a chunk it has (borrowed)
+  };
+  [[nodiscard]] absl::StatusOr<std::vector<Returned>> PlanReturn(const std::vector<uint64_t>& chunk_ids) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fills missing entries with `adopted` (imported and mapped by the manager); once none is missing the
+  // pool returns to its saved state. Returns the ids still missing.
+  std::vector<uint64_t> Adopt(std::vector<ChunkRecord> adopted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The recovery grace passed with chunks still missing: those are lost. The chunks present go to
+  // `*present` for the caller to unmap and release, every committed byte leaves the budget, and the pool
+  // sleeps with wake_blocks = the blocks it had. Returns the lost chunks.
+  std::vector<ChunkInfo> GiveUpRecovery(std::vector<ChunkRecord>* present) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The recovery grace passed: bytes released before the restart stop counting. Returns them.
+  uint64_t ForgetRestartPending() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Metadata ---
+
+  PoolMetadata metadata() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Compare-and-set: ABORTED naming the current version unless it is `expected_version`.
+  [[nodiscard]] absl::StatusOr<PoolMetadata> SetMetadata(uint64_t expected_version, std::string data)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- The resize state machine. Check, then (grow, wake) the manager stages memory, then Apply. ---
 
@@ -289,6 +330,12 @@ class Pool {
   std::map<std::string, Holder, std::less<>> holders_ ABSL_GUARDED_BY(mu_);  // detached clients, by id
   std::map<uint64_t, Release> releases_ ABSL_GUARDED_BY(mu_);
   uint64_t next_release_id_ ABSL_GUARDED_BY(mu_) = 1;
+  PoolMetadata metadata_ ABSL_GUARDED_BY(mu_);
+  // After a restart: chunks of the table no client has given back yet (kRecovering), the state to
+  // resume, and the bytes released before the restart that clients may still map.
+  std::set<uint64_t> missing_ ABSL_GUARDED_BY(mu_);
+  PoolState resume_state_ ABSL_GUARDED_BY(mu_) = PoolState::kAwake;
+  uint64_t restart_pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvd::daemon

@@ -1,6 +1,7 @@
 #include "daemon/core/pool_manager.h"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,6 +43,18 @@ uint64_t AddressSpaceFree() {
     }
   }
   return used < limit ? limit - used : 0;
+}
+
+// Whether `fd` can be chunk memory of `bytes` (restore, ReturnHandles). On the host backend a chunk is a
+// memfd of exactly its size; a GPU driver's FD is checked by importing and mapping it.
+absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
+  if (backend != BackendKind::kHost) return absl::OkStatus();
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return absl::InvalidArgumentError("cannot be examined (fstat failed)");
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("has ", st.st_size, " bytes, the chunk ", bytes));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -86,11 +99,21 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
               .budget = &budget_,
               .next_chunk_id = &next_chunk_id_,
               .daemon_uid = options_.daemon_uid,
-              .device_uuid = device_info_.uuid} {
+              .device_uuid = device_info_.uuid,
+              .epoch = options_.epoch} {
+  // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
+  next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
 }
 
-PoolManager::~PoolManager() { Shutdown(); }
+PoolManager::~PoolManager() {
+  Shutdown();
+  if (recovery_.joinable()) recovery_.join();
+}
+
+void PoolManager::Warn(const std::string& line) const {
+  if (options_.warn) options_.warn(line);
+}
 
 std::string PoolManager::OpenSession(uint32_t uid, int32_t pid, std::string name) {
   return sessions_.Open(uid, pid, std::move(name));
@@ -125,6 +148,9 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   s.committed_bytes = budget_.committed();
   s.pools = static_cast<uint32_t>(pools.size());
   s.capabilities = capabilities_;
+  s.epoch = options_.epoch;
+  s.started_at = options_.started_at;
+  s.durability = options_.store != nullptr ? options_.store->durability() : Durability::kNone;
   return s;
 }
 
@@ -177,7 +203,7 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
   made.reserve(plan.size());
   for (const PlannedChunk& p : plan) {
     ChunkRecord r;
-    r.info = {.id = 0, .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
+    r.info = {.id = next_chunk_id_.fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
     KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
     if (absl::Status s = device_->Map(base + p.offset, r.chunk, Access::kReadWrite); !s.ok()) {
       device_->Release(r.chunk).IgnoreError();
@@ -241,11 +267,26 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
     return made.status();
   }
   staged.chunks = *std::move(made);
+  // Into the FD store before any client can see them: a restart after the commit finds them there.
+  if (options_.store != nullptr) {
+    for (size_t i = 0; i < staged.chunks.size(); ++i) {
+      if (absl::Status kept = options_.store->KeepChunkFd(staged.chunks[i].info.id, staged.chunks[i].fd.get());
+          !kept.ok()) {
+        for (size_t j = 0; j < i; ++j) options_.store->DropChunkFd(staged.chunks[j].info.id);
+        for (ChunkRecord& r : staged.chunks) DiscardChunk(pool.base(), r);
+        budget_.Give(staged.bytes);
+        return kept;
+      }
+    }
+  }
   return staged;
 }
 
 void PoolManager::Unstage(Pool& pool, Staged& staged) {
-  for (ChunkRecord& r : staged.chunks) DiscardChunk(pool.base(), r);
+  for (ChunkRecord& r : staged.chunks) {
+    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+    DiscardChunk(pool.base(), r);
+  }
   staged.chunks.clear();
   budget_.Give(staged.bytes);
   staged.bytes = 0;
@@ -317,6 +358,8 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
       return forget(change.status());
     }
     CommitLocked(*pool, *std::move(change), caller.session, absl::Now());
+  } else {
+    Save(*pool);
   }
   return pool->View();
 }
@@ -349,11 +392,16 @@ absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::str
 
 void PoolManager::Destroy(Pool& pool, EventType why) {
   if (const std::string held = pool.View().transaction; !held.empty()) {
-    transactions_.Remove(held, why == EventType::kDaemonStopping ? "kvd is shutting down" : "its pool was deleted");
+    transactions_.Remove(held, why == EventType::kPoolDeleted ? "its pool was deleted" : "kvd is shutting down");
   }
+  const bool forget = why != EventType::kDaemonRestarting && options_.store != nullptr;
+  if (forget) options_.store->ForgetPool(pool.name()).IgnoreError();  // the store logs its failures
   std::vector<ChunkRecord> chunks;
   ForgetClients(pool.Destroy(why, &chunks));
-  for (ChunkRecord& r : chunks) DiscardChunk(pool.base(), r);
+  for (ChunkRecord& r : chunks) {
+    if (forget) options_.store->DropChunkFd(r.info.id);
+    DiscardChunk(pool.base(), r);
+  }
   if (pool.base() != 0) device_->Free(pool.base(), pool.geometry().reserved_bytes()).IgnoreError();
   pool.set_base(0);
 }
@@ -408,8 +456,12 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
+  Save(pool);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
-  for (ChunkRecord& r : released) DiscardChunk(pool.base(), r);
+  for (ChunkRecord& r : released) {
+    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+    DiscardChunk(pool.base(), r);
+  }
   update.elapsed = absl::Now() - start;
   return update;
 }
@@ -620,7 +672,10 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
                                                       absl::string_view device_uuid, bool revoke) {
   KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", true));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return pool->GrantPeerAccess(device_uuid, revoke);
+  absl::MutexLock op(&pool->op_mu);
+  KVD_ASSIGN_OR_RETURN(PoolView view, pool->GrantPeerAccess(device_uuid, revoke));
+  Save(*pool);
+  return view;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -632,6 +687,11 @@ absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller,
   const PoolView view = pool->View();
   if (view.state == PoolState::kSleeping) {
     return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is sleeping: it has no committed blocks"));
+  }
+  if (view.state == PoolState::kRecovering) {
+    return absl::UnavailableError(absl::StrCat("pool ", name,
+                                               " is recovering after a kvd restart: ", view.missing_chunk_ids.size(),
+                                               " chunks not yet given back by the clients that map them; retry"));
   }
   TransferPlan plan;
   KVD_ASSIGN_OR_RETURN(plan.descriptors,
@@ -768,7 +828,201 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
   return out;
 }
 
-void PoolManager::Shutdown() {
+// ---------------------------------------------------------------------------------------------
+// Durability: see Note [Durable pools] in docs/architecture.md.
+
+void PoolManager::Save(Pool& pool) {
+  if (options_.store != nullptr) options_.store->SavePool(pool.Saved()).IgnoreError();  // the store logs failures
+}
+
+RestoreReport PoolManager::Restore(SavedState saved) {
+  RestoreReport report;
+  for (const SavedPool& record : saved.pools) {
+    std::shared_ptr<Pool> pool = RestorePool(record, saved.fds, report);
+    if (pool == nullptr) continue;
+    absl::MutexLock lock(&mu_);
+    pools_[pool->name()] = pool;
+  }
+  // FDs no record accounts for: chunks of a grow or group prepare that never committed, or of a pool
+  // whose record was lost. Nobody can map them through this daemon; keeping them would hide memory.
+  for (auto& [id, fd] : saved.fds) {
+    report.lines.push_back(absl::StrCat("chunk ", id,
+                                        ": its FD was in the store but no saved pool has it "
+                                        "(an uncommitted grow or prepare): released"));
+    if (options_.store != nullptr) options_.store->DropChunkFd(id);
+    ++report.fds_released;
+  }
+  for (const std::string& line : report.lines) Warn(line);
+  recovery_ = std::thread([this, deadline = absl::Now() + options_.recovery_grace] { ExpireRecovery(deadline); });
+  return report;
+}
+
+std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<uint64_t, UniqueFd>& fds,
+                                               RestoreReport& report) {
+  auto fail = [&](absl::string_view why) -> std::shared_ptr<Pool> {
+    report.lines.push_back(absl::StrCat("pool ", saved.name, ": not restored: ", why));
+    return nullptr;
+  };
+  if (saved.granularity != device_->granularity()) {
+    return fail(
+        absl::StrCat("saved with granularity ", saved.granularity, ", the device has ", device_->granularity()));
+  }
+  absl::StatusOr<Geometry> geometry = Geometry::Compute(saved.layout.layout, saved.dims, saved.granularity);
+  if (!geometry.ok()) return fail(geometry.status().message());
+  auto pool = std::make_shared<Pool>(saved, PoolPlan{saved.layout, *std::move(geometry)}, shared_);
+  absl::MutexLock op(&pool->op_mu);
+  absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
+  if (!base.ok()) return fail(base.status().ToString());
+  pool->set_base(*base);
+  uint64_t bytes = 0;
+  std::vector<ChunkRecord> chunks;
+  std::set<uint64_t> missing;
+  for (const ChunkInfo& info : saved.chunks) {
+    bytes += info.bytes;
+    ChunkRecord r{.info = info};
+    auto fd = fds.extract(info.id);
+    absl::Status adopted =
+        fd.empty() ? absl::NotFoundError("no FD for it in the service manager's store") : absl::OkStatus();
+    if (adopted.ok()) adopted = CheckChunkFd(device_->kind(), fd.mapped().get(), info.bytes);
+    if (adopted.ok()) {
+      absl::StatusOr<Chunk> chunk = device_->Import(fd.mapped().get(), info.bytes);
+      adopted = chunk.status();
+      if (adopted.ok()) {
+        adopted = device_->Map(*base + info.offset, *chunk, Access::kReadWrite);
+        if (!adopted.ok()) device_->Release(*chunk).IgnoreError();
+      }
+      if (adopted.ok()) {
+        r.chunk = *chunk;
+        r.fd = std::move(fd.mapped());
+      }
+    }
+    // An FD that is not the chunk leaves the store: a client may give the real one back.
+    if (!adopted.ok() && !fd.empty() && options_.store != nullptr) options_.store->DropChunkFd(info.id);
+    if (adopted.ok()) {
+      ++report.chunks_adopted;
+      report.bytes_adopted += info.bytes;
+    } else {
+      ++report.chunks_missing;
+      missing.insert(info.id);
+      report.lines.push_back(absl::StrCat("pool ", saved.name, ": chunk ", info.id, " (segment ", info.segment,
+                                          ", offset ", info.offset, ", ", FormatBytes(info.bytes),
+                                          ") not restored: ", adopted.message()));
+    }
+    chunks.push_back(std::move(r));
+  }
+  // Counted whether or not the memory came back: clients may still map what is missing.
+  budget_.Take(bytes + saved.pending_release_bytes);
+  if (missing.empty()) {
+    ++report.pools_restored;
+  } else {
+    ++report.pools_recovering;
+  }
+  pool->Recover(std::move(chunks), std::move(missing));
+  return pool;
+}
+
+void PoolManager::ExpireRecovery(absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+    if (mu_.AwaitWithDeadline(absl::Condition(&stopping), deadline)) return;
+  }
+  for (const std::shared_ptr<Pool>& pool : Snapshot()) {
+    absl::MutexLock op(&pool->op_mu);
+    std::vector<ChunkRecord> present;
+    const std::vector<ChunkInfo> lost = pool->GiveUpRecovery(&present);
+    for (const ChunkInfo& c : lost) {
+      Warn(absl::StrCat("pool ", pool->name(), ": chunk ", c.id, " (", FormatBytes(c.bytes),
+                        ") was not given back within the recovery grace: lost; the pool sleeps"));
+    }
+    for (ChunkRecord& r : present) {
+      if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+      DiscardChunk(pool->base(), r);
+    }
+    if (!lost.empty()) Save(*pool);
+    pool->ForgetRestartPending();
+  }
+}
+
+absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_view session, uint32_t peer_uid,
+                                                                 absl::string_view pool_name,
+                                                                 std::vector<std::pair<uint64_t, UniqueFd>> fds) {
+  absl::StatusOr<Caller> caller = sessions_.Authenticate(session);
+  if (!caller.ok()) return absl::UnauthenticatedError("return_handles.session_token: unknown or closed session");
+  if (caller->uid != peer_uid) {
+    return absl::PermissionDeniedError(absl::StrCat("uid ", peer_uid, " may not use the session of uid ", caller->uid));
+  }
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(*caller, pool_name));
+  absl::MutexLock op(&pool->op_mu);
+  std::vector<uint64_t> ids;
+  for (const auto& [id, fd] : fds) ids.push_back(id);
+  KVD_ASSIGN_OR_RETURN(std::vector<Pool::Returned> plan, pool->PlanReturn(ids));
+  std::vector<ChunkRecord> adopted;
+  const uint64_t base = pool->base();
+  absl::Cleanup undo = [&] {
+    for (ChunkRecord& r : adopted) DiscardChunk(base, r);
+  };
+  const bool host = device_->kind() == BackendKind::kHost;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const ChunkInfo& info = plan[i].info;
+    const int fd = fds[i].second.get();
+    auto wrong = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk_ids[", i, "]: the FD given for chunk ", info.id, " of pool ", pool->name(), " ", why));
+    };
+    if (!plan[i].missing) {
+      struct stat given {};
+      struct stat held {};
+      if (host && (fstat(fd, &given) != 0 || fstat(plan[i].fd, &held) != 0 || held.st_dev != given.st_dev ||
+                   held.st_ino != given.st_ino)) {
+        return wrong("is not that chunk's memory");
+      }
+      continue;
+    }
+    if (absl::Status fits = CheckChunkFd(device_->kind(), fd, info.bytes); !fits.ok()) return wrong(fits.message());
+    absl::StatusOr<Chunk> chunk = device_->Import(fd, info.bytes);
+    if (!chunk.ok()) return wrong(absl::StrCat("cannot be imported: ", chunk.status().message()));
+    if (absl::Status mapped = device_->Map(base + info.offset, *chunk, Access::kReadWrite); !mapped.ok()) {
+      device_->Release(*chunk).IgnoreError();
+      return wrong(absl::StrCat("cannot be mapped: ", mapped.message()));
+    }
+    adopted.push_back({.info = info, .chunk = *chunk, .fd = std::move(fds[i].second)});
+  }
+  if (options_.store != nullptr) {
+    for (size_t i = 0; i < adopted.size(); ++i) {
+      if (absl::Status kept = options_.store->KeepChunkFd(adopted[i].info.id, adopted[i].fd.get()); !kept.ok()) {
+        for (size_t j = 0; j < i; ++j) options_.store->DropChunkFd(adopted[j].info.id);
+        return kept;
+      }
+    }
+  }
+  std::move(undo).Cancel();
+  Returned out;
+  for (const ChunkRecord& r : adopted) out.adopted.push_back(r.info.id);
+  out.missing = pool->Adopt(std::move(adopted));
+  out.state = pool->state();
+  return out;
+}
+
+absl::StatusOr<PoolMetadata> PoolManager::GetPoolMetadata(const Caller& caller, absl::string_view name) const {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  return pool->metadata();
+}
+
+absl::StatusOr<PoolMetadata> PoolManager::SetPoolMetadata(const Caller& caller, absl::string_view name,
+                                                          uint64_t expected_version, std::string data) {
+  if (data.size() > options_.max_metadata_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("data: ", data.size(), " bytes, at most ",
+                                                   options_.max_metadata_bytes, " allowed (--max-metadata-bytes)"));
+  }
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  absl::MutexLock op(&pool->op_mu);
+  KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, pool->SetMetadata(expected_version, std::move(data)));
+  Save(*pool);
+  return metadata;
+}
+
+void PoolManager::Shutdown(bool keep_pools) {
   std::vector<std::shared_ptr<Pool>> pools;
   {
     absl::MutexLock lock(&mu_);
@@ -780,7 +1034,7 @@ void PoolManager::Shutdown() {
   if (reaper_.joinable()) reaper_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {
     absl::MutexLock op(&pool->op_mu);
-    Destroy(*pool, EventType::kDaemonStopping);
+    Destroy(*pool, keep_pools ? EventType::kDaemonRestarting : EventType::kDaemonStopping);
   }
 }
 

@@ -57,6 +57,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/budget.h"
+#include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
@@ -86,6 +87,17 @@ struct ManagerOptions {
   uint64_t block_slice_bytes = uint64_t{64} << 20;
   LayoutPolicy layout_policy;
   uint32_t daemon_uid = 0;
+  uint64_t max_metadata_bytes = uint64_t{1} << 20;  // PoolMetadata.data
+  // Durability (Note [Durable pools]). `store` (not owned, outlives the manager) is told of every change;
+  // null: nothing outlives the daemon. `epoch` is this daemon's (1 + the restored state's).
+  StateStore* store = nullptr;
+  uint64_t epoch = 1;
+  absl::Time started_at = absl::Now();
+  // How long a restored pool waits for its clients to give missing chunks back, and how long bytes
+  // released before the restart stay counted.
+  absl::Duration recovery_grace = absl::Seconds(60);
+  // Where the manager reports what it did on its own (restore, lost chunks), one line each.
+  std::function<void(const std::string&)> warn;
 };
 
 class PoolManager {
@@ -191,9 +203,32 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
                                                                   absl::string_view lease_token, uint32_t peer_uid);
 
-  // Tells every watcher the daemon is stopping, closes their streams and releases all memory.
-  // Idempotent; later calls that change pools fail with UNAVAILABLE.
-  void Shutdown();
+  // After a restart, before serving: rebuilds the pools of `saved` (their chunks imported from its FDs
+  // and mapped; a chunk without an FD leaves its pool kRecovering) and releases FDs no record accounts
+  // for. Starts the recovery grace.
+  RestoreReport Restore(SavedState saved);
+
+  // The handle channel's ReturnHandles: FDs of pool chunks from a client that still maps them (after a
+  // restart). Missing chunks are imported and mapped; chunks the daemon has are checked against the FD
+  // (host: the same memfd). All or nothing: INVALID_ARGUMENT naming the chunk when an FD does not fit.
+  struct Returned {
+    std::vector<uint64_t> adopted;
+    std::vector<uint64_t> missing;
+    PoolState state = PoolState::kAwake;
+  };
+  [[nodiscard]] absl::StatusOr<Returned> ReturnHandles(absl::string_view session, uint32_t peer_uid,
+                                                       absl::string_view pool,
+                                                       std::vector<std::pair<uint64_t, UniqueFd>> fds);
+
+  [[nodiscard]] absl::StatusOr<PoolMetadata> GetPoolMetadata(const Caller& caller, absl::string_view pool) const;
+  [[nodiscard]] absl::StatusOr<PoolMetadata> SetPoolMetadata(const Caller& caller, absl::string_view pool,
+                                                             uint64_t expected_version, std::string data);
+
+  // Stops: tells every watcher, closes their streams and releases the daemon's own handles. With
+  // `keep_pools` (a restart) the event is DAEMON_RESTARTING and the saved state and the FD store are left
+  // as they are, so the next daemon restores every pool; otherwise DAEMON_STOPPING, and every pool is
+  // deleted. Idempotent; later calls that change pools fail with UNAVAILABLE.
+  void Shutdown(bool keep_pools = false);
 
  private:
   // The pool `name` if `caller` may see and change it: NOT_FOUND otherwise, the same for a pool that
@@ -238,12 +273,20 @@ class PoolManager {
   // The reaper thread: aborts transactions whose ttl passed.
   void ReapExpired();
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
+  // kDaemonRestarting keeps its record and FDs in the store; anything else forgets them.
   void Destroy(Pool& pool, EventType why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // OK to go on with a sliced operation after `done` of `total` entries; else why not (see ZeroBlocks).
   [[nodiscard]] absl::Status CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
                                             size_t total) const ABSL_LOCKS_EXCLUDED(mu_);
   // Entries per slice of a block operation on `span` (at least one).
   size_t SliceEntries(const BlockSpan& span) const;
+  // Writes the pool's record (op_mu held, so one pool's records are written in order).
+  void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Rebuilds one saved pool; nullptr (with the reasons in `report`) when it cannot be.
+  std::shared_ptr<Pool> RestorePool(const SavedPool& saved, std::map<uint64_t, UniqueFd>& fds, RestoreReport& report);
+  // The recovery grace: at `deadline` (or the daemon's stop) pools still recovering lose their missing chunks.
+  void ExpireRecovery(absl::Time deadline);
+  void Warn(const std::string& line) const;
 
   Device* const device_;
   const ManagerOptions options_;
@@ -262,6 +305,7 @@ class PoolManager {
   std::map<std::string, std::string, std::less<>> client_pools_ ABSL_GUARDED_BY(mu_);  // client id -> pool
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
+  std::thread recovery_;
 };
 
 }  // namespace kvd::daemon

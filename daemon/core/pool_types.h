@@ -53,7 +53,19 @@ struct Lease {
   absl::Time expires;
 };
 
-enum class PoolState { kAwake, kSleeping };
+// kRecovering: restored after a restart without (some of) its memory, until clients give the chunks'
+// FDs back or the recovery grace passes (Note [Durable pools] in docs/architecture.md).
+enum class PoolState { kAwake, kSleeping, kRecovering };
+
+// What keeps the pools' memory across a restart of the daemon (proto Durability).
+enum class Durability { kNone, kClients, kFdStore };
+
+// Engine-defined bytes kept with a pool across restarts (proto PoolMetadata).
+struct PoolMetadata {
+  uint64_t version = 0;  // 0 until the first set
+  std::string data;
+  absl::Time updated_at = absl::UnixEpoch();
+};
 
 struct ClientView {
   std::string id;
@@ -85,6 +97,10 @@ struct PoolView {
   GroupMembership group;
   std::vector<std::string> peer_devices;
   std::string transaction;  // the prepared transaction holding the pool, if any
+  uint64_t epoch = 0;       // the daemon's
+  uint64_t metadata_version = 0;
+  uint64_t metadata_bytes = 0;
+  std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has given back yet
 };
 
 // A range export's handles and the lease that turns them into FDs on the handle channel (the lease's
@@ -131,7 +147,7 @@ struct AttachResult {
   Lease lease;  // every chunk of pool.chunks
 };
 
-enum class EventType { kChunksAdded, kChunksReleased, kPoolDeleted, kDaemonStopping };
+enum class EventType { kChunksAdded, kChunksReleased, kPoolDeleted, kDaemonStopping, kDaemonRestarting };
 
 struct PoolEvent {
   uint64_t sequence = 0;
@@ -154,6 +170,9 @@ struct DeviceStatus {
   uint32_t pools = 0;
   // As the device probed them, less what this daemon's API does not deliver (fabric handles).
   DeviceCapabilities capabilities;
+  uint64_t epoch = 0;
+  absl::Time started_at;
+  Durability durability = Durability::kNone;
 };
 
 }  // namespace kvd::daemon

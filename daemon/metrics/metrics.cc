@@ -80,7 +80,12 @@ class SnapshotCollector final : public prometheus::Collectable {
       Add(free, labels, static_cast<double>(device->info.free_bytes));
       Add(committed, labels, static_cast<double>(device->committed_bytes));
       Add(budget, labels, static_cast<double>(device->budget_bytes));
-      for (auto* f : {&total, &free, &committed, &budget}) out.push_back(std::move(*f));
+      prometheus::MetricFamily epoch = Gauge(
+          "kvd_daemon_epoch", "1 for a daemon that started without saved state, +1 for each restart that restored it.");
+      prometheus::MetricFamily started = Gauge("kvd_daemon_start_time_seconds", "When this daemon process started.");
+      Add(epoch, labels, static_cast<double>(device->epoch));
+      Add(started, labels, absl::ToDoubleSeconds(device->started_at - absl::UnixEpoch()));
+      for (auto* f : {&total, &free, &committed, &budget, &epoch, &started}) out.push_back(std::move(*f));
     }
 
     // Root sees every pool.
@@ -94,7 +99,9 @@ class SnapshotCollector final : public prometheus::Collectable {
     prometheus::MetricFamily capacity_blocks =
         Gauge("kvd_pool_capacity_blocks", "Blocks the pool can hold at most (its geometry's capacity).");
     prometheus::MetricFamily state =
-        Gauge("kvd_pool_state", "1 for the pool's current state (state=awake|sleeping), 0 for the other.");
+        Gauge("kvd_pool_state", "1 for the pool's current state (state=awake|sleeping|recovering), 0 for the others.");
+    prometheus::MetricFamily missing = Gauge(
+        "kvd_pool_missing_chunks", "Chunks of a recovering pool that no client has given back since the restart.");
     prometheus::MetricFamily clients = Gauge("kvd_pool_attached_clients", "Clients attached to the pool.");
     prometheus::MetricFamily pending = Gauge(
         "kvd_pool_pending_release_bytes", "Released bytes not yet acknowledged by every client; still in the budget.");
@@ -114,6 +121,9 @@ class SnapshotCollector final : public prometheus::Collectable {
           p.state == PoolState::kAwake ? 1 : 0);
       Add(state, {{"device", build_.device}, {"pool", p.name}, {"state", "sleeping"}},
           p.state == PoolState::kSleeping ? 1 : 0);
+      Add(state, {{"device", build_.device}, {"pool", p.name}, {"state", "recovering"}},
+          p.state == PoolState::kRecovering ? 1 : 0);
+      Add(missing, pool, static_cast<double>(p.missing_chunk_ids.size()));
       Add(clients, pool, static_cast<double>(p.clients.size()));
       Add(pending, pool, static_cast<double>(p.pending_release_bytes));
       Add(held, pool, p.transaction.empty() ? 0 : 1);
@@ -138,8 +148,8 @@ class SnapshotCollector final : public prometheus::Collectable {
             static_cast<double>(c.mapped_bytes));
       }
     }
-    for (auto* f : {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &clients, &pending,
-                    &held, &group, &mapped}) {
+    for (auto* f : {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &missing, &clients,
+                    &pending, &held, &group, &mapped}) {
       out.push_back(std::move(*f));
     }
     return out;

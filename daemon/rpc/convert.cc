@@ -1,6 +1,8 @@
 #include "daemon/rpc/convert.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "kvd/status.h"
 
 #ifndef KVD_VERSION
 #define KVD_VERSION "unknown"
@@ -133,8 +135,69 @@ v1::PoolState ToProto(PoolState state) {
       return v1::POOL_STATE_AWAKE;
     case PoolState::kSleeping:
       return v1::POOL_STATE_SLEEPING;
+    case PoolState::kRecovering:
+      return v1::POOL_STATE_RECOVERING;
   }
   return v1::POOL_STATE_UNSPECIFIED;
+}
+
+v1::Durability ToProto(Durability durability) {
+  switch (durability) {
+    case Durability::kNone:
+      return v1::DURABILITY_NONE;
+    case Durability::kClients:
+      return v1::DURABILITY_CLIENTS;
+    case Durability::kFdStore:
+      return v1::DURABILITY_FD_STORE;
+  }
+  return v1::DURABILITY_UNSPECIFIED;
+}
+
+v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata) {
+  v1::PoolMetadata p;
+  p.set_pool(std::string(pool));
+  p.set_version(metadata.version);
+  p.set_data(metadata.data);
+  if (metadata.version > 0) p.set_updated_at_unix_ms(UnixMillis(metadata.updated_at));
+  return p;
+}
+
+PoolMetadata FromProto(const v1::PoolMetadata& proto) {
+  return {.version = proto.version(),
+          .data = proto.data(),
+          .updated_at = absl::FromUnixMillis(static_cast<int64_t>(proto.updated_at_unix_ms()))};
+}
+
+absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto) {
+  LayoutResolution r;
+  KVD_ASSIGN_OR_RETURN(r.layout, Layout::Parse(proto.layout(), "layout.layout"));
+  bool known = false;
+  for (LayoutRule rule :
+       {LayoutRule::kRequestOverride, LayoutRule::kOperatorOverride, LayoutRule::kBackendRequirement,
+        LayoutRule::kClientEnv, LayoutRule::kDaemonEnv, LayoutRule::kConnectorPreference, LayoutRule::kDefault}) {
+    if (ToProto(rule) == proto.rule()) {
+      r.rule = rule;
+      known = true;
+    }
+  }
+  if (!known) return absl::InvalidArgumentError(absl::StrCat("layout.rule: ", proto.rule(), " is not a known rule"));
+  r.rule_detail = proto.rule_detail();
+  r.allowed = LayoutSet::None();
+  for (int i = 0; i < proto.allowed_layouts_size(); ++i) {
+    KVD_ASSIGN_OR_RETURN(LayoutSet one,
+                         LayoutSet::Parse(proto.allowed_layouts(i), absl::StrCat("layout.allowed_layouts[", i, "]")));
+    r.allowed = r.allowed.Union(one);
+  }
+  r.warnings = {proto.warnings().begin(), proto.warnings().end()};
+  return r;
+}
+
+ChunkInfo FromProto(const v1::Chunk& proto) {
+  return {.id = proto.id(),
+          .segment = proto.segment(),
+          .offset = proto.offset(),
+          .bytes = proto.bytes(),
+          .fabric_handle = proto.fabric_handle()};
 }
 
 v1::EventType ToProto(EventType type) {
@@ -147,6 +210,8 @@ v1::EventType ToProto(EventType type) {
       return v1::EVENT_TYPE_POOL_DELETED;
     case EventType::kDaemonStopping:
       return v1::EVENT_TYPE_DAEMON_STOPPING;
+    case EventType::kDaemonRestarting:
+      return v1::EVENT_TYPE_DAEMON_RESTARTING;
   }
   return v1::EVENT_TYPE_UNSPECIFIED;
 }
@@ -205,6 +270,10 @@ v1::Pool ToProto(const PoolView& pool) {
   }
   for (const std::string& d : pool.peer_devices) p.add_peer_devices(d);
   p.set_transaction(pool.transaction);
+  p.set_epoch(pool.epoch);
+  p.set_metadata_version(pool.metadata_version);
+  p.set_metadata_bytes(pool.metadata_bytes);
+  for (uint64_t id : pool.missing_chunk_ids) p.add_missing_chunk_ids(id);
   return p;
 }
 
@@ -246,6 +315,9 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_budget_bytes(status.budget_bytes);
   p.set_granularity_bytes(status.info.granularity);
   p.set_max_chunk_bytes(status.max_chunk_bytes);
+  p.set_epoch(status.epoch);
+  p.set_started_at_unix_ms(UnixMillis(status.started_at));
+  p.set_durability(ToProto(status.durability));
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);

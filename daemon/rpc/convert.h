@@ -27,6 +27,13 @@ std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::Bl
 
 v1::Backend ToProto(BackendKind backend);
 v1::PoolState ToProto(PoolState state);
+v1::Durability ToProto(Durability durability);
+v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
+PoolMetadata FromProto(const v1::PoolMetadata& proto);
+// The saved state's (kvd/state.proto) layout and chunks: INVALID_ARGUMENT for a layout or rule this
+// build does not know.
+absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto);
+ChunkInfo FromProto(const v1::Chunk& proto);
 v1::EventType ToProto(EventType type);
 v1::Chunk ToProto(const ChunkInfo& chunk);
 v1::Lease ToProto(const Lease& lease);

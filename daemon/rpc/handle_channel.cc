@@ -72,18 +72,22 @@ void CloseFds(absl::Span<const int> fds) {
   }
 }
 
-// Closes the FDs of every SCM_RIGHTS message in `msg` (a peer may attach FDs to anything it sends).
-void CloseReceivedFds(msghdr& msg) {
+// Takes the FDs of every SCM_RIGHTS message in `msg` (a peer may attach FDs to anything it sends) into
+// `*fds`, or closes them when `fds` is null.
+void TakeReceivedFds(msghdr& msg, std::vector<UniqueFd>* fds) {
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      close(fd);
+      UniqueFd owned(fd);
+      if (fds != nullptr) fds->push_back(std::move(owned));
     }
   }
 }
+
+void CloseReceivedFds(msghdr& msg) { TakeReceivedFds(msg, nullptr); }
 
 // Sends one packet with `fds` (at most kMaxFdsPerMessage; they stay the caller's) without ever
 // blocking: while the peer's queue is full it waits for room until `deadline`, or until `stop_fd`
@@ -134,12 +138,13 @@ void SendError(int fd, const absl::Status& status) {
 // The outcome of reading a connection's request.
 struct Received {
   enum Kind { kRequest, kNothing, kClosed, kBad } kind = kNothing;
-  std::string bytes;    // kRequest: the packet
-  absl::Status status;  // kBad: what to answer
+  std::string bytes;          // kRequest: the packet
+  std::vector<UniqueFd> fds;  // kRequest: the FDs it carried (only ReturnHandles may carry any)
+  absl::Status status;        // kBad: what to answer
 };
 
-// Reads one packet of at most `max_bytes` without blocking. FDs attached to it are closed and the
-// packet refused; so are empty and oversized packets.
+// Reads one packet of at most `max_bytes` without blocking. Packets with more than kMaxFdsPerMessage
+// FDs are refused (their FDs closed); so are empty and oversized packets.
 Received ReadRequest(int fd, size_t max_bytes) {
   Received out;
   out.bytes.resize(max_bytes);
@@ -147,7 +152,7 @@ Received ReadRequest(int fd, size_t max_bytes) {
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   ssize_t n;
@@ -158,15 +163,15 @@ Received ReadRequest(int fd, size_t max_bytes) {
     out.kind = (errno == EAGAIN || errno == EWOULDBLOCK) ? Received::kNothing : Received::kClosed;
     return out;
   }
-  const bool had_fds = msg.msg_controllen > 0 || (msg.msg_flags & MSG_CTRUNC) != 0;
-  CloseReceivedFds(msg);
+  TakeReceivedFds(msg, &out.fds);
   if ((msg.msg_flags & MSG_TRUNC) != 0) {
     out.kind = Received::kBad;
     out.status = absl::InvalidArgumentError(absl::StrCat("request: larger than ", max_bytes, " bytes"));
-  } else if (had_fds) {
+  } else if ((msg.msg_flags & MSG_CTRUNC) != 0) {
     out.kind = Received::kBad;
-    out.status = absl::InvalidArgumentError("request: must carry no file descriptors");
-  } else if (n == 0) {
+    out.status =
+        absl::InvalidArgumentError(absl::StrCat("request: more than ", kMaxFdsPerMessage, " file descriptors"));
+  } else if (n == 0 && out.fds.empty()) {
     // A SOCK_SEQPACKET recv returns 0 both for an empty packet and at EOF; only EOF raises RDHUP.
     pollfd polled{fd, POLLRDHUP, 0};
     const bool hung_up = poll(&polled, 1, 0) > 0 && (polled.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
@@ -465,6 +470,10 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
     Reject(conn.fd, absl::InvalidArgumentError("request: not a serialized kvd.v1.HandleChannelRequest"));
     return false;
   }
+  if (!received.fds.empty() && request.kind_case() != v1::HandleChannelRequest::kReturnHandles) {
+    Reject(conn.fd, absl::InvalidArgumentError("request: must carry no file descriptors"));
+    return false;
+  }
   switch (request.kind_case()) {
     case v1::HandleChannelRequest::kOpenSession: {
       std::string* name = request.mutable_open_session()->mutable_client_name();
@@ -502,9 +511,18 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
       SpawnFetch(std::move(conn), std::move(*fetch->mutable_session_token()), std::move(*fetch->mutable_lease_token()));
       return false;
     }
-    case v1::HandleChannelRequest::kReturnHandles:
-      Reject(conn.fd, absl::UnimplementedError("return_handles: not served by this daemon yet"));
+    case v1::HandleChannelRequest::kReturnHandles: {
+      v1::ReturnHandles* ret = request.mutable_return_handles();
+      absl::Status valid = ValidateToken("return_handles.session_token", ret->session_token());
+      if (valid.ok() && ret->pool().empty())
+        valid = absl::InvalidArgumentError("return_handles.pool: must not be empty");
+      if (!valid.ok()) {
+        Reject(conn.fd, valid);
+        return false;
+      }
+      SpawnReturn(std::move(conn), std::move(*ret), std::move(received.fds));
       return false;
+    }
     case v1::HandleChannelRequest::KIND_NOT_SET:
       break;
   }
@@ -523,6 +541,74 @@ void HandleChannel::SpawnFetch(Connection conn, std::string session, std::string
         finished_.push_back(std::move(*self));
         workers_.erase(self);
       });
+}
+
+void HandleChannel::SpawnReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds) {
+  absl::MutexLock lock(&mu_);
+  auto self = workers_.emplace(workers_.end());
+  // As in SpawnFetch.
+  *self = std::thread([this, self, conn = std::move(conn), first = std::move(first), fds = std::move(fds)]() mutable {
+    ServeReturn(std::move(conn), std::move(first), std::move(fds));
+    absl::MutexLock worker_lock(&mu_);
+    finished_.push_back(std::move(*self));
+    workers_.erase(self);
+  });
+}
+
+void HandleChannel::ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds) {
+  const std::string session = first.session_token();
+  const std::string pool = first.pool();
+  std::vector<std::pair<uint64_t, UniqueFd>> returned;
+  v1::ReturnHandles packet = std::move(first);
+  while (true) {
+    if (static_cast<size_t>(packet.chunk_ids_size()) != fds.size()) {
+      Reject(conn.fd, absl::InvalidArgumentError(absl::StrCat("return_handles.chunk_ids: ", packet.chunk_ids_size(),
+                                                              " ids but ", fds.size(), " FDs attached")));
+      return;
+    }
+    if (packet.session_token() != session || packet.pool() != pool) {
+      Reject(conn.fd, absl::InvalidArgumentError("return_handles: every packet must name the same session and pool"));
+      return;
+    }
+    for (int i = 0; i < packet.chunk_ids_size(); ++i) returned.emplace_back(packet.chunk_ids(i), std::move(fds[i]));
+    if (packet.last()) break;
+    if (returned.size() > options_.max_returned_fds) {
+      Reject(conn.fd, absl::InvalidArgumentError(
+                          absl::StrCat("return_handles: more than ", options_.max_returned_fds, " FDs in one call")));
+      return;
+    }
+    // The next packet, within the first request's timeout.
+    pollfd polled[2] = {{conn.fd, POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
+    if (poll(polled, 2, static_cast<int>(absl::ToInt64Milliseconds(options_.first_request_timeout))) <= 0 ||
+        (polled[1].revents & POLLIN) != 0) {
+      Reject(conn.fd, absl::DeadlineExceededError("return_handles: the next packet did not come"));
+      return;
+    }
+    Received received = ReadRequest(conn.fd, options_.max_request_bytes);
+    v1::HandleChannelRequest next;
+    if (received.kind != Received::kRequest || !next.ParseFromString(received.bytes) || !next.has_return_handles()) {
+      Reject(conn.fd, received.kind == Received::kBad
+                          ? received.status
+                          : absl::InvalidArgumentError("return_handles: every packet must be a ReturnHandles"));
+      return;
+    }
+    packet = std::move(*next.mutable_return_handles());
+    fds = std::move(received.fds);
+  }
+  absl::StatusOr<v1::HandlesReturned> result = backend_->ReturnHandles(session, conn.uid, pool, std::move(returned));
+  if (!result.ok()) {
+    Reject(conn.fd, result.status());
+    return;
+  }
+  v1::HandleChannelReply reply;
+  *reply.mutable_handles_returned() = *std::move(result);
+  if (absl::Status sent = SendPacket(conn.fd, reply.SerializeAsString(), {}, stop_fd_.get(),
+                                     Clock::now() + ToClock(options_.send_timeout));
+      !sent.ok()) {
+    Reject(conn.fd, sent);
+    return;
+  }
+  CloseConnection(conn.fd);
 }
 
 void HandleChannel::ReapFinishedWorkers() {

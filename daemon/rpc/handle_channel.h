@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -39,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvd/unique_fd.h"
+#include "kvd/v1/kvd.pb.h"
 
 namespace kvd::daemon {
 
@@ -65,6 +67,11 @@ class HandleChannelBackend {
   [[nodiscard]] virtual absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
                                                                           absl::string_view lease,
                                                                           uint32_t peer_uid) = 0;
+  // ReturnHandles after a restart: FDs of `pool`'s chunks, by chunk id, from a connection whose
+  // SO_PEERCRED uid is `peer_uid`. The backend owns the FDs.
+  [[nodiscard]] virtual absl::StatusOr<v1::HandlesReturned> ReturnHandles(
+      absl::string_view session, uint32_t peer_uid, absl::string_view pool,
+      std::vector<std::pair<uint64_t, UniqueFd>> fds) = 0;
 };
 
 class HandleChannel {
@@ -79,6 +86,8 @@ class HandleChannel {
     size_t max_request_bytes = 64 * 1024;
     // A peer that does not read a reply within this is dropped (its fetch fails, its FDs are closed).
     absl::Duration send_timeout = absl::Seconds(10);
+    // Most FDs one ReturnHandles call may give back (its packets together).
+    size_t max_returned_fds = 65536;
   };
 
   // Monotonic counters, for metrics.
@@ -130,6 +139,9 @@ class HandleChannel {
   bool ServeFirstRequest(Connection& conn, std::vector<Connection>& sessions);
   void ServeFetch(Connection conn, std::string session, std::string lease);
   void SpawnFetch(Connection conn, std::string session, std::string lease);
+  // ReturnHandles: the rest of the packets, then the backend, on a worker thread.
+  void ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
+  void SpawnReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
   void ReapFinishedWorkers();
   // After a failed poll (errno set): returns at once on EINTR, else counts an error and waits a little.
   void BackOffAfterPollFailure();

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "daemon/core/pool_manager.h"
+#include "daemon/rpc/convert.h"
 #include "daemon/rpc/handle_channel.h"
 #include "kvd/status.h"
 
@@ -32,6 +33,18 @@ class ManagerBackend final : public HandleChannelBackend {
     std::vector<LeasedFd> out;
     out.reserve(fds.size());
     for (const PoolManager::LeasedFd& f : fds) out.push_back({.chunk_id = f.chunk_id, .fd = f.fd});
+    return out;
+  }
+
+  [[nodiscard]] absl::StatusOr<v1::HandlesReturned> ReturnHandles(
+      absl::string_view session, uint32_t peer_uid, absl::string_view pool,
+      std::vector<std::pair<uint64_t, UniqueFd>> fds) override {
+    KVD_ASSIGN_OR_RETURN(PoolManager::Returned returned,
+                         manager_->ReturnHandles(session, peer_uid, pool, std::move(fds)));
+    v1::HandlesReturned out;
+    for (uint64_t id : returned.adopted) out.add_adopted_chunk_ids(id);
+    for (uint64_t id : returned.missing) out.add_missing_chunk_ids(id);
+    out.set_state(ToProto(returned.state));
     return out;
   }
 

@@ -601,4 +601,30 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
   return Finish("GrantPeerAccess", status);
 }
 
+grpc::Status KvdService::GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
+                                         v1::PoolMetadata* response) {
+  absl::Status status = Guarded("GetPoolMetadata", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
+    *response = ToProto(request->pool(), metadata);
+    return absl::OkStatus();
+  });
+  return Finish("GetPoolMetadata", status);
+}
+
+grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
+                                         v1::PoolMetadata* response) {
+  absl::Status status = Guarded("SetPoolMetadata", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(
+        PoolMetadata metadata,
+        manager_->SetPoolMetadata(caller, request->pool(), request->expected_version(), request->data()));
+    *response = ToProto(request->pool(), metadata);
+    return absl::OkStatus();
+  });
+  return Finish("SetPoolMetadata", status);
+}
+
 }  // namespace kvd::daemon

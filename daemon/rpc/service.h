@@ -88,6 +88,10 @@ class KvdService final : public v1::Kvd::Service {
                             v1::ExportRangesResponse* response) override;
   grpc::Status DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
                                 v1::DescribeTransferResponse* response) override;
+  grpc::Status GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
+                               v1::PoolMetadata* response) override;
+  grpc::Status SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
+                               v1::PoolMetadata* response) override;
 
  private:
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or

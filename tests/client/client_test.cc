@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -52,7 +53,7 @@ constexpr absl::Duration kWait = absl::Seconds(30);
 // A kvd on the host backend in its own temporary directory (tests/testing/kvd_process.h).
 class Daemon : public ::kvd::testing::KvdProcess {
  public:
-  absl::Status Start() { return KvdProcess::Start(KVD_BINARY); }
+  absl::Status Start(std::vector<std::string> extra = {}) { return KvdProcess::Start(KVD_BINARY, 0, std::move(extra)); }
 };
 
 // What a Mapping's callbacks reported, waited on with a bound.
@@ -335,7 +336,62 @@ TEST_F(ClientTest, OneMappingPerPoolPerClient) {
   EXPECT_EQ(again->committed_blocks(), 512u);
 }
 
-// Every chunk FD is closed once imported, and a destroyed Mapping leaves no FD behind.
+// A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart), closes it when the
+// chunk is unmapped, and a destroyed Mapping leaves no FD behind.
+TEST_F(ClientTest, AMappingKeepsOneFdPerMappedChunk) {
+  auto memfds = [] {
+    size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+      std::error_code ec;
+      n += std::filesystem::read_symlink(e.path(), ec).string().rfind("/memfd:", 0) == 0;
+    }
+    return n;
+  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  ASSERT_EQ(memfds(), 0u);
+  {
+    // Two memfd FDs per chunk on the host backend: the device layer's imported chunk is a dup of the
+    // memfd, plus the FD the Mapping keeps.
+    constexpr size_t kPerChunk = 2;
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> m, engine->Attach("kv"));
+    EXPECT_EQ(memfds(), kPerChunk * m->chunks().size());
+    ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());
+    EXPECT_EQ(m->chunks().size(), 4u);
+    EXPECT_EQ(memfds(), kPerChunk * 4);
+    ASSERT_THAT(engine->Sleep("kv", /*wait=*/true).status(), IsOk());
+    EXPECT_EQ(memfds(), 0u);
+    ASSERT_THAT(engine->Wake("kv").status(), IsOk());
+    EXPECT_EQ(memfds(), kPerChunk * m->chunks().size());
+  }
+  EXPECT_EQ(memfds(), 0u);
+}
+
+// A call to a daemon that does not answer (stopped with SIGSTOP) ends at its deadline instead of hanging,
+// and the Client works again once the daemon does.
+TEST_F(ClientTest, CallsToAHungDaemonEndAtTheirDeadline) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine,
+                           Client::Connect({.socket = daemon_.socket(), .timeout = absl::Milliseconds(300)}));
+  ASSERT_THAT(engine->ListPools().status(), IsOk());
+  ASSERT_EQ(kill(daemon_.pid(), SIGSTOP), 0);
+  auto stopped = [pid = daemon_.pid()] {  // the state field of /proc/PID/stat, after "(comm)"
+    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t at = stat.rfind(") ");
+    return at != std::string::npos && at + 2 < stat.size() && stat[at + 2] == 'T';
+  };
+  for (int i = 0; i < 1000 && !stopped(); ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(stopped());
+  absl::Status hung = engine->ListPools().status();
+  ASSERT_EQ(kill(daemon_.pid(), SIGCONT), 0);
+  EXPECT_THAT(hung, StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_)) << hung;
+  // Its answer to the abandoned call and the next one may take longer than 300 ms on a loaded machine.
+  absl::Status again = engine->ListPools().status();
+  for (int i = 0; i < 100 && absl::IsDeadlineExceeded(again); ++i) again = engine->ListPools().status();
+  EXPECT_THAT(again, IsOk());
+}
+
+// A destroyed Mapping leaves no FD behind.
 TEST_F(ClientTest, MappingsLeaveNoFileDescriptorsBehind) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
@@ -437,12 +493,16 @@ TEST_F(ClientTest, DaemonErrorsKeepTheirCodeAndMessage) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("")));
 }
 
+// A daemon that stops for good (--drain-on-stop) takes the memory with it.
 TEST_F(ClientTest, DaemonStoppingLosesTheMapping) {
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  Daemon draining;
+  ASSERT_THAT(draining.Start({"--drain-on-stop"}), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine,
+                           Client::Connect({.socket = draining.socket(), .client_name = "engine"}));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
   Events ea;
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
-  daemon_.Terminate();
+  draining.Terminate();
   ASSERT_TRUE(ea.WaitFor(&Events::lost, 1));
   EXPECT_EQ(a->state(), Mapping::State::kLost);
   EXPECT_TRUE(a->chunks().empty());

@@ -89,6 +89,32 @@ class KvctlTest(KvctlCase):
         self.assertEqual(s["reply"]["backend"], "BACKEND_HOST")
         human = self.ok("status")
         self.assertIn("512 MiB budget", human)
+        # Restarts: the epoch and durability always, the uptime where the daemon reports its start.
+        self.assertIn("epoch", s["reply"])
+        self.assertIn("durability", s["reply"])
+        self.assertIn("started_at_unix_ms", s["reply"])
+        self.assertRegex(human, r"(?m)^epoch +%d$" % d.epoch)
+        self.assertRegex(human, r"(?m)^durability +\S+: ")
+        if d.started_at_unix_ms:
+            self.assertRegex(human, r"(?m)^uptime +\d+[dhms]")
+
+    def test_drain_deletes_every_pool(self):
+        for name in ("kv-a", "kv-b"):
+            self.ok("create", name, *DIMS, "--initial-blocks", "256")
+        human = self.ok("drain")
+        self.assertIn("deleted kv-a (1/2), released 4.00 MiB", human)
+        self.assertIn("deleted kv-b (2/2), released 4.00 MiB", human)
+        self.assertIn("drained 2 of 2 pools, released 8.00 MiB", human)
+        self.assertEqual(self.json("status")["reply"]["pool_count"], 0)
+        self.assertEqual(self.json("status")["reply"]["committed_bytes"], "0")
+        self.ok("create", "kv-c", *DIMS, "--initial-blocks", "256")
+        doc = self.json("drain")
+        self.assertEqual(sorted(doc), ["deleted", "failed", "pools", "released_bytes", "skipped", "socket"])
+        self.assertEqual((doc["deleted"], doc["skipped"], doc["failed"]), (1, 0, 0))
+        self.assertEqual(doc["released_bytes"], str(4 * MiB))
+        self.assertEqual(doc["pools"][0]["pool"], "kv-c")
+        self.assertEqual(self.proto(doc["pools"][0]["reply"], kvd_pb2.DeletePoolResponse).released_bytes, 4 * MiB)
+        self.assertIn("drained 0 of 0 pools", self.ok("drain"))
 
     def test_socket_from_environment(self):
         env = dict(os.environ, KVD_SOCKET=self.socket)
@@ -227,7 +253,7 @@ class KvctlTest(KvctlCase):
         for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
                      ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
                      ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
-                     ["group", "wake"], ["transfer"], ["caps"]]:
+                     ["group", "wake"], ["transfer"], ["caps"], ["drain"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)

@@ -99,6 +99,8 @@ struct Recorder {
   uint32_t grows ABSL_GUARDED_BY(mu) = 0;
   uint32_t releases ABSL_GUARDED_BY(mu) = 0;
   uint32_t lost ABSL_GUARDED_BY(mu) = 0;
+  uint32_t restarts ABSL_GUARDED_BY(mu) = 0;
+  DaemonRestart restart ABSL_GUARDED_BY(mu);
   bool called ABSL_GUARDED_BY(mu) = false;
   uint64_t blocks ABSL_GUARDED_BY(mu) = 0;
   absl::Status why ABSL_GUARDED_BY(mu);
@@ -282,6 +284,7 @@ class ScenarioRun {
     o->set_committed_blocks(m.committed_blocks());
     o->set_state(MappingStateName(m.state()));
     o->set_mapped_chunks(static_cast<uint32_t>(m.chunks().size()));
+    o->set_epoch(m.epoch());
     o->set_layout(m.layout().layout);
     o->set_rule(m.layout().rule);
     for (const std::string& w : m.layout().warnings) o->add_warnings_contain(w);
@@ -289,6 +292,12 @@ class ScenarioRun {
     o->set_on_grow(a.recorder->grows);
     o->set_on_release(a.recorder->releases);
     o->set_on_lost(a.recorder->lost);
+    o->set_on_restart(a.recorder->restarts);
+    if (a.recorder->restarts > 0) {
+      o->set_restart_epoch(a.recorder->restart.epoch);
+      o->set_lost_chunks(static_cast<uint32_t>(a.recorder->restart.lost_chunk_ids.size()));
+      o->set_returned_chunks(static_cast<uint32_t>(a.recorder->restart.returned_chunk_ids.size()));
+    }
     if (a.recorder->called) o->set_callback_blocks(a.recorder->blocks);
     if (a.recorder->lost > 0) {
       o->set_lost_code(absl::StatusCodeToString(a.recorder->why.code()));
@@ -317,6 +326,7 @@ class ScenarioRun {
       }
       return absl::OkStatus();
     }
+    if (op == "restart_daemon") return daemons_.at(step.daemon())->Restart();
     if (op == "find_socket") {
       KVD_ASSIGN_OR_RETURN(std::string socket, FindSocket(Expand(step.device()), Dir()));
       for (size_t i = 0; i < daemons_.size(); ++i) {
@@ -349,6 +359,7 @@ class ScenarioRun {
     if (op == "device_info") {
       KVD_ASSIGN_OR_RETURN(DeviceStatus d, c->DeviceInfo());
       o->set_pools(d.pool_count);
+      o->set_epoch(d.epoch);
       return absl::OkStatus();
     }
     if (op == "list_pools") {
@@ -409,6 +420,11 @@ class ScenarioRun {
         absl::MutexLock lock(&r->mu);
         ++r->lost;
         r->why = why;
+      };
+      options.on_restart = [r = a.recorder](const DaemonRestart& restart) {
+        absl::MutexLock lock(&r->mu);
+        ++r->restarts;
+        r->restart = restart;
       };
       KVD_ASSIGN_OR_RETURN(a.mapping, c->Attach(step.pool(), std::move(options)));
       ObserveMapping(a, o);

@@ -1907,7 +1907,7 @@ TEST_F(KvdDaemonShortLeaseTest, ExpiredLeaseIsRefused) {
 // ---------------------------------------------------------------------------------------------
 // Lifecycle
 
-TEST_F(KvdDaemonTest, SigtermTellsWatchersStopsAndRemovesBothSockets) {
+TEST_F(KvdDaemonTest, SigtermTellsWatchersItRestartsKeepsPoolsAndRemovesBothSockets) {
   ASSERT_THAT(Create("kv", 64), GrpcOk());
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
   absl::StatusOr<int> status = daemon_->Stop(SIGTERM);
@@ -1916,11 +1916,29 @@ TEST_F(KvdDaemonTest, SigtermTellsWatchersStopsAndRemovesBothSockets) {
   EXPECT_EQ(WEXITSTATUS(*status), 0) << daemon_->log();
   EXPECT_FALSE(Exists(daemon_->socket()));
   EXPECT_FALSE(Exists(daemon_->handles()));
+  std::optional<HandledEvent> restarting = a->NextEvent();
+  ASSERT_TRUE(restarting.has_value());
+  EXPECT_EQ(restarting->event.type(), v1::EVENT_TYPE_DAEMON_RESTARTING);
+  EXPECT_THAT(daemon_->log(), HasSubstr("kvd stopped (pools kept for the next start)"));
+  EXPECT_TRUE(Exists(dir_.path() + "/gpu0.state/pools/kv"));
+}
+
+class DrainOnStopTest : public KvdDaemonTest {
+  DaemonConfig Config() override { return {.extra_args = {"--drain-on-stop"}}; }
+};
+
+TEST_F(DrainOnStopTest, SigtermTellsWatchersToUnmapAndReleasesEverything) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  absl::StatusOr<int> status = daemon_->Stop(SIGTERM);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << daemon_->log();
   std::optional<HandledEvent> stopping = a->NextEvent();
   ASSERT_TRUE(stopping.has_value());
   EXPECT_EQ(stopping->event.type(), v1::EVENT_TYPE_DAEMON_STOPPING);
   EXPECT_EQ(a->mapped_chunks(), 0u);
-  EXPECT_THAT(daemon_->log(), HasSubstr("kvd stopped"));
+  EXPECT_THAT(daemon_->log(), HasSubstr("kvd stopped (all memory released)"));
+  EXPECT_FALSE(Exists(dir_.path() + "/gpu0.state/pools/kv"));
 }
 
 TEST_F(KvdDaemonTest, SecondDaemonOnTheSameSocketIsRefused) {

@@ -2,7 +2,7 @@
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
 # build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
-# STEPS="device daemon group python bench connectors" (the default: all) picks steps.
+# STEPS="device daemon durable group python bench connectors" (the default: all) picks steps.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -52,6 +52,11 @@ echo "kvd exited $?"
 tail -n 8 "$out/kvd.log"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 rm -rf "$dir"
+fi
+
+if want durable; then
+step "durable pools on CUDA: a ${pool_size} pool across a SIGTERM and a SIGKILL restart under a played systemd"
+PYTHONPATH=$bundle TAIL=40 run durable timeout 600 python3 "$bundle/durable_gpu.py" "$bundle/bin" "$out" "$pool_size"
 fi
 
 if want group; then

@@ -7,7 +7,8 @@
 $KVD_BINARY names the daemon (ctest sets it). The daemon gets a fresh 0750 directory holding its
 sockets (self.socket, self.dir) and its log (self.log()). start_daemon(N) adds the daemon of "GPU" N
 of the same node (device N of the host backend, socket gpuN.sock in self.dir); self.daemons[N] is its
-process (to kill it mid-test).
+process (to kill it mid-test), and restart_daemon(N) starts it again once it stopped. "${dir}" in a
+flag stands for self.dir.
 """
 import os
 import shutil
@@ -35,16 +36,35 @@ class KvdDaemonCase(unittest.TestCase):
     def start_daemon(self, device, *args):
         """Starts kvd for device `device` with `args` (which may replace --budget); returns its socket."""
         socket = os.path.join(self.dir, f"gpu{device}.sock")
-        log_path = os.path.join(self.dir, f"kvd{device}.log")
         defaults = ["--host-capacity=1GiB", "--budget=512MiB", "--host-granularity=2MiB"]
         given = {a.split("=", 1)[0] for a in args}
         argv = [KVD, "--backend=host", f"--device={device}", "--socket=" + socket,
-                *[d for d in defaults if d.split("=", 1)[0] not in given], *args]
-        with open(log_path, "wb") as log:
+                *[d for d in defaults if d.split("=", 1)[0] not in given],
+                *[a.replace("${dir}", self.dir) for a in args]]
+        if not hasattr(self, "argvs"):
+            self.argvs = {}
+        self.argvs[device] = argv
+        self._spawn(device)
+        return socket
+
+    def restart_daemon(self, device):
+        """Waits for the (stopped) daemon of `device` to exit, then starts it again with the same flags."""
+        old = self.daemons[device]
+        try:
+            old.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.fail(f"kvd {device} did not exit within {WAIT_S} s")
+        self._spawn(device)
+
+    def _spawn(self, device):
+        argv = self.argvs[device]
+        log_path = os.path.join(self.dir, f"kvd{device}.log")
+        ready_before = self._read(log_path).count(" ready: ") if os.path.exists(log_path) else 0
+        with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.addCleanup(self._stop, proc)
         deadline = time.monotonic() + WAIT_S
-        while " ready: " not in self._read(log_path):
+        while self._read(log_path).count(" ready: ") <= ready_before:
             self.assertIsNone(proc.poll(), "kvd exited: " + self._read(log_path))
             self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + self._read(log_path))
             time.sleep(0.02)
@@ -53,7 +73,6 @@ class KvdDaemonCase(unittest.TestCase):
         if not hasattr(self, "daemons"):
             self.daemons = {}
         self.daemons[device] = proc
-        return socket
 
     @staticmethod
     def _stop(proc):

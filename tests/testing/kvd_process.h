@@ -43,8 +43,8 @@ class KvdProcess {
   }
 
   // Starts `binary` as device `device` with a socket gpu<device>.sock in a new temporary directory, or
-  // in `dir` when given (several daemons of one "node" share it), plus `extra` flags; returns once it
-  // logged " ready: ".
+  // in `dir` when given (several daemons of one "node" share it), plus `extra` flags (where "${dir}"
+  // stands for that directory); returns once it logged " ready: ".
   absl::Status Start(const std::string& binary, int device = 0, std::vector<std::string> extra = {},
                      const std::string& dir = "") {
     if (dir.empty()) {
@@ -64,34 +64,29 @@ class KvdProcess {
       for (const std::string& e : extra) given |= absl::StartsWith(e, name);
       if (!given) argv.emplace_back(flag);
     }
+    for (std::string& e : extra) {
+      for (size_t at; (at = e.find("${dir}")) != std::string::npos;) e.replace(at, 6, where);
+    }
     argv.insert(argv.end(), extra.begin(), extra.end());
-    std::vector<char*> cargv;
-    for (std::string& a : argv) cargv.push_back(a.data());
-    cargv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    const int rc = posix_spawn(&pid_, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) {
-      pid_ = -1;
-      return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
-    }
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return absl::UnavailableError(absl::StrCat("kvd exited: ", log()));
-      }
-      if (absl::StrContains(log(), " ready: ")) return absl::OkStatus();
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return absl::DeadlineExceededError(absl::StrCat("kvd did not become ready: ", log()));
+    argv_ = std::move(argv);
+    return Spawn();
   }
 
-  // SIGTERM; kvd then tells every watcher DAEMON_STOPPING. The destructor reaps it.
+  // After Terminate() or Kill(): waits for the daemon to exit, then starts it again with the same flags
+  // and sockets (a restart); returns once the new process logged " ready: ".
+  absl::Status Restart() {
+    if (pid_ > 0) {
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      pid_ = -1;
+    }
+    return Spawn();
+  }
+
+  pid_t pid() const { return pid_; }
+
+  // SIGTERM; kvd then tells every watcher DAEMON_STOPPING (or DAEMON_RESTARTING where it keeps its pools).
+  // The destructor (or Restart) reaps it.
   void Terminate() const { kill(pid_, SIGTERM); }
   // SIGKILL and reap: the daemon dies without a word, as on a crash.
   void Kill() {
@@ -112,7 +107,43 @@ class KvdProcess {
   }
 
  private:
+  static size_t Count(const std::string& text, const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  }
+
+  absl::Status Spawn() {
+    const size_t ready_before = Count(log(), " ready: ");
+    std::vector<std::string> argv = argv_;
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, log_.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    const int rc = posix_spawn(&pid_, argv[0].c_str(), &actions, nullptr, cargv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      pid_ = -1;
+      return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", std::strerror(rc)));
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return absl::UnavailableError(absl::StrCat("kvd exited: ", log()));
+      }
+      if (Count(log(), " ready: ") > ready_before) return absl::OkStatus();
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("kvd did not become ready: ", log()));
+  }
+
   std::string dir_, socket_, log_;
+  std::vector<std::string> argv_;
   pid_t pid_ = -1;
 };
 

@@ -4,9 +4,15 @@
 // follower thread (grow, shrink, sleep, wake, delete).
 //
 // Ownership. Client::Connect returns the only owner of a Client; a Mapping keeps what it needs of its
-// Client alive, so either may be destroyed first. Every chunk FD is imported and closed at once; the
-// Mapping owns the imported chunks, their mappings and the VA reservation, and gives all of them back
-// when destroyed.
+// Client alive, so either may be destroyed first. The Mapping owns the imported chunks, their mappings,
+// one open FD per mapped chunk (closed when the chunk is unmapped: after a daemon restart it hands the
+// chunks back with them) and the VA reservation, and gives all of them back when destroyed.
+//
+// Daemon restarts (docs/integrating.md, "When kvd restarts"). A call made while the daemon is away
+// fails at once with UNAVAILABLE "kvd at SOCKET is not answering (restarting?): retry in 1s: ..."; the
+// next call after it is back opens a new session transparently (the session token changes). A
+// Mapping's follower reconnects on its own (ConnectOptions::reconnect_for), keeps every chunk that
+// survived mapped where it is, and reports the restart once (AttachOptions::on_restart).
 //
 // Threads. Every method of Client and Mapping may be called from any thread, concurrently. Mapping
 // callbacks run on the Mapping's follower thread, one at a time; they may call Mapping's read-only
@@ -58,6 +64,10 @@ struct ConnectOptions {
   // The deadline of each call (RPCs and handle-channel fetches). Shrink/Sleep with wait use the
   // larger of this and 60 s.
   absl::Duration timeout = absl::Seconds(30);
+  // How long a Mapping's follower keeps trying to reach a daemon that restarted (its event stream
+  // said DAEMON_RESTARTING or broke with UNAVAILABLE), retrying after 50 ms, doubling up to 2 s.
+  // Past it the Mapping is lost (UNAVAILABLE). Zero: never reconnect (the Mapping is lost at once).
+  absl::Duration reconnect_for = absl::Minutes(5);
   // For tools that print the daemon's replies as they are (kvctl --json): called with every reply message
   // the daemon answered with OK (a kvd.v1 message, e.g. kvd.v1.Pool for GetPool) to this Client's methods,
   // before the method returns, on the calling thread. A Group calls it for each rank's Client, from
@@ -104,6 +114,12 @@ struct DeviceStatus {
   uint64_t granularity_bytes = 0;
   uint64_t max_chunk_bytes = 0;
   uint32_t pool_count = 0;
+  // Restarts: 1 for a daemon that started without saved state, +1 for each start that restored it.
+  uint64_t epoch = 0;
+  uint64_t started_at_unix_ms = 0;
+  // What keeps the pools' memory across a restart (proto Durability): "none", "clients", "fd_store"
+  // ("unspecified" from a daemon that does not say).
+  std::string durability;
   std::vector<std::string> handle_types;  // "posix_fd", "fabric", "dma_buf": what the API delivers
   CapabilityReport capabilities;
 };
@@ -201,8 +217,10 @@ struct GroupMembership {
   uint32_t size = 0;
 };
 
-enum class PoolState { kUnknown, kAwake, kSleeping };
-// "awake", "sleeping", "unknown".
+// kRecovering: restored after a daemon restart without its memory, waiting for clients to hand the
+// chunks back (proto POOL_STATE_RECOVERING).
+enum class PoolState { kUnknown, kAwake, kSleeping, kRecovering };
+// "awake", "sleeping", "recovering", "unknown".
 const char* PoolStateName(PoolState state);
 
 // A pool's snapshot (proto Pool).
@@ -225,6 +243,10 @@ struct PoolInfo {
   GroupMembership group;
   std::vector<std::string> peer_devices;  // device UUIDs (or "*") whose clients may attach
   std::string transaction;                // the prepared group operation holding the pool, if any
+  uint64_t epoch = 0;                     // the answering daemon's epoch (DeviceStatus::epoch)
+  uint64_t metadata_version = 0;          // the pool metadata's version; 0: never set
+  uint64_t metadata_bytes = 0;
+  std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has handed back yet
 };
 
 struct PoolOptions {
@@ -320,6 +342,18 @@ struct LayerView {
   PoolDims dims;
 };
 
+// What a Mapping reports once it is attached again after its daemon restarted (AttachOptions::on_restart).
+struct DaemonRestart {
+  uint64_t epoch = 0;  // the new daemon's
+  // The chunks this Mapping had mapped that the restarted daemon no longer has: they are unmapped, and
+  // their bytes read as unbacked. Empty: nothing was lost, every byte is where it was.
+  std::vector<uint64_t> lost_chunk_ids;
+  uint64_t lost_bytes = 0;
+  // Chunks whose FDs this Mapping handed back to a RECOVERING pool (and the daemon adopted).
+  std::vector<uint64_t> returned_chunk_ids;
+  uint64_t committed_blocks = 0;  // the pool's, now
+};
+
 // What a Mapping tells its owner, on its follower thread, after it has acted on an event.
 struct AttachOptions {
   // Empty: the session's name.
@@ -338,8 +372,15 @@ struct AttachOptions {
   // stopping"), the event stream ended or broke, or the follower could not map added chunks ("mapping
   // chunks added to pool P: ...", with the failure's code, e.g. an expired lease) or acknowledge a
   // release: everything is unmapped, the Mapping is lost (state() == kLost) and detached in the daemon.
+  // After a daemon restart also: the pool did not survive it (NOT_FOUND "pool P did not survive the
+  // restart of kvd ..."), or the daemon was not back within ConnectOptions::reconnect_for (UNAVAILABLE).
   // Argument: why.
   std::function<void(const absl::Status& why)> on_lost;
+  // The daemon restarted (DAEMON_RESTARTING, or a crash: the stream broke with UNAVAILABLE) and this
+  // Mapping is attached again under a new client id: it handed its chunks' FDs back if the pool was
+  // RECOVERING, kept every chunk the daemon still has (same id, segment, offset and bytes) mapped
+  // untouched, unmapped the ones it lost and mapped any new ones. Called once per restart.
+  std::function<void(const DaemonRestart& restart)> on_restart;
   // KV connectors (docs/connectors.md). New bytes as contiguous ranges per segment, once mapped (grow or
   // wake by another session; this Client's own Grow/Wake reply carries `added` instead): export and
   // register just these (Client::ExportRanges with them).
@@ -365,7 +406,10 @@ class Mapping {
   // backed by memory.
   void* base() const;
   const std::string& pool() const;
-  const std::string& client_id() const;
+  // The daemon's id of this attachment; a new one after each daemon restart.
+  std::string client_id() const;
+  // The epoch of the daemon this Mapping is attached to now (DeviceStatus::epoch).
+  uint64_t epoch() const;
   const Geometry& geometry() const;
   const LayoutResolution& layout() const;
   // Layer l (< dims.layers) of block 0 with the byte strides of B, H, N, C.
@@ -388,7 +432,8 @@ class Mapping {
 class Client {
  public:
   // Opens a session on the handle channel and a gRPC channel to the daemon; UNAVAILABLE when no
-  // daemon listens.
+  // daemon listens. Every method then fails with UNAVAILABLE (and a retry hint) while the daemon is
+  // away, and re-opens the session once it is back.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Client>> Connect(ConnectOptions options = {});
   ~Client();
   Client(const Client&) = delete;

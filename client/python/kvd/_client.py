@@ -1,5 +1,6 @@
 """kvd.connect() / Client / Mapping: the Python client of a kvd daemon (one daemon, one device)."""
 
+import collections
 import dataclasses
 import logging
 import os
@@ -23,14 +24,20 @@ def default_socket(device=0):
     return _wire.socket_from_environment(device)
 
 
-def connect(socket=None, device=0, client_name=None, timeout=10.0):
+# The hint a call made while the daemon is away carries (docs/integrating.md, "When kvd restarts").
+RETRY_HINT = "retry in 1s"
+
+
+def connect(socket=None, device=0, client_name=None, timeout=10.0, reconnect_for=300.0):
     """Opens a session with the kvd daemon of `device` (or at `socket`) -> Client. `device` is an index
     (socket /run/kvd/gpu<N>.sock) or a device UUID (prefix), looked up among the node's kvds
-    (find_socket): the way to find the kvd of a GPU whose index differs in this process."""
+    (find_socket): the way to find the kvd of a GPU whose index differs in this process.
+    reconnect_for: seconds a Mapping's follower keeps trying to reach a restarted daemon (0: never)."""
     if socket is None and isinstance(device, str) and not device.isdigit():
         from ._group import find_socket  # noqa: PLC0415 (_group imports this module)
         socket = find_socket(device, timeout=timeout)
-    return Client(socket or default_socket(int(device)), client_name=client_name, timeout=timeout)
+    return Client(socket or default_socket(int(device)), client_name=client_name, timeout=timeout,
+                  reconnect_for=reconnect_for)
 
 
 def layout_rule_name(rule):
@@ -137,31 +144,129 @@ class _HostArray:
         self._owner = owner
 
 
+@dataclasses.dataclass
+class DaemonRestart:
+    """What a Mapping reports once it is attached again after its daemon restarted (on_restart); as
+    libkvd's DaemonRestart."""
+
+    epoch: int                 # the new daemon's
+    lost_chunk_ids: list       # chunks this Mapping had that the daemon no longer has (unmapped); [] = nothing lost
+    lost_bytes: int
+    returned_chunk_ids: list   # chunks whose FDs it handed back to a RECOVERING pool (adopted by the daemon)
+    committed_blocks: int      # the pool's, now
+
+
+_raised_open_file_limit = False
+
+
+def _raise_open_file_limit():
+    """A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart): lift this
+    process's soft open-file limit to its hard limit, once, as libkvd's Client::Connect does."""
+    global _raised_open_file_limit
+    if _raised_open_file_limit:
+        return
+    _raised_open_file_limit = True
+    try:
+        import resource  # noqa: PLC0415
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError):
+        pass  # best effort: the limit stays as it was
+
+
+class _Connection:
+    """One session with the daemon: the handle-channel session and a gRPC channel opened with it (as
+    libkvd's Client::Impl::Connection). A restarted daemon knows none of the old sessions, so both are
+    replaced together."""
+
+    def __init__(self, socket, client_name, timeout):
+        self.session = HandleSession(handles_path(socket), client_name, timeout=timeout)
+        # A subchannel of its own: gRPC's global pool would hand a new channel the old daemon's broken
+        # connection (or its reconnect backoff).
+        self.channel = grpc.insecure_channel("unix:" + socket, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.KvdStub(self.channel)
+        self.md = ((_wire.SESSION_METADATA_KEY, self.session.token),)
+
+
+class _Fatal(Exception):
+    """A reconnect attempt that retrying cannot fix: the Mapping is lost with `error`."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 class Client:
     """A session with one kvd daemon: a gRPC channel on the control socket plus the handle-channel
-    session (kept open as the session's liveness). Use as a context manager or call close()."""
+    session (kept open as the session's liveness). Use as a context manager or call close().
 
-    def __init__(self, socket, client_name=None, timeout=10.0):
+    While the daemon is away every call fails at once with KvdError UNAVAILABLE "kvd at SOCKET is not
+    answering (restarting?): retry in 1s: ..."; the first call once it is back opens a new session
+    (the token changes). Mappings reconnect on their own for `reconnect_for` seconds (see attach)."""
+
+    def __init__(self, socket, client_name=None, timeout=10.0, reconnect_for=300.0):
         self.socket = socket
         self.timeout = timeout
+        self.reconnect_for = reconnect_for
         name = client_name if client_name is not None else f"py-{os.getpid()}"
-        self.session = HandleSession(handles_path(socket), name, timeout=timeout)
         self.client_name = name
-        self._channel = grpc.insecure_channel("unix:" + socket)
-        self.stub = pb_grpc.KvdStub(self._channel)
-        self._md = ((_wire.SESSION_METADATA_KEY, self.session.token),)
+        _raise_open_file_limit()
+        self._conn = _Connection(socket, name, timeout)
+        self._reopen_lock = threading.Lock()
         self._lock = threading.Lock()
         self._mappings = {}  # pool name -> Mapping (at most one per pool: see attach)
         self._memories = {}  # local device index -> its mapper, opened on first use
         self._info = None
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _call(self, method, request, session=True, timeout=None):
+    @property
+    def session(self):
+        """The current handle-channel session (a new one after a daemon restart)."""
+        return self._conn.session
+
+    @property
+    def stub(self):
+        return self._conn.stub
+
+    def _not_answering(self, err):
+        if err.code != "UNAVAILABLE":
+            return err
+        return KvdError("UNAVAILABLE", f"kvd at {self.socket} is not answering (restarting?): {RETRY_HINT}: "
+                        f"{err.message}")
+
+    def _live(self):
+        """The current connection while its session is up; else a new one (the daemon restarted).
+        Raises UNAVAILABLE with the retry hint while no daemon answers."""
+        c = self._conn
+        if c.session.alive():
+            return c
+        with self._reopen_lock:
+            c = self._conn
+            if c.session.alive():
+                return c  # another thread re-opened it meanwhile
+            try:
+                fresh = _Connection(self.socket, self.client_name, self.timeout)
+            except KvdError as e:
+                raise self._not_answering(e) from None
+            self._conn = fresh
+        c.session.close()  # its daemon is gone; its channel closes with the last user
+        return fresh
+
+    def _call(self, method, request, session=True, timeout=None, conn=None):
+        """One RPC on `conn` (default: a live connection, re-opened after a restart). wait_for_ready
+        stays off: a call to a daemon that is away fails at once."""
+        c = conn if conn is not None else self._live()
         try:
-            return getattr(self.stub, method)(request, metadata=self._md if session else None,
-                                              timeout=timeout if timeout is not None else self.timeout)
+            return getattr(c.stub, method)(request, metadata=c.md if session else None,
+                                           timeout=timeout if timeout is not None else self.timeout)
         except grpc.RpcError as e:
-            raise KvdError.from_rpc(e) from None
+            err = KvdError.from_rpc(e)
+            # The daemon's own UNAVAILABLE (a RECOVERING pool) leaves the session up; a daemon that went
+            # away closed it.
+            if err.code == "UNAVAILABLE" and not c.session.alive():
+                err = self._not_answering(err)
+            raise err from None
 
     def _memory_backend(self, device=None):
         """The mapper for the local device `device` (None: the daemon's) -> (memory, peer_uuid);
@@ -242,7 +347,8 @@ class Client:
         """DeletePool -> released bytes."""
         return self._call("DeletePool", pb.DeletePoolRequest(name=name, force=force)).released_bytes
 
-    def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None):
+    def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None,
+               on_restart=None):
         """Attach + map every chunk + start following the pool -> Mapping.
 
         device: the device this process maps the pool from: None for the daemon's own (found by its
@@ -260,7 +366,13 @@ class Client:
         acknowledged; on_lost(why), a KvdError, once the Mapping is lost (everything unmapped):
         NOT_FOUND "pool P was deleted", UNAVAILABLE "kvd is stopping", the event stream's end or
         error, or a failure to map added chunks or to acknowledge a release (the Mapping then
-        detaches). They must not close the Mapping nor shrink/sleep this pool with wait=True.
+        detaches); after a daemon restart also NOT_FOUND "pool P did not survive the restart of kvd
+        ..." or UNAVAILABLE when the daemon was not back within reconnect_for.
+        on_restart(DaemonRestart) once per daemon restart (DAEMON_RESTARTING, or a crash: the stream
+        broke with UNAVAILABLE), after the Mapping reconnected: it handed its chunks' FDs back if the
+        pool was RECOVERING, attached again (a new client_id), kept every chunk the daemon still has
+        (same id, segment, offset, bytes) mapped untouched, unmapped the lost ones, mapped new ones.
+        They must not close the Mapping nor shrink/sleep this pool with wait=True.
         One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
         session."""
         with self._lock:
@@ -268,12 +380,15 @@ class Client:
                 raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this client; use its "
                                "Mapping or connect another client")
         memory, peer_uuid = self._memory_backend(device)
-        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid))
+        conn = self._live()
+        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid),
+                          conn=conn)
         try:
-            m = Mapping(self, memory, resp, on_grow, on_release, on_lost)
+            m = Mapping(self, memory, resp, on_grow, on_release, on_lost, conn=conn, on_restart=on_restart,
+                        client_name=client_name, peer_uuid=peer_uuid)
         except BaseException:
             try:
-                self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id))
+                self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=conn)
             except KvdError:
                 pass
             raise
@@ -390,10 +505,11 @@ class Client:
         FDs (once registered)."""
         req = pb.ExportRangesRequest(client_id=client_id,
                                      ranges=[pb.ByteRange(offset=o, bytes=b) for o, b in (ranges or [])])
-        resp = self._call("ExportRanges", req)
+        conn = self._live()  # the lease is this session's
+        resp = self._call("ExportRanges", req, conn=conn)
         if not resp.handles:
             return resp, []
-        fds = self.session.fetch(resp.lease.token)
+        fds = conn.session.fetch(resp.lease.token)
         if [i for i, _ in fds] != list(range(len(resp.handles))):
             for _, fd in fds:
                 os.close(fd)
@@ -408,8 +524,8 @@ class Client:
             self._mappings.clear()
         for m in mappings:
             m.close()
-        self._channel.close()
-        self.session.close()
+        self._conn.channel.close()
+        self._conn.session.close()
         with self._lock:
             memories, self._memories = list(self._memories.values()), {}
         for memory in memories:
@@ -427,37 +543,49 @@ class Client:
         self.close()
 
 
+# One mapped chunk: where, its import handle, its FD (kept open to hand the chunk back after a daemon
+# restart) and where the daemon placed it.
+_Mapped = collections.namedtuple("_Mapped", "va bytes handle fd segment offset")
+
+
 class Mapping:
     """One attached pool, mapped at `base` in this process: VA for geometry.reserved_bytes, every
     chunk at base + chunk.offset. A daemon thread follows the pool's Watch stream (maps grown/woken
-    chunks, unmaps and acknowledges released ones). close() detaches, unmaps and frees the VA.
+    chunks, unmaps and acknowledges released ones; after a daemon restart it reconnects: see
+    Client.attach's on_restart). close() detaches, unmaps and frees the VA.
 
     Views from layer() span the pool's whole capacity (the pointers never move); only blocks below
     `committed_blocks` are backed while the pool is awake. Touching others faults (SIGSEGV on
     host, an illegal address on CUDA). Views must not be used after close()."""
 
-    def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None):
+    def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None, conn=None, on_restart=None,
+                 client_name="", peer_uuid=""):
         self._client = client
         self._memory = memory
+        self._conn = conn if conn is not None else client._live()
         self.client_id = attached.client_id
         pool = attached.pool
         self.pool_name = pool.name
+        self.epoch = pool.epoch
         self.device_uuid = memory.device.uuid if memory.device is not None else ""
         self.geometry = Geometry.from_proto(pool.geometry, pool.layout)
         self.layout_resolution = pool.layout
         self.committed_blocks = pool.committed_blocks
         self.state = pool.state
-        self.on_grow, self.on_release, self.on_lost = on_grow, on_release, on_lost
+        self.on_grow, self.on_release, self.on_lost, self.on_restart = on_grow, on_release, on_lost, on_restart
+        self._client_name, self._peer_uuid = client_name, peer_uuid
         self.closed = False
         self.gone = None  # once the Mapping is lost: the KvdError on_lost got (everything is unmapped then)
         self._lock = threading.RLock()
-        self._chunks = {}  # id -> (va, bytes, import handle)
+        self._closing = threading.Event()
+        self._chunks = {}  # id -> _Mapped
         self.events_seen = 0
         self._watch = self._thread = None
+        self._restart_announced = False  # the follower's: the last stream ended with DAEMON_RESTARTING
         self.base = memory.reserve(self.geometry.reserved_bytes, self.geometry.granularity_bytes)
         try:
             self._map_lease(attached.lease, list(pool.chunks))
-            self._watch = client.stub.Watch(pb.WatchRequest(client_id=self.client_id), metadata=client._md)
+            self._watch = self._conn.stub.Watch(pb.WatchRequest(client_id=self.client_id), metadata=self._conn.md)
             self._watch.initial_metadata()  # the daemon registered the watch
             self._thread = threading.Thread(target=self._follow, name=f"kvd-follow-{self.pool_name}", daemon=True)
             self._thread.start()
@@ -469,27 +597,30 @@ class Mapping:
             raise
 
     # -- mapping --------------------------------------------------------------------------------
-    def _map_lease(self, lease, chunks):
+    def _map_lease(self, lease, chunks, conn=None):
+        """Fetches `lease` and maps each of `chunks` at base + offset, keeping its FD; a chunk mapped
+        already (same id, segment, offset, bytes: a re-attach after a restart) stays as it is."""
         if not chunks:
             return []
-        fds = self._client.session.fetch(lease.token)
+        fds = (conn or self._conn).session.fetch(lease.token)
         by_id = {c.id: c for c in chunks}
         mapped = []
         try:
             with self._lock:
                 for i, (chunk_id, fd) in enumerate(fds):
-                    try:
-                        c = by_id.get(chunk_id)
-                        if c is None:
-                            raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
-                        if chunk_id not in self._chunks:
-                            va = self.base + c.offset
-                            handle = self._memory.import_and_map(va, c.bytes, fd)
-                            self._chunks[chunk_id] = (va, c.bytes, handle)
-                            mapped.append(c)
-                    finally:
-                        os.close(fd)  # the mapping keeps the memory
-                        fds[i] = (chunk_id, -1)
+                    c = by_id.get(chunk_id)
+                    if c is None:
+                        raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
+                    have = self._chunks.get(chunk_id)
+                    if have is not None and (have.segment, have.offset, have.bytes) == (c.segment, c.offset, c.bytes):
+                        continue  # the same chunk, mapped already: its fetched FD closes below
+                    if have is not None:
+                        self._unmap([chunk_id])
+                    va = self.base + c.offset
+                    handle = self._memory.import_and_map(va, c.bytes, fd)
+                    self._chunks[chunk_id] = _Mapped(va, c.bytes, handle, fd, c.segment, c.offset)
+                    fds[i] = (chunk_id, -1)  # now the Mapping's: closed when the chunk is unmapped
+                    mapped.append(c)
         finally:
             for _, fd in fds:
                 if fd >= 0:
@@ -502,7 +633,10 @@ class Mapping:
             for cid in chunk_ids:
                 entry = self._chunks.pop(cid, None)
                 if entry is not None:
-                    self._memory.unmap(*entry)
+                    try:
+                        self._memory.unmap(entry.va, entry.bytes, entry.handle)
+                    finally:
+                        os.close(entry.fd)
                     done.append(cid)
         return done
 
@@ -520,7 +654,8 @@ class Mapping:
         except KvdError as e:
             if e.code != "FAILED_PRECONDITION":
                 raise
-            live = {c.id for c in self._client.pool(self.pool_name).chunks}
+            live = {c.id for c in self._client._call("GetPool", pb.GetPoolRequest(name=self.pool_name),
+                                                     conn=self._conn).chunks}
             if any(c.id in live for c in chunks):
                 raise
             _log.info("kvd: pool %s: chunks released before they were mapped: %s", self.pool_name, e.message)
@@ -547,11 +682,24 @@ class Mapping:
             _log.exception("kvd: a callback of pool %s raised", self.pool_name)
 
     def _follow(self):
-        """The follower thread: acts on each event, then calls back; mirrors libkvd's Mapping::Impl::Follow."""
+        """The follower thread: follows the event stream, and after a daemon restart reattaches and
+        follows the new one; mirrors libkvd's Mapping::Impl::Follow."""
+        watch = self._watch
+        while watch is not None:
+            why = self._follow_stream(watch)
+            if why is None:
+                return
+            watch = self._reattach(why)
+
+    def _follow_stream(self, watch):
+        """Acts on each event of one stream, then calls back. Returns why to reconnect (the daemon
+        restarted), or None once the Mapping is lost or closing."""
         name = self.pool_name
         why = None
+        restarting = False
+        ended = None  # the stream's own end: None (it ended), or the KvdError it broke with
         try:
-            for ev in self._watch:
+            for ev in watch:
                 self.events_seen += 1
                 if ev.type == pb.EVENT_TYPE_CHUNKS_ADDED:
                     with self._lock:
@@ -576,10 +724,12 @@ class Mapping:
                         self.committed_blocks = ev.committed_blocks
                         if ev.state == pb.POOL_STATE_SLEEPING:
                             self.state = ev.state
+                        conn, client_id = self._conn, self.client_id
                     if ev.release_id:
                         try:
-                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=self.client_id,
-                                                                                     release_id=ev.release_id))
+                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
+                                                                                     release_id=ev.release_id),
+                                               conn=conn)
                         except KvdError as e:
                             why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
                             break
@@ -591,15 +741,152 @@ class Mapping:
                 elif ev.type == pb.EVENT_TYPE_DAEMON_STOPPING:
                     why = KvdError("UNAVAILABLE", "kvd is stopping")
                     break
-            else:
-                why = KvdError("UNAVAILABLE", f"the event stream of pool {name} ended")
+                elif ev.type == pb.EVENT_TYPE_DAEMON_RESTARTING:
+                    restarting = True
+                    break
         except grpc.RpcError as e:
-            err = KvdError.from_rpc(e)
-            why = KvdError(err.code, f"the event stream of pool {name} broke: {err.message}")
+            ended = KvdError.from_rpc(e)
         except Exception as e:  # a bug: still lose the Mapping rather than leave it half followed
             _log.exception("kvd: following pool %s failed", name)
             why = KvdError("INTERNAL", f"following pool {name}: {type(e).__name__}: {e}")
+        if why is None:
+            with self._lock:
+                if self.closed or self.gone is not None:
+                    return None
+            reconnect = self._client.reconnect_for > 0
+            self._restart_announced = restarting
+            if restarting:
+                watch.cancel()  # the daemon closes it anyway
+                if reconnect:
+                    return KvdError("UNAVAILABLE", "kvd is restarting")
+                why = KvdError("UNAVAILABLE", "kvd is restarting and this client does not reconnect "
+                               "(reconnect_for = 0)")
+            elif reconnect and ended is not None and (ended.code == "UNAVAILABLE" or not self._conn.session.alive()):
+                return ended  # a crash: the stream broke and the daemon closed the session with it
+            elif ended is not None:
+                why = KvdError(ended.code, f"the event stream of pool {name} broke: {ended.message}")
+            else:
+                why = KvdError("UNAVAILABLE", f"the event stream of pool {name} ended")
         self._lose(why)
+        return None
+
+    def _reattach(self, why):
+        """After a daemon restart: _try_reattach with backoff (50 ms doubling to 2 s) for the Client's
+        reconnect_for seconds -> the new Watch stream, or None once the Mapping is lost or closing."""
+        limit = self._client.reconnect_for
+        give_up = time.monotonic() + limit
+        delay = 0.05
+        last = why
+        restart = DaemonRestart(epoch=0, lost_chunk_ids=[], lost_bytes=0, returned_chunk_ids=[], committed_blocks=0)
+        while True:
+            with self._lock:
+                if self.closed or self.gone is not None:
+                    return None
+            try:
+                watch = self._try_reattach(restart)
+            except _Fatal as e:
+                self._lose(e.error)
+                return None
+            except KvdError as e:
+                last = e
+            else:
+                if self.on_restart:
+                    self._callback(self.on_restart, restart)
+                return watch
+            if time.monotonic() + delay > give_up:
+                self._lose(KvdError("UNAVAILABLE", f"kvd at {self._client.socket} did not take pool {self.pool_name} "
+                                    f"back within {limit:g}s: {last.message}"))
+                return None
+            if self._closing.wait(delay):
+                return None
+            delay = min(delay * 2, 2.0)
+
+    def _try_reattach(self, restart):
+        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> the new watch."""
+        client, name = self._client, self.pool_name
+        old = self._conn
+        c = client._live()
+        if self._restart_announced and c is old:  # it says RESTARTING before it exits: attach to the next one
+            raise KvdError("UNAVAILABLE", f"kvd at {client.socket} is still stopping")
+        try:
+            now = client._call("GetPool", pb.GetPoolRequest(name=name), conn=c)
+        except KvdError as e:
+            if e.code == "NOT_FOUND":
+                raise _Fatal(KvdError("NOT_FOUND", f"pool {name} did not survive the restart of kvd at "
+                                      f"{client.socket}: {e.message}")) from None
+            raise
+        # A pool restored without its memory waits for its clients to hand the chunks back.
+        if now.state == pb.POOL_STATE_RECOVERING and now.missing_chunk_ids:
+            mine = []
+            try:
+                with self._lock:  # dups: the Mapping's own FDs stay its own
+                    for cid in now.missing_chunk_ids:
+                        entry = self._chunks.get(cid)
+                        if entry is not None:
+                            mine.append((cid, os.dup(entry.fd)))
+                if mine:
+                    try:
+                        returned = c.session.return_handles(name, mine)
+                        restart.returned_chunk_ids.extend(returned.adopted_chunk_ids)
+                    except KvdError as e:
+                        if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                            raise
+                        # The pieces do not agree, or the pool no longer waits: nothing was adopted, and
+                        # whatever the daemon lacks shows as lost below.
+            finally:
+                for _, fd in mine:
+                    os.close(fd)
+        try:
+            resp = client._call("Attach", pb.AttachRequest(pool=name, client_name=self._client_name,
+                                                           device_uuid=self._peer_uuid), conn=c)
+        except KvdError as e:
+            # UNAVAILABLE: still RECOVERING, waiting for other clients' chunks or for its grace to pass.
+            if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                raise
+            raise _Fatal(KvdError(e.code, f"attaching pool {name} again after kvd restarted: {e.message}")) from None
+        watch = None
+        try:
+            found = Geometry.from_proto(resp.pool.geometry)
+            if dataclasses.replace(found, rule="") != dataclasses.replace(self.geometry, rule=""):
+                raise _Fatal(KvdError("FAILED_PRECONDITION", f"pool {name} has another geometry since kvd restarted "
+                                      "(it was created again)"))
+            # Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has
+            # the same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same
+            # name since.
+            restored = resp.pool.epoch > 1
+            watch = c.stub.Watch(pb.WatchRequest(client_id=resp.client_id), metadata=c.md)
+            with self._lock:
+                if self.closed or self.gone is not None:
+                    raise _Fatal(KvdError("CANCELLED", "closing"))
+                # Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
+                theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks} if restored else {}
+                gone = [cid for cid, m in self._chunks.items() if theirs.get(cid) != (m.segment, m.offset, m.bytes)]
+                for cid in gone:
+                    restart.lost_chunk_ids.append(cid)
+                    restart.lost_bytes += self._chunks[cid].bytes
+                self._unmap(gone)
+                try:
+                    self._map_lease(resp.lease, list(resp.pool.chunks), conn=c)
+                except KvdError as e:
+                    raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
+                self.committed_blocks = resp.pool.committed_blocks
+                self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
+                    pb.POOL_STATE_AWAKE
+                self._conn, self.client_id, self.epoch, self._watch = c, resp.client_id, resp.pool.epoch, watch
+                restart.epoch, restart.committed_blocks = self.epoch, self.committed_blocks
+            watch.initial_metadata()  # the daemon registered the watch (events since the Attach are queued)
+            return watch
+        except BaseException:
+            with self._lock:
+                adopted = self._watch is watch
+            if not adopted:
+                if watch is not None:
+                    watch.cancel()
+                try:
+                    client._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=c)
+                except KvdError:
+                    pass
+            raise
 
     def _lose(self, why):
         """Unmaps everything, marks the Mapping lost and calls on_lost(why), once; nothing after close().
@@ -611,7 +898,8 @@ class Mapping:
             self._unmap_all()
             self.committed_blocks = 0
             self.gone = why
-        self._watch.cancel()
+            watch = self._watch
+        watch.cancel()
         if self.on_lost:
             self._callback(self.on_lost, why)
 
@@ -673,11 +961,16 @@ class Mapping:
             if self.closed:
                 return
             self.closed = True
+            conn, client_id = self._conn, self.client_id
+        self._closing.set()
         try:
-            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=self.client_id))
+            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id), conn=conn,
+                               timeout=min(self._client.timeout, 5.0))
         except KvdError:
             pass  # already detached (pool deleted, daemon gone): nothing to undo there
-        self._watch.cancel()
+        with self._lock:
+            watch = self._watch
+        watch.cancel()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         self._unmap_all()

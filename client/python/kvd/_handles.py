@@ -2,6 +2,7 @@
 Mirrors client/handle_client.cc."""
 
 import os
+import select
 import socket
 import time
 
@@ -128,6 +129,51 @@ class HandleSession:
         except BaseException:
             _close_all(fd for _, fd in out)
             raise
+        finally:
+            s.close()
+
+    def alive(self):
+        """Whether the session's connection is still up: False once the daemon closed it (it exited or
+        restarted; its sessions do not survive) or after close(). Does not block. As libkvd's
+        HandleSession::Alive."""
+        sock = self._sock
+        if sock is None:
+            return False
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0x2000))
+        # The daemon sends nothing on a session's connection after SessionOpened: anything readable is
+        # its end of file.
+        return not p.poll(0)
+
+    def return_handles(self, pool, chunks, timeout=None):
+        """After a daemon restart: gives the FDs of `pool`'s chunks ([(chunk_id, fd), ...], the caller's
+        still) back to a RECOVERING pool, at most 250 per packet -> kvd.v1.HandlesReturned."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        chunks = list(chunks)
+        s = _connect(self.path, timeout)
+        try:
+            i = 0
+            while True:
+                part = chunks[i:i + MAX_FDS_PER_PACKET]
+                i += len(part)
+                req = pb.HandleChannelRequest()
+                r = req.return_handles
+                r.session_token, r.pool, r.last = self.token, pool, i >= len(chunks)
+                r.chunk_ids.extend(cid for cid, _ in part)
+                try:
+                    socket.send_fds(s, [req.SerializeToString()], [fd for _, fd in part])
+                except (BrokenPipeError, ConnectionResetError):
+                    break  # the daemon refused an earlier packet: its error follows
+                except socket.timeout:
+                    raise KvdError("DEADLINE_EXCEEDED", f"handle channel {self.path}: could not send") from None
+                if i >= len(chunks):
+                    break
+            reply, fds = _receive(s, self.path, deadline)
+            _close_all(fds)
+            if not reply.HasField("handles_returned"):
+                raise KvdError("INTERNAL", f"handle channel {self.path}: unexpected reply to ReturnHandles")
+            return reply.handles_returned
         finally:
             s.close()
 

@@ -356,22 +356,25 @@ class KvdPythonTest(unittest.TestCase):
         self.assertEqual(e.exception.code, "NOT_FOUND")
         self.c._call("Detach", kvd.v1_pb2.DetachRequest(pool="err", client_id=r.client_id))
 
-    def test_fds_closed_and_memory_unmapped(self):
+    def test_one_fd_per_mapped_chunk_and_none_after_close(self):
         self.create("fds")
         self.c.pools()  # the channel is connected: its socket is in the baseline
         before, maps_before = fd_count(), memfd_maps()
         self.assertEqual(memfd_fds(), 0)
         m = self.c.attach("fds")
-        self.assertEqual(memfd_fds(), 0)  # the chunk FDs were closed after mmap
+        # Each mapped chunk's FD stays open (to hand it back after a daemon restart), and only those.
+        self.assertEqual(memfd_fds(), len(m.mapped_chunks))
         self.assertGreater(memfd_maps(), maps_before)
         self.c.grow("fds", 64)
-        self.assertEqual(memfd_fds(), 0)
+        self.assertEqual(memfd_fds(), len(m.mapped_chunks))
         self.c.shrink("fds", 32, wait=True)
+        self.assertEqual(memfd_fds(), len(m.mapped_chunks))
         self.c.sleep("fds", wait=True)
+        self.assertEqual(memfd_fds(), 0)  # unmapped chunks close their FDs
         self.c.wake("fds")
-        self.assertEqual(memfd_fds(), 0)
-        # Nothing of ours stays open (gRPC may keep a few of its own: at most 4 more than at the start).
-        self.assertLessEqual(fd_count(), before + 4)
+        self.assertEqual(memfd_fds(), len(m.mapped_chunks))
+        # Nothing else of ours stays open (gRPC may keep a few of its own: at most 4 more than at the start).
+        self.assertLessEqual(fd_count(), before + 4 + len(m.mapped_chunks))
         m.close()
         self.assertEqual(memfd_fds(), 0)
         self.assertLessEqual(fd_count(), before + 4)

@@ -56,9 +56,10 @@ class Recorder:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.grows = self.releases = self.lost = 0
+        self.grows = self.releases = self.lost = self.restarts = 0
         self.blocks = None
         self.why = None
+        self.restart = None
 
     def on_grow(self, committed_blocks):
         with self.lock:
@@ -74,6 +75,11 @@ class Recorder:
         with self.lock:
             self.lost += 1
             self.why = why
+
+    def on_restart(self, restart):
+        with self.lock:
+            self.restarts += 1
+            self.restart = restart
 
 
 def observe_pool(p, o):
@@ -178,11 +184,16 @@ class Run:
         o.committed_blocks = m.committed_blocks
         o.state = "lost" if m.gone is not None else pool_state_name(m.state)
         o.mapped_chunks = len(m.mapped_chunks)
+        o.epoch = m.epoch
         o.layout = m.geometry.layout
         o.rule = m.geometry.rule
         o.warnings_contain.extend(m.layout_resolution.warnings)
         with rec.lock:
-            o.on_grow, o.on_release, o.on_lost = rec.grows, rec.releases, rec.lost
+            o.on_grow, o.on_release, o.on_lost, o.on_restart = rec.grows, rec.releases, rec.lost, rec.restarts
+            if rec.restart is not None:
+                o.restart_epoch = rec.restart.epoch
+                o.lost_chunks = len(rec.restart.lost_chunk_ids)
+                o.returned_chunks = len(rec.restart.returned_chunk_ids)
             if rec.blocks is not None:
                 o.callback_blocks = rec.blocks
             if rec.why is not None:
@@ -207,6 +218,9 @@ class Run:
                 proc.wait()
             else:
                 proc.send_signal(signal.SIGTERM)
+            return
+        if op == "restart_daemon":
+            self.case.restart_daemon(step.daemon)
             return
         if op == "find_socket":
             socket = kvd.find_socket(self.expand(step.device), socket_dir=self.case.dir)
@@ -236,7 +250,8 @@ class Run:
                     entry[0].close()
             self.clients.pop(step.client).close()
         elif op == "device_info":
-            o.pools = c.device_info().pool_count
+            info = c.device_info()
+            o.pools, o.epoch = info.pool_count, info.epoch
         elif op == "list_pools":
             o.pools = len(c.pools())
         elif op == "create_pool":
@@ -259,6 +274,7 @@ class Run:
         elif op == "attach":
             rec = Recorder()
             m = c.attach(step.pool, on_grow=rec.on_grow, on_release=rec.on_release, on_lost=rec.on_lost,
+                         on_restart=rec.on_restart,
                          client_name=step.client_name, device=self.expand(step.device) or None)
             self.observe_mapping(m, rec, o)
             self.mappings[step.mapping] = (m, rec)

@@ -135,7 +135,8 @@ class WireOnARealDaemonTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, "kvd did not become ready: " + KvdDaemonCase._read(log_path))
             time.sleep(0.02)
 
-        self.assertEqual(sorted(os.listdir(directory)), ["control", "control.handles", "kvd.log"])
+        # The saved state (--state-dir=auto) goes beside the socket too: <socket without .sock>.state.
+        self.assertEqual(sorted(os.listdir(directory)), ["control", "control.handles", "control.state", "kvd.log"])
         self.assertEqual(_wire.handles_path_for(control), control + ".handles")
         with kvd.connect(socket=control, client_name="wire-test") as c:
             self.assertEqual(c.device_info().device_index, 0)

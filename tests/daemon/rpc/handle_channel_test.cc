@@ -97,6 +97,22 @@ class FakeBackend : public HandleChannelBackend {
     return out;
   }
 
+  // Adopts every FD it is given (and closes it), reporting their chunk ids back.
+  absl::StatusOr<v1::HandlesReturned> ReturnHandles(absl::string_view session, uint32_t peer_uid, absl::string_view,
+                                                    std::vector<std::pair<uint64_t, UniqueFd>> fds) override {
+    absl::MutexLock lock(&mu_);
+    auto known = sessions_.find(std::string(session));
+    if (known == sessions_.end()) return absl::UnauthenticatedError(absl::StrCat("session ", session, ": unknown"));
+    if (known->second.uid != peer_uid) return absl::PermissionDeniedError("peer uid differs from the session's");
+    v1::HandlesReturned out;
+    for (const auto& [id, fd] : fds) {
+      if (!fd.valid()) return absl::InvalidArgumentError("an invalid FD");
+      out.add_adopted_chunk_ids(id);
+    }
+    out.set_state(v1::POOL_STATE_AWAKE);
+    return out;
+  }
+
   void AddLease(std::string lease, std::vector<std::pair<uint64_t, int>> chunks) {
     absl::MutexLock lock(&mu_);
     leases_[std::move(lease)] = std::move(chunks);
