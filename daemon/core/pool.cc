@@ -381,6 +381,28 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
     ids.push_back(r.info.id);
     c.handed[r.info.id] = r.info.bytes;
   }
+  // The session's detached clients of this pool (a follower whose stream broke, re-attaching) hand what
+  // they still hold to the new client: it is told of their unsettled releases, so that its
+  // acknowledgement, not the session's end, settles them.
+  for (auto h = holders_.begin(); h != holders_.end();) {
+    if (h->second.session != caller.session) {
+      ++h;
+      continue;
+    }
+    for (const auto& [chunk, bytes] : h->second.handed) {
+      c.handed[chunk] = bytes;
+      c.fetched.insert(chunk);
+    }
+    for (auto& [release_id, release] : releases_) {
+      if (release.waiting.erase(h->first) == 0) continue;
+      release.waiting.insert(c.id);
+      PoolEvent e = EventLocked(EventType::kChunksReleased);
+      e.chunks = release.chunks;
+      e.release_id = release_id;
+      c.events->Push(std::move(e));
+    }
+    h = holders_.erase(h);
+  }
   AttachResult result{.client_id = c.id};
   result.lease = shared_.leases->Issue(name_, caller.session, c.id, std::move(ids));
   clients_.emplace(c.id, std::move(c));

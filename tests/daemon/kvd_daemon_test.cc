@@ -1761,6 +1761,51 @@ TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrIts
   EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
 }
 
+TEST_F(KvdDaemonTest, ReattachingInTheSameSessionTakesOverWhatTheDetachedClientHeld) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  ASSERT_THAT(Grow(admin(), "kv", 512), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "follower"));
+  auto attach = [&](v1::AttachResponse* attached) {
+    v1::AttachRequest request;
+    request.set_pool("kv");
+    return stub().Attach(Ctx(session.token()).get(), request, attached);
+  };
+  v1::AttachResponse first;
+  ASSERT_THAT(attach(&first), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(auto fds, session.Fetch(first.lease().token()));
+  for (const auto& [id, fd] : fds) close(fd);
+  v1::DetachRequest detach;
+  detach.set_client_id(first.client_id());
+  v1::DetachResponse detached;
+  ASSERT_THAT(stub().Detach(Ctx(session.token()).get(), detach, &detached), GrpcOk());
+  v1::ShrinkRequest shrink;
+  shrink.set_pool("kv");
+  shrink.set_target_blocks(64);
+  v1::PoolUpdate shrunk;
+  ASSERT_THAT(stub().Shrink(Ctx(session.token()).get(), shrink, &shrunk), GrpcOk());
+  ASSERT_GT(Get("kv").pending_release_bytes(), 0u);  // the detached client fetched those chunks
+
+  // The same session attaches again (a follower whose stream broke): the new client is told of the
+  // release and its acknowledgement settles it.
+  v1::AttachResponse second;
+  ASSERT_THAT(attach(&second), GrpcOk());
+  v1::WatchRequest watch;
+  watch.set_client_id(second.client_id());
+  std::unique_ptr<grpc::ClientContext> ctx = Ctx(session.token());
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> events = stub().Watch(ctx.get(), watch);
+  v1::PoolEvent event;
+  ASSERT_TRUE(events->Read(&event));
+  EXPECT_EQ(event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  EXPECT_EQ(event.release_id(), shrunk.release_id());
+  v1::AcknowledgeRequest ack;
+  ack.set_client_id(second.client_id());
+  ack.set_release_id(event.release_id());
+  v1::AcknowledgeResponse acked;
+  ASSERT_THAT(stub().Acknowledge(Ctx(session.token()).get(), ack, &acked), GrpcOk());
+  EXPECT_EQ(acked.pending_release_bytes(), 0u);
+  ctx->TryCancel();
+}
+
 TEST_F(KvdDaemonTest, ZeroBlocksRefusesARepeatedBlockBeforeAnyWork) {
   ASSERT_THAT(Create("kv", 64), GrpcOk());
   v1::ZeroBlocksRequest request;
