@@ -40,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -52,10 +53,12 @@
 #include "daemon/core/limits.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
 #include "daemon/state/state_store.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kvd/device.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
@@ -79,6 +82,7 @@ struct Flags {
   std::string device = "0";  // an index or a UUID (prefix): ResolveDeviceSelector
   std::string socket;        // default /run/kvd/gpu<N>.sock
   std::string metrics_address;
+  bool metrics_clients = false;
   std::string budget = "90%";
   std::string host_capacity;  // default: physical memory
   std::string host_granularity = "2MiB";
@@ -150,12 +154,22 @@ class JsonMessageFlag final : public spdlog::custom_flag_formatter {
   std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
 };
 
-// gRPC's own log lines join kvd's, in kvd's format.
+// gRPC's own log lines join kvd's, in kvd's format. Their messages may quote what a peer sent (garbage
+// on the control socket is echoed by the HTTP/2 parser), so they are C-escaped: one line, no raw bytes.
 void GrpcLog(gpr_log_func_args* args) {
   const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
                                           : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
                                                                                     : spdlog::level::debug;
-  spdlog::log(level, "grpc: {} ({}:{})", args->message, args->file, args->line);
+  const std::string message = absl::CEscape(args->message == nullptr ? "" : args->message);
+  spdlog::log(level, "grpc: {} ({}:{})", message, args->file, args->line);
+}
+
+// Protobuf's own log lines (a request with a string field that is not UTF-8, say) join kvd's, escaped.
+void ProtobufLog(google::protobuf::LogLevel level, const char* filename, int line, const std::string& message) {
+  const spdlog::level::level_enum to = level >= google::protobuf::LOGLEVEL_ERROR     ? spdlog::level::err
+                                       : level == google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn
+                                                                                     : spdlog::level::info;
+  spdlog::log(to, "protobuf: {} ({}:{})", absl::CEscape(message), filename, line);
 }
 
 absl::Status SetUpLogging(const Flags& f) {
@@ -172,6 +186,7 @@ absl::Status SetUpLogging(const Flags& f) {
   logger->set_level(level);
   spdlog::set_default_logger(std::move(logger));
   gpr_set_log_function(GrpcLog);
+  google::protobuf::SetLogHandler(ProtobufLog);
   gpr_set_log_verbosity(level <= spdlog::level::debug ? GPR_LOG_SEVERITY_DEBUG : GPR_LOG_SEVERITY_ERROR);
   return absl::OkStatus();
 }
@@ -560,26 +575,34 @@ absl::Status Run(const Flags& f) {
                                                  BuildInfo{.version = KVD_VERSION,
                                                            .backend = BackendName(device->kind()),
                                                            .device = absl::StrCat(info.index),
-                                                           .uuid = info.uuid}));
+                                                           .uuid = info.uuid},
+                                                 f.metrics_clients));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
   }
-  KvdService service(&manager, KvdService::Options{.granularity = granularity, .metrics = metrics.get()});
+  // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
+  // (SO_PEERCRED) a session token is checked against: ControlSocket.
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<ControlSocket> control, ControlSocket::Listen(socket_path, 0660));
+  const std::optional<SocketId> socket_id = IdOf(socket_path);
+  absl::Cleanup remove_socket = [&] { RemoveSocket(socket_path, socket_id); };
+  KvdService service(&manager,
+                     KvdService::Options{.granularity = granularity, .metrics = metrics.get(), .peers = control.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", socket_path), grpc::InsecureServerCredentials());
   // Larger requests are refused by gRPC itself, before any handler runs (RESOURCE_EXHAUSTED).
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_request_bytes));
   builder.RegisterService(&service);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeParseErrorInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
-  const std::optional<SocketId> socket_id = IdOf(socket_path);
   absl::Cleanup stop_server = [&] {
+    control->Stop();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    RemoveSocket(socket_path, socket_id);
   };
-  if (chmod(socket_path.c_str(), 0660) != 0) return ErrnoStatus(errno, absl::StrCat("chmod 0660 ", socket_path));
+  control->Serve(server.get());
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
 
@@ -638,6 +661,7 @@ absl::Status Run(const Flags& f) {
   // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
   // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
   std::move(stop_server).Cancel();
+  control->Stop();
   server->GetHealthCheckService()->SetServingStatus(false);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
   const auto stop_server_now = [&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); };
@@ -687,6 +711,9 @@ int Main(int argc, char** argv) {
                  "is the same path with .sock replaced by .handles");
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT to serve Prometheus /metrics on (default: not served)");
+  app.add_flag("--metrics-clients", f.metrics_clients,
+               "Also serve kvd_client_mapped_bytes, one series per attached client with its pid, uid and name "
+               "(off: /metrics has no authentication; turn on only where only trusted users can reach it)");
   app.add_option("--budget", f.budget, "Most memory committed at once: SIZE (100GiB) or PCT% of the device")
       ->capture_default_str();
   app.add_option("--host-capacity", f.host_capacity, "Host backend: memory it may commit (default: physical memory)");

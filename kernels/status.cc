@@ -4,9 +4,19 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvd {
+namespace {
+
+constexpr absl::string_view kOutOfFds = "; out of file descriptors, not out of memory";
+
+}  // namespace
+
+bool IsOutOfFileDescriptors(const absl::Status& status) {
+  return absl::IsResourceExhausted(status) && absl::StrContains(status.message(), kOutOfFds);
+}
 
 absl::Status ErrnoStatus(int err, absl::string_view call) {
   // strerrordesc_np/strerrorname_np (glibc 2.32) are thread-safe and never format into a buffer.
@@ -23,8 +33,8 @@ absl::Status ErrnoStatus(int err, absl::string_view call) {
     case EMFILE:
     case ENFILE:
       // Not device or host memory: the process (EMFILE) or the system (ENFILE) ran out of FDs.
-      return absl::ResourceExhaustedError(absl::StrCat(
-          message, "; out of file descriptors, not out of memory: raise the limit (ulimit -n, LimitNOFILE=)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(message, kOutOfFds, ": raise the limit (ulimit -n, LimitNOFILE=)"));
     case EINVAL:
     case EBADF:
       return absl::InvalidArgumentError(message);

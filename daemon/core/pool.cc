@@ -253,13 +253,13 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
   for (auto& [id, client] : clients_) {
     for (const ChunkInfo& c : update.added) client.handed[c.id] = c.bytes;
     if (!replied && client.session == session) {
-      update.lease = shared_.leases->Issue(name_, client.session, ids);
+      update.lease = shared_.leases->Issue(name_, client.session, id, ids);
       replied = true;
       continue;
     }
     PoolEvent e = EventLocked(EventType::kChunksAdded);
     e.chunks = update.added;
-    e.lease = shared_.leases->Issue(name_, client.session, ids);
+    e.lease = shared_.leases->Issue(name_, client.session, id, ids);
     client.events->Push(std::move(e));
   }
   update.pool = ViewLocked(ViewClients::kCounted);
@@ -303,6 +303,15 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
       e.chunks = release.chunks;
       e.release_id = id;
       client.events->Push(std::move(e));
+    }
+    // A detached client still holding some of the chunks is waited for too; it has no stream to be told
+    // on, so its session's end (or an acknowledgement of an earlier release) settles it.
+    for (const auto& [holder_id, holder] : holders_) {
+      const std::map<uint64_t, uint64_t>& handed = holder.handed;
+      if (std::any_of(release.chunks.begin(), release.chunks.end(),
+                      [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
+        release.waiting.insert(holder_id);
+      }
     }
     releases_.emplace(id, std::move(release));
     SettleReleasesLocked();
@@ -395,18 +404,62 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
     ids.push_back(r.info.id);
     c.handed[r.info.id] = r.info.bytes;
   }
+  // The session's detached clients of this pool (a follower whose stream broke, re-attaching) hand what
+  // they still hold to the new client: it is told of their unsettled releases, so that its
+  // acknowledgement, not the session's end, settles them.
+  for (auto h = holders_.begin(); h != holders_.end();) {
+    if (h->second.session != caller.session) {
+      ++h;
+      continue;
+    }
+    for (const auto& [chunk, bytes] : h->second.handed) {
+      c.handed[chunk] = bytes;
+      c.fetched.insert(chunk);
+    }
+    for (auto& [release_id, release] : releases_) {
+      if (release.waiting.erase(h->first) == 0) continue;
+      release.waiting.insert(c.id);
+      PoolEvent e = EventLocked(EventType::kChunksReleased);
+      e.chunks = release.chunks;
+      e.release_id = release_id;
+      c.events->Push(std::move(e));
+    }
+    h = holders_.erase(h);
+  }
   AttachResult result{.client_id = c.id};
-  result.lease = shared_.leases->Issue(name_, caller.session, std::move(ids));
+  result.lease = shared_.leases->Issue(name_, caller.session, c.id, std::move(ids));
   clients_.emplace(c.id, std::move(c));
   result.pool = ViewLocked(ViewClients::kCounted);
   return result;
 }
 
-void Pool::DetachLocked(const std::string& client_id) {
+// See Note [A detached client still holds its chunks] in docs/architecture.md.
+void Pool::DetachLocked(const std::string& client_id, bool keep_holding) {
+  shared_.leases->DropClient(client_id);
   auto it = clients_.find(client_id);
-  if (it == clients_.end()) return;
-  it->second.events->Close();
-  clients_.erase(it);
+  if (it != clients_.end()) {
+    Client& c = it->second;
+    c.events->Close();
+    // What it may still map: the chunks it was handed and whose FDs it fetched. A chunk whose lease it
+    // never redeemed (it expired, say) was never in its hands.
+    std::map<uint64_t, uint64_t> held;
+    for (const auto& [id, bytes] : c.handed) {
+      if (c.fetched.contains(id)) held[id] = bytes;
+    }
+    for (auto& [id, release] : releases_) {
+      const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
+                                     [&](const ChunkInfo& chunk) { return held.contains(chunk.id); });
+      if (!keep_holding || !holds) release.waiting.erase(client_id);
+    }
+    if (keep_holding && !held.empty()) {
+      // Its releases keep waiting for it: only the session's end proves the memory unmapped.
+      holders_[client_id] = Holder{.session = c.session, .handed = std::move(held)};
+    }
+    clients_.erase(it);
+    SettleReleasesLocked();
+    return;
+  }
+  holders_.erase(client_id);
   for (auto& [id, release] : releases_) release.waiting.erase(client_id);
   SettleReleasesLocked();
 }
@@ -418,7 +471,7 @@ absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id) {
   if (it->second.session != caller.session && !Allows(caller.uid)) {
     return absl::PermissionDeniedError(absl::StrCat("uid ", caller.uid, " may not detach client ", client_id));
   }
-  DetachLocked(it->first);
+  DetachLocked(it->first, /*keep_holding=*/true);
   return absl::OkStatus();
 }
 
@@ -428,8 +481,19 @@ std::vector<std::string> Pool::DetachSession(absl::string_view session) {
   for (const auto& [id, client] : clients_) {
     if (client.session == session) gone.push_back(id);
   }
-  for (const std::string& id : gone) DetachLocked(id);
+  std::vector<std::string> held;
+  for (const auto& [id, holder] : holders_) {
+    if (holder.session == session) held.push_back(id);
+  }
+  for (const std::string& id : gone) DetachLocked(id, /*keep_holding=*/false);
+  for (const std::string& id : held) DetachLocked(id, /*keep_holding=*/false);
+  gone.insert(gone.end(), held.begin(), held.end());
   return gone;
+}
+
+bool Pool::IsHolder(absl::string_view client_id) const {
+  absl::MutexLock lock(&mu_);
+  return holders_.contains(client_id);
 }
 
 absl::StatusOr<Pool::Client*> Pool::OwnClientLocked(const Caller& caller, absl::string_view client_id) {
@@ -454,6 +518,19 @@ absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, ab
 
 absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_view client_id, uint64_t release_id) {
   absl::MutexLock lock(&mu_);
+  if (auto h = holders_.find(client_id); h != holders_.end() && h->second.session == caller.session) {
+    // A detached client acknowledging a release it was told of before it detached.
+    auto r = releases_.find(release_id);
+    if (r == releases_.end() || !r->second.waiting.contains(h->first)) {
+      return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is detached and release_id ", release_id,
+                                              " is not awaiting its acknowledgement"));
+    }
+    r->second.waiting.erase(h->first);
+    for (const ChunkInfo& chunk : r->second.chunks) h->second.handed.erase(chunk.id);
+    if (h->second.handed.empty()) holders_.erase(h);
+    SettleReleasesLocked();
+    return PendingBytesLocked();
+  }
   KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
   Client& c = *found;
   auto r = releases_.find(release_id);
@@ -578,25 +655,40 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
     }
     if (span_chunks) out.handles.push_back(std::move(whole));
   }
-  out.lease = shared_.leases->IssueRanges(name_, caller.session, out.handles, span_chunks);
+  out.lease = shared_.leases->IssueRanges(name_, caller.session, client_id, out.handles, span_chunks);
   return out;
 }
 
-absl::Status Pool::CheckChunksLive(const std::vector<uint64_t>& chunk_ids) const {
+absl::Status Pool::CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
+  KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
   for (uint64_t id : chunk_ids) {
     if (std::none_of(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; })) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
   }
+  client->fetched.insert(chunk_ids.begin(), chunk_ids.end());
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint64_t>& chunk_ids) const {
+absl::StatusOr<Pool::Client*> Pool::LeaseClientLocked(absl::string_view client_id) {
+  // A lease ends with its client's attachment (Detach revokes it too; this closes the race with a
+  // redemption already under way).
+  auto it = clients_.find(client_id);
+  if (it == clients_.end()) {
+    return absl::NotFoundError(absl::StrCat("lease_token: its client ", client_id, " detached from pool ", name_,
+                                            "; a detached client's leases are revoked"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view client_id,
+                                                         const std::vector<uint64_t>& chunk_ids) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
+  KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
   std::vector<LeasedFd> out;
   absl::Cleanup close_all = [&] {
     for (const LeasedFd& f : out) close(f.fd);
@@ -612,6 +704,8 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(const std::vector<uint6
     out.push_back({id, fd});
   }
   std::move(close_all).Cancel();
+  // From here the client may map these chunks: Note [A detached client still holds its chunks].
+  client->fetched.insert(chunk_ids.begin(), chunk_ids.end());
   return out;
 }
 
@@ -631,6 +725,8 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
     ids.push_back(id);
   }
   clients_.clear();
+  for (const auto& [id, holder] : holders_) ids.push_back(id);
+  holders_.clear();
   // Clients still mapping released chunks free them when they unmap; the daemon stops counting.
   releases_.clear();
   restart_pending_bytes_ = 0;

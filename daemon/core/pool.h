@@ -15,7 +15,8 @@
 // - chunks_ are sorted by (segment, offset) and cover [0, prefix_bytes_) of every segment exactly;
 // - the budget holds committed_bytes() + pending_bytes() + the held transaction's staged bytes;
 // - a sleeping pool has no chunks and remembers the blocks it wakes to;
-// - every chunk id in a client's `handed` is in chunks_ or in an unsettled release.
+// - every chunk id in a client's `handed` is in chunks_ or in an unsettled release;
+// - a detached client's Holder has a non-empty `handed`, and its session is open.
 #pragma once
 
 #include <atomic>
@@ -208,12 +209,19 @@ class Pool {
                                                     absl::string_view peer_device, const SessionTable& sessions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND when not attached; PERMISSION_DENIED unless `caller` is its session or may use the pool.
+  // The client's unredeemed leases are revoked. Its session still owes what the client was handed (see
+  // Note [A detached client still holds its chunks] in docs/architecture.md): releases of those chunks
+  // wait for its acknowledgement or its session's end.
   [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Detaches every client of `session`; returns their ids.
+  // Detaches every client of `session` and forgets what its detached clients held; returns the ids of
+  // both.
   std::vector<std::string> DetachSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `client_id` detached and still holds chunks (a Holder).
+  bool IsHolder(absl::string_view client_id) const ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] absl::StatusOr<std::shared_ptr<EventQueue>> Watch(const Caller& caller, absl::string_view client_id)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Returns the bytes still pending release.
+  // Returns the bytes still pending release. A detached client of `caller`'s session may still
+  // acknowledge the releases it was told of.
   [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
                                                      uint64_t release_id) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -225,13 +233,15 @@ class Pool {
   [[nodiscard]] absl::Status CheckDeletable(bool force) const ABSL_LOCKS_EXCLUDED(mu_);
   // The committed blocks for block operations: NOT_FOUND once deleted, FAILED_PRECONDITION asleep.
   [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
-  // dup()s of the exported FDs of `chunk_ids`, in order; FAILED_PRECONDITION for a chunk released
-  // since (naming it). The caller owns the FDs.
+  // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id` (which is
+  // then known to hold them): NOT_FOUND once that client detached; FAILED_PRECONDITION for a chunk
+  // released since (naming it). The caller owns the FDs.
   struct LeasedFd {
     uint64_t chunk_id;
     int fd;
   };
-  [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(const std::vector<uint64_t>& chunk_ids) const
+  [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(absl::string_view client_id,
+                                                             const std::vector<uint64_t>& chunk_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Connectors (docs/connectors.md) ---
@@ -245,12 +255,15 @@ class Pool {
   [[nodiscard]] absl::StatusOr<RangeExport> PlanRangeExport(const Caller& caller, absl::string_view client_id,
                                                             const std::vector<ByteRange>& ranges, bool span_chunks)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // OK when every chunk of `chunk_ids` is still in the table (FAILED_PRECONDITION naming one otherwise).
-  [[nodiscard]] absl::Status CheckChunksLive(const std::vector<uint64_t>& chunk_ids) const ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when client `client_id` is still attached (NOT_FOUND otherwise) and every chunk of `chunk_ids` is
+  // still in the table (FAILED_PRECONDITION naming one otherwise); the client is then known to hold
+  // them (a range over them is exported to it next).
+  [[nodiscard]] absl::Status CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
   // the budget and hands the daemon's chunks (the table's and a held transaction's) to the caller to
-  // unmap and release. Returns the ids of the clients it detached.
+  // unmap and release. Returns the ids of the clients it detached and of the detached holders.
   std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -264,8 +277,15 @@ class Pool {
     absl::Time attached_at;
     std::string device_uuid;
     std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes, until acknowledged as released
+    std::set<uint64_t> fetched;           // chunk ids whose FDs a lease of this client yielded
     std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
     bool watching = false;
+  };
+  // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
+  // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.
+  struct Holder {
+    std::string session;
+    std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes
   };
   struct Release {
     std::vector<ChunkInfo> chunks;
@@ -287,9 +307,15 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DetachLocked(const std::string& client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With `keep_holding`, a client that fetched FDs of chunks it was handed stays a Holder of those
+  // until it acknowledges or its session ends; without (its session ended), everything it owed is
+  // dropped.
+  void DetachLocked(const std::string& client_id, bool keep_holding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The attached client `client_id` of `caller`'s session: NOT_FOUND, or PERMISSION_DENIED for another's.
   [[nodiscard]] absl::StatusOr<Client*> OwnClientLocked(const Caller& caller, absl::string_view client_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The attached client `client_id` a lease was issued to: NOT_FOUND (naming the lease) once detached.
+  [[nodiscard]] absl::StatusOr<Client*> LeaseClientLocked(absl::string_view client_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets completed releases; their bytes leave the budget.
   void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -314,6 +340,7 @@ class Pool {
   std::vector<std::string> peer_devices_ ABSL_GUARDED_BY(mu_);
   std::optional<Transaction> txn_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Client, std::less<>> clients_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Holder, std::less<>> holders_ ABSL_GUARDED_BY(mu_);  // detached clients, by id
   std::map<uint64_t, Release> releases_ ABSL_GUARDED_BY(mu_);
   uint64_t next_release_id_ ABSL_GUARDED_BY(mu_) = 1;
   PoolMetadata metadata_ ABSL_GUARDED_BY(mu_);

@@ -1,13 +1,21 @@
 #include "daemon/core/pool_manager.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
@@ -16,6 +24,26 @@ namespace kvd::daemon {
 namespace {
 
 absl::Status Stopping() { return absl::UnavailableError("kvd is shutting down"); }
+
+// The daemon's address space left: the lower of RLIMIT_AS and the 47-bit user address space of x86-64
+// and arm64 Linux, less the process's VmSize. VA reservations (host mmap, cuMemAddressReserve under
+// UVA) come out of it.
+uint64_t AddressSpaceFree() {
+  uint64_t limit = uint64_t{1} << 47;
+  if (rlimit rl{}; getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    limit = std::min<uint64_t>(limit, rl.rlim_cur);
+  }
+  uint64_t used = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    uint64_t kib = 0;
+    if (absl::StartsWith(line, "VmSize:") &&
+        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(7)), " kB"), &kib)) {
+      used = kib * 1024;
+    }
+  }
+  return used < limit ? limit - used : 0;
+}
 
 // Whether `fd` can be chunk memory of `bytes` (restore, ReturnHandles). On the host backend a chunk is a
 // memfd of exactly its size; a GPU driver's FD is checked by importing and mapping it.
@@ -199,11 +227,9 @@ std::vector<std::shared_ptr<Pool>> PoolManager::Snapshot() const {
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Find(const Caller& caller, absl::string_view name) const {
   absl::MutexLock lock(&mu_);
   auto it = pools_.find(name);
-  if (it == pools_.end()) return PoolGone(name);
-  if (!it->second->Allows(caller.uid)) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("uid ", caller.uid, " may not use pool ", name, " (owner uid ", it->second->owner_uid(), ")"));
-  }
+  // A pool the caller may not use is answered exactly as a missing one, so that no uid learns which
+  // pool names exist by probing (CreatePool's ALREADY_EXISTS is the one exception: names are global).
+  if (it == pools_.end() || !it->second->Allows(caller.uid)) return PoolGone(name);
   return it->second;
 }
 
@@ -293,7 +319,9 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(pool.base(), *plan);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
-    if (absl::IsResourceExhausted(made.status())) {
+    // Out of memory is worded with the bytes asked and free; out of file descriptors is not about memory
+    // and passes as the device said it.
+    if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
       absl::StatusOr<DeviceInfo> info = device_->Info();
       return absl::ResourceExhaustedError(
           absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes, " bytes (",
@@ -389,7 +417,21 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     return why;
   };
   absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
-  if (!base.ok()) return forget(base.status());
+  if (!base.ok()) {
+    if (!absl::IsResourceExhausted(base.status()) || IsOutOfFileDescriptors(base.status())) {
+      return forget(base.status());
+    }
+    uint64_t reserved = 0;
+    for (const std::shared_ptr<Pool>& other : Snapshot()) {
+      if (other != pool) reserved += other->geometry().reserved_bytes();
+    }
+    const uint64_t asked = pool->geometry().reserved_bytes();
+    return forget(absl::ResourceExhaustedError(
+        absl::StrCat("dims.capacity_blocks: pool ", spec.name, " needs ", asked, " bytes (", FormatBytes(asked),
+                     ") of address space but only ", AddressSpaceFree(), " bytes (", FormatBytes(AddressSpaceFree()),
+                     ") are free (the other pools reserve ", reserved, " bytes, ", FormatBytes(reserved),
+                     "): ", base.status().message())));
+  }
   pool->set_base(*base);
   if (spec.initial_blocks > 0) {
     absl::StatusOr<Change> change = PrepareLocked(*pool, GroupOp::kGrow, spec.initial_blocks);
@@ -489,7 +531,8 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
 absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
   KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id));
-  ForgetClients({std::string(client_id)});
+  // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
+  if (!pool->IsHolder(client_id)) ForgetClients({std::string(client_id)});
   return absl::OkStatus();
 }
 
@@ -780,20 +823,70 @@ absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller,
   return plan;
 }
 
-absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", blocks.size(), options_.limits)));
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
-  return device_->ZeroBlocks(span, blocks);
+absl::Status PoolManager::CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
+                                         size_t total) const {
+  const std::string progress = absl::StrCat(" after ", done, " of ", total, " entries (those are done, the rest not)");
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError(absl::StrCat("kvd is shutting down: ", call, " stopped", progress));
+  }
+  // The deadline first: gRPC also cancels a call whose deadline passed.
+  if (absl::Now() >= interrupt.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(call, ": the deadline of the call passed", progress));
+  }
+  if (interrupt.cancelled && interrupt.cancelled()) {
+    return absl::CancelledError(absl::StrCat(call, ": the caller cancelled the call", progress));
+  }
+  return absl::OkStatus();
 }
 
-absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies) {
+size_t PoolManager::SliceEntries(const BlockSpan& span) const {
+  const uint64_t per_entry = std::max<uint64_t>(1, span.segments * span.block_bytes);
+  return static_cast<size_t>(std::max<uint64_t>(1, options_.block_slice_bytes / per_entry));
+}
+
+absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks,
+                                     const Interrupt& interrupt) {
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", blocks.size(), options_.limits)));
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  // Only this pool's op_mu is held across the slices: other pools, and the device's VA book that their
+  // grows need, are free between slices.
+  absl::MutexLock op(&pool->op_mu);
+  KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
+  // Everything is checked before any work: the ids, and that none repeats (bounding the work by the
+  // pool's committed blocks).
+  KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
+  absl::flat_hash_map<uint64_t, size_t> first;
+  first.reserve(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (auto [it, inserted] = first.try_emplace(blocks[i], i); !inserted) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block_ids[", i, "]: block ", blocks[i], " repeats block_ids[", it->second, "]"));
+    }
+  }
+  const size_t slice = SliceEntries(span);
+  for (size_t done = 0; done < blocks.size(); done += slice) {
+    KVD_RETURN_IF_ERROR(CheckInterrupt("ZeroBlocks", interrupt, done, blocks.size()));
+    KVD_RETURN_IF_ERROR(device_->ZeroBlocks(span, blocks.subspan(done, slice)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies,
+                                     const Interrupt& interrupt) {
   KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("copies", copies.size(), options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
-  return device_->CopyBlocks(span, copies);
+  // The whole request is checked first: no destination twice (which bounds the work by the committed
+  // blocks), and none also a source, so the slices may run in any order.
+  KVD_RETURN_IF_ERROR(ValidateCopies(span, copies));
+  const size_t slice = SliceEntries(span);
+  for (size_t done = 0; done < copies.size(); done += slice) {
+    KVD_RETURN_IF_ERROR(CheckInterrupt("CopyBlocks", interrupt, done, copies.size()));
+    KVD_RETURN_IF_ERROR(device_->CopyBlocks(span, copies.subspan(done, slice)));
+  }
+  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -815,7 +908,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl
     if (p != pools_.end()) pool = p->second;
   }
   if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
-  if (lease.ranges.empty()) return pool->DupFds(lease.chunk_ids);
+  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids);
   return RedeemRanges(*pool, lease);
 }
 
@@ -840,7 +933,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
   if (!lease.ranges_span_chunks) {
     // One chunk per range: its exported FD, which the handle's fd_offset points into.
     for (size_t i = 0; i < lease.ranges.size(); ++i) {
-      KVD_ASSIGN_OR_RETURN(std::vector<LeasedFd> one, pool.DupFds(lease.ranges[i].chunk_ids));
+      KVD_ASSIGN_OR_RETURN(std::vector<LeasedFd> one, pool.DupFds(lease.client, lease.ranges[i].chunk_ids));
       for (LeasedFd& f : one) out.push_back({.chunk_id = i, .fd = f.fd});
     }
   } else {
@@ -848,7 +941,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
     absl::ReaderMutexLock op(&pool.op_mu);
     for (size_t i = 0; i < lease.ranges.size(); ++i) {
       const RangeHandle& r = lease.ranges[i];
-      KVD_RETURN_IF_ERROR(pool.CheckChunksLive(r.chunk_ids));
+      KVD_RETURN_IF_ERROR(pool.CheckChunksLive(lease.client, r.chunk_ids));
       KVD_ASSIGN_OR_RETURN(const int fd, device_->ExportRange(pool.base() + r.offset, r.bytes));
       out.push_back({.chunk_id = i, .fd = fd});
     }

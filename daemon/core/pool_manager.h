@@ -20,7 +20,8 @@
 //
 // Identity. Every pool-facing call takes the Caller, whose uid the handle channel learned from
 // SO_PEERCRED (a session). A caller may see and change a pool when its uid is the pool's owner, one of
-// its allowed uids, root, or the daemon's own uid; otherwise PERMISSION_DENIED naming the uid.
+// its allowed uids, root, or the daemon's own uid; otherwise the pool is NOT_FOUND, exactly as if it
+// did not exist.
 //
 // Memory. A chunk released by Shrink/Sleep/Delete is unmapped and released by the daemon at once; the
 // memory is free when every client that was handed it has acknowledged (or died). Until then its
@@ -72,11 +73,20 @@
 
 namespace kvd::daemon {
 
+// How a long request learns that its caller gave up; consulted between slices of work.
+struct Interrupt {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty: never cancelled
+};
+
 struct ManagerOptions {
   uint64_t budget_bytes = 0;                             // 0: the device's total memory
   uint64_t max_chunk_bytes = uint64_t{4} << 30;          // grows split into chunks of at most this
   uint64_t max_pool_reserved_bytes = uint64_t{1} << 46;  // VA one pool may reserve (64 TiB)
   absl::Duration lease_ttl = absl::Seconds(30);
+  // ZeroBlocks and CopyBlocks touch at most this many bytes between two looks at the caller's deadline,
+  // cancellation and the daemon's shutdown.
+  uint64_t block_slice_bytes = uint64_t{64} << 20;
   LayoutPolicy layout_policy;
   uint32_t daemon_uid = 0;
   uint64_t max_metadata_bytes = uint64_t{1} << 20;  // PoolMetadata.data
@@ -187,11 +197,17 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
                                                      uint64_t release_id);
 
-  // RESOURCE_EXHAUSTED, before anything else, for more than --max-block-ids ids (or copies).
-  [[nodiscard]] absl::Status ZeroBlocks(const Caller& caller, absl::string_view pool,
-                                        absl::Span<const uint64_t> blocks);
+  // Block operations. RESOURCE_EXHAUSTED, before anything else, for more than --max-block-ids ids (or
+  // copies). Every id is checked before any work: INVALID_ARGUMENT naming the entry for a block
+  // that is not committed, a repeated block id (ZeroBlocks) or a destination written twice (CopyBlocks).
+  // The work is done in slices of at most ManagerOptions::block_slice_bytes; between slices `interrupt`
+  // is consulted (DEADLINE_EXCEEDED, CANCELLED) and so is the daemon's shutdown (UNAVAILABLE), each
+  // saying how many entries were done. Only this pool's op_mu is held throughout, and the device's own
+  // locks only for one slice.
+  [[nodiscard]] absl::Status ZeroBlocks(const Caller& caller, absl::string_view pool, absl::Span<const uint64_t> blocks,
+                                        const Interrupt& interrupt = {});
   [[nodiscard]] absl::Status CopyBlocks(const Caller& caller, absl::string_view pool,
-                                        absl::Span<const BlockCopy> copies);
+                                        absl::Span<const BlockCopy> copies, const Interrupt& interrupt = {});
 
   // Connectors: the descriptors of `block_ids` (empty: every committed block) under the pool's layout
   // (transfer.h). INVALID_ARGUMENT naming block_ids[i]; FAILED_PRECONDITION while the pool sleeps.
@@ -244,7 +260,8 @@ class PoolManager {
   void Shutdown(bool keep_pools = false);
 
  private:
-  // The pool `name` if `caller` may see and change it: NOT_FOUND / PERMISSION_DENIED otherwise.
+  // The pool `name` if `caller` may see and change it: NOT_FOUND otherwise, the same for a pool that
+  // does not exist and one the caller's uid may not use.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> Find(const Caller& caller, absl::string_view name) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // The pool attached client `client_id` belongs to; NOT_FOUND naming client_id otherwise.
@@ -291,6 +308,11 @@ class PoolManager {
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
   // kDaemonRestarting keeps its record and FDs in the store; anything else forgets them.
   void Destroy(Pool& pool, EventType why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // OK to go on with a sliced operation after `done` of `total` entries; else why not (see ZeroBlocks).
+  [[nodiscard]] absl::Status CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
+                                            size_t total) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Entries per slice of a block operation on `span` (at least one).
+  size_t SliceEntries(const BlockSpan& span) const;
   // Writes the pool's record (op_mu held, so one pool's records are written in order).
   void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Rebuilds one saved pool; nullptr (with the reasons in `report`) when it cannot be.

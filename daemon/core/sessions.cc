@@ -67,9 +67,9 @@ bool SessionTable::Contains(absl::string_view session) const {
   return sessions_.contains(session);
 }
 
-Lease LeaseTable::IssueRanges(absl::string_view pool, absl::string_view session, std::vector<RangeHandle> ranges,
-                              bool span_chunks) {
-  Lease lease = Issue(pool, session, {});
+Lease LeaseTable::IssueRanges(absl::string_view pool, absl::string_view session, absl::string_view client,
+                              std::vector<RangeHandle> ranges, bool span_chunks) {
+  Lease lease = Issue(pool, session, client, {});
   absl::MutexLock lock(&mu_);
   auto it = leases_.find(lease.token);
   if (it != leases_.end()) {
@@ -79,7 +79,8 @@ Lease LeaseTable::IssueRanges(absl::string_view pool, absl::string_view session,
   return lease;
 }
 
-Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids) {
+Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, absl::string_view client,
+                        std::vector<uint64_t> chunk_ids) {
   const absl::Time now = absl::Now();
   Lease lease{.token = RandomToken("l-"), .chunk_ids = std::move(chunk_ids), .expires = now + ttl_};
   absl::MutexLock lock(&mu_);
@@ -88,6 +89,7 @@ Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, std::
   }
   leases_[lease.token] = {.pool = std::string(pool),
                           .session = std::string(session),
+                          .client = std::string(client),
                           .chunk_ids = lease.chunk_ids,
                           .expires = lease.expires};
   return lease;
@@ -112,6 +114,13 @@ void LeaseTable::DropSession(absl::string_view session) {
   absl::MutexLock lock(&mu_);
   for (auto it = leases_.begin(); it != leases_.end();) {
     it = it->second.session == session ? leases_.erase(it) : std::next(it);
+  }
+}
+
+void LeaseTable::DropClient(absl::string_view client) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    it = it->second.client == client ? leases_.erase(it) : std::next(it);
   }
 }
 

@@ -53,6 +53,7 @@ class SessionTable {
 struct LeaseRecord {
   std::string pool;
   std::string session;
+  std::string client;  // the attached client it was issued to: it ends with the client's attachment
   std::vector<uint64_t> chunk_ids;
   absl::Time expires;
   // A range lease (ExportRanges) yields one FD per range instead of chunk FDs.
@@ -64,17 +65,21 @@ class LeaseTable {
  public:
   explicit LeaseTable(absl::Duration ttl) : ttl_(ttl) {}
 
-  // A new lease of `chunk_ids` of `pool` for `session`; drops expired leases on the way.
-  Lease Issue(absl::string_view pool, absl::string_view session, std::vector<uint64_t> chunk_ids)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // A new range lease: `ranges` of `pool` for `session` (the returned Lease has no chunk_ids).
-  Lease IssueRanges(absl::string_view pool, absl::string_view session, std::vector<RangeHandle> ranges,
-                    bool span_chunks) ABSL_LOCKS_EXCLUDED(mu_);
+  // A new lease of `chunk_ids` of `pool` for client `client` of `session`; drops expired leases on the
+  // way.
+  Lease Issue(absl::string_view pool, absl::string_view session, absl::string_view client,
+              std::vector<uint64_t> chunk_ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // A new range lease: `ranges` of `pool` for client `client` of `session` (the returned Lease has no
+  // chunk_ids).
+  Lease IssueRanges(absl::string_view pool, absl::string_view session, absl::string_view client,
+                    std::vector<RangeHandle> ranges, bool span_chunks) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes the lease out, whatever happens next (single use). NOT_FOUND for an unknown or used lease,
   // PERMISSION_DENIED when it was issued to another session, DEADLINE_EXCEEDED once expired.
   [[nodiscard]] absl::StatusOr<LeaseRecord> Redeem(absl::string_view session, absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_);
   void DropSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Revokes every unredeemed lease of a client that detached.
+  void DropClient(absl::string_view client) ABSL_LOCKS_EXCLUDED(mu_);
   void DropPool(absl::string_view pool) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -54,7 +54,8 @@ void Add(prometheus::MetricFamily& family, std::vector<prometheus::ClientMetric:
 // (Note: no stale series: a deleted pool simply is not in the next snapshot).
 class SnapshotCollector final : public prometheus::Collectable {
  public:
-  SnapshotCollector(const PoolManager* manager, BuildInfo build) : manager_(manager), build_(std::move(build)) {}
+  SnapshotCollector(const PoolManager* manager, BuildInfo build, bool client_series)
+      : manager_(manager), build_(std::move(build)), client_series_(client_series) {}
 
   void SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel) {
     absl::MutexLock lock(&mu_);
@@ -144,6 +145,7 @@ class SnapshotCollector final : public prometheus::Collectable {
             1);
       }
       for (const ClientView& c : p.clients) {
+        if (!client_series_) break;
         Add(mapped,
             {{"device", build_.device},
              {"pool", p.name},
@@ -217,6 +219,7 @@ class SnapshotCollector final : public prometheus::Collectable {
 
   const PoolManager* const manager_;
   const BuildInfo build_;
+  const bool client_series_;
   mutable absl::Mutex mu_;
   std::vector<LimitValue> limits_ ABSL_GUARDED_BY(mu_);
   std::function<HandleChannelUsage()> channel_ ABSL_GUARDED_BY(mu_);
@@ -259,7 +262,7 @@ Metrics::Metrics(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Metrics::~Metrics() = default;
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& address, const PoolManager* manager,
-                                                        BuildInfo build) {
+                                                        BuildInfo build, bool client_series) {
   const size_t colon = address.rfind(':');
   int port = -1;
   if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 ||
@@ -271,7 +274,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
   auto impl = std::make_unique<Impl>();
   // Every series carries the device, like the snapshot gauges.
   const prometheus::Labels device = {{"device", build.device}};
-  impl->snapshots = std::make_shared<SnapshotCollector>(manager, std::move(build));
+  impl->snapshots = std::make_shared<SnapshotCollector>(manager, std::move(build), client_series);
   impl->operations = &prometheus::BuildCounter()
                           .Name("kvd_operations_total")
                           .Help("Pool operations (grow, shrink, sleep, wake, attach) by result (ok, error).")

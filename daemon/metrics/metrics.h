@@ -56,9 +56,12 @@ class Metrics {
  public:
   // Serves /metrics on `address` ("HOST:PORT"; "127.0.0.1:9400", "[::1]:9400", "0.0.0.0:0").
   // INVALID_ARGUMENT for an address that is not HOST:PORT; UNAVAILABLE when it cannot be bound; both
-  // messages name --metrics-address.
+  // messages name --metrics-address. `client_series` (--metrics-clients) adds kvd_client_mapped_bytes,
+  // one series per attached client labelled with its pid, uid and name: off by default, because
+  // /metrics has no authentication and those labels tell anyone who can reach it who uses which pool.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Metrics>> Serve(const std::string& address,
-                                                                      const PoolManager* manager, BuildInfo build);
+                                                                      const PoolManager* manager, BuildInfo build,
+                                                                      bool client_series = false);
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;

@@ -4,19 +4,24 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status.h"
+#include "google/protobuf/descriptor.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
 #include "kvd/wire.h"
@@ -43,6 +48,23 @@ T Timed(Metrics* metrics, Operation op, const std::function<T()>& call) {
 }
 
 std::string Elapsed(absl::Duration d) { return absl::FormatDuration(d); }
+
+// The handler boundary: no exception leaves a handler (gRPC would answer UNKNOWN with no message).
+// Allocation failure is RESOURCE_EXHAUSTED (memory, or memory mappings at vm.max_map_count); anything
+// else INTERNAL, both naming the method and what was thrown.
+absl::Status Guarded(const char* method, absl::FunctionRef<absl::Status()> body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(method, ": kvd could not allocate memory (", e.what(),
+                     "): the host is out of memory or the daemon reached vm.max_map_count mappings"));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(method, ": unexpected exception: ", e.what()));
+  } catch (...) {
+    return absl::InternalError(absl::StrCat(method, ": unexpected exception of unknown type"));
+  }
+}
 
 constexpr uint64_t kDefaultTransactionTtlMs = 30'000;
 // ListPools pages (kvd.proto, docs/api.md): pools per page by default and at most, and the encoded
@@ -88,13 +110,61 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
                u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
 }
 
+class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      // Every status kvd's handlers finish with has a message (Finish, Guarded): an INTERNAL without
+      // one is gRPC's answer to a request it could not deserialize.
+      const grpc::Status status = methods->GetSendStatus();
+      if (status.error_code() == grpc::StatusCode::INTERNAL && status.error_message().empty()) {
+        methods->ModifySendStatus(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         absl::StrCat("request: the ", method_, " request is not a valid ", RequestType(),
+                                      " (a malformed message, or a string field that is not valid UTF-8)")));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
+  std::string RequestType() const {
+    const size_t slash = method_.rfind('/');
+    if (slash == std::string::npos || slash == 0) return "protobuf message";
+    const google::protobuf::ServiceDescriptor* service =
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(method_.substr(1, slash - 1));
+    const google::protobuf::MethodDescriptor* method =
+        service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+    return method == nullptr ? "protobuf message" : method->input_type()->full_name();
+  }
+
+  const std::string method_;
+};
+
+class ParseErrorInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    return new ParseErrorInterceptor(info->method() == nullptr ? "" : info->method());
+  }
+};
+
 }  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeParseErrorInterceptorFactory() {
+  return std::make_unique<ParseErrorInterceptorFactory>();
+}
 
 KvdService::KvdService(PoolManager* manager, Options options) : manager_(manager), options_(options) {}
 
 grpc::Status KvdService::Finish(const char* method, const absl::Status& status) const {
   if (!status.ok()) {
-    spdlog::warn("rpc {} failed: {}: {}", method, Sv(absl::StatusCodeToString(status.code())), Sv(status.message()));
+    // The message may echo what the caller sent (a pool name that does not exist, say): escaped, so
+    // that no request can put a newline or raw bytes in the log.
+    spdlog::warn("rpc {} failed: {}: {}", method, Sv(absl::StatusCodeToString(status.code())),
+                 absl::CEscape(status.message()));
   }
   if (options_.metrics != nullptr) options_.metrics->CountRpc(method, status.code());
   return ToGrpcStatus(status);
@@ -107,7 +177,30 @@ absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& conte
     return absl::UnauthenticatedError(
         absl::StrCat(wire::kSessionMetadataKey, " metadata missing: open a session on the handle channel first"));
   }
-  return manager_->Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  KVD_ASSIGN_OR_RETURN(Caller caller, manager_->Authenticate(absl::string_view(it->second.data(), it->second.size())));
+  if (options_.peers == nullptr) return caller;
+  // The token is not a bearer secret: it is valid only from the uid that opened the session.
+  const std::optional<PeerCred> peer = options_.peers->PeerOf(context.peer());
+  if (!peer.has_value()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat(wire::kSessionMetadataKey, ": the connection's peer is unknown (", context.peer(), ")"));
+  }
+  if (peer->uid != caller.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(wire::kSessionMetadataKey, ": the session belongs to uid ",
+                                                    caller.uid, "; this connection is uid ", peer->uid, " (pid ",
+                                                    peer->pid, "): a session token is valid only from its own uid"));
+  }
+  return caller;
+}
+
+Interrupt KvdService::InterruptOf(grpc::ServerContext& context) const {
+  Interrupt interrupt;
+  // No deadline reads as the far future (time_point::max()).
+  if (context.deadline() < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    interrupt.deadline = absl::FromChrono(context.deadline());
+  }
+  interrupt.cancelled = [&context] { return context.IsCancelled(); };
+  return interrupt;
 }
 
 absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const {
@@ -126,17 +219,17 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const
 
 grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext*, const v1::GetDeviceInfoRequest*,
                                        v1::DeviceInfo* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("GetDeviceInfo", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
     *response = ToProto(device);
     return absl::OkStatus();
-  }();
+  });
   return Finish("GetDeviceInfo", status);
 }
 
 grpc::Status KvdService::ResolveLayout(grpc::ServerContext*, const v1::ResolveLayoutRequest* request,
                                        v1::ResolveLayoutResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("ResolveLayout", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
     *response->mutable_resolution() = ToProto(resolution);
     if (request->has_dims()) {
@@ -146,13 +239,13 @@ grpc::Status KvdService::ResolveLayout(grpc::ServerContext*, const v1::ResolveLa
       *response->mutable_geometry() = ToProto(geometry);
     }
     return absl::OkStatus();
-  }();
+  });
   return Finish("ResolveLayout", status);
 }
 
 grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
                                     v1::Pool* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("CreatePool", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
     if (!request->has_dims()) return absl::InvalidArgumentError("dims: required");
@@ -165,24 +258,24 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
         pool.geometry.segments(), pool.geometry.dims().capacity_blocks, FormatBytes(pool.reserved_bytes),
         pool.committed_blocks, FormatBytes(pool.committed_bytes));
     return absl::OkStatus();
-  }();
+  });
   return Finish("CreatePool", status);
 }
 
 grpc::Status KvdService::GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("GetPool", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
     KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
     *response = ToProto(pool);
     return absl::OkStatus();
-  }();
+  });
   return Finish("GetPool", status);
 }
 
 grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
                                    v1::ListPoolsResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("ListPools", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
     // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
@@ -212,13 +305,13 @@ grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListP
       response->set_next_page_token(absl::WebSafeBase64Escape(response->pools(response->pools_size() - 1).name()));
     }
     return absl::OkStatus();
-  }();
+  });
   return Finish("ListPools", status);
 }
 
 grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
                                     v1::DeletePoolResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("DeletePool", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
     KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->DeletePool(caller, request->name(), request->force()));
@@ -226,13 +319,13 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
     spdlog::info("deleted pool {}{}: {} released", request->name(), request->force() ? " (forced)" : "",
                  FormatBytes(released));
     return absl::OkStatus();
-  }();
+  });
   return Finish("DeletePool", status);
 }
 
 grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
                                 v1::AttachResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Attach", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(
@@ -247,23 +340,23 @@ grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRe
                  request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),
                  attached.lease.chunk_ids.size());
     return absl::OkStatus();
-  }();
+  });
   return Finish("Attach", status);
 }
 
 grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request, v1::DetachResponse*) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Detach", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
     KVD_RETURN_IF_ERROR(manager_->Detach(caller, request->client_id()));
     spdlog::info("client {} detached", request->client_id());
     return absl::OkStatus();
-  }();
+  });
   return Finish("Detach", status);
 }
 
 grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Grow", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kGrow, [&] {
@@ -272,13 +365,13 @@ grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowReques
     *response = ToProto(update);
     LogUpdate("grew", update);
     return absl::OkStatus();
-  }();
+  });
   return Finish("Grow", status);
 }
 
 grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
                                 v1::PoolUpdate* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Shrink", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(PoolUpdate update,
@@ -289,13 +382,13 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
     *response = ToProto(update);
     LogUpdate("shrank", update);
     return absl::OkStatus();
-  }();
+  });
   return Finish("Shrink", status);
 }
 
 grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
                                v1::PoolUpdates* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Sleep", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     std::string pool;  // empty: every pool
     switch (request->target_case()) {
@@ -318,12 +411,12 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
       LogUpdate("put to sleep", u);
     }
     return absl::OkStatus();
-  }();
+  });
   return Finish("Sleep", status);
 }
 
 grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Wake", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     std::string pool;  // empty: every pool
     switch (request->target_case()) {
@@ -345,7 +438,7 @@ grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeReques
       LogUpdate("woke", u);
     }
     return absl::OkStatus();
-  }();
+  });
   return Finish("Wake", status);
 }
 
@@ -353,12 +446,12 @@ grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequ
                                grpc::ServerWriter<v1::PoolEvent>* writer) {
   std::optional<Caller> caller;
   std::shared_ptr<EventQueue> queue;
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Watch", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
     KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(*caller, request->client_id()));
     return absl::OkStatus();
-  }();
+  });
   // A refused Watch (unknown client, a second watcher) never started a stream: nobody to detach.
   if (!status.ok()) return Finish("Watch", status);
   // Initial metadata now, not with the first event: a client that waits for it knows its stream is
@@ -367,22 +460,29 @@ grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequ
 
   const char* reason = "its events ended (detached, pool deleted or daemon stopping)";
   grpc::Status result = grpc::Status::OK;
-  while (true) {
-    if (context->IsCancelled()) {
-      reason = "the client closed the stream";
-      result = grpc::Status::CANCELLED;
-      break;
+  const absl::Status streamed = Guarded("Watch", [&]() -> absl::Status {
+    while (true) {
+      if (context->IsCancelled()) {
+        reason = "the client closed the stream";
+        result = grpc::Status::CANCELLED;
+        return absl::OkStatus();
+      }
+      std::optional<PoolEvent> event = queue->Pop(options_.watch_poll);
+      if (!event.has_value()) {
+        if (queue->closed()) return absl::OkStatus();
+        continue;
+      }
+      if (!writer->Write(ToProto(*event))) {
+        reason = "the stream broke";
+        result = grpc::Status::CANCELLED;
+        return absl::OkStatus();
+      }
     }
-    std::optional<PoolEvent> event = queue->Pop(options_.watch_poll);
-    if (!event.has_value()) {
-      if (queue->closed()) break;
-      continue;
-    }
-    if (!writer->Write(ToProto(*event))) {
-      reason = "the stream broke";
-      result = grpc::Status::CANCELLED;
-      break;
-    }
+  });
+  if (!streamed.ok()) {
+    reason = "the stream failed";
+    result = ToGrpcStatus(streamed);
+    spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(streamed.code())), Sv(streamed.message()));
   }
   // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
   // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
@@ -396,7 +496,7 @@ grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequ
 
 grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
                                      v1::AcknowledgeResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Acknowledge", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
     if (request->release_id() == 0) {
@@ -405,47 +505,47 @@ grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::Ack
     KVD_ASSIGN_OR_RETURN(uint64_t pending, manager_->Acknowledge(caller, request->client_id(), request->release_id()));
     response->set_pending_release_bytes(pending);
     return absl::OkStatus();
-  }();
+  });
   return Finish("Acknowledge", status);
 }
 
 grpc::Status KvdService::ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
                                     v1::ZeroBlocksResponse*) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("ZeroBlocks", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
-    return manager_->ZeroBlocks(caller, request->pool(), blocks);
-  }();
+    return manager_->ZeroBlocks(caller, request->pool(), blocks, InterruptOf(*context));
+  });
   return Finish("ZeroBlocks", status);
 }
 
 grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
                                     v1::CopyBlocksResponse*) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("CopyBlocks", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    return manager_->CopyBlocks(caller, request->pool(), FromProto(request->copies()));
-  }();
+    return manager_->CopyBlocks(caller, request->pool(), FromProto(request->copies()), InterruptOf(*context));
+  });
   return Finish("CopyBlocks", status);
 }
 
 grpc::Status KvdService::DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
                                           v1::DescribeTransferResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("DescribeTransfer", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
     KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
     *response = ToProto(plan);
     return absl::OkStatus();
-  }();
+  });
   return Finish("DescribeTransfer", status);
 }
 
 grpc::Status KvdService::ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
                                       v1::ExportRangesResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("ExportRanges", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
     KVD_ASSIGN_OR_RETURN(RangeExport exported,
@@ -454,13 +554,13 @@ grpc::Status KvdService::ExportRanges(grpc::ServerContext* context, const v1::Ex
     spdlog::info("pool {}: {} range handles exported for client {} (pid {})", exported.pool, exported.handles.size(),
                  request->client_id(), caller.pid);
     return absl::OkStatus();
-  }();
+  });
   return Finish("ExportRanges", status);
 }
 
 grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                                  v1::PrepareResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Prepare", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(GroupOp op, FromProto(request->operation()));
@@ -481,13 +581,13 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
                  GroupOpName(op), request->pool(), prepared.transaction, caller.pid,
                  FormatBytes(prepared.prepared_bytes), Elapsed(prepared.elapsed), Elapsed(ttl));
     return absl::OkStatus();
-  }();
+  });
   return Finish("Prepare", status);
 }
 
 grpc::Status KvdService::Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
                                 v1::PoolUpdate* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Commit", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
     KVD_ASSIGN_OR_RETURN(
@@ -500,26 +600,26 @@ grpc::Status KvdService::Commit(grpc::ServerContext* context, const v1::CommitRe
     LogUpdate(absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
               committed.update);
     return absl::OkStatus();
-  }();
+  });
   return Finish("Commit", status);
 }
 
 grpc::Status KvdService::Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
                                v1::AbortResponse* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("Abort", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
     KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->Abort(caller, request->transaction()));
     response->set_released_bytes(released);
     spdlog::info("aborted transaction {}: {} given back", request->transaction(), FormatBytes(released));
     return absl::OkStatus();
-  }();
+  });
   return Finish("Abort", status);
 }
 
 grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1::GrantPeerAccessRequest* request,
                                          v1::Pool* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("GrantPeerAccess", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(PoolView pool,
@@ -528,25 +628,25 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
     spdlog::info("pool {}: peer access {} device {} (uid {})", request->pool(),
                  request->revoke() ? "revoked from" : "granted to", request->device_uuid(), caller.uid);
     return absl::OkStatus();
-  }();
+  });
   return Finish("GrantPeerAccess", status);
 }
 
 grpc::Status KvdService::GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
                                          v1::PoolMetadata* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("GetPoolMetadata", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
-  }();
+  });
   return Finish("GetPoolMetadata", status);
 }
 
 grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
                                          v1::PoolMetadata* response) {
-  absl::Status status = [&]() -> absl::Status {
+  absl::Status status = Guarded("SetPoolMetadata", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
     KVD_ASSIGN_OR_RETURN(
@@ -554,7 +654,7 @@ grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1:
         manager_->SetPoolMetadata(caller, request->pool(), request->expected_version(), request->data()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
-  }();
+  });
   return Finish("SetPoolMetadata", status);
 }
 

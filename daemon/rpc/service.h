@@ -15,7 +15,10 @@
 // of its own beyond its constant configuration. `manager` must outlive the service.
 #pragma once
 
+#include <grpcpp/support/server_interceptor.h>
+
 #include <cstdint>
+#include <memory>
 
 #include "absl/time/time.h"
 #include "daemon/core/pool_manager.h"
@@ -23,6 +26,7 @@
 
 namespace kvd::daemon {
 
+class ControlSocket;
 class Metrics;
 
 class KvdService final : public v1::Kvd::Service {
@@ -36,6 +40,10 @@ class KvdService final : public v1::Kvd::Service {
     // Not owned; may be null (no metrics). Counts every RPC's status and times grow, shrink, sleep,
     // wake and attach.
     Metrics* metrics = nullptr;
+    // Not owned; may be null (then a session token is not checked against the connection's peer). The
+    // control socket that accepted every connection: a session token presented on a connection whose
+    // SO_PEERCRED uid is not the session's is PERMISSION_DENIED.
+    const ControlSocket* peers = nullptr;
   };
 
   KvdService(PoolManager* manager, Options options);
@@ -86,8 +94,12 @@ class KvdService final : public v1::Kvd::Service {
                                v1::PoolMetadata* response) override;
 
  private:
-  // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown.
+  // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
+  // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
+  // is not the uid that opened the session.
   [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
+  // The call's deadline and cancellation, for work done in slices.
+  Interrupt InterruptOf(grpc::ServerContext& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
   absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
   // The edge: every RPC's status passes here once; a failure is logged once and every status counted.
@@ -96,5 +108,11 @@ class KvdService final : public v1::Kvd::Service {
   PoolManager* const manager_;
   const Options options_;
 };
+
+// A server interceptor that answers a request gRPC could not parse (a malformed message, or a string
+// field that is not UTF-8: protobuf refuses those before any handler runs, and gRPC would answer
+// INTERNAL with no message) with INVALID_ARGUMENT "request: ... is not a valid kvd.v1.<Type> ...".
+// Register it with ServerBuilder::experimental().SetInterceptorCreators.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeParseErrorInterceptorFactory();
 
 }  // namespace kvd::daemon

@@ -49,12 +49,19 @@ def connect(sock):
 
 
 def chunk_fds(client, pool):
-    """Attaches `pool` and fetches every chunk's FD: {chunk_id: (fd, bytes)}; detaches again."""
-    resp = client._call("Attach", pb.AttachRequest(pool=pool, client_name="fds"))
+    """Attaches `pool` and fetches every chunk's FD: {chunk_id: (fd, bytes)}, through a session of its own
+    that then closes and takes the attachment with it. (A client that detached would hold the chunks it
+    fetched until its session ends, docs/api.md, and `client`'s later shrinks would wait for it.)"""
+    own = connect(client.socket)
     try:
-        fds = dict(client.session.fetch(resp.lease.token))
+        resp = own._call("Attach", pb.AttachRequest(pool=pool, client_name="fds"))
+        fds = dict(own.session.fetch(resp.lease.token))
     finally:
-        client._call("Detach", pb.DetachRequest(pool=pool, client_id=resp.client_id))
+        own.close()
+    deadline = time.monotonic() + WAIT_S
+    while any(cl.client_id == resp.client_id for cl in client.pool(pool).clients):
+        assert time.monotonic() < deadline, "the daemon did not close the session"
+        time.sleep(0.01)
     return {c.id: (fds[c.id], c.bytes) for c in resp.pool.chunks}
 
 

@@ -9,6 +9,7 @@
 //
 // Every wait is bounded (kWait) and waits for a condition; no test asserts on wall-clock time.
 #include <fcntl.h>
+#include <grp.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
@@ -47,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -279,6 +281,7 @@ struct DaemonConfig {
   std::vector<std::string> extra_args;
   std::vector<std::string> extra_env;
   std::string log_name = "kvd.log";  // in the daemon's directory: its stdout and stderr
+  std::vector<std::string> wrapper;  // a command kvd runs under (prlimit --nofile=N), execing it
 };
 
 class Daemon {
@@ -292,9 +295,11 @@ class Daemon {
 
   // Spawns kvd (which may refuse to start: see process()).
   absl::Status Spawn() {
-    std::vector<std::string> argv = {KvdBinary(),           "--backend=host",
-                                     "--socket=" + socket_, "--host-capacity=1GiB",
-                                     "--budget=512MiB",     "--host-granularity=2MiB"};
+    std::vector<std::string> argv = config_.wrapper;
+    const std::vector<std::string> kvd = {KvdBinary(),           "--backend=host",
+                                          "--socket=" + socket_, "--host-capacity=1GiB",
+                                          "--budget=512MiB",     "--host-granularity=2MiB"};
+    argv.insert(argv.end(), kvd.begin(), kvd.end());
     argv.insert(argv.end(), config_.extra_args.begin(), config_.extra_args.end());
     KVD_ASSIGN_OR_RETURN(process_, Child::Spawn(argv, config_.extra_env, log_, /*pipes=*/false));
     return absl::OkStatus();
@@ -647,6 +652,48 @@ int PeerMain(int argc, char** argv) {
   }
   a.Close();
   printer.join();
+  return 0;
+}
+
+// Another uid, for identity tests: this binary run as root with
+//   kvd_daemon_test --kvd-as-uid UID SOCKET HANDLES TOKEN POOL
+// becomes UID (groups dropped) and prints one line per call, "<what> <CODE> <message>":
+//   stolen   GetPool(POOL) with TOKEN, a session another uid opened
+//   own      ListPools with a session it opened itself
+//   get      GetPool(POOL) with its own session
+//   missing  GetPool of a pool that does not exist, with its own session
+int AsUidMain(int argc, char** argv) {
+  uint32_t uid = 0;
+  if (argc != 7 || !absl::SimpleAtoi(argv[2], &uid)) {
+    std::fprintf(stderr, "usage: %s --kvd-as-uid UID SOCKET HANDLES TOKEN POOL\n", argv[0]);
+    return 2;
+  }
+  if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
+    std::printf("failed to become uid %u: %s\n", uid, std::strerror(errno));
+    return 1;
+  }
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", argv[3]), grpc::InsecureChannelCredentials()));
+  auto say = [](absl::string_view what, const grpc::Status& s) {
+    std::printf("%s %s %s\n", std::string(what).c_str(),
+                absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())).c_str(),
+                s.error_message().c_str());
+    std::fflush(stdout);
+  };
+  v1::GetPoolRequest get;
+  get.set_name(argv[6]);
+  v1::Pool pool;
+  say("stolen", stub->GetPool(Ctx(argv[5]).get(), get, &pool));
+  absl::StatusOr<HandleSession> own = HandleSession::Open(argv[4], "other-uid");
+  if (!own.ok()) {
+    std::printf("own-session-failed %s\n", own.status().ToString().c_str());
+    return 1;
+  }
+  v1::ListPoolsResponse listed;
+  say("own", stub->ListPools(Ctx(own->token()).get(), {}, &listed));
+  say("get", stub->GetPool(Ctx(own->token()).get(), get, &pool));
+  v1::GetPoolRequest missing;
+  missing.set_name("no-such-pool");
+  say("missing", stub->GetPool(Ctx(own->token()).get(), missing, &pool));
   return 0;
 }
 
@@ -1600,6 +1647,291 @@ TEST_F(KvdDaemonTest, MalformedRequestsGetTheRightCodeAndTheDaemonKeepsServing) 
   EXPECT_TRUE(daemon_->process()->running());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tenant safety (issue 13): identity, bounded work, detached clients, logs
+
+TEST_F(KvdDaemonTest, SessionTokenFromAnotherUidIsRefusedAndItsPoolsLookMissing) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root, to run a client as another uid";
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  // Let uid 65534 connect at all (who may connect is the operator's choice of modes; kvd's stay 0660).
+  ASSERT_EQ(chmod(daemon_->dir().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(daemon_->socket().c_str(), 0666), 0);
+  ASSERT_EQ(chmod(daemon_->handles().c_str(), 0666), 0);
+  KVD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<Child> other,
+      Child::Spawn({SelfExe(), "--kvd-as-uid", "65534", daemon_->socket(), daemon_->handles(), admin(), "kv"}, {}, "",
+                   /*pipes=*/true));
+  // The admin's token, presented from uid 65534, is not a bearer secret.
+  const std::optional<std::string> stolen = other->WaitLine("stolen ");
+  ASSERT_TRUE(stolen.has_value());
+  EXPECT_THAT(*stolen, HasSubstr("stolen PERMISSION_DENIED kvd-session: the session belongs to uid 0; this "
+                                 "connection is uid 65534"));
+  // Its own session works, sees no pool, and gets the same answer for a pool it may not use as for one
+  // that does not exist.
+  const std::optional<std::string> own = other->WaitLine("own ");
+  ASSERT_TRUE(own.has_value());
+  EXPECT_EQ(*own, "own OK ");
+  const std::optional<std::string> get = other->WaitLine("get ");
+  const std::optional<std::string> missing = other->WaitLine("missing ");
+  ASSERT_TRUE(get.has_value() && missing.has_value());
+  EXPECT_EQ(*get, "get NOT_FOUND pool kv does not exist");
+  EXPECT_EQ(*missing, "missing NOT_FOUND pool no-such-pool does not exist");
+  EXPECT_THAT(other->Wait(kWait), testing::IsOkAndHolds(0));
+  // The owner's token on the owner's own connections still works.
+  EXPECT_EQ(Get("kv").name(), "kv");
+}
+
+TEST_F(KvdDaemonTest, LeaseIsNotRedeemableAfterItsClientDetached) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "detacher"));
+  v1::AttachRequest attach;
+  attach.set_pool("kv");
+  v1::AttachResponse attached;
+  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &attached), GrpcOk());
+  ASSERT_GT(attached.lease().chunk_ids_size(), 0);
+  v1::DetachRequest detach;
+  detach.set_pool("kv");
+  detach.set_client_id(attached.client_id());
+  v1::DetachResponse detached;
+  ASSERT_THAT(stub().Detach(Ctx(session.token()).get(), detach, &detached), GrpcOk());
+  absl::StatusOr<std::vector<std::pair<uint64_t, int>>> fds = session.Fetch(attached.lease().token());
+  if (fds.ok()) {
+    for (const auto& [id, fd] : *fds) close(fd);
+  }
+  EXPECT_THAT(fds.status(), testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")));
+  // It never fetched a chunk, so it holds none: releasing the pool's memory waits for nobody.
+  v1::SleepRequest sleep;
+  sleep.set_pool("kv");
+  v1::PoolUpdates slept;
+  ASSERT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &slept), GrpcOk());
+  EXPECT_EQ(Get("kv").pending_release_bytes(), 0u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
+}
+
+TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrItsSessionEnds) {
+  // Chunks of blocks [0, 64), [64, 512) and [512, 1024) in each of the two segments.
+  constexpr uint64_t kFirstRelease = 2 * 512 * kBlockBytes;
+  constexpr uint64_t kSecondRelease = 2 * 448 * kBlockBytes;
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  ASSERT_THAT(Grow(admin(), "kv", 512), GrpcOk());
+  ASSERT_THAT(Grow(admin(), "kv", 1024), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "holder", /*auto_ack=*/false));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> b, Attach("kv", "keeper", /*auto_ack=*/true));
+  auto detach = [](Attachment& x) {
+    v1::DetachRequest request;
+    request.set_pool("kv");
+    request.set_client_id(x.client_id());
+    v1::DetachResponse response;
+    return x.stub().Detach(Ctx(x.token()).get(), request, &response);
+  };
+  auto shrink = [&](uint64_t blocks) {
+    v1::ShrinkRequest request;
+    request.set_pool("kv");
+    request.set_target_blocks(blocks);
+    v1::PoolUpdate response;
+    return stub().Shrink(Ctx(admin()).get(), request, &response);
+  };
+
+  // a is told of a release, detaches without acknowledging it: the release still waits for a.
+  ASSERT_THAT(shrink(512), GrpcOk());
+  std::optional<HandledEvent> released = a->NextEvent();
+  ASSERT_TRUE(released.has_value());
+  ASSERT_EQ(released->event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  std::optional<HandledEvent> b_released = b->NextEvent();
+  ASSERT_TRUE(b_released.has_value());
+  ASSERT_EQ(b_released->event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  ASSERT_EQ(b_released->error, "");  // b acknowledged
+  ASSERT_THAT(detach(*a), GrpcOk());
+  EXPECT_EQ(Get("kv").clients_size(), 1);
+  EXPECT_EQ(Get("kv").pending_release_bytes(), kFirstRelease);
+  // ... until it acknowledges, detached as it is.
+  EXPECT_TRUE(a->AcknowledgePending().ok());
+  EXPECT_EQ(Get("kv").pending_release_bytes(), 0u);
+
+  // b detaches while it maps the pool, and never unmaps: a later shrink counts the blocks b (and a,
+  // detached too) were handed as pending release, in the pool and in the device's committed bytes,
+  // until their sessions end.
+  ASSERT_THAT(detach(*b), GrpcOk());
+  ASSERT_THAT(shrink(64), GrpcOk());
+  EXPECT_EQ(Get("kv").pending_release_bytes(), kSecondRelease);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB + kSecondRelease);
+  a->Close();
+  b->Close();
+  EXPECT_TRUE(WaitFor([&] { return Get("kv").pending_release_bytes() == 0; }));
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
+}
+
+TEST_F(KvdDaemonTest, ReattachingInTheSameSessionTakesOverWhatTheDetachedClientHeld) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  ASSERT_THAT(Grow(admin(), "kv", 512), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "follower"));
+  auto attach = [&](v1::AttachResponse* attached) {
+    v1::AttachRequest request;
+    request.set_pool("kv");
+    return stub().Attach(Ctx(session.token()).get(), request, attached);
+  };
+  v1::AttachResponse first;
+  ASSERT_THAT(attach(&first), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(auto fds, session.Fetch(first.lease().token()));
+  for (const auto& [id, fd] : fds) close(fd);
+  v1::DetachRequest detach;
+  detach.set_client_id(first.client_id());
+  v1::DetachResponse detached;
+  ASSERT_THAT(stub().Detach(Ctx(session.token()).get(), detach, &detached), GrpcOk());
+  v1::ShrinkRequest shrink;
+  shrink.set_pool("kv");
+  shrink.set_target_blocks(64);
+  v1::PoolUpdate shrunk;
+  ASSERT_THAT(stub().Shrink(Ctx(session.token()).get(), shrink, &shrunk), GrpcOk());
+  ASSERT_GT(Get("kv").pending_release_bytes(), 0u);  // the detached client fetched those chunks
+
+  // The same session attaches again (a follower whose stream broke): the new client is told of the
+  // release and its acknowledgement settles it.
+  v1::AttachResponse second;
+  ASSERT_THAT(attach(&second), GrpcOk());
+  v1::WatchRequest watch;
+  watch.set_client_id(second.client_id());
+  std::unique_ptr<grpc::ClientContext> ctx = Ctx(session.token());
+  std::unique_ptr<grpc::ClientReader<v1::PoolEvent>> events = stub().Watch(ctx.get(), watch);
+  v1::PoolEvent event;
+  ASSERT_TRUE(events->Read(&event));
+  EXPECT_EQ(event.type(), v1::EVENT_TYPE_CHUNKS_RELEASED);
+  EXPECT_EQ(event.release_id(), shrunk.release_id());
+  v1::AcknowledgeRequest ack;
+  ack.set_client_id(second.client_id());
+  ack.set_release_id(event.release_id());
+  v1::AcknowledgeResponse acked;
+  ASSERT_THAT(stub().Acknowledge(Ctx(session.token()).get(), ack, &acked), GrpcOk());
+  EXPECT_EQ(acked.pending_release_bytes(), 0u);
+  ctx->TryCancel();
+}
+
+TEST_F(KvdDaemonTest, ZeroBlocksRefusesARepeatedBlockBeforeAnyWork) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  v1::ZeroBlocksRequest request;
+  request.set_pool("kv");
+  for (uint64_t id : {3, 5, 7, 5}) request.add_block_ids(id);
+  v1::ZeroBlocksResponse response;
+  EXPECT_THAT(stub().ZeroBlocks(Ctx(admin()).get(), request, &response),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "block_ids[3]: block 5 repeats block_ids[1]"));
+}
+
+TEST_F(KvdDaemonTest, LongBlockOperationStopsAtTheCallersDeadline) {
+  // 448 MiB committed: zeroing all of it takes longer than the call allows.
+  constexpr uint64_t kBlocks = 7168;
+  ASSERT_THAT(Create("kv", kBlocks, nullptr, Dims(8192)), GrpcOk());
+  v1::ZeroBlocksRequest request;
+  request.set_pool("kv");
+  for (uint64_t id = 0; id < kBlocks; ++id) request.add_block_ids(id);
+  v1::ZeroBlocksResponse response;
+  EXPECT_THAT(stub().ZeroBlocks(Ctx(admin(), absl::Milliseconds(20)).get(), request, &response),
+              GrpcIs(grpc::StatusCode::DEADLINE_EXCEEDED, ""));
+  // The daemon stopped at a slice boundary rather than finishing the work for nobody.
+  EXPECT_TRUE(WaitFor([&] {
+    return absl::StrContains(
+        daemon_->log(), "rpc ZeroBlocks failed: DEADLINE_EXCEEDED: ZeroBlocks: the deadline of the call passed after");
+  })) << daemon_->log();
+  EXPECT_EQ(Get("kv").committed_blocks(), kBlocks);
+}
+
+TEST_F(KvdDaemonTest, NothingFromTheWireReachesTheLogUnescaped) {
+  // A pool name with a newline and a forged log line after it.
+  v1::GetPoolRequest get;
+  get.set_name("kv\n2026-01-01 00:00:00.000 info kvd stopped");
+  v1::Pool pool;
+  EXPECT_THAT(stub().GetPool(Ctx(admin()).get(), get, &pool), GrpcIs(grpc::StatusCode::NOT_FOUND, "does not exist"));
+  // Raw bytes instead of HTTP/2 on the control socket.
+  {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, daemon_->socket().c_str(), daemon_->socket().size() + 1);
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    constexpr char kGarbage[] = "\x00\xff\xfe\x1b[31m\nkvd stopped\r\n\x80\x81 PRI * HTTP/2.0 garbage";
+    const std::string garbage(kGarbage, sizeof(kGarbage) - 1);
+    ASSERT_EQ(write(fd, garbage.data(), garbage.size()), static_cast<ssize_t>(garbage.size()));
+    pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+    poll(&p, 1, 2000);  // gRPC answers and closes; either way the bytes have been read
+    close(fd);
+  }
+  EXPECT_EQ(DeviceInfo().backend(), v1::BACKEND_HOST);  // still serving
+  ASSERT_TRUE(WaitFor([&] { return absl::StrContains(daemon_->log(), "rpc GetPool failed"); }));
+  const std::string log = daemon_->log();
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StrContains(line, "kvd stopped")) {
+      EXPECT_THAT(std::string(line), HasSubstr("rpc GetPool failed")) << "a forged line";
+    }
+    for (char c : line) {
+      const auto u = static_cast<unsigned char>(c);
+      EXPECT_TRUE(u >= 0x20 && u < 0x7f) << "byte " << static_cast<int>(u) << " in log line: " << absl::CEscape(line);
+    }
+  }
+}
+
+TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
+  // GetPoolRequest.name (field 1) holding bytes that are not UTF-8.
+  const grpc::internal::RpcMethod method("/kvd.v1.Kvd/GetPool", grpc::internal::RpcMethod::NORMAL_RPC);
+  grpc::ByteBuffer response;
+  grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      daemon_->channel().get(), method, Ctx(admin()).get(), Buffer(LengthDelimited(1, "kv\xff\xfe")), &response);
+  EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT,
+                        "request: the /kvd.v1.Kvd/GetPool request is not a valid kvd.v1.GetPoolRequest"));
+  // Not a protobuf message at all, on a call that needs no session.
+  const grpc::internal::RpcMethod info("/kvd.v1.Kvd/GetDeviceInfo", grpc::internal::RpcMethod::NORMAL_RPC);
+  s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
+                                                                            Buffer("\xff\xff\xff"), &response);
+  EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
+  EXPECT_EQ(DeviceInfo().backend(), v1::BACKEND_HOST);
+}
+
+// A kvd with few file descriptors: a grow that runs out of them says so, not that memory is short.
+class KvdDaemonFewFdsTest : public KvdDaemonTest {
+ protected:
+  DaemonConfig Config() override {
+    return {.extra_args = {"--max-chunk=2MiB"}, .wrapper = {"/usr/bin/prlimit", "--nofile=64", "--"}};
+  }
+};
+
+TEST_F(KvdDaemonFewFdsTest, GrowOutOfFileDescriptorsSaysSoAndChangesNothing) {
+  if (access("/usr/bin/prlimit", X_OK) != 0) GTEST_SKIP() << "needs /usr/bin/prlimit";
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  // 2 x 60 chunks of 2 MiB, each an FD of its own: more than the daemon has left.
+  v1::PoolUpdate update;
+  const grpc::Status grown = Grow(admin(), "kv", 4096, &update);
+  EXPECT_THAT(grown, GrpcIs(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of file descriptors, not out of memory"));
+  EXPECT_THAT(grown.error_message(), ::testing::Not(HasSubstr("free")));
+  EXPECT_EQ(Get("kv").committed_blocks(), 64u);
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 4 * kMiB);
+}
+
+// A kvd with little address space: a pool whose capacity does not fit says how much it asked and how
+// much is free.
+class KvdDaemonSmallAddressSpaceTest : public KvdDaemonTest {
+ protected:
+  DaemonConfig Config() override { return {.wrapper = {"/usr/bin/prlimit", "--as=8589934592", "--"}}; }
+};
+
+TEST_F(KvdDaemonSmallAddressSpaceTest, PoolPastTheAddressSpaceStatesBytesAskedAndFree) {
+  if (access("/usr/bin/prlimit", X_OK) != 0) GTEST_SKIP() << "needs /usr/bin/prlimit";
+  // 2 segments of 262144 blocks of 32 KiB: 16 GiB of address space, twice the daemon's limit.
+  v1::Pool pool;
+  const grpc::Status created = Create("kv", 0, &pool, Dims(262144));
+  EXPECT_THAT(created,
+              GrpcIs(grpc::StatusCode::RESOURCE_EXHAUSTED, "dims.capacity_blocks: pool kv needs 17179869184 bytes ("));
+  EXPECT_THAT(created.error_message(), HasSubstr(") of address space but only "));
+  EXPECT_THAT(created.error_message(), ::testing::ContainsRegex("only [0-9]+ bytes \\([^)]*\\) are free"));
+  EXPECT_THAT(stub().GetPool(
+                  Ctx(admin()).get(),
+                  [] {
+                    v1::GetPoolRequest r;
+                    r.set_name("kv");
+                    return r;
+                  }(),
+                  &pool),
+              GrpcIs(grpc::StatusCode::NOT_FOUND, "kv"));
+}
+
 class KvdDaemonShortLeaseTest : public KvdDaemonTest {
  protected:
   DaemonConfig Config() override { return {.extra_args = {"--lease-ttl=1ms"}}; }
@@ -1849,6 +2181,7 @@ TEST(KvdDaemonDeviceTest, UnknownOrAmbiguousDeviceRefusesToStartNamingTheFlag) {
 // The test binary doubles as the peer client process (see PeerMain).
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--kvd-peer") return kvd::daemon::PeerMain(argc, argv);
+  if (argc > 1 && std::string(argv[1]) == "--kvd-as-uid") return kvd::daemon::AsUidMain(argc, argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -29,6 +29,10 @@ namespace kvd {
 // before calling this.
 [[nodiscard]] absl::Status ErrnoStatus(int err, absl::string_view call);
 
+// Whether `status` is ErrnoStatus's answer to EMFILE or ENFILE: out of file descriptors, which callers
+// that word RESOURCE_EXHAUSTED as a shortage of memory must not.
+bool IsOutOfFileDescriptors(const absl::Status& status);
+
 }  // namespace kvd
 
 #define KVD_STATUS_CONCAT_INNER_(a, b) a##b

@@ -377,9 +377,13 @@ TEST_F(PoolManagerTest, OnlyTheOwnerAllowedUidsRootAndTheDaemonUserSeeAPool) {
   spec.allowed_uids = {2000};
   ASSERT_THAT(manager_->CreatePool(alice_, spec), IsOk());
   Caller mallory = Session(3000, "mallory");
-  EXPECT_THAT(manager_->GetPool(mallory, "p"), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
-  EXPECT_THAT(manager_->Grow(mallory, "p", 10), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
-  EXPECT_THAT(manager_->Attach(mallory, "p", ""), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("uid 3000")));
+  // To anyone else the pool is exactly as missing as one that does not exist.
+  const absl::Status missing = manager_->GetPool(mallory, "q").status();
+  EXPECT_THAT(missing, StatusIs(absl::StatusCode::kNotFound, HasSubstr("pool q does not exist")));
+  for (const absl::Status& s : {manager_->GetPool(mallory, "p").status(), manager_->Grow(mallory, "p", 10).status(),
+                                manager_->Attach(mallory, "p", "").status()}) {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kNotFound, "pool p does not exist"));
+  }
   EXPECT_THAT(manager_->ListPools(mallory), SizeIs(0));
   for (uint32_t uid : {2000u, 0u, 4242u}) {
     Caller ok = Session(uid, "ok");

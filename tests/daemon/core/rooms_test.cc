@@ -110,29 +110,33 @@ TEST(LimitsTest, TheOperatorShareIsRoundedUp) {
 
 TEST(LeaseTableTest, ALeaseIsRedeemedOnceByItsSession) {
   LeaseTable leases(absl::Seconds(30));
-  const Lease lease = leases.Issue("kv", "s-1", {7, 8});
+  const Lease lease = leases.Issue("kv", "s-1", "c-1", {7, 8});
   EXPECT_THAT(leases.Redeem("s-2", lease.token).status(), StatusIs(absl::StatusCode::kPermissionDenied, ::testing::_));
   absl::StatusOr<LeaseRecord> record = leases.Redeem("s-1", lease.token);
   ASSERT_THAT(record.status(), IsOk());
   EXPECT_EQ(record->pool, "kv");
+  EXPECT_EQ(record->client, "c-1");
   EXPECT_THAT(record->chunk_ids, ::testing::ElementsAre(7, 8));
   EXPECT_THAT(leases.Redeem("s-1", lease.token).status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
 TEST(LeaseTableTest, ExpiredLeasesAreRefusedAndDroppedLeasesAreGone) {
   LeaseTable expiring(absl::ZeroDuration());
-  const Lease old = expiring.Issue("kv", "s-1", {1});
+  const Lease old = expiring.Issue("kv", "s-1", "c-1", {1});
   absl::SleepFor(absl::Milliseconds(1));
   EXPECT_THAT(expiring.Redeem("s-1", old.token).status(), StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
 
   LeaseTable leases(absl::Seconds(30));
-  const Lease a = leases.Issue("kv", "s-1", {1});
-  const Lease b = leases.Issue("other", "s-2", {2});
-  const Lease c = leases.Issue("other", "s-1", {3});
+  const Lease a = leases.Issue("kv", "s-1", "c-1", {1});
+  const Lease b = leases.Issue("other", "s-2", "c-2", {2});
+  const Lease c = leases.Issue("other", "s-1", "c-3", {3});
+  const Lease d = leases.Issue("other", "s-1", "c-4", {4});
   leases.DropPool("kv");
   leases.DropSession("s-2");
+  leases.DropClient("c-4");
   EXPECT_THAT(leases.Redeem("s-1", a.token).status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(leases.Redeem("s-2", b.token).status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(leases.Redeem("s-1", d.token).status(), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
   EXPECT_THAT(leases.Redeem("s-1", c.token).status(), IsOk());
 }
 

@@ -74,7 +74,9 @@ def L(*pairs, device="0"):
 class KvdFixture(KvdDaemonCase):
     def kvd_args(self):
         self.metrics_port = free_port()
-        return [f"--metrics-address=127.0.0.1:{self.metrics_port}"]
+        # Per-client series (pid, uid, name) only where a test asks for them: they are off by default.
+        clients = ["--metrics-clients"] if self._testMethodName.startswith("test_attached_client_has_series") else []
+        return [f"--metrics-address=127.0.0.1:{self.metrics_port}"] + clients
 
     def kvctl_json(self, *args):
         r = subprocess.run([KVCTL, "--socket=" + self.socket, "--json"] + list(args), capture_output=True, text=True,
@@ -205,6 +207,31 @@ class MetricsScrapeTest(KvdFixture):
             self.assertTrue(labels["client"])
             self.assertEqual(value, int(self.kvctl_json("describe", "kv")["committed_bytes"]))
             self.assertEqual(s[("kvd_operations_total", L(("op", "attach"), ("result", "ok")))], 1)
+            r = subprocess.run([KVD_PROBE, "--socket=" + self.socket, "attach", "kv", "--write=9"],
+                               capture_output=True, text=True, timeout=WAIT_S)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertEqual(holder.wait(WAIT_S), 0)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+
+    def test_client_pids_uids_and_names_are_not_served_by_default(self):
+        self.kvctl_json("create", "kv", *DIMS, "--initial-blocks", "1024")
+        holder = subprocess.Popen([KVD_PROBE, "--socket=" + self.socket, "attach", "kv", "--wait-for=9"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                s = parse_samples(self.scrape())
+                if s.get(("kvd_pool_attached_clients", L(("pool", "kv")))) == 1:
+                    break
+                self.assertIsNone(holder.poll(), "kvd_probe attach exited early")
+                self.assertLess(time.monotonic(), deadline, "the probe never attached")
+                time.sleep(0.05)
+            self.assertEqual([k for k in s if k[0] == "kvd_client_mapped_bytes"], [])
+            text = self.scrape()
+            self.assertNotIn(f'pid="{holder.pid}"', text)
             r = subprocess.run([KVD_PROBE, "--socket=" + self.socket, "attach", "kv", "--write=9"],
                                capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
