@@ -925,17 +925,23 @@ void Mapping::Impl::Shutdown() {
     auto it = client->mappings.find(pool);
     if (it != client->mappings.end() && it->second.lock().get() == this) client->mappings.erase(it);
   }
-  v1::DetachResponse resp;
-  client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
-      .IgnoreError();  // the client may already be detached (pool deleted, daemon gone)
+  // The follower stops first, then every chunk is unmapped and its FD closed, and only then does the
+  // client detach, saying so (DetachRequest.released): the daemon gives back what it held at once
+  // instead of holding it until the session ends.
   {
     absl::MutexLock lock(&mu);
     if (watch_ctx != nullptr) watch_ctx->TryCancel();
   }
   if (follower.joinable()) follower.join();
-  absl::MutexLock lock(&mu);
-  UnmapAll();
-  device->Free(base, geometry.reserved_bytes).IgnoreError();
+  {
+    absl::MutexLock lock(&mu);
+    UnmapAll();
+    device->Free(base, geometry.reserved_bytes).IgnoreError();
+  }
+  req.set_released(true);
+  v1::DetachResponse resp;
+  client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
+      .IgnoreError();  // the client may already be gone (pool deleted, daemon gone)
 }
 
 std::shared_ptr<Mapping::Impl> Client::Impl::FindMapping(const std::string& pool) {

@@ -464,14 +464,23 @@ void Pool::DetachLocked(const std::string& client_id, bool keep_holding) {
   SettleReleasesLocked();
 }
 
-absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id) {
+absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id, bool released) {
   absl::MutexLock lock(&mu_);
   auto it = clients_.find(client_id);
-  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  if (it == clients_.end()) {
+    // A client the daemon detached already (its Watch stream ended) declares what it held unmapped.
+    auto h = holders_.find(client_id);
+    if (released && h != holders_.end() && h->second.session == caller.session) {
+      DetachLocked(h->first, /*keep_holding=*/false);
+      return absl::OkStatus();
+    }
+    return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
+  }
   if (it->second.session != caller.session && !Allows(caller.uid)) {
     return absl::PermissionDeniedError(absl::StrCat("uid ", caller.uid, " may not detach client ", client_id));
   }
-  DetachLocked(it->first, /*keep_holding=*/true);
+  // Only the client's own session can say what it unmapped; anyone else's detach leaves it holding.
+  DetachLocked(it->first, /*keep_holding=*/!(released && it->second.session == caller.session));
   return absl::OkStatus();
 }
 

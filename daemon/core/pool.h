@@ -212,7 +212,10 @@ class Pool {
   // The client's unredeemed leases are revoked. Its session still owes what the client was handed (see
   // Note [A detached client still holds its chunks] in docs/architecture.md): releases of those chunks
   // wait for its acknowledgement or its session's end.
-  [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // `released`: the client's own session declares every chunk unmapped, so it holds nothing after (also
+  // for a client already detached that still holds chunks).
+  [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id, bool released = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Detaches every client of `session` and forgets what its detached clients held; returns the ids of
   // both.
   std::vector<std::string> DetachSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);

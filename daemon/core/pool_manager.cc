@@ -528,9 +528,9 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
   return result;
 }
 
-absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id) {
+absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id, bool released) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
-  KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id));
+  KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id, released));
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
   if (!pool->IsHolder(client_id)) ForgetClients({std::string(client_id)});
   return absl::OkStatus();

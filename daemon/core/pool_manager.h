@@ -164,7 +164,8 @@ class PoolManager {
   // keep their mappings when a grant is revoked.
   [[nodiscard]] absl::StatusOr<PoolView> GrantPeerAccess(const Caller& caller, absl::string_view pool,
                                                          absl::string_view device_uuid, bool revoke);
-  [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id);
+  // `released`: the client's own session declares every chunk of the pool unmapped (DetachRequest.released).
+  [[nodiscard]] absl::Status Detach(const Caller& caller, absl::string_view client_id, bool released = false);
 
   // All-or-nothing: on failure every chunk this call made is released and the pool is as before.
   // The budget is checked against the bytes asked before any chunk is planned.

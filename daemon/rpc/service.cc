@@ -348,7 +348,7 @@ grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRe
   absl::Status status = Guarded("Detach", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
-    KVD_RETURN_IF_ERROR(manager_->Detach(caller, request->client_id()));
+    KVD_RETURN_IF_ERROR(manager_->Detach(caller, request->client_id(), request->released()));
     spdlog::info("client {} detached", request->client_id());
     return absl::OkStatus();
   });

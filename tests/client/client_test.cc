@@ -151,6 +151,23 @@ TEST_F(ClientTest, DeviceInfoAndPools) {
   EXPECT_EQ(after.pool_count, 1u);
 }
 
+// A closed Mapping unmaps first and then detaches saying so (DetachRequest.released): it holds nothing
+// afterwards, so a later shrink's memory is free at once although the closing process keeps its session.
+TEST_F(ClientTest, AClosedMappingHoldsNothingAfterwards) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> owner, Connect("owner"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(owner->CreatePool(SmallPool("kv")).status(), IsOk());
+  {
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> m, engine->Attach("kv"));
+    ASSERT_FALSE(m->chunks().empty());
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange shrunk, owner->Shrink("kv", 0, /*wait=*/true));
+  EXPECT_EQ(shrunk.pool.pending_release_bytes, 0u);
+  EXPECT_EQ(shrunk.release_id, 0u);  // nobody left to wait for
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, owner->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, 0u);
+}
+
 // Pool metadata: a compare-and-set blob; the pool's view shows its version and size.
 TEST_F(ClientTest, PoolMetadataIsACompareAndSet) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Connect("engine"));

@@ -975,18 +975,14 @@ class Mapping:
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
-        """Stops the follower, detaches, unmaps every chunk and frees the VA. Idempotent."""
+        """Stops the follower, unmaps every chunk, frees the VA, then detaches saying so (released: the
+        daemon gives back what this client held at once, as libkvd's Mapping does). Idempotent."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             conn, client_id = self._conn, self.client_id
         self._closing.set()
-        try:
-            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id), conn=conn,
-                               timeout=min(self._client.timeout, 5.0))
-        except KvdError:
-            pass  # already detached (pool deleted, daemon gone): nothing to undo there
         with self._lock:
             watch = self._watch
         watch.cancel()
@@ -994,6 +990,11 @@ class Mapping:
             self._thread.join(timeout=10)
         self._unmap_all()
         self._memory.free(self.base, self.geometry.reserved_bytes)
+        try:
+            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id, released=True),
+                               conn=conn, timeout=min(self._client.timeout, 5.0))
+        except KvdError:
+            pass  # already gone (pool deleted, daemon gone): nothing to undo there
         self._client._forget(self)
 
     def wait_for(self, predicate, timeout=10.0, interval=0.005):
