@@ -64,7 +64,7 @@ Daemon& TheDaemon() {
       std::abort();
     }
     d->channel = *std::move(channel);
-    const Caller owner = *d->manager->Authenticate(d->manager->OpenSession(getuid(), getpid(), "owner"));
+    const Caller owner = *d->manager->Authenticate(*d->manager->OpenSession(getuid(), getpid(), "owner"));
     PoolSpec spec{
         .name = "p",
         .dims =

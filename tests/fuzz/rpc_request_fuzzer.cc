@@ -76,8 +76,8 @@ Daemon& TheDaemon() {
     builder.RegisterService(d->service.get());
     d->server = builder.BuildAndStart();
     d->stub = std::make_unique<grpc::GenericStub>(d->server->InProcessChannel(grpc::ChannelArguments()));
-    d->token = d->manager->OpenSession(kUid, 1, "fuzz");
-    d->admin = *d->manager->Authenticate(d->manager->OpenSession(0, 1, "admin"));
+    d->token = *d->manager->OpenSession(kUid, 1, "fuzz");
+    d->admin = *d->manager->Authenticate(*d->manager->OpenSession(0, 1, "admin"));
     const google::protobuf::ServiceDescriptor* service =
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("kvd.v1.Kvd");
     for (int i = 0; i < service->method_count(); ++i) {
