@@ -248,7 +248,7 @@ struct PoolInfo {
   uint64_t metadata_version = 0;          // the pool metadata's version; 0: never set
   uint64_t metadata_bytes = 0;
   std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has handed back yet
-  uint32_t client_count = 0;              // attached clients, in every reply
+  uint32_t client_count = 0;                // attached clients, in every reply
 };
 
 struct PoolOptions {

@@ -98,8 +98,8 @@ TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenTher
   EXPECT_THAT(body, HasSubstr(absl::StrCat(R"(kvd_device_budget_bytes{device="0",backend="host",uuid=")", info.uuid,
                                            R"("} 134217728)")));
   // A manager without saved state is epoch 1.
-  EXPECT_THAT(body, HasSubstr(absl::StrCat(R"(kvd_daemon_epoch{device="0",backend="host",uuid=")", info.uuid,
-                                           R"("} 1)")));
+  EXPECT_THAT(body,
+              HasSubstr(absl::StrCat(R"(kvd_daemon_epoch{device="0",backend="host",uuid=")", info.uuid, R"("} 1)")));
   EXPECT_THAT(body, HasSubstr("kvd_daemon_start_time_seconds{"));
   EXPECT_THAT(body, Not(HasSubstr("kvd_pool_committed_bytes{")));
 }
