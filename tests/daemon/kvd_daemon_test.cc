@@ -1907,24 +1907,24 @@ TEST_F(KvdDaemonFewFdsTest, GrowOutOfFileDescriptorsSaysSoAndChangesNothing) {
 
 // A kvd with little address space: a pool whose capacity does not fit says how much it asked and how
 // much is free.
-// AddressSanitizer reserves terabytes of shadow address space at start: a daemon built with it cannot
-// start under an address-space limit at all.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
+// AddressSanitizer and ThreadSanitizer reserve terabytes of shadow address space at start: a daemon
+// built with either cannot start under an address-space limit at all.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kShadowMemorySanitizer = true;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kShadowMemorySanitizer = true;
 #else
-constexpr bool kAddressSanitizer = false;
+constexpr bool kShadowMemorySanitizer = false;
 #endif
 #else
-constexpr bool kAddressSanitizer = false;
+constexpr bool kShadowMemorySanitizer = false;
 #endif
 
 class KvdDaemonSmallAddressSpaceTest : public KvdDaemonTest {
  protected:
   void SetUp() override {
-    if (kAddressSanitizer) GTEST_SKIP() << "an ASan build cannot run under an address-space limit";
+    if (kShadowMemorySanitizer) GTEST_SKIP() << "an ASan or TSan build cannot run under an address-space limit";
     KvdDaemonTest::SetUp();
   }
   DaemonConfig Config() override { return {.wrapper = {"/usr/bin/prlimit", "--as=8589934592", "--"}}; }
