@@ -238,6 +238,19 @@ absl::Status VaBook::UseRange(absl::string_view call, uint64_t va, uint64_t byte
   return touch();
 }
 
+absl::Status VaBook::UseCopy(absl::string_view call, uint64_t dst, uint64_t src, uint64_t bytes,
+                             absl::FunctionRef<absl::Status()> touch) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst < src ? src - dst < bytes : dst - src < bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(call, ": dst ", Hex(dst), " and src ", Hex(src), " overlap within ",
+                                                   bytes, " bytes"));
+  }
+  absl::ReaderMutexLock lock(&va_mu_);
+  KVD_RETURN_IF_ERROR(CheckMapped(call, src, bytes, /*write=*/false));
+  KVD_RETURN_IF_ERROR(CheckMapped(call, dst, bytes, /*write=*/true));
+  return touch();
+}
+
 absl::Status VaBook::UseBlocks(absl::string_view call, const BlockSpan& span, bool span_write, uint64_t packed,
                                uint64_t packed_count, bool packed_write, absl::FunctionRef<absl::Status()> touch) {
   std::optional<uint64_t> run = CheckedMul(span.blocks, span.block_bytes);

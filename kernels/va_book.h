@@ -110,6 +110,10 @@ class VaBook {
   // where `write` is asked.
   [[nodiscard]] absl::Status UseRange(absl::string_view call, uint64_t va, uint64_t bytes, bool write,
                                       absl::FunctionRef<absl::Status()> touch);
+  // The same for a device-to-device copy: [src, src + bytes) mapped, [dst, dst + bytes) mapped
+  // read-write. INVALID_ARGUMENT also when the two ranges overlap.
+  [[nodiscard]] absl::Status UseCopy(absl::string_view call, uint64_t dst, uint64_t src, uint64_t bytes,
+                                     absl::FunctionRef<absl::Status()> touch);
   // The same for a block operation: the committed run (span.blocks * span.block_bytes bytes) of each
   // segment of `span` (written if `span_write`) and, when `packed_count` > 0, `packed_count` packed
   // blocks at `packed` (written if `packed_write`). INVALID_ARGUMENT also when the span's extent

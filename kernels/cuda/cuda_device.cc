@@ -581,6 +581,18 @@ absl::Status CudaDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t
   });
 }
 
+absl::Status CudaDevice::CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) {
+  return book_->UseCopy("CopyRange", dst_va, src_va, bytes, [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(MakeCurrent());
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemcpyDtoD_(dst_va, src_va, bytes), [&] {
+      return absl::StrCat("cuMemcpyDtoD(", Range(dst_va, bytes), " <- ", Range(src_va, bytes), ")");
+    }));
+    // Device-to-device copies are asynchronous to the host: wait, so that the book lets an Unmap of either
+    // range proceed only after the copy.
+    return CudaStatus(driver_, driver_.cuCtxSynchronize_(), "cuCtxSynchronize after cuMemcpyDtoD");
+  });
+}
+
 absl::Status CudaDevice::ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
   KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
   return RunBlocks("ZeroBlocks", BlockOp::kZero, span, blocks.data(), blocks.size(), blocks.size(), 0);

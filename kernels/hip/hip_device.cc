@@ -552,6 +552,21 @@ absl::Status HipDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t 
   });
 }
 
+absl::Status HipDevice::CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) {
+  return book_->UseCopy("CopyRange", dst_va, src_va, bytes, [&]() -> absl::Status {
+    ScopedCurrentDevice current(hip_, index_);
+    KVD_RETURN_IF_ERROR(current.status());
+    if (HipError e = hip_.hipMemcpyDtoD(Ptr(dst_va), Ptr(src_va), bytes); e != kHipSuccess) {
+      return Error(e, "hipMemcpyDtoD");
+    }
+    // Device-to-device copies may return before they finish: wait before the book lets an Unmap through.
+    if (HipError e = hip_.hipStreamSynchronize(nullptr); e != kHipSuccess) {
+      return Error(e, "hipStreamSynchronize after hipMemcpyDtoD");
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::Status HipDevice::RunBlocks(const char* call, BlockOp op, const BlockSpan& span, const uint64_t* ids,
                                   uint64_t id_words, uint64_t items, uint64_t packed) {
   if (items == 0 || span.segments == 0 || span.block_bytes == 0) return absl::OkStatus();

@@ -59,6 +59,7 @@ namespace kvd::hip {
     (HipMemGenericAllocationHandle * handle, void* os_handle, HipMemAllocationHandleType type))                        \
   X(hipMemcpyHtoD, HipError, (HipDeviceptr dst, void* src, size_t bytes))                                              \
   X(hipMemcpyDtoH, HipError, (void* dst, HipDeviceptr src, size_t bytes))                                              \
+  X(hipMemcpyDtoD, HipError, (HipDeviceptr dst, HipDeviceptr src, size_t bytes))                                       \
   X(hipMemcpyHtoDAsync, HipError, (HipDeviceptr dst, void* src, size_t bytes, HipStream stream))                       \
   X(hipMalloc, HipError, (void** ptr, size_t bytes))                                                                   \
   X(hipFree, HipError, (void* ptr))                                                                                    \

@@ -315,6 +315,13 @@ absl::Status HostDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t
   });
 }
 
+absl::Status HostDevice::CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) {
+  return book_.UseCopy("CopyRange", dst_va, src_va, bytes, [&] {
+    std::memcpy(Address(dst_va), Address(src_va), bytes);
+    return absl::OkStatus();
+  });
+}
+
 absl::Status HostDevice::ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {
   KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
   if (blocks.empty()) return absl::OkStatus();

@@ -94,6 +94,7 @@ class HostDevice final : public Device {
 
   [[nodiscard]] absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override;
   [[nodiscard]] absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override;
+  [[nodiscard]] absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) override;
 
   [[nodiscard]] absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) override;
   [[nodiscard]] absl::Status CopyBlocks(const BlockSpan& span, absl::Span<const BlockCopy> copies) override;

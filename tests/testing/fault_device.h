@@ -19,7 +19,7 @@ namespace kvd::testing {
 
 class FaultDevice final : public Device {
  public:
-  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange };
+  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange, kCopyRange };
 
   explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
 
@@ -115,6 +115,10 @@ class FaultDevice final : public Device {
   }
   absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override {
     return inner_->CopyFromHost(dst_va, src, bytes);
+  }
+  absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kCopyRange); !s.ok()) return s;
+    return inner_->CopyRange(dst_va, src_va, bytes);
   }
   absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) override {
     return inner_->ZeroBlocks(span, blocks);

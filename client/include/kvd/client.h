@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,7 @@ struct ClientInfo {
   uint64_t mapped_bytes = 0;
   uint64_t attached_at_unix_ms = 0;
   std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
+  bool pausable = false;    // it takes part in pauses (AttachOptions::on_pause)
 };
 
 // One rank of an engine group: the pools of one engine's tensor-parallel ranks, one per daemon
@@ -274,13 +276,57 @@ struct PreparedChange {
   uint64_t elapsed_us = 0;
 };
 
+// Live block `src` of a compaction shrink now lives at `dst` (proto BlockCopy).
+struct BlockMove {
+  uint64_t src = 0;
+  uint64_t dst = 0;
+};
+
+// What a Shrink or Compact did to the pool's physical shape (proto Reshape; docs/api.md, "Pauses and
+// reshaping").
+struct Reshape {
+  uint32_t chunks_before = 0;
+  uint32_t chunks_after = 0;
+  uint32_t chunks_replaced = 0;  // old chunks whose kept bytes were copied into new ones
+  uint32_t chunks_added = 0;
+  uint64_t copied_bytes = 0;  // copied on the device
+  uint64_t copy_us = 0;
+  uint32_t paused_clients = 0;
+  uint64_t pause_us = 0;  // every client paused -> the last one resumed; 0: nobody paused
+  uint32_t resumed_clients = 0;
+  std::vector<std::string> detached_client_ids;  // PauseOptions::detach_unresponsive
+  std::vector<BlockMove> moved_blocks;           // compaction shrink
+  bool target_reached = false;                   // Shrink: every segment's prefix is at the target
+};
+
 // The result of one change (proto PoolUpdate).
 struct PoolChange {
   PoolInfo pool;
   std::vector<ChunkInfo> added;
   std::vector<uint64_t> released_chunk_ids;
   uint64_t release_id = 0;
-  uint64_t elapsed_us = 0;  // the daemon's time
+  uint64_t elapsed_us = 0;         // the daemon's time
+  std::optional<Reshape> reshape;  // Shrink, Compact and a shrink's Commit
+};
+
+// How long a pause may take to start, and what happens to a client that does not acknowledge it (proto
+// PauseOptions).
+struct PauseOptions {
+  absl::Duration timeout = absl::ZeroDuration();  // zero: the daemon's --pause-timeout
+  // Detach a client that does not acknowledge in time and go on; otherwise the change fails with
+  // DEADLINE_EXCEEDED naming it and nothing changes.
+  bool detach_unresponsive = false;
+};
+
+struct ShrinkOptions {
+  bool wait = false;  // reply once every attached client acknowledged the release
+  // Release whole chunks only and never pause (the pool may stay above the target: see
+  // PoolChange::reshape->target_reached and pool.committed_blocks).
+  bool whole_chunks_only = false;
+  // Compaction shrink: the blocks the engine still uses. Live blocks at or above the target are moved
+  // into free blocks below it first (PoolChange::reshape->moved_blocks). nullopt: no compaction.
+  std::optional<std::vector<uint64_t>> live_blocks;
+  PauseOptions pause;
 };
 
 struct ResolvedLayout {
@@ -400,6 +446,17 @@ struct AttachOptions {
   // deregister every registration overlapping them and close their FDs. The daemon's release (and a
   // Shrink/Sleep with wait) waits until this returns.
   std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_released;
+  // Pauses (docs/api.md, "Pauses and reshaping"). Setting on_pause makes this Mapping pausable
+  // (AttachRequest.pausable): the daemon may then move the pool's bytes into new chunks at the same
+  // addresses (an exact Shrink, Compact). On a PAUSE the follower imports the new chunks, calls
+  // on_pause(ranges: the bytes that move) — stop every access to the pool (synchronise the streams
+  // that use it) and return — and acknowledges. On the RESUME it unmaps the replaced chunks, maps the
+  // new ones at the same addresses and calls on_resume(applied); applied is false when the change was
+  // called off and nothing moved. Connectors: on_ranges_released is called for the moving bytes before
+  // on_pause and on_ranges_added after the remap. Without on_pause the Mapping is not pausable, and
+  // such changes of its pool fail with FAILED_PRECONDITION while it is attached.
+  std::function<void(const std::vector<ByteRange>& ranges)> on_pause;
+  std::function<void(bool applied)> on_resume;
 };
 
 class Client;
@@ -466,6 +523,13 @@ class Client {
   // keeps its previous committed_blocks().
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks, bool wait);
+  // Shrink to the exact target (rounded up to the granularity), pausing the attached clients when a chunk
+  // straddles it; options as ShrinkOptions says. This client's own Mapping remaps before it returns.
+  [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks,
+                                                  const ShrinkOptions& options);
+  // Rewrites a fragmented pool as one chunk per segment (split at the daemon's maximum chunk size) while
+  // the attached clients pause. This client's own Mapping remaps before it returns.
+  [[nodiscard]] absl::StatusOr<PoolChange> Compact(absl::string_view pool, const PauseOptions& pause = {});
   // An empty `pool` means every pool (awake ones for Sleep, sleeping ones for Wake).
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, bool wait);
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool);

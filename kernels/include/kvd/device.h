@@ -178,6 +178,11 @@ class Device {
   // backend waits for the DMA), so the range may be unmapped right after.
   [[nodiscard]] virtual absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) = 0;
   [[nodiscard]] virtual absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) = 0;
+  // Copies between two ranges of this device's mapped memory, on the device: [src_va, src_va + bytes)
+  // mapped, [dst_va, dst_va + bytes) mapped read-write (codes: "Misuse" above), the two not overlapping
+  // (INVALID_ARGUMENT). Returns once the bytes are in place; bytes == 0 is a no-op. The daemon moves a
+  // chunk's bytes into its replacement with it (Note [Chunks are replaced, not cut] in docs/architecture.md).
+  [[nodiscard]] virtual absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) = 0;
 
   // Block operations (DESIGN.md section 10). Block ids must be < span.blocks; in CopyBlocks no dst
   // may repeat or also be a src. Pack writes blocks.size() packed blocks to device memory at `dst`;
