@@ -527,8 +527,12 @@ absl::StatusOr<std::vector<uint64_t>> LiveBlocks(const std::string& text) {
 void PrintReshape(const Reshape& r) {
   std::printf("chunks       %u before, %u after (%u replaced, %u new)\n", r.chunks_before, r.chunks_after,
               r.chunks_replaced, r.chunks_added);
-  std::printf("copied       %s on the device in %s\n", FormatBytes(r.copied_bytes).c_str(),
-              Ms(r.copy_us / 1000.0).c_str());
+  if (r.copied_bytes == 0) {
+    std::printf("copied       nothing\n");
+  } else {
+    std::printf("copied       %s on the device in %s\n", FormatBytes(r.copied_bytes).c_str(),
+                Ms(r.copy_us / 1000.0).c_str());
+  }
   if (r.paused_clients == 0) {
     std::printf("pause        none (no client paused)\n");
   } else {
