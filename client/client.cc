@@ -750,6 +750,8 @@ absl::Status Mapping::Impl::ApplyUpdate(const v1::PoolUpdate& update) {
 }
 
 void Mapping::Impl::Lose(const absl::Status& why) {
+  Conn c;
+  v1::DetachRequest req;
   {
     absl::MutexLock lock(&mu);
     if (closing || state == Mapping::State::kLost) return;
@@ -760,6 +762,17 @@ void Mapping::Impl::Lose(const absl::Status& why) {
     // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
     // which finds the Mapping lost already).
     if (watch_ctx != nullptr) watch_ctx->TryCancel();
+    c = conn;
+    req.set_pool(pool);
+    req.set_client_id(client_id);
+    req.set_released(true);
+  }
+  // Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping held
+  // (a deleted pool's memory stays counted until its clients let go). Best effort: the daemon may be gone.
+  if (c != nullptr) {
+    v1::DetachResponse resp;
+    client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
+        .IgnoreError();
   }
   if (options.on_lost) options.on_lost(why);
 }

@@ -961,10 +961,28 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
   return out;
 }
 
-std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks) {
+std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held) {
   absl::MutexLock lock(&mu_);
   deleted_ = true;
   uint64_t bytes = committed_bytes() + PendingBytesLocked();
+  if (held != nullptr) {
+    // Each chunk some client fetched (and may map still) is counted once, until every such client let go.
+    std::map<uint64_t, uint64_t> fetched;
+    for (const auto& [id, c] : clients_) {
+      for (const auto& [chunk, chunk_bytes] : c.handed) {
+        if (!c.fetched.contains(chunk)) continue;
+        fetched[chunk] = chunk_bytes;
+        held->clients[id] = c.session;
+      }
+    }
+    for (const auto& [id, h] : holders_) {
+      for (const auto& [chunk, chunk_bytes] : h.handed) fetched[chunk] = chunk_bytes;
+      if (!h.handed.empty()) held->clients[id] = h.session;
+    }
+    for (const auto& [chunk, chunk_bytes] : fetched) held->bytes += chunk_bytes;
+    held->bytes = std::min(held->bytes, bytes);
+    bytes -= held->bytes;
+  }
   if (txn_.has_value()) {
     bytes += txn_->change.staged.bytes;
     for (ChunkRecord& r : txn_->change.staged.chunks) chunks->push_back(std::move(r));

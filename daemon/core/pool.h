@@ -324,8 +324,15 @@ class Pool {
   // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
   // the budget and hands the daemon's chunks (the table's and a held transaction's) to the caller to
   // unmap and release. Returns the ids of the clients it detached and of the detached holders.
-  std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // With `held`, the bytes of every chunk some client fetched stay in the budget and are described there
+  // instead (clients may map them still: Note [A deleted pool's memory is counted until its clients let
+  // go] in docs/architecture.md).
+  struct Held {
+    uint64_t bytes = 0;
+    std::map<std::string, std::string> clients;  // client id -> its session
+  };
+  std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Client {

@@ -185,11 +185,37 @@ void PoolManager::ErasePoolLocked(const Pool& pool) {
   reserved_total_ -= std::min(reserved_total_, reserved);
 }
 
+bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view client_id) {
+  bool found = false;
+  for (auto it = orphaned_.begin(); it != orphaned_.end();) {
+    std::map<std::string, std::string>& clients = it->held.clients;
+    for (auto c = clients.begin(); c != clients.end();) {
+      if (c->second == session && (client_id.empty() || c->first == client_id)) {
+        c = clients.erase(c);
+        found = true;
+      } else {
+        ++c;
+      }
+    }
+    if (clients.empty()) {
+      budget_.Give(it->held.bytes);
+      it = orphaned_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return found;
+}
+
 void PoolManager::CloseSession(absl::string_view session) {
   // The session goes first: an Attach or Prepare of it that finishes later finds it gone (they check
   // under their pool's lock), and everything it installed before is found below.
   if (!sessions_.Close(session)) return;
   leases_.DropSession(session);
+  {
+    absl::MutexLock lock(&mu_);
+    LetGoLocked(session, {});
+  }
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
@@ -210,6 +236,10 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   for (const std::shared_ptr<Pool>& pool : pools) {
     s.pending_release_bytes += pool->pending_bytes();
     s.reserved_bytes += pool->geometry().reserved_bytes();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Orphaned& o : orphaned_) s.pending_release_bytes += o.held.bytes;
   }
   s.committed_bytes = budget_.committed();
   s.pools = static_cast<uint32_t>(pools.size());
@@ -508,7 +538,13 @@ void PoolManager::Destroy(Pool& pool, EventType why) {
   const bool forget = why != EventType::kDaemonRestarting && options_.store != nullptr;
   if (forget) options_.store->ForgetPool(pool.name()).IgnoreError();  // the store logs its failures
   std::vector<ChunkRecord> chunks;
-  ForgetClients(pool.Destroy(why, &chunks));
+  Pool::Held held;
+  const bool deleted = why == EventType::kPoolDeleted;
+  ForgetClients(pool.Destroy(why, &chunks, deleted ? &held : nullptr));
+  if (deleted && held.bytes > 0) {
+    absl::MutexLock lock(&mu_);
+    orphaned_.push_back({.pool = pool.name(), .held = std::move(held)});
+  }
   for (ChunkRecord& r : chunks) {
     if (forget) options_.store->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
@@ -538,7 +574,14 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
 }
 
 absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id, bool released) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
+  absl::StatusOr<std::shared_ptr<Pool>> found = FindClient(client_id);
+  if (!found.ok()) {
+    // A client of a deleted pool declaring that it let go of the pool's memory.
+    absl::MutexLock lock(&mu_);
+    if (released && LetGoLocked(caller.session, client_id)) return absl::OkStatus();
+    return found.status();
+  }
+  std::shared_ptr<Pool> pool = *std::move(found);
   KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id, released));
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
   if (!pool->IsHolder(client_id)) ForgetClients({std::string(client_id)});

@@ -389,6 +389,17 @@ class PoolManager {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
   std::thread recovery_;
+  // Deleted pools whose chunks clients may map still: their bytes stay in the budget until every one of
+  // those clients let go (Detach with released, or its session's end). See Note [A deleted pool's memory
+  // is counted until its clients let go] in docs/architecture.md.
+  struct Orphaned {
+    std::string pool;
+    Pool::Held held;
+  };
+  std::vector<Orphaned> orphaned_ ABSL_GUARDED_BY(mu_);
+  // Settles `client_id` (every client of `session` when empty) in orphaned_; gives back what no one holds.
+  // Returns whether it found the client.
+  bool LetGoLocked(absl::string_view session, absl::string_view client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
   std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
   std::thread compactor_;

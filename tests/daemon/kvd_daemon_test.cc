@@ -1315,6 +1315,24 @@ TEST_F(KvdDaemonTest, ForcedDeleteTellsWatchersThePoolIsGone) {
   ASSERT_TRUE(gone.has_value());
   EXPECT_EQ(gone->event.type(), v1::EVENT_TYPE_POOL_DELETED);
   EXPECT_EQ(a->mapped_chunks(), 0u);
+  // The daemon cannot see the engine unmap: what it fetched stays counted until it says it let go.
+  const v1::DeviceInfo after = DeviceInfo();
+  EXPECT_EQ(after.committed_bytes(), response.released_bytes());
+  v1::DetachRequest detach;
+  detach.set_client_id(a->client_id());
+  detach.set_released(true);
+  v1::DetachResponse detached;
+  EXPECT_THAT(stub().Detach(Ctx(admin()).get(), detach, &detached), GrpcIs(grpc::StatusCode::NOT_FOUND, "client_id"))
+      << "only the engine's own session can say so";
+  EXPECT_THAT(stub().Detach(Ctx(a->token()).get(), detach, &detached), GrpcOk());
+  EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
+
+  // Or its session ends.
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(a, Attach("kv", "engine"));
+  ASSERT_THAT(stub().DeletePool(Ctx(admin()).get(), del, &response), GrpcOk());
+  EXPECT_GT(DeviceInfo().committed_bytes(), 0u);
+  a.reset();
   EXPECT_TRUE(WaitFor([&] { return DeviceInfo().committed_bytes() == 0; }));
 }
 
