@@ -109,6 +109,8 @@ struct Flags {
   uint64_t max_clients_per_pool = 256;
   uint64_t max_handle_connections = 1024;
   uint64_t max_handle_connections_per_uid = 256;
+  uint64_t max_control_connections = 1024;
+  uint64_t max_control_connections_per_uid = 256;
   uint64_t max_block_ids = 65536;
   std::string max_request_bytes = "4MiB";
   std::string operator_reserve = "5%";
@@ -243,7 +245,8 @@ absl::StatusOr<Limits> MakeLimits(const Flags& f, uint32_t daemon_uid) {
                                                      {"--max-sessions", limits.max_sessions},
                                                      {"--max-reserved", limits.max_reserved_bytes},
                                                      {"--max-clients-per-pool", limits.max_clients_per_pool},
-                                                     {"--max-handle-connections", f.max_handle_connections}};
+                                                     {"--max-handle-connections", f.max_handle_connections},
+                                                     {"--max-control-connections", f.max_control_connections}};
   for (const auto& [flag, total] : totals) {
     if (total == 0) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be > 0"));
     if (total == OperatorShare(total, limits.operator_reserve_percent)) {
@@ -257,6 +260,7 @@ absl::StatusOr<Limits> MakeLimits(const Flags& f, uint32_t daemon_uid) {
       {"--max-sessions-per-uid", limits.max_sessions_per_uid},
       {"--max-reserved-per-uid", limits.max_reserved_bytes_per_uid},
       {"--max-handle-connections-per-uid", f.max_handle_connections_per_uid},
+      {"--max-control-connections-per-uid", f.max_control_connections_per_uid},
       {"--max-block-ids", limits.max_block_ids}};
   for (const auto& [flag, value] : others) {
     if (value == 0) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be > 0"));
@@ -275,6 +279,8 @@ std::vector<LimitValue> LimitValues(const Flags& f, const Limits& limits, uint64
           {"max-clients-per-pool", limits.max_clients_per_pool},
           {"max-handle-connections", f.max_handle_connections},
           {"max-handle-connections-per-uid", f.max_handle_connections_per_uid},
+          {"max-control-connections", f.max_control_connections},
+          {"max-control-connections-per-uid", f.max_control_connections_per_uid},
           {"max-block-ids", limits.max_block_ids},
           {"max-request-bytes", max_request_bytes},
           {"operator-reserve", limits.operator_reserve_percent}};
@@ -592,7 +598,14 @@ absl::Status Run(const Flags& f) {
   }
   // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
   // (SO_PEERCRED) a session token is checked against: ControlSocket.
-  KVD_ASSIGN_OR_RETURN(std::unique_ptr<ControlSocket> control, ControlSocket::Listen(socket_path, 0660));
+  KVD_ASSIGN_OR_RETURN(
+      std::unique_ptr<ControlSocket> control,
+      ControlSocket::Listen(socket_path, 0660,
+                            ControlSocket::Options{.max_connections = f.max_control_connections,
+                                                   .reserved_connections = OperatorShare(
+                                                       f.max_control_connections, limits.operator_reserve_percent),
+                                                   .operator_uid = limits.daemon_uid,
+                                                   .max_connections_per_uid = f.max_control_connections_per_uid}));
   const std::optional<SocketId> socket_id = IdOf(socket_path);
   absl::Cleanup remove_socket = [&] { RemoveSocket(socket_path, socket_id); };
   KvdService service(&manager,
@@ -613,7 +626,7 @@ absl::Status Run(const Flags& f) {
     control->Stop();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   };
-  control->Serve(server.get());
+  KVD_RETURN_IF_ERROR(control->Serve(server.get()));
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
 
@@ -627,11 +640,16 @@ absl::Status Run(const Flags& f) {
                                                   .max_connections_per_uid = f.max_handle_connections_per_uid}));
   if (metrics != nullptr) {
     const HandleChannel* served = channel.get();
-    metrics->SetLimits(LimitValues(f, limits, max_request_bytes), [served] {
-      const HandleChannel::Refusals refused = served->refusals();
-      return HandleChannelUsage{.connections_by_uid = served->ConnectionsByUid(),
-                                .refused_total = refused.total,
-                                .refused_per_uid = refused.per_uid};
+    const ControlSocket* controlled = control.get();
+    metrics->SetLimits(LimitValues(f, limits, max_request_bytes), [served, controlled] {
+      const HandleChannel::Refusals handles = served->refusals();
+      const PeerAcceptor::Refusals controls = controlled->refusals();
+      return ConnectionUsage{.handle_channel = {.connections_by_uid = served->ConnectionsByUid(),
+                                                .refused_total = handles.total,
+                                                .refused_per_uid = handles.per_uid},
+                             .control_socket = {.connections_by_uid = controlled->ConnectionsByUid(),
+                                                .refused_total = controls.total,
+                                                .refused_per_uid = controls.per_uid}};
     });
   }
   // Scrapes stop reading the channel before it goes (metrics outlives it).
@@ -647,10 +665,12 @@ absl::Status Run(const Flags& f) {
       FormatBytes(budget), FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
   spdlog::info(
       "limits: pools {} ({} per uid), sessions {} ({} per uid), reserved {} ({} per uid), {} clients per pool, "
-      "handle-channel connections {} ({} per uid), {} block ids and {} per request; {}% kept for root and uid {}",
+      "handle-channel connections {} ({} per uid), control-socket connections {} ({} per uid), {} block ids and {} "
+      "per request; {}% kept for root and uid {}",
       limits.max_pools, limits.max_pools_per_uid, limits.max_sessions, limits.max_sessions_per_uid,
       FormatBytes(limits.max_reserved_bytes), FormatBytes(limits.max_reserved_bytes_per_uid),
-      limits.max_clients_per_pool, f.max_handle_connections, f.max_handle_connections_per_uid, limits.max_block_ids,
+      limits.max_clients_per_pool, f.max_handle_connections, f.max_handle_connections_per_uid,
+      f.max_control_connections, f.max_control_connections_per_uid, limits.max_block_ids,
       FormatBytes(max_request_bytes), limits.operator_reserve_percent, limits.daemon_uid);
   // systemd Type=notify (deploy/systemd/kvd@.service): both sockets exist now. No-op without NOTIFY_SOCKET.
   sd_notifyf(0, "READY=1\nSTATUS=serving unix:%s, budget %s\nMAINPID=%d", socket_path.c_str(),
@@ -788,13 +808,19 @@ int Main(int argc, char** argv) {
   app.add_option("--max-handle-connections-per-uid", f.max_handle_connections_per_uid,
                  "Handle-channel connections one uid may have open")
       ->capture_default_str();
+  app.add_option("--max-control-connections", f.max_control_connections,
+                 "gRPC control-socket connections of all uids open at once")
+      ->capture_default_str();
+  app.add_option("--max-control-connections-per-uid", f.max_control_connections_per_uid,
+                 "gRPC control-socket connections one uid may have open")
+      ->capture_default_str();
   app.add_option("--max-block-ids", f.max_block_ids,
                  "Block ids (or copies) one ZeroBlocks, CopyBlocks or DescribeTransfer may name")
       ->capture_default_str();
   app.add_option("--max-request-bytes", f.max_request_bytes, "Largest gRPC request accepted")->capture_default_str();
   app.add_option("--operator-reserve", f.operator_reserve,
                  "Share of every total limit (pools, sessions, reserved, clients per pool, handle-channel "
-                 "connections) only root and kvd's own uid may use")
+                 "and control-socket connections) only root and kvd's own uid may use")
       ->capture_default_str();
   app.footer(absl::StrCat("Environment: ", kLayoutEnv,
                           " sets the daemon's layout preference (rule 3 of the chain); an invalid value stops kvd."));

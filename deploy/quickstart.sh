@@ -151,9 +151,7 @@ case $mode in
     say "the suite under ASan+UBSan took $((SECONDS - step)) s"
 
     step=$SECONDS
-    # handle_channel_fuzzer replays its corpus in the suite above but is not fuzzed here until its open
-    # finding (docs/reliability.md, "Fuzzing") is explained: it would fail CI intermittently.
-    for fuzzer in layout_fuzzer rpc_request_fuzzer; do
+    for fuzzer in layout_fuzzer rpc_request_fuzzer handle_channel_fuzzer; do
       found=$asan_build/fuzz-findings/$fuzzer
       mkdir -p "$found"
       say "fuzzing $fuzzer for ${KVD_FUZZ_SECONDS:-20} s (new inputs in $found, a crash's input in $asan_build)"

@@ -57,7 +57,7 @@ class SnapshotCollector final : public prometheus::Collectable {
   SnapshotCollector(const PoolManager* manager, BuildInfo build, bool client_series)
       : manager_(manager), build_(std::move(build)), client_series_(client_series) {}
 
-  void SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel) {
+  void SetLimits(std::vector<LimitValue> limits, std::function<ConnectionUsage()> channel) {
     absl::MutexLock lock(&mu_);
     limits_ = std::move(limits);
     channel_ = std::move(channel);
@@ -168,13 +168,15 @@ class SnapshotCollector final : public prometheus::Collectable {
   // kvd_limit, kvd_tenant_* and kvd_limit_refusals_total (docs/metrics.md, "Limits").
   void CollectLimits(std::vector<prometheus::MetricFamily>& out) const {
     std::vector<LimitValue> limits;
-    std::function<HandleChannelUsage()> channel;
+    std::function<ConnectionUsage()> channel;
     {
       absl::MutexLock lock(&mu_);
       limits = limits_;
       channel = channel_;
     }
-    const HandleChannelUsage handles = channel ? channel() : HandleChannelUsage{};
+    const ConnectionUsage connections = channel ? channel() : ConnectionUsage{};
+    const SocketUsage& handles = connections.handle_channel;
+    const SocketUsage& controls = connections.control_socket;
     prometheus::MetricFamily limit =
         Gauge("kvd_limit", "The value of each limit flag (label limit: the flag without --); docs/operations.md.");
     for (const LimitValue& l : limits) {
@@ -199,6 +201,10 @@ class SnapshotCollector final : public prometheus::Collectable {
              "Open handle-channel connections of the uid (--max-handle-connections-per-uid, "
              "--max-handle-connections).",
              handles.connections_by_uid);
+      by_uid("kvd_tenant_control_connections",
+             "Open gRPC control-socket connections of the uid (--max-control-connections-per-uid, "
+             "--max-control-connections).",
+             controls.connections_by_uid);
     }
 
     prometheus::MetricFamily refusals;
@@ -214,6 +220,8 @@ class SnapshotCollector final : public prometheus::Collectable {
     for (const auto& [flag, value] : manager_->LimitRefusals()) count(flag, value);
     count("--max-handle-connections", handles.refused_total);
     count("--max-handle-connections-per-uid", handles.refused_per_uid);
+    count("--max-control-connections", controls.refused_total);
+    count("--max-control-connections-per-uid", controls.refused_per_uid);
     out.push_back(std::move(refusals));
   }
 
@@ -222,7 +230,7 @@ class SnapshotCollector final : public prometheus::Collectable {
   const bool client_series_;
   mutable absl::Mutex mu_;
   std::vector<LimitValue> limits_ ABSL_GUARDED_BY(mu_);
-  std::function<HandleChannelUsage()> channel_ ABSL_GUARDED_BY(mu_);
+  std::function<ConnectionUsage()> channel_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -336,7 +344,7 @@ int Metrics::port() const {
   return ports.empty() ? 0 : ports.front();
 }
 
-void Metrics::SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel) {
+void Metrics::SetLimits(std::vector<LimitValue> limits, std::function<ConnectionUsage()> channel) {
   impl_->snapshots->SetLimits(std::move(limits), std::move(channel));
 }
 

@@ -42,11 +42,17 @@ struct LimitValue {
   uint64_t value = 0;
 };
 
-// The handle channel's side of the limits, read at scrape time.
-struct HandleChannelUsage {
+// One socket's connections against its limits, read at scrape time.
+struct SocketUsage {
   std::map<uint32_t, uint64_t> connections_by_uid;
-  uint64_t refused_total = 0;    // by --max-handle-connections
-  uint64_t refused_per_uid = 0;  // by --max-handle-connections-per-uid
+  uint64_t refused_total = 0;    // by --max-handle-connections / --max-control-connections
+  uint64_t refused_per_uid = 0;  // by their -per-uid
+};
+
+// The sockets' side of the limits.
+struct ConnectionUsage {
+  SocketUsage handle_channel;
+  SocketUsage control_socket;
 };
 
 // The timed operations: label op of kvd_operations_total and kvd_operation_duration_seconds.
@@ -78,10 +84,11 @@ class Metrics {
   // One shrink or compact that moved bytes: kvd_pause_seconds (when clients paused),
   // kvd_reshape_copied_bytes_total and kvd_reshape_chunks_replaced_total.
   void ObserveReshape(absl::Duration pause, bool paused, uint64_t copied_bytes, uint64_t chunks_replaced);
-  // The limits to export (kvd_limit) and the handle channel's usage (kvd_tenant_handle_connections and
-  // its kvd_limit_refusals_total); until called, only the core's limits' usage and refusals are
-  // exported. `channel` is called at every scrape, from the exposer's threads.
-  void SetLimits(std::vector<LimitValue> limits, std::function<HandleChannelUsage()> channel);
+  // The limits to export (kvd_limit) and the sockets' usage (kvd_tenant_handle_connections,
+  // kvd_tenant_control_connections and their kvd_limit_refusals_total); until called, only the core's
+  // limits' usage and refusals are exported. `connections` is called at every scrape, from the
+  // exposer's threads.
+  void SetLimits(std::vector<LimitValue> limits, std::function<ConnectionUsage()> connections);
 
  private:
   struct Impl;

@@ -5,7 +5,6 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -223,29 +222,14 @@ HandleChannel::~HandleChannel() { Stop(); }
 
 absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string path, HandleChannelBackend* backend,
                                                                     Options options) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.empty()) return absl::InvalidArgumentError("path: must not be empty");
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("path: ", path.size(), " bytes exceed the ", sizeof(addr.sun_path) - 1, " of a Unix socket"));
-  }
+  // The path and the connection limits are checked by PeerAcceptor::Listen.
   if (backend == nullptr) return absl::InvalidArgumentError("backend: must not be null");
-  if (options.max_connections == 0) return absl::InvalidArgumentError("max_connections: must be > 0");
-  if (options.reserved_connections >= options.max_connections) {
-    return absl::InvalidArgumentError("reserved_connections: must be < max_connections");
-  }
-  if (options.max_connections_per_uid == 0) {
-    return absl::InvalidArgumentError("max_connections_per_uid: must be > 0");
-  }
   if (options.max_fetch_workers == 0) return absl::InvalidArgumentError("max_fetch_workers: must be > 0");
   if (options.max_request_bytes == 0) return absl::InvalidArgumentError("max_request_bytes: must be > 0");
   if (options.first_request_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("first_request_timeout: must be > 0");
   }
   if (options.send_timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("send_timeout: must be > 0");
-  std::memcpy(addr.sun_path, path.data(), path.size());
-
   // From here on the channel's destructor (Stop) undoes whatever was done: it closes the FDs that are
   // open, joins the threads that run and unlinks the socket once bound.
   auto channel = absl::WrapUnique(new HandleChannel(std::move(path), backend, options));
@@ -253,31 +237,28 @@ absl::StatusOr<std::unique_ptr<HandleChannel>> HandleChannel::Start(std::string 
   if (!channel->stop_fd_) return ErrnoToStatus("eventfd", errno);
   channel->notify_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!channel->notify_fd_) return ErrnoToStatus("eventfd", errno);
-  channel->listen_fd_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!channel->listen_fd_) return ErrnoToStatus("socket", errno);
-  const std::string& bound = channel->path_;
-  if (bind(channel->listen_fd_.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return ErrnoToStatus(absl::StrCat("bind(", bound, ")"), errno);
-  }
-  struct stat st {};
-  if (stat(bound.c_str(), &st) != 0) {
-    const int err = errno;
-    unlink(bound.c_str());
-    return ErrnoToStatus(absl::StrCat("stat(", bound, ")"), err);
-  }
-  channel->socket_dev_ = st.st_dev;
-  channel->socket_ino_ = st.st_ino;
-  if (chmod(bound.c_str(), 0660) != 0) return ErrnoToStatus(absl::StrCat("chmod(", bound, ")"), errno);
-  if (listen(channel->listen_fd_.get(), SOMAXCONN) != 0)
-    return ErrnoToStatus(absl::StrCat("listen(", bound, ")"), errno);
+  KVD_ASSIGN_OR_RETURN(
+      channel->acceptor_,
+      PeerAcceptor::Listen(channel->path_, {.type = SOCK_SEQPACKET,
+                                            .mode = 0660,
+                                            .what = "handle-channel connections",
+                                            .max_connections = options.max_connections,
+                                            .max_connections_flag = "--max-handle-connections",
+                                            .reserved_connections = options.reserved_connections,
+                                            .operator_uid = options.operator_uid,
+                                            .max_connections_per_uid = options.max_connections_per_uid,
+                                            .max_connections_per_uid_flag = "--max-handle-connections-per-uid"}));
 
   try {
-    channel->accept_thread_ = std::thread(&HandleChannel::AcceptLoop, channel.get());
     channel->watch_thread_ = std::thread(&HandleChannel::WatchLoop, channel.get());
   } catch (const std::system_error& e) {
-    // Out of threads or memory: the channel's destructor (Stop) ends whatever thread did start.
+    // Out of threads or memory: the channel's destructor (Stop) unlinks the socket.
     return absl::ResourceExhaustedError(absl::StrCat("handle channel: cannot start its threads: ", e.what()));
   }
+  HandleChannel* const served = channel.get();
+  KVD_RETURN_IF_ERROR(
+      channel->acceptor_->Start([served](int fd, const PeerCred& peer) { served->Accepted(fd, peer); },
+                                [served](int fd, const absl::Status& why) { served->Reject(fd, why); }));
   return channel;
 }
 
@@ -292,14 +273,14 @@ void HandleChannel::Stop() {
     while (write(stop_fd_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
     }
   }
-  if (accept_thread_.joinable()) accept_thread_.join();
-  if (listen_fd_) {
-    listen_fd_.reset();
-  }
-  // Unlink only our own socket: the path may have been taken over since.
-  struct stat st {};
-  if (socket_ino_ != 0 && stat(path_.c_str(), &st) == 0 && st.st_dev == socket_dev_ && st.st_ino == socket_ino_) {
-    unlink(path_.c_str());
+  // The acceptor stays (stopped) until the channel goes: CloseConnection releases connections in it.
+  if (acceptor_ != nullptr) {
+    acceptor_->Stop();
+    // Unlink only our own socket: the path may have been taken over since.
+    struct stat st {};
+    if (stat(path_.c_str(), &st) == 0 && st.st_dev == acceptor_->socket_dev() && st.st_ino == acceptor_->socket_ino()) {
+      unlink(path_.c_str());
+    }
   }
 
   // The watcher closes every connection waiting for its request and every session on its way out.
@@ -326,46 +307,12 @@ void HandleChannel::Stop() {
   stop_fd_.reset();
 }
 
-absl::Status HandleChannel::Admit(int fd, uint32_t uid) {
-  const bool operator_uid = uid == 0 || uid == options_.operator_uid;
-  absl::MutexLock lock(&conn_mu_);
-  uint64_t& mine = conns_by_uid_[uid];
-  absl::Status refused;
-  if (!operator_uid && mine >= options_.max_connections_per_uid) {
-    refused_per_uid_.fetch_add(1, std::memory_order_relaxed);
-    refused = absl::ResourceExhaustedError(absl::StrCat("handle-channel connections of uid ", uid, ": ", mine, " of ",
-                                                        options_.max_connections_per_uid,
-                                                        " (--max-handle-connections-per-uid)"));
-  } else if (const size_t usable =
-                 operator_uid ? options_.max_connections : options_.max_connections - options_.reserved_connections;
-             conn_uids_.size() >= usable) {
-    refused_total_.fetch_add(1, std::memory_order_relaxed);
-    refused = absl::ResourceExhaustedError(absl::StrCat(
-        "handle-channel connections of all uids: ", conn_uids_.size(), " of ", usable, " for uid ", uid, " (",
-        operator_uid || options_.reserved_connections == 0
-            ? std::string("--max-handle-connections")
-            : absl::StrCat("--max-handle-connections=", options_.max_connections, ", less ",
-                           options_.reserved_connections, " kept for root and uid ", options_.operator_uid,
-                           " by --operator-reserve"),
-        ")"));
-  }
-  if (!refused.ok()) {
-    if (mine == 0) conns_by_uid_.erase(uid);
-    return refused;
-  }
-  ++mine;
-  conn_uids_[fd] = uid;
-  return absl::OkStatus();
-}
-
 std::map<uint32_t, uint64_t> HandleChannel::ConnectionsByUid() const {
-  absl::MutexLock lock(&conn_mu_);
-  return conns_by_uid_;
+  return acceptor_ != nullptr ? acceptor_->ConnectionsByUid() : std::map<uint32_t, uint64_t>();
 }
 
 HandleChannel::Refusals HandleChannel::refusals() const {
-  return {.total = refused_total_.load(std::memory_order_relaxed),
-          .per_uid = refused_per_uid_.load(std::memory_order_relaxed)};
+  return acceptor_ != nullptr ? acceptor_->refusals() : Refusals{};
 }
 
 HandleChannel::Stats HandleChannel::stats() const {
@@ -374,48 +321,19 @@ HandleChannel::Stats HandleChannel::stats() const {
   stats.sessions_closed = sessions_closed_.load(std::memory_order_relaxed);
   stats.fetches_served = fetches_served_.load(std::memory_order_relaxed);
   stats.fds_sent = fds_sent_.load(std::memory_order_relaxed);
-  stats.errors = errors_.load(std::memory_order_relaxed);
+  stats.errors = errors_.load(std::memory_order_relaxed) + (acceptor_ != nullptr ? acceptor_->accept_errors() : 0);
   return stats;
 }
 
-void HandleChannel::AcceptLoop() {
-  while (true) {
-    pollfd polled[2] = {{listen_fd_.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
-    if (poll(polled, 2, -1) < 0) {
-      BackOffAfterPollFailure();
-      continue;
-    }
-    if ((polled[1].revents & POLLIN) != 0) return;
-    if ((polled[0].revents & POLLIN) == 0) continue;
-
-    const int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) continue;
-      // Out of FDs or memory: the listening socket stays readable, so back off instead of spinning.
-      errors_.fetch_add(1, std::memory_order_relaxed);
-      WaitForStop(absl::Milliseconds(100));
-      continue;
-    }
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      Reject(fd, ErrnoToStatus("getsockopt(SO_PEERCRED)", errno));
-      continue;
-    }
-    // Counted from here against the limits; CloseConnection uncounts it.
-    if (absl::Status admitted = Admit(fd, cred.uid); !admitted.ok()) {
-      Reject(fd, admitted);
-      continue;
-    }
-    Connection conn{
-        .fd = fd, .uid = cred.uid, .pid = cred.pid, .deadline = Clock::now() + ToClock(options_.first_request_timeout)};
-    {
-      absl::MutexLock lock(&mu_);
-      accepted_.push_back(std::move(conn));
-    }
-    const uint64_t one = 1;
-    while (write(notify_fd_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
-    }
+void HandleChannel::Accepted(int fd, const PeerCred& peer) {
+  Connection conn{
+      .fd = fd, .uid = peer.uid, .pid = peer.pid, .deadline = Clock::now() + ToClock(options_.first_request_timeout)};
+  {
+    absl::MutexLock lock(&mu_);
+    accepted_.push_back(std::move(conn));
+  }
+  const uint64_t one = 1;
+  while (write(notify_fd_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
   }
 }
 
@@ -674,10 +592,16 @@ void HandleChannel::ServeReturn(Connection conn, v1::ReturnHandles first, std::v
                           absl::StrCat("return_handles: more than ", options_.max_returned_fds, " FDs in one call")));
       return;
     }
-    // The next packet, within the first request's timeout.
-    pollfd polled[2] = {{conn.fd, POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
-    if (poll(polled, 2, static_cast<int>(absl::ToInt64Milliseconds(options_.first_request_timeout))) <= 0 ||
-        (polled[1].revents & POLLIN) != 0) {
+    // The next packet, within the first request's timeout (a signal does not cut the wait short).
+    const Clock::time_point next_by = Clock::now() + ToClock(options_.first_request_timeout);
+    pollfd polled[2];
+    int ready;
+    do {
+      polled[0] = {conn.fd, POLLIN, 0};
+      polled[1] = {stop_fd_.get(), POLLIN, 0};
+      ready = poll(polled, 2, PollTimeoutMs(next_by));
+    } while (ready < 0 && errno == EINTR);
+    if (ready <= 0 || (polled[1].revents & POLLIN) != 0) {
       Reject(conn.fd, absl::DeadlineExceededError("return_handles: the next packet did not come"));
       return;
     }
@@ -786,14 +710,7 @@ void HandleChannel::CloseConnection(int fd) {
     CloseReceivedFds(msg);
     if (n == 0 && msg.msg_controllen == 0) break;
   }
-  {
-    absl::MutexLock lock(&conn_mu_);
-    if (auto it = conn_uids_.find(fd); it != conn_uids_.end()) {
-      auto mine = conns_by_uid_.find(it->second);
-      if (mine != conns_by_uid_.end() && --mine->second == 0) conns_by_uid_.erase(mine);
-      conn_uids_.erase(it);
-    }
-  }
+  if (acceptor_ != nullptr) acceptor_->Release(fd);
   close(fd);
 }
 

@@ -6,3 +6,4 @@ add_library(kvd_handle_channel STATIC ${CMAKE_CURRENT_LIST_DIR} / handle_channel
                                   absl::status absl::statusor absl::strings absl::synchronization absl::time PRIVATE
                                       absl::cleanup absl::memory absl::span Threads::Threads)
             kvd_target_defaults(kvd_handle_channel)
+target_link_libraries(kvd_handle_channel PUBLIC kvd_peer_acceptor)

@@ -9,8 +9,8 @@
 // Every failure is answered with one HandleChannelError (a canonical absl::StatusCode and a message)
 // before the connection is closed.
 //
-// Threads. One accept thread (poll on the listening socket and a stop eventfd) checks the peer and the
-// connection limits; one watcher thread polls every connection that has not sent its request yet (with
+// Threads. One accept thread (PeerAcceptor, shared with the control socket) reads the peer's credentials
+// and checks the connection limits; one watcher thread polls every connection that has not sent its request yet (with
 // a deadline) and every open session (for EOF), and answers OpenSession itself; FetchHandles requests
 // are queued and served by at most Options::max_fetch_workers worker threads, started on demand and
 // ending when the queue is empty. A worker that cannot be started (the process is out of threads or
@@ -44,6 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/rpc/peer_acceptor.h"
 #include "kvd/unique_fd.h"
 #include "kvd/v1/kvd.pb.h"
 
@@ -141,11 +142,8 @@ class HandleChannel {
   Stats stats() const;
   // Open connections by peer uid (uids with none are absent), and connections refused by the limits
   // (total, per uid) since start; for metrics.
-  std::map<uint32_t, uint64_t> ConnectionsByUid() const ABSL_LOCKS_EXCLUDED(conn_mu_);
-  struct Refusals {
-    uint64_t total = 0;    // --max-handle-connections
-    uint64_t per_uid = 0;  // --max-handle-connections-per-uid
-  };
+  std::map<uint32_t, uint64_t> ConnectionsByUid() const;
+  using Refusals = PeerAcceptor::Refusals;  // total: --max-handle-connections; per_uid: its -per-uid
   Refusals refusals() const;
 
  private:
@@ -153,7 +151,8 @@ class HandleChannel {
 
   HandleChannel(std::string path, HandleChannelBackend* backend, Options options);
 
-  void AcceptLoop();
+  // A connection the acceptor admitted: queued for the watcher.
+  void Accepted(int fd, const PeerCred& peer);
   void WatchLoop();
   // Reads and answers the first request of `conn` (readable now). Returns true when there is no request
   // yet and `conn` keeps waiting; otherwise `conn` was moved into `sessions`, handed to a fetch worker
@@ -167,8 +166,6 @@ class HandleChannel {
   void ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
   // A worker: serves queued fetches until the queue is empty.
   void FetchWorker(std::list<std::thread>::iterator self);
-  // Counts the connection `fd` of `uid` against the limits, or says which limit it would pass.
-  [[nodiscard]] absl::Status Admit(int fd, uint32_t uid) ABSL_LOCKS_EXCLUDED(conn_mu_);
   void ReapFinishedWorkers();
   // After a failed poll (errno set): returns at once on EINTR, else counts an error and waits a little.
   void BackOffAfterPollFailure();
@@ -181,28 +178,19 @@ class HandleChannel {
   const std::string path_;
   HandleChannelBackend* const backend_;
   const Options options_;
-  UniqueFd listen_fd_;
+  // Listens, accepts and counts the connections; CloseConnection releases each.
+  std::unique_ptr<PeerAcceptor> acceptor_;
   UniqueFd stop_fd_;    // eventfd: readable once Stop() began; every poll in the channel watches it
   UniqueFd notify_fd_;  // eventfd: the accept thread has queued connections for the watcher
-  dev_t socket_dev_ = 0;
-  ino_t socket_ino_ = 0;
 
   std::atomic<size_t> open_sessions_{0};
-  std::atomic<uint64_t> refused_total_{0};
-  std::atomic<uint64_t> refused_per_uid_{0};
   std::atomic<uint64_t> sessions_opened_{0};
   std::atomic<uint64_t> sessions_closed_{0};
   std::atomic<uint64_t> fetches_served_{0};
   std::atomic<uint64_t> fds_sent_{0};
   std::atomic<uint64_t> errors_{0};
 
-  std::thread accept_thread_;
   std::thread watch_thread_;
-
-  // Admitted connections: each one's peer uid by FD, and counts by uid. A leaf lock.
-  mutable absl::Mutex conn_mu_;
-  std::map<int, uint32_t> conn_uids_ ABSL_GUARDED_BY(conn_mu_);
-  std::map<uint32_t, uint64_t> conns_by_uid_ ABSL_GUARDED_BY(conn_mu_);
 
   mutable absl::Mutex mu_;
   std::vector<Connection> accepted_ ABSL_GUARDED_BY(mu_);   // accept thread -> watcher

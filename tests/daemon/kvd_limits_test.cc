@@ -11,14 +11,20 @@
 // Every wait is bounded and waits for a condition; no test asserts on wall-clock time.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -88,11 +94,34 @@ std::string Line(const grpc::Status& s) {
 // ---------------------------------------------------------------------------------------------
 // The peer: another uid's client process
 
+// One more raw connection to the control socket, kept in `*kept`: "OK" once gRPC's server preface (its
+// SETTINGS frame, sent as soon as gRPC has the connection) arrives, "CLOSED" when kvd closes it instead.
+std::string ConnectRaw(const std::string& path, std::vector<int>* kept) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), std::min(path.size(), sizeof(addr.sun_path) - 1));
+  if (fd < 0 || connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::StrCat("ERROR ", std::strerror(errno));
+  }
+  kept->push_back(fd);
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kWait))) <= 0) return "NOTHING";
+  char buf[256];
+  const ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+  if (n > 0) return "OK";
+  return n == 0 || errno == ECONNRESET ? "CLOSED" : absl::StrCat("ERROR ", std::strerror(errno));
+}
+
 // kvd_limits_test --peer SOCKET op...: `session` opens one more session (kept); `attach:POOL` attaches
-// POOL through the first session. One line per op, then "ready"; exits when stdin closes.
+// POOL through the first session; `connect` opens one more raw connection to the control socket (kept,
+// ConnectRaw); `rpc` calls GetDeviceInfo on a new gRPC channel of its own (one more connection, kept).
+// One line per op, then "ready"; exits when stdin closes.
 int PeerMain(int argc, char** argv) {
   const std::string socket = argv[2];
   std::vector<HandleSession> sessions;
+  std::vector<int> raw;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   auto stub = kvd::v1::Kvd::NewStub(grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials()));
   for (int i = 3; i < argc; ++i) {
     const std::string op = argv[i];
@@ -108,6 +137,17 @@ int PeerMain(int argc, char** argv) {
       std::printf("attach %s\n",
                   s.ok() ? absl::StrCat("OK ", resp.pool().client_count(), " ", resp.pool().clients_size()).c_str()
                          : Line(s).c_str());
+    } else if (op == "connect") {
+      std::printf("connect %s\n", ConnectRaw(socket, &raw).c_str());
+    } else if (op == "rpc") {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+      channels.push_back(grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args));
+      v1::DeviceInfo info;
+      const grpc::Status s =
+          v1::Kvd::NewStub(channels.back())->GetDeviceInfo(Ctx("").get(), v1::GetDeviceInfoRequest(), &info);
+      std::printf("rpc %s\n",
+                  s.ok() ? "OK" : absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())).c_str());
     }
     std::fflush(stdout);
   }
@@ -405,6 +445,42 @@ TEST_F(LimitsTest, HandleChannelConnectionsAreLimitedPerUidAndTheProbeStillGetsI
             "(--max-handle-connections=8, less 1 kept for root and uid 0 by --operator-reserve)");
   Ran status = Kvctl(0, {"status"});
   EXPECT_EQ(status.code, 0) << status.output;
+}
+
+// The control socket, like the handle channel: connections are limited per uid and in total, the
+// operator keeps a share of the total, a refused connection is closed before gRPC reads it (a client's
+// RPC fails UNAVAILABLE) and logged, and a connection its client closes stops counting.
+TEST_F(LimitsTest, ControlConnectionsAreLimitedPerUidAndInTotalAndTheProbeStillGetsIn) {
+  StartKvd({"--max-control-connections=8", "--max-control-connections-per-uid=3"});
+  std::vector<std::string> lines;
+  std::unique_ptr<AsUid> a = Peer(1000, {"connect", "connect", "connect", "connect", "rpc"}, &lines);
+  ASSERT_EQ(lines.size(), 6u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[2], "connect OK");
+  EXPECT_EQ(lines[3], "connect CLOSED");
+  EXPECT_EQ(lines[4], "rpc UNAVAILABLE");
+  EXPECT_THAT(kvd_.log(), HasSubstr("control socket: refused a connection: control-socket connections of uid 1000: "
+                                    "3 of 3 (--max-control-connections-per-uid)"));
+  // 8 less the operator's 1 = 7 for ordinary uids.
+  std::unique_ptr<AsUid> b = Peer(1001, {"connect", "connect", "connect"}, &lines);
+  ASSERT_EQ(lines.size(), 4u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[2], "connect OK");
+  std::unique_ptr<AsUid> c = Peer(1002, {"connect", "connect"}, &lines);
+  ASSERT_EQ(lines.size(), 3u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(lines[0], "connect OK");
+  EXPECT_EQ(lines[1], "connect CLOSED");
+  // Root (the liveness probe) takes the operator's share.
+  Ran status = Kvctl(0, {"status"});
+  EXPECT_EQ(status.code, 0) << status.output;
+
+  // uid 1000's process ends: its connections close, and once gRPC has closed them they stop counting.
+  a.reset();
+  std::string again;
+  for (const absl::Time until = absl::Now() + kWait; absl::Now() < until && again != "connect OK";
+       absl::SleepFor(absl::Milliseconds(50))) {
+    std::unique_ptr<AsUid> retry = Peer(1000, {"connect"}, &lines);
+    again = lines.empty() ? "" : lines[0];
+  }
+  EXPECT_EQ(again, "connect OK");
 }
 
 // Item 8 (the daemon side): clients per pool are limited; Attach's reply counts the clients instead of

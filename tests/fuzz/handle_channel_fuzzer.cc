@@ -10,18 +10,33 @@
 //         the rest of the input (which protobuf reads as more fields, or refuses).
 // The daemon must answer or close every connection, never crash, leak an FD or stop serving: after
 // every input the FDs of this process are counted, and after the last one a fresh session must open.
+//
+// Signals. libFuzzer's -timeout watchdog is a periodic SIGALRM (every timeout/2 + 1 s), handled in
+// whichever thread it lands; poll(2) fails with EINTR when interrupted whatever SA_RESTART says, and
+// blocking connect/send/recvmsg may too. Every wait here retries on EINTR against its own deadline: a
+// harness that took EINTR for "no answer" reported connections "neither answered nor closed within 5 s"
+// that the channel had answered at once (the open finding of docs/reliability.md, "Fuzzing").
+// KVD_FUZZ_INTERRUPT_US=N makes that happen on purpose: a thread interrupts this (the fuzzing) thread
+// with a no-op signal every N microseconds; the handle_channel_fuzzer_interrupted test replays the corpus
+// so.
 #include <dirent.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "daemon/core/pool_manager.h"
 #include "daemon/rpc/handle_channel.h"
@@ -82,7 +97,12 @@ int Connect(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  // An interrupted connect left the socket unconnected (a Unix socket connects at once or not at all).
+  int rc;
+  do {
+    rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
     std::fprintf(stderr, "connect: %s: the channel stopped serving\n", std::strerror(errno));
     std::abort();
   }
@@ -92,10 +112,20 @@ int Connect(const std::string& path) {
 // Reads one packet, closing any FDs it carries. Returns its bytes, or nothing at EOF (or after 5 s: the
 // daemon must have answered or hung up long before).
 std::optional<std::string> Receive(int fd) {
-  pollfd p{fd, POLLIN, 0};
-  if (poll(&p, 1, 5000) <= 0) {
-    std::fprintf(stderr, "the handle channel neither answered nor closed the connection within 5 s\n");
-    std::abort();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (true) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+    if (ready > 0) break;
+    if (ready < 0 && errno != EINTR) {
+      std::fprintf(stderr, "poll: %s\n", std::strerror(errno));
+      std::abort();
+    }
+    if (ready == 0 || left.count() <= 0) {
+      std::fprintf(stderr, "the handle channel neither answered nor closed the connection within 5 s\n");
+      std::abort();
+    }
   }
   std::string bytes(128 * 1024, '\0');
   iovec iov{bytes.data(), bytes.size()};
@@ -105,7 +135,10 @@ std::optional<std::string> Receive(int fd) {
   msg.msg_iovlen = 1;
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
-  const ssize_t n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  ssize_t n;
+  do {
+    n = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
   // On failure msg_control is not written: reading it would close whatever FD numbers the stack holds,
   // the daemon's own sockets among them (they share this process).
   if (n < 0) return std::nullopt;
@@ -127,7 +160,11 @@ std::optional<std::string> Receive(int fd) {
 // first reply. `keep` leaves the connection open (a session) and returns its FD there.
 std::optional<v1::HandleChannelReply> Exchange(const std::string& packet, int* keep = nullptr) {
   const int fd = Connect(TheDaemon().path);
-  if (send(fd, packet.data(), packet.size(), MSG_NOSIGNAL) < 0) {
+  ssize_t sent;
+  do {
+    sent = send(fd, packet.data(), packet.size(), MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) {
     close(fd);  // e.g. EMSGSIZE: larger than the socket takes
     return std::nullopt;
   }
@@ -157,6 +194,25 @@ std::optional<v1::HandleChannelReply> Exchange(const std::string& packet, int* k
   return first;
 }
 
+// KVD_FUZZ_INTERRUPT_US=N: interrupts the calling thread with a no-op signal every N microseconds, for
+// the life of the process (see "Signals" above).
+void InterruptEvery(const char* micros) {
+  const long us = std::strtol(micros, nullptr, 10);
+  if (us <= 0) return;
+  struct sigaction nothing {};
+  nothing.sa_handler = +[](int) {};  // no SA_RESTART: every blocking call it lands in fails with EINTR
+  sigemptyset(&nothing.sa_mask);
+  const int signal = SIGRTMIN + 3;
+  if (sigaction(signal, &nothing, nullptr) != 0) std::abort();
+  const pthread_t target = pthread_self();
+  std::thread([target, us, signal] {
+    while (true) {
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+      pthread_kill(target, signal);
+    }
+  }).detach();
+}
+
 int OpenFds() {
   int n = 0;
   if (DIR* dir = opendir("/proc/self/fd"); dir != nullptr) {
@@ -172,6 +228,11 @@ int OpenFds() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvd::daemon;
   Daemon& d = TheDaemon();
+  static const bool interrupting = [] {
+    if (const char* us = std::getenv("KVD_FUZZ_INTERRUPT_US"); us != nullptr) InterruptEvery(us);
+    return true;
+  }();
+  (void)interrupting;
   static const int fds_before = OpenFds();
   if (size == 0 || (data[0] & 1) == 0) {
     Exchange(std::string(reinterpret_cast<const char*>(data) + (size > 0 ? 1 : 0), size > 0 ? size - 1 : 0));
@@ -196,7 +257,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     close(session_fd);  // the session ends: its client is detached
   }
   // Sessions close on the channel's watcher thread; give it a moment before counting.
-  for (int i = 0; i < 200 && d.channel->open_sessions() > 0; ++i) usleep(1000);
+  // (A deadline, not a count of sleeps: a signal cuts a sleep short.)
+  const auto settle = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (d.channel->open_sessions() > 0 && std::chrono::steady_clock::now() < settle) usleep(1000);
   if (OpenFds() > fds_before + 8) {
     std::fprintf(stderr, "FDs grew from %d to %d\n", fds_before, OpenFds());
     std::abort();

@@ -92,6 +92,8 @@ class LimitsMetricsTest(KvdFixture):
     """kvd_limit, kvd_tenant_* and kvd_limit_refusals_total (docs/metrics.md, "Limits")."""
 
     def kvd_args(self):
+        if self._testMethodName == "test_control_connections_and_their_refusals":
+            return super().kvd_args() + ["--max-control-connections=2"]
         return super().kvd_args() + ["--max-pools=2"]
 
     def test_limits_usage_and_refusals(self):
@@ -116,10 +118,47 @@ class LimitsMetricsTest(KvdFixture):
         self.assertEqual(s[("kvd_tenant_reserved_bytes", L(("uid", uid)))], 2 * int(d["reserved_bytes"]))
         self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-pools")))], 1)
         self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-sessions-per-uid")))], 0)
-        self.assertEqual(len([k for k in s if k[0] == "kvd_limit_refusals_total"]), 10)
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-control-connections")))], 1024)
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-control-connections-per-uid")))], 256)
+        self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-control-connections")))], 0)
+        self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-control-connections-per-uid")))], 0)
+        self.assertEqual(len([k for k in s if k[0] == "kvd_limit_refusals_total"]), 12)
         self.kvctl_json("delete", "b")
         s = parse_samples(self.scrape())
         self.assertEqual(s[("kvd_tenant_pools", L(("uid", uid)))], 1)
+
+    def test_control_connections_and_their_refusals(self):
+        """kvd_tenant_control_connections counts open control-socket connections; a refused one is counted."""
+
+        def connect():
+            # A raw connection: admitted when gRPC's server preface (SETTINGS) arrives, refused at EOF.
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(self.socket)
+            s.settimeout(WAIT_S)
+            try:
+                admitted = len(s.recv(256)) > 0
+            except ConnectionResetError:
+                admitted = False
+            return s, admitted
+
+        uid = str(os.getuid())
+        first, ok1 = connect()
+        second, ok2 = connect()
+        third, ok3 = connect()
+        self.assertEqual((ok1, ok2, ok3), (True, True, False))
+        s = parse_samples(self.scrape())
+        self.assertEqual(s[("kvd_limit", L(("limit", "max-control-connections")))], 2)
+        self.assertEqual(s[("kvd_tenant_control_connections", L(("uid", uid)))], 2)
+        self.assertEqual(s[("kvd_limit_refusals_total", L(("limit", "max-control-connections")))], 1)
+        self.assertIn("control socket: refused a connection: control-socket connections of all uids: 2 of 2 for uid "
+                      f"{uid} (--max-control-connections)", self.log())
+        for c in (first, second, third):
+            c.close()
+        # gRPC closes its side once it reads the EOF; the series goes with the last connection.
+        deadline = time.monotonic() + WAIT_S
+        while ("kvd_tenant_control_connections", L(("uid", uid))) in parse_samples(self.scrape()):
+            self.assertLess(time.monotonic(), deadline, "the closed connections still count")
+            time.sleep(0.05)
 
 
 class MetricsScrapeTest(KvdFixture):
