@@ -167,14 +167,15 @@ def _pause_options(pause_timeout, detach_unresponsive):
     if pause_timeout is not None:
         if pause_timeout < 0:
             raise KvdError("INVALID_ARGUMENT", f"pause_timeout: {pause_timeout} s is negative")
-        ms = max(int(round(pause_timeout * 1000)), 1) if pause_timeout > 0 else 0
+        # Whole milliseconds, rounded up: a positive timeout never becomes 0 (the daemon's default).
+        ms = -(-int(round(pause_timeout * 1e6)) // 1000)
     return pb.PauseOptions(timeout_ms=ms, detach_unresponsive=bool(detach_unresponsive))
 
 
 def _reshape_call_timeout(client_timeout, pause_timeout):
-    """The gRPC deadline of a Shrink or Compact: the daemon waits up to the pause timeout for the PAUSE
-    acknowledgements and as long again for the RESUME's, plus the copy."""
-    return max(client_timeout, 70.0, 2 * (pause_timeout or 0) + 60.0)
+    """The deadline of a change that may pause the attached clients (as libkvd's): the daemon waits up to
+    the pause timeout for the PAUSE acknowledgements and again for the RESUME's, then copies."""
+    return max(client_timeout, 65.0, 2 * (pause_timeout or 0) + 65.0)
 
 
 _raised_open_file_limit = False
@@ -472,8 +473,12 @@ class Client:
         if live_blocks is not None:
             req.live.SetInParent()  # set, even empty: a compaction shrink with no live block
             req.live.blocks.extend(int(b) for b in live_blocks)
-        update = self._call("Shrink", req, timeout=_reshape_call_timeout(self.timeout, pause_timeout))
-        self._await_remap(update, pause_timeout)
+        if whole_chunks_only:
+            timeout = max(self.timeout, 65.0) if wait else self.timeout
+        else:
+            timeout = _reshape_call_timeout(self.timeout, pause_timeout)
+        update = self._call("Shrink", req, timeout=timeout)
+        self._await_remap(update, timeout)
         return update
 
     def compact(self, name, pause_timeout=None, detach_unresponsive=False):
@@ -482,35 +487,36 @@ class Client:
         chunks before and after, the bytes copied and the pause. All or nothing. pause_timeout and
         detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
         returns."""
+        timeout = _reshape_call_timeout(self.timeout, pause_timeout)
         update = self._call("Compact", pb.CompactRequest(pool=name,
                                                          pause=_pause_options(pause_timeout, detach_unresponsive)),
-                            timeout=_reshape_call_timeout(self.timeout, pause_timeout))
-        self._await_remap(update, pause_timeout)
+                            timeout=timeout)
+        self._await_remap(update, timeout)
         return update
 
-    def _await_remap(self, update, pause_timeout):
-        """After a reshape that replaced chunks: waits until this Client's Mapping of the pool (if any) has
-        acted on the RESUME, i.e. maps the new chunks and none of the released ones. The daemon replies
-        once every client acknowledged the RESUME (the follower does after remapping) or the pause
-        timeout passed, so this is bounded by that timeout (the daemon's default when None: 5 s, else
-        the Client's timeout)."""
-        if not update.HasField("reshape") or not update.added:
+    def _await_remap(self, update, timeout):
+        """After this Client's Shrink or Compact: waits, at most `timeout` seconds, until its Mapping of the
+        pool (if any) has no pause pending with one of update.added: it remapped them, or dropped them. The
+        daemon replies after every RESUME's acknowledgement and the follower acknowledges after remapping,
+        so this normally finds nothing to wait for. As libkvd's Client::Impl::AwaitRemap."""
+        if not update.added:
             return
         with self._lock:
             m = self._mappings.get(update.pool.name)
         if m is None:
             return
         added = {c.id for c in update.added}
-        released = set(update.released_chunk_ids)
 
-        def remapped(mp):
-            if mp.closed or mp.gone is not None:
+        def settled():
+            if m.closed or m.gone is not None:
                 return True
-            have = set(mp._chunks)
-            return added <= have and not (released & have)
+            return not any(added.intersection(imported) for imported in m._paused.values())
 
         with m._changed:
-            m._changed.wait_for(lambda: remapped(m), timeout=pause_timeout or self.timeout)
+            if m._changed.wait_for(settled, timeout=timeout):
+                return
+        raise KvdError("DEADLINE_EXCEEDED", f"pool {update.pool.name} changed but this client's Mapping of it did "
+                       f"not remap within {timeout:g}s")
 
     def sleep(self, name=None, wait=False):
         """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
@@ -810,6 +816,10 @@ class Mapping:
                 for cid in sorted(imported, key=lambda i: imported[i].chunk.offset):
                     entry = imported[cid]
                     c = entry.chunk
+                    # A chunk still mapped where the new one goes was released by a change whose event
+                    # this follower has not acted on yet: it goes now (as libkvd's UnmapOverlapping).
+                    self._unmap([i for i, mp in self._chunks.items()
+                                 if mp.offset < c.offset + c.bytes and c.offset < mp.offset + mp.bytes])
                     va = self.base + c.offset
                     handle = self._memory.map_imported(va, c.bytes, entry.fd, entry.handle)
                     self._chunks[cid] = _Mapped(va, c.bytes, handle, entry.fd, c.segment, c.offset)
@@ -917,8 +927,8 @@ class Mapping:
                     try:
                         imported = self._import_lease(ev.lease, list(ev.chunks), conn)
                     except KvdError as e:
-                        why = KvdError(e.code, f"importing the new chunks of pause {ev.pause_id} of pool {name}: "
-                                       f"{e.message}")
+                        why = KvdError(e.code, f"pausing pool {name} (pause {ev.pause_id}): importing its new "
+                                       f"chunks: {e.message}")
                         break
                     with self._lock:
                         if self.closed or self.gone is not None:
@@ -940,18 +950,19 @@ class Mapping:
                         if self.closed or self.gone is not None:
                             continue
                         known = ev.pause_id in self._paused
+                        before = self.committed_blocks
                         if not ev.applied:
                             self._drop_imported(self._paused.pop(ev.pause_id, {}))
                         elif not known:
                             why = KvdError("INTERNAL", f"pool {name}: RESUME of pause {ev.pause_id}, whose PAUSE "
-                                           "this client did not get")
+                                           "this client never had")
                             break
                         else:
                             try:
                                 self._resume(ev)
                             except KvdError as e:
-                                why = KvdError(e.code, f"mapping the new chunks of pause {ev.pause_id} of pool "
-                                               f"{name}: {e.message}")
+                                why = KvdError(e.code, f"remapping pool {name} after pause {ev.pause_id}: "
+                                               f"{e.message}")
                                 break
                         self.resumes += 1
                         conn, client_id = self._conn, self.client_id
@@ -966,6 +977,8 @@ class Mapping:
                         except KvdError as e:
                             why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
                             break
+                    if ev.applied and ev.committed_blocks < before and self.on_release:
+                        self._callback(self.on_release, ev.committed_blocks)
                 elif ev.type == pb.EVENT_TYPE_POOL_DELETED:
                     why = KvdError("NOT_FOUND", f"pool {name} was deleted")
                     break
@@ -1014,13 +1027,16 @@ class Mapping:
                 if self.closed or self.gone is not None:
                     return None
             try:
-                watch = self._try_reattach(restart)
+                watch, resumed = self._try_reattach(restart)
             except _Fatal as e:
                 self._lose(e.error)
                 return None
             except KvdError as e:
                 last = e
             else:
+                if self.on_resume:  # the pauses the restart ended: whether their change was made
+                    for applied in resumed:
+                        self._callback(self.on_resume, applied)
                 if self.on_restart:
                     self._callback(self.on_restart, restart)
                 return watch
@@ -1033,7 +1049,8 @@ class Mapping:
             delay = min(delay * 2, 2.0)
 
     def _try_reattach(self, restart):
-        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> the new watch."""
+        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> (the new watch, for each
+        pause in progress when the daemon went away whether its new chunks are in the pool now)."""
         client, name = self._client, self.pool_name
         old = self._conn
         c = client._live()
@@ -1097,22 +1114,25 @@ class Mapping:
                     restart.lost_chunk_ids.append(cid)
                     restart.lost_bytes += self._chunks[cid].bytes
                 self._unmap(gone)
-                # A pause the old daemon did not resume: its new chunks are the daemon's to keep or lose
-                # (those it kept are in the table and come mapped from the lease).
+                # A pause does not outlive the daemon that began it: its imported chunks go, and the new
+                # daemon's chunk table says whether the change was made (those chunks come mapped from the
+                # lease).
                 paused, self._paused = self._paused, {}
                 for imported in paused.values():
                     self._drop_imported(imported)
+                self._changed.notify_all()
                 try:
                     self._map_lease(resp.lease, list(resp.pool.chunks), conn=c)
                 except KvdError as e:
                     raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
+                resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in paused.values()]
                 self.committed_blocks = resp.pool.committed_blocks
                 self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
                     pb.POOL_STATE_AWAKE
                 self._conn, self.client_id, self.epoch, self._watch = c, resp.client_id, resp.pool.epoch, watch
                 restart.epoch, restart.committed_blocks = self.epoch, self.committed_blocks
             watch.initial_metadata()  # the daemon registered the watch (events since the Attach are queued)
-            return watch
+            return watch, resumed
         except BaseException:
             with self._lock:
                 adopted = self._watch is watch
