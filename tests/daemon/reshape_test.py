@@ -15,6 +15,7 @@ No sleeps as assertions: waits are bounded polls.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def poll(fn, what, timeout=POLL_S):
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         time.sleep(0.01)
 
 
@@ -185,7 +186,7 @@ class ReshapeTest(KvdDaemonCase):
         if self._testMethodName == "test_budget_full_refuses_the_replacement_chunk":
             # 64 MiB for the pool of 256 blocks and 6 MiB more: no replacement chunk of shrink fits.
             args.append("--budget=70MiB")
-        if self._testMethodName == "test_metrics_count_pauses":
+        if self._testMethodName == "test_metrics_count_pauses_copies_and_compactions":
             self.metrics_port = free_port()
             args.append(f"--metrics-address=127.0.0.1:{self.metrics_port}")
         return args
@@ -232,12 +233,16 @@ class ReshapeTest(KvdDaemonCase):
             self.assertFalse(st["in_pause"], e.name)
             self.assertEqual(st["memfds"], len(ids), f"{e.name}: one FD per mapped chunk, none for dropped ones")
 
-    def assert_exact(self, update, target):
+    def assert_exact(self, update, target, holders=True):
+        """The pool's prefix is at `target` rounded up to the granularity; `holders`: no detached client
+        holds chunks (the daemon then counts exactly the pool's bytes)."""
         pool = update.pool
         self.assertTrue(update.reshape.target_reached, update)
         self.assertEqual(pool.committed_bytes, self.prefix_bytes(target), update)
         self.assertEqual(pool.committed_blocks, -(-target // GRANULE_BLOCKS) * GRANULE_BLOCKS, update)
-        self.assertEqual(self.c.device_info().committed_bytes, pool.committed_bytes)
+        if holders:  # once every client acknowledged the release
+            poll(lambda: self.c.device_info().committed_bytes == pool.committed_bytes,
+                 f"the daemon to count only the pool's {pool.committed_bytes} bytes")
         for ch in pool.chunks:  # nothing past the prefix of its segment
             seg_start = ch.segment * self.g.segment_stride
             self.assertLessEqual(ch.offset + ch.bytes - seg_start, self.prefix_bytes(target) // self.g.segments)
@@ -364,9 +369,9 @@ class ReshapeTest(KvdDaemonCase):
         engines = self.engines()
         self.write_all(engines, 256)
         before = self.c.pool("kv")
-        for live, extra, needle in (([5, 9, 5], {}, "5"),
-                                    ([1, 256], {}, "256"),
-                                    (list(range(65)), {}, "65"),
+        for live, extra, needle in (([5, 9, 5], {}, "live.blocks[2]: block 5 is listed twice"),
+                                    ([1, 256], {}, "live.blocks[1]: block 256 is not committed"),
+                                    (list(range(65)), {}, "live: 65 live blocks do not fit in target_blocks 64"),
                                     ([1, 2], {"whole_chunks_only": True}, "whole_chunks_only")):
             with self.assertRaises(kvd.KvdError, msg=str(live)) as e:
                 self.c.shrink("kv", 64, live_blocks=live, **extra)
@@ -399,7 +404,7 @@ class ReshapeTest(KvdDaemonCase):
         self.assert_intact([good], kept(256))
 
         u = self.c.shrink("kv", 100, pause_timeout=0.5, detach_unresponsive=True)
-        self.assert_exact(u, 100)
+        self.assert_exact(u, 100, holders=False)
         self.assertEqual(list(u.reshape.detached_client_ids), [stuck.client_id])
         self.assertEqual(u.reshape.paused_clients, 1)
         self.assertEqual([cl.client_id for cl in self.c.pool("kv").clients], [good.client_id])
@@ -410,6 +415,13 @@ class ReshapeTest(KvdDaemonCase):
         stuck("unstick")
         st = poll(lambda: (lambda s: s if s["gone"] else None)(stuck("state")), "engine-1 to lose its Mapping")
         self.assertEqual((st["chunks"], st["memfds"]), ([], 0), st)
+        # What it was handed stays counted until its session ends (docs/api.md, detached clients).
+        self.assertGreater(self.c.device_info().committed_bytes, u.pool.committed_bytes)
+        stuck.close()
+        self.assertEqual(stuck.p.returncode, 0)
+        poll(lambda: self.c.device_info().committed_bytes == u.pool.committed_bytes,
+             lambda: f"the detached client's chunks to go with its session: {self.c.device_info()} "
+             f"{self.c.pool('kv')}")
 
     def test_a_client_killed_while_paused_lets_the_change_go_on(self):
         self.create(256)
@@ -433,7 +445,7 @@ class ReshapeTest(KvdDaemonCase):
         self.assertNotIn("error", result, result.get("error"))
         u = result["update"]
         self.assert_exact(u, 100)
-        self.assertEqual(u.reshape.paused_clients, 1, u.reshape)
+        self.assertEqual(list(u.reshape.detached_client_ids), [])  # it died: nobody to detach
         self.assert_follows([good], u.pool)
         self.assert_intact([good], kept(u.pool.committed_blocks))
 
@@ -476,8 +488,8 @@ class ReshapeTest(KvdDaemonCase):
         with self.assertRaises(kvd.KvdError) as e:
             self.c.shrink("kv", 200)  # replacements of 25 MiB per segment
         self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED", e.exception)
-        self.assertIn(str(self.prefix_bytes(200) // 2), e.exception.message)  # the bytes asked
-        self.assertIn(str(6 * MiB), e.exception.message)  # the bytes free
+        self.assertIn(f"needs {self.prefix_bytes(200)} bytes", e.exception.message)  # both replacements
+        self.assertIn(f"only {6 * MiB} bytes", e.exception.message)  # free
         self.assertEqual(table(self.c.pool("kv")), table(before))
         self.assertEqual(self.c.device_info().committed_bytes, before.committed_bytes)
         for e in engines:
@@ -489,14 +501,40 @@ class ReshapeTest(KvdDaemonCase):
         self.assertEqual(table(u.pool), table(before))
 
     # -- metrics ----------------------------------------------------------------------------------
-    def test_metrics_count_pauses(self):
-        self.create(256)
+    def test_metrics_count_pauses_copies_and_compactions(self):
+        self.create(64)
+        self.c.grow("kv", 128)
+        self.c.grow("kv", 256)  # 6 chunks: 64, 64 and 128 blocks per segment
         engines = self.engines()
-        self.c.shrink("kv", 100)
-        self.c.compact("kv")
-        text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        self.assertIn("kvd_pause", text)  # refined once the daemon's series are known
-        del engines
+        self.write_all(engines, 256)
+        shrunk = self.c.shrink("kv", 200)  # inside the last chunk: 2 replaced
+        compacted = self.c.compact("kv")    # 6 chunks -> 2
+        self.assertEqual((shrunk.reshape.chunks_replaced, compacted.reshape.chunks_replaced), (2, 6))
+        self.assert_intact(engines, kept(compacted.pool.committed_blocks))
+        s = parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics"))
+        dev = ("device", "0")
+        self.assertEqual(s[("kvd_pause_seconds_count", frozenset({dev}))], 2)
+        self.assertEqual(s[("kvd_reshape_chunks_replaced_total", frozenset({dev}))], 8)
+        self.assertEqual(s[("kvd_reshape_copied_bytes_total", frozenset({dev}))],
+                         shrunk.reshape.copied_bytes + compacted.reshape.copied_bytes)
+        self.assertEqual(s[("kvd_operations_total", frozenset({dev, ("op", "compact"), ("result", "ok")}))], 1)
+        self.assertEqual(s[("kvd_operations_total", frozenset({dev, ("op", "shrink"), ("result", "ok")}))], 1)
+
+
+def parse_samples(text):
+    """{(name, frozenset(labels.items())): value} from the Prometheus text format."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        labels = {}
+        name = series
+        if "{" in series:
+            name, rest = series.split("{", 1)
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+        samples[(name, frozenset(labels.items()))] = float(value)
+    return samples
 
 
 def free_port():
