@@ -56,7 +56,8 @@ class Recorder:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.grows = self.releases = self.lost = self.restarts = 0
+        self.grows = self.releases = self.lost = self.restarts = self.pauses = self.resumes = 0
+        self.resume_applied = None
         self.blocks = None
         self.why = None
         self.restart = None
@@ -81,6 +82,15 @@ class Recorder:
             self.restarts += 1
             self.restart = restart
 
+    def on_pause(self, ranges):
+        with self.lock:
+            self.pauses += 1
+
+    def on_resume(self, applied):
+        with self.lock:
+            self.resumes += 1
+            self.resume_applied = applied
+
 
 def observe_pool(p, o):
     o.committed_blocks = p.committed_blocks
@@ -91,6 +101,14 @@ def observe_pool(p, o):
     o.layout = p.layout.layout
     o.rule = kvd.layout_rule_name(p.layout.rule)
     o.warnings_contain.extend(p.layout.warnings)
+
+
+def observe_reshape(update, o):
+    if not update.HasField("reshape"):
+        return
+    r = update.reshape
+    o.target_reached = r.target_reached
+    o.chunks_before, o.chunks_after, o.paused_clients = r.chunks_before, r.chunks_after, r.paused_clients
 
 
 def observe_pools(pools, o):
@@ -190,6 +208,9 @@ class Run:
         o.warnings_contain.extend(m.layout_resolution.warnings)
         with rec.lock:
             o.on_grow, o.on_release, o.on_lost, o.on_restart = rec.grows, rec.releases, rec.lost, rec.restarts
+            o.on_pause, o.on_resume = rec.pauses, rec.resumes
+            if rec.resume_applied is not None:
+                o.resume_applied = rec.resume_applied
             if rec.restart is not None:
                 o.restart_epoch = rec.restart.epoch
                 o.lost_chunks = len(rec.restart.lost_chunk_ids)
@@ -262,7 +283,10 @@ class Run:
                               peer_devices=[self.expand(d) for d in step.peer_devices])
             observe_pool(p, o)
         elif op == "get_pool":
-            observe_pool(c.pool(step.pool), o)
+            p = c.pool(step.pool)
+            observe_pool(p, o)
+            o.pausable_clients = sum(1 for cl in p.clients if cl.pausable)
+            o.chunks = len(p.chunks)
         elif op == "delete_pool":
             o.released_bytes = c.delete(step.pool, force=step.force)
         elif op == "resolve_layout":
@@ -275,13 +299,24 @@ class Run:
             rec = Recorder()
             m = c.attach(step.pool, on_grow=rec.on_grow, on_release=rec.on_release, on_lost=rec.on_lost,
                          on_restart=rec.on_restart,
-                         client_name=step.client_name, device=self.expand(step.device) or None)
+                         client_name=step.client_name, device=self.expand(step.device) or None,
+                         on_pause=rec.on_pause if step.pausable else None,
+                         on_resume=rec.on_resume if step.pausable else None)
             self.observe_mapping(m, rec, o)
             self.mappings[step.mapping] = (m, rec)
             self.owned.setdefault(step.client, []).append(step.mapping)
-        elif op in ("grow", "shrink"):
-            u = c.grow(step.pool, step.blocks) if op == "grow" else c.shrink(step.pool, step.blocks, wait=step.wait)
+        elif op == "grow":
+            observe_pool(c.grow(step.pool, step.blocks).pool, o)
+        elif op == "shrink":
+            u = c.shrink(step.pool, step.blocks, wait=step.wait, whole_chunks_only=step.whole_chunks_only,
+                         pause_timeout=step.pause_timeout_ms / 1000, detach_unresponsive=step.detach_unresponsive)
             observe_pool(u.pool, o)
+            observe_reshape(u, o)
+        elif op == "compact":
+            u = c.compact(step.pool, pause_timeout=step.pause_timeout_ms / 1000,
+                          detach_unresponsive=step.detach_unresponsive)
+            observe_pool(u.pool, o)
+            observe_reshape(u, o)
         elif op in ("sleep", "wake"):
             updates = c.sleep(step.pool, wait=step.wait) if op == "sleep" else c.wake(step.pool)
             o.pools = len(updates)
