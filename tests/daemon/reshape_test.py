@@ -480,6 +480,17 @@ class ReshapeTest(KvdDaemonCase):
         self.assert_intact([plain, pausable], kept(64))
         self.assertEqual(pausable("state")["pauses"], 0)
 
+    def test_pause_timeout_is_checked(self):
+        self.create(256)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.shrink("kv", 100, pause_timeout=-1)  # refused before any call
+        self.assertEqual((e.exception.code, e.exception.message), ("INVALID_ARGUMENT", "pause_timeout: -1 s is negative"))
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.compact("kv", pause_timeout=600.001)  # 600001 ms: the daemon's limit is 10 minutes
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("pause.timeout_ms: 600001 is more than 600000", e.exception.message)
+        self.assertEqual(self.c.shrink("kv", 100, pause_timeout=0.0001).pool.committed_blocks, 112)  # 1 ms, no client
+
     # -- budget -----------------------------------------------------------------------------------
     def test_budget_full_refuses_the_replacement_chunk(self):
         self.create(256)  # 64 MiB of the 70 MiB budget
