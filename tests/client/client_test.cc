@@ -662,6 +662,17 @@ struct ConnectorCalls {
   }
 };
 
+// The memfd FDs open in this process (host backend: two per chunk a Mapping maps or has imported, see
+// AMappingKeepsOneFdPerMappedChunk).
+size_t Memfds() {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    n += std::filesystem::read_symlink(e.path(), ec).string().rfind("/memfd:", 0) == 0;
+  }
+  return n;
+}
+
 uint64_t MappedBytes(const Mapping& m) {
   uint64_t bytes = 0;
   for (const ChunkInfo& c : m.chunks()) bytes += c.bytes;
@@ -800,7 +811,8 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   EXPECT_EQ(Ids(b->chunks()), Ids(before.chunks));
   EXPECT_EQ(CheckPattern(*b, {0, 599, 1500}), "");
   KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
-  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);  // the replacement chunks were given back
+  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);                    // the replacement chunks were given back
+  EXPECT_EQ(Memfds(), 2 * (a->chunks().size() + b->chunks().size()));  // and dropped by both Mappings
 
   KVD_ASSERT_OK_AND_ASSIGN(
       PoolChange shrunk,
@@ -814,6 +826,7 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
   EXPECT_EQ(b->state(), Mapping::State::kLost);
   EXPECT_TRUE(b->chunks().empty());
+  EXPECT_EQ(Memfds(), 2 * a->chunks().size());  // lost mid-pause: the imported chunks went too
   {
     absl::MutexLock lock(&ea.mu);
     EXPECT_EQ(ea.pauses, 2);

@@ -2,7 +2,7 @@
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
 # build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
-# STEPS="device daemon durable restart group python bench connectors" (the default: all) picks steps.
+# STEPS="device daemon durable restart reshape group python bench connectors" (the default: all) picks steps.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -64,6 +64,11 @@ step "durable pools on CUDA: a ${pool_size} pool mapped by two torch engines tha
 PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart timeout 600 python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size"
 step "the same without the FD store: the engines hand their chunks back after each restart"
 PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart_clients timeout 600 python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size" --fdstore=no
+fi
+
+if want reshape && [[ -d $bundle/python ]]; then
+step "elastic shape on CUDA: a pool grown in 1 GiB steps up to ${pool_size}, two pausing torch engines, compact, then an exact shrink to half"
+PYTHONPATH=$bundle/python:$bundle TAIL=40 run reshape timeout 600 python3 "$bundle/reshape_torch.py" "$bundle/bin" "$out" "$pool_size"
 fi
 
 if want group; then

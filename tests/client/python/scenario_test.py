@@ -56,7 +56,9 @@ class Recorder:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.grows = self.releases = self.lost = self.restarts = self.pauses = self.resumes = 0
+        self.grows = self.releases = self.lost = self.restarts = 0
+        self.pauses = self.resumes = 0
+        self.pausable = False
         self.resume_applied = None
         self.blocks = None
         self.why = None
@@ -101,14 +103,6 @@ def observe_pool(p, o):
     o.layout = p.layout.layout
     o.rule = kvd.layout_rule_name(p.layout.rule)
     o.warnings_contain.extend(p.layout.warnings)
-
-
-def observe_reshape(update, o):
-    if not update.HasField("reshape"):
-        return
-    r = update.reshape
-    o.target_reached = r.target_reached
-    o.chunks_before, o.chunks_after, o.paused_clients = r.chunks_before, r.chunks_after, r.paused_clients
 
 
 def observe_pools(pools, o):
@@ -208,7 +202,8 @@ class Run:
         o.warnings_contain.extend(m.layout_resolution.warnings)
         with rec.lock:
             o.on_grow, o.on_release, o.on_lost, o.on_restart = rec.grows, rec.releases, rec.lost, rec.restarts
-            o.on_pause, o.on_resume = rec.pauses, rec.resumes
+            if rec.pausable:
+                o.on_pause, o.on_resume = rec.pauses, rec.resumes
             if rec.resume_applied is not None:
                 o.resume_applied = rec.resume_applied
             if rec.restart is not None:
@@ -285,7 +280,7 @@ class Run:
         elif op == "get_pool":
             p = c.pool(step.pool)
             observe_pool(p, o)
-            o.pausable_clients = sum(1 for cl in p.clients if cl.pausable)
+            o.pausable_clients = sum(1 for client in p.clients if client.pausable)
             o.chunks = len(p.chunks)
         elif op == "delete_pool":
             o.released_bytes = c.delete(step.pool, force=step.force)
@@ -297,26 +292,27 @@ class Run:
             o.has_geometry = r.HasField("geometry")
         elif op == "attach":
             rec = Recorder()
+            rec.pausable = step.pausable
+            hooks = dict(on_pause=rec.on_pause, on_resume=rec.on_resume) if step.pausable else {}
             m = c.attach(step.pool, on_grow=rec.on_grow, on_release=rec.on_release, on_lost=rec.on_lost,
                          on_restart=rec.on_restart,
-                         client_name=step.client_name, device=self.expand(step.device) or None,
-                         on_pause=rec.on_pause if step.pausable else None,
-                         on_resume=rec.on_resume if step.pausable else None)
+                         client_name=step.client_name, device=self.expand(step.device) or None, **hooks)
             self.observe_mapping(m, rec, o)
             self.mappings[step.mapping] = (m, rec)
             self.owned.setdefault(step.client, []).append(step.mapping)
         elif op == "grow":
             observe_pool(c.grow(step.pool, step.blocks).pool, o)
-        elif op == "shrink":
-            u = c.shrink(step.pool, step.blocks, wait=step.wait, whole_chunks_only=step.whole_chunks_only,
-                         pause_timeout=step.pause_timeout_ms / 1000, detach_unresponsive=step.detach_unresponsive)
+        elif op in ("shrink", "compact"):
+            pause = dict(pause_timeout=step.pause_timeout_ms / 1000 if step.pause_timeout_ms else None,
+                         detach_unresponsive=step.detach_unresponsive)
+            if op == "shrink":
+                u = c.shrink(step.pool, step.blocks, wait=step.wait, whole_chunks_only=step.whole_chunks_only, **pause)
+                o.target_reached = u.reshape.target_reached
+            else:
+                u = c.compact(step.pool, **pause)
             observe_pool(u.pool, o)
-            observe_reshape(u, o)
-        elif op == "compact":
-            u = c.compact(step.pool, pause_timeout=step.pause_timeout_ms / 1000,
-                          detach_unresponsive=step.detach_unresponsive)
-            observe_pool(u.pool, o)
-            observe_reshape(u, o)
+            o.chunks_before, o.chunks_after = u.reshape.chunks_before, u.reshape.chunks_after
+            o.paused_clients = u.reshape.paused_clients
         elif op in ("sleep", "wake"):
             updates = c.sleep(step.pool, wait=step.wait) if op == "sleep" else c.wake(step.pool)
             o.pools = len(updates)
