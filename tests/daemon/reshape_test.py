@@ -63,8 +63,12 @@ def engine_main(socket_path, pool, index, mode):
     c = kvd.connect(socket_path, client_name=f"engine-{index}")
     seen = {"in_pause": False, "pause_ranges": [], "resumed": []}
     unstuck = threading.Event()
+    # The engine's own discipline: no access to the pool between on_pause and on_resume (a pause the
+    # daemon starts on its own may come at any time).
+    gate = threading.Lock()
 
     def on_pause(ranges):
+        gate.acquire()
         seen["in_pause"] = True
         seen["pause_ranges"].append([list(r) for r in ranges])
         if mode == "stuck":
@@ -73,6 +77,8 @@ def engine_main(socket_path, pool, index, mode):
     def on_resume(applied):
         seen["in_pause"] = False
         seen["resumed"].append(applied)
+        if gate.locked():
+            gate.release()
 
     m = c.attach(pool, client_name=f"engine-{index}", on_pause=on_pause if mode != "plain" else None,
                  on_resume=on_resume)
@@ -86,15 +92,17 @@ def engine_main(socket_path, pool, index, mode):
             if op == "write":  # this engine's blocks in [lo, hi), every layer
                 lo, hi = cmd["lo"], cmd["hi"]
                 blocks = np.arange(lo + (index - lo) % 2, hi, 2)
-                for layer in range(d["layers"]):
-                    m.layer(layer, "uint16")[blocks] = pattern(np.full(len(blocks), index), layer, blocks, shape)
+                with gate:
+                    for layer in range(d["layers"]):
+                        m.layer(layer, "uint16")[blocks] = pattern(np.full(len(blocks), index), layer, blocks, shape)
                 r = len(blocks)
             elif op == "check":  # [[seed, at], ...]: block `at` holds what its owner wrote into block `seed`
                 pairs = np.asarray(cmd["pairs"], dtype=np.int64).reshape(-1, 2)
                 r = 0
-                for layer in range(d["layers"]):
-                    got = m.layer(layer, "uint16")[pairs[:, 1]]
-                    r += int(np.count_nonzero(got != pattern(pairs[:, 0] % 2, layer, pairs[:, 0], shape)))
+                with gate:
+                    for layer in range(d["layers"]):
+                        got = m.layer(layer, "uint16")[pairs[:, 1]]
+                        r += int(np.count_nonzero(got != pattern(pairs[:, 0] % 2, layer, pairs[:, 0], shape)))
             elif op == "state":
                 r = {"committed": m.committed_blocks, "chunks": m.mapped_chunks, "pauses": m.pauses,
                      "resumes": m.resumes, "in_pause": seen["in_pause"], "pause_ranges": seen["pause_ranges"],
@@ -186,6 +194,8 @@ class ReshapeTest(KvdDaemonCase):
         if self._testMethodName == "test_budget_full_refuses_the_replacement_chunk":
             # 64 MiB for the pool of 256 blocks and 6 MiB more: no replacement chunk of shrink fits.
             args.append("--budget=70MiB")
+        if self._testMethodName == "test_the_daemon_compacts_a_fragmented_pool_on_its_own_when_every_client_pauses":
+            args.append("--compact-above-chunks=6")
         if self._testMethodName == "test_metrics_count_pauses_copies_and_compactions":
             self.metrics_port = free_port()
             args.append(f"--metrics-address=127.0.0.1:{self.metrics_port}")
@@ -348,6 +358,35 @@ class ReshapeTest(KvdDaemonCase):
         self.assertEqual(u.pool.committed_bytes, self.prefix_bytes(512))
         self.assert_follows(engines, u.pool)
         self.assert_intact(engines, kept(512))
+
+    def test_the_daemon_compacts_a_fragmented_pool_on_its_own_when_every_client_pauses(self):
+        self.create(GRANULE_BLOCKS)
+        engines = self.engines()
+        for step in (2, 3):
+            self.c.grow("kv", step * GRANULE_BLOCKS)  # 6 chunks: not past --compact-above-chunks=6
+        self.assert_follows(engines, self.c.pool("kv"))
+        self.write_all(engines, 48)
+        self.c.grow("kv", 64)  # 8 chunks: compacted in the background, while both engines pause
+        pool = poll(lambda: (lambda p: p if len(p.chunks) == 2 else None)(self.c.pool("kv")),
+                    "the daemon to compact the pool on its own")
+        self.assertEqual((pool.committed_blocks, pool.committed_bytes), (64, self.prefix_bytes(64)))
+        self.assert_follows(engines, pool)
+        for e in engines:
+            self.assertEqual(e("state")["resumed"], [True], e.name)
+        self.assert_intact(engines, kept(48))
+        self.assertIn("pool kv: compacted on its own past 6 chunks (--compact-above-chunks): 8 -> 2 chunks", self.log())
+
+        # With a client that does not pause, the pool stays as it is and the log says why.
+        plain = self.engine(2, "plain")
+        for step in (5, 6, 7, 8):
+            self.c.grow("kv", step * GRANULE_BLOCKS)
+        poll(lambda: "pool kv: not compacted on its own: FAILED_PRECONDITION" in self.log(),
+             "the daemon to say why it did not compact")
+        self.assertIn(plain.client_id, self.log())
+        self.assertEqual(len(self.c.pool("kv").chunks), 10)
+        for e in engines:
+            self.assertEqual(e("state")["pauses"], 1, e.name)
+        self.assert_intact(engines + [plain], kept(48))
 
     # -- compaction shrink ------------------------------------------------------------------------
     def test_compaction_shrink_moves_live_blocks_above_the_target_below_it(self):
