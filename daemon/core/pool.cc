@@ -709,7 +709,8 @@ absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id, boo
     // A client the daemon detached already (its Watch stream ended) declares what it held unmapped.
     auto h = holders_.find(client_id);
     if (released && h != holders_.end() && h->second.session == caller.session) {
-      DetachLocked(h->first, /*keep_holding=*/false);
+      // A copy: DetachLocked erases the holder, and with it h->first, before it is done with the id.
+      DetachLocked(std::string(h->first), /*keep_holding=*/false);
       return absl::OkStatus();
     }
     return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));

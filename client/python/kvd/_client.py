@@ -156,6 +156,28 @@ class DaemonRestart:
     committed_blocks: int      # the pool's, now
 
 
+# A contiguous byte range of a pool, from its base address, inside one segment (kvd.v1.ByteRange; libkvd's
+# ByteRange): what on_pause gets.
+ByteRange = collections.namedtuple("ByteRange", "segment offset bytes")
+
+
+def _pause_options(pause_timeout, detach_unresponsive):
+    """-> kvd.v1.PauseOptions; pause_timeout in seconds (None or 0: the daemon's --pause-timeout)."""
+    ms = 0
+    if pause_timeout is not None:
+        if pause_timeout < 0:
+            raise KvdError("INVALID_ARGUMENT", f"pause_timeout: {pause_timeout} s is negative")
+        # Whole milliseconds, rounded up: a positive timeout never becomes 0 (the daemon's default).
+        ms = -(-int(round(pause_timeout * 1e6)) // 1000)
+    return pb.PauseOptions(timeout_ms=ms, detach_unresponsive=bool(detach_unresponsive))
+
+
+def _reshape_call_timeout(client_timeout, pause_timeout):
+    """The deadline of a change that may pause the attached clients (as libkvd's): the daemon waits up to
+    the pause timeout for the PAUSE acknowledgements and again for the RESUME's, then copies."""
+    return max(client_timeout, 65.0, 2 * (pause_timeout or 0) + 65.0)
+
+
 _raised_open_file_limit = False
 
 
@@ -354,7 +376,7 @@ class Client:
         return self._call("DeletePool", pb.DeletePoolRequest(name=name, force=force)).released_bytes
 
     def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None,
-               on_restart=None):
+               on_restart=None, on_pause=None, on_resume=None):
         """Attach + map every chunk + start following the pool -> Mapping.
 
         device: the device this process maps the pool from: None for the daemon's own (found by its
@@ -378,7 +400,18 @@ class Client:
         broke with UNAVAILABLE), after the Mapping reconnected: it handed its chunks' FDs back if the
         pool was RECOVERING, attached again (a new client_id), kept every chunk the daemon still has
         (same id, segment, offset, bytes) mapped untouched, unmapped the lost ones, mapped new ones.
-        They must not close the Mapping nor shrink/sleep this pool with wait=True.
+        Pauses (docs/api.md, "Pauses and reshaping"): giving on_pause makes the Mapping pausable
+        (AttachRequest.pausable), so the daemon may move the pool's bytes into new chunks at the same
+        addresses (an exact shrink, compact) while it is attached. On a PAUSE the follower imports the
+        new chunks (without mapping them), calls on_pause(ranges) -- ranges: [kvd.ByteRange(segment,
+        offset, bytes)], the bytes that move; stop every access to the pool (synchronise the streams that
+        use it) and return -- and acknowledges. On the RESUME it unmaps the replaced chunks, maps the new
+        ones at the same addresses, sets committed_blocks and calls on_resume(applied), then acknowledges;
+        applied is False when the change was called off (nothing moved, the imported chunks are dropped).
+        Without on_pause the Mapping is not pausable: while it is attached, a shrink that must replace a
+        chunk and compact fail with FAILED_PRECONDITION naming it.
+        They must not close the Mapping nor shrink/sleep/compact this pool with wait=True (nor
+        shrink/compact it at all from on_pause or on_resume).
         One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
         session."""
         with self._lock:
@@ -387,11 +420,11 @@ class Client:
                                "Mapping or connect another client")
         memory, peer_uuid = self._memory_backend(device)
         conn = self._live()
-        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid),
-                          conn=conn)
+        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid,
+                                                     pausable=on_pause is not None), conn=conn)
         try:
             m = Mapping(self, memory, resp, on_grow, on_release, on_lost, conn=conn, on_restart=on_restart,
-                        client_name=client_name, peer_uuid=peer_uuid)
+                        client_name=client_name, peer_uuid=peer_uuid, on_pause=on_pause, on_resume=on_resume)
         except BaseException:
             try:
                 self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=conn)
@@ -420,11 +453,70 @@ class Client:
         self._absorb(update)
         return update
 
-    def shrink(self, name, blocks, wait=False):
-        """Shrink to `blocks` -> kvd.v1.PoolUpdate. wait: reply once every client acknowledged."""
-        timeout = max(self.timeout, 70.0) if wait else None
-        return self._call("Shrink", pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait),
-                          timeout=timeout)
+    def shrink(self, name, blocks, wait=False, whole_chunks_only=False, live_blocks=None, pause_timeout=None,
+               detach_unresponsive=False):
+        """Shrink to `blocks` -> kvd.v1.PoolUpdate (its `reshape` says what it did). Exact: every segment's
+        committed prefix ends at `blocks` rounded up to the granularity; a chunk straddling it is replaced
+        by a smaller one, copied on the device while the attached clients pause (docs/api.md, "Pauses and
+        reshaping"). wait: reply once every client acknowledged the release.
+        whole_chunks_only: release whole chunks only and never pause; the pool may stay above the target
+        (reshape.target_reached False, pool.committed_blocks says where).
+        live_blocks: a compaction shrink: the blocks the engine still uses (an iterable; [] for none); live
+        blocks at or above `blocks` are first copied into free blocks below it, reshape.moved_blocks
+        ([BlockCopy(src, dst)]) says where each went. None: no compaction.
+        pause_timeout: seconds each client has to acknowledge the PAUSE (None: the daemon's
+        --pause-timeout); detach_unresponsive: detach a client that does not instead of failing with
+        DEADLINE_EXCEEDED. This Client's own Mapping of the pool has remapped when it returns."""
+        req = pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait,
+                               whole_chunks_only=whole_chunks_only,
+                               pause=_pause_options(pause_timeout, detach_unresponsive))
+        if live_blocks is not None:
+            req.live.SetInParent()  # set, even empty: a compaction shrink with no live block
+            req.live.blocks.extend(int(b) for b in live_blocks)
+        if whole_chunks_only:
+            timeout = max(self.timeout, 65.0) if wait else self.timeout
+        else:
+            timeout = _reshape_call_timeout(self.timeout, pause_timeout)
+        update = self._call("Shrink", req, timeout=timeout)
+        self._await_remap(update, timeout)
+        return update
+
+    def compact(self, name, pause_timeout=None, detach_unresponsive=False):
+        """Compact -> kvd.v1.PoolUpdate: rewrites a fragmented pool as one chunk per segment (split at the
+        daemon's --max-chunk), copied on the device while the attached clients pause; reshape says the
+        chunks before and after, the bytes copied and the pause. All or nothing. pause_timeout and
+        detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
+        returns."""
+        timeout = _reshape_call_timeout(self.timeout, pause_timeout)
+        update = self._call("Compact", pb.CompactRequest(pool=name,
+                                                         pause=_pause_options(pause_timeout, detach_unresponsive)),
+                            timeout=timeout)
+        self._await_remap(update, timeout)
+        return update
+
+    def _await_remap(self, update, timeout):
+        """After this Client's Shrink or Compact: waits, at most `timeout` seconds, until its Mapping of the
+        pool (if any) has no pause pending with one of update.added: it remapped them, or dropped them. The
+        daemon replies after every RESUME's acknowledgement and the follower acknowledges after remapping,
+        so this normally finds nothing to wait for. As libkvd's Client::Impl::AwaitRemap."""
+        if not update.added:
+            return
+        with self._lock:
+            m = self._mappings.get(update.pool.name)
+        if m is None:
+            return
+        added = {c.id for c in update.added}
+
+        def settled():
+            if m.closed or m.gone is not None:
+                return True
+            return not any(added.intersection(imported) for imported in m._paused.values())
+
+        with m._changed:
+            if m._changed.wait_for(settled, timeout=timeout):
+                return
+        raise KvdError("DEADLINE_EXCEEDED", f"pool {update.pool.name} changed but this client's Mapping of it did "
+                       f"not remap within {timeout:g}s")
 
     def sleep(self, name=None, wait=False):
         """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
@@ -565,6 +657,8 @@ class Client:
 # One mapped chunk: where, its import handle, its FD (kept open to hand the chunk back after a daemon
 # restart) and where the daemon placed it.
 _Mapped = collections.namedtuple("_Mapped", "va bytes handle fd segment offset")
+# A pause's new chunk, imported at the PAUSE and mapped at its RESUME: the Chunk, its FD and import handle.
+_Imported = collections.namedtuple("_Imported", "chunk fd handle")
 
 
 class Mapping:
@@ -575,10 +669,12 @@ class Mapping:
 
     Views from layer() span the pool's whole capacity (the pointers never move); only blocks below
     `committed_blocks` are backed while the pool is awake. Touching others faults (SIGSEGV on
-    host, an illegal address on CUDA). Views must not be used after close()."""
+    host, an illegal address on CUDA). Views must not be used after close(). A pausable Mapping
+    (attach(on_pause=...)) also acts on PAUSE and RESUME: the views stay valid across them, and read
+    the same bytes from the new memory after the RESUME."""
 
     def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None, conn=None, on_restart=None,
-                 client_name="", peer_uuid=""):
+                 client_name="", peer_uuid="", on_pause=None, on_resume=None):
         self._client = client
         self._memory = memory
         self._conn = conn if conn is not None else client._live()
@@ -592,12 +688,17 @@ class Mapping:
         self.committed_blocks = pool.committed_blocks
         self.state = pool.state
         self.on_grow, self.on_release, self.on_lost, self.on_restart = on_grow, on_release, on_lost, on_restart
+        self.on_pause, self.on_resume = on_pause, on_resume
+        self.pausable = on_pause is not None
+        self.pauses = self.resumes = 0  # PAUSE events acted on; RESUMEs (applied or not)
         self._client_name, self._peer_uuid = client_name, peer_uuid
         self.closed = False
         self.gone = None  # once the Mapping is lost: the KvdError on_lost got (everything is unmapped then)
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # notified after each event the follower acted on
         self._closing = threading.Event()
         self._chunks = {}  # id -> _Mapped
+        self._paused = {}  # pause_id -> {chunk id: _Imported}: imported at the PAUSE, not mapped yet
         self.events_seen = 0
         self._watch = self._thread = None
         self._restart_announced = False  # the follower's: the last stream ended with DAEMON_RESTARTING
@@ -660,8 +761,72 @@ class Mapping:
         return done
 
     def _unmap_all(self):
+        """Unmaps every chunk and drops every chunk imported for a pause that has not resumed."""
         with self._lock:
             self._unmap(list(self._chunks))
+            paused, self._paused = self._paused, {}
+            for imported in paused.values():
+                self._drop_imported(imported)
+
+    # -- pauses ---------------------------------------------------------------------------------
+    def _import_lease(self, lease, chunks, conn):
+        """A PAUSE's new chunks: fetches `lease` and imports each without mapping -> {chunk id: _Imported},
+        the FDs now the Mapping's."""
+        if not chunks:
+            return {}
+        fds = conn.session.fetch(lease.token)
+        by_id = {c.id: c for c in chunks}
+        out = {}
+        try:
+            for i, (chunk_id, fd) in enumerate(fds):
+                c = by_id.get(chunk_id)
+                if c is None or chunk_id in out:
+                    raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
+                out[chunk_id] = _Imported(c, fd, self._memory.import_chunk(fd))
+                fds[i] = (chunk_id, -1)
+            if len(out) != len(by_id):
+                raise KvdError("INTERNAL", f"lease yielded chunks {sorted(out)} for {sorted(by_id)}")
+        except BaseException:
+            self._drop_imported(out)
+            raise
+        finally:
+            for _, fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        return out
+
+    def _drop_imported(self, imported):
+        """Releases imported, unmapped chunks ({id: _Imported}) and closes their FDs."""
+        for entry in imported.values():
+            try:
+                self._memory.release_imported(entry.handle)
+            except KvdError:
+                _log.exception("kvd: releasing an imported chunk of pool %s", self.pool_name)
+            finally:
+                os.close(entry.fd)
+
+    def _resume(self, ev):
+        """An applied RESUME: unmaps ev.chunks, maps the PAUSE's imported chunks at their offsets (the same
+        addresses) keeping their FDs, and takes the new committed_blocks. Raises KvdError when a chunk
+        does not map (the Mapping is then lost)."""
+        with self._lock:
+            imported = self._paused.pop(ev.pause_id, {})
+            try:
+                self._unmap([c.id for c in ev.chunks])
+                for cid in sorted(imported, key=lambda i: imported[i].chunk.offset):
+                    entry = imported[cid]
+                    c = entry.chunk
+                    # A chunk still mapped where the new one goes was released by a change whose event
+                    # this follower has not acted on yet: it goes now (as libkvd's UnmapOverlapping).
+                    self._unmap([i for i, mp in self._chunks.items()
+                                 if mp.offset < c.offset + c.bytes and c.offset < mp.offset + mp.bytes])
+                    va = self.base + c.offset
+                    handle = self._memory.map_imported(va, c.bytes, entry.fd, entry.handle)
+                    self._chunks[cid] = _Mapped(va, c.bytes, handle, entry.fd, c.segment, c.offset)
+                    del imported[cid]
+            finally:
+                self._drop_imported(imported)  # what did not map
+            self.committed_blocks = ev.committed_blocks
 
     def _map_lease_unless_released(self, lease, chunks):
         """_map_lease, except that a lease refused because its chunks were released meanwhile (a
@@ -754,6 +919,66 @@ class Mapping:
                             break
                     if self.on_release:
                         self._callback(self.on_release, ev.committed_blocks)
+                elif ev.type == pb.EVENT_TYPE_PAUSE:
+                    with self._lock:
+                        if self.closed or self.gone is not None:
+                            continue
+                        conn, client_id = self._conn, self.client_id
+                    try:
+                        imported = self._import_lease(ev.lease, list(ev.chunks), conn)
+                    except KvdError as e:
+                        why = KvdError(e.code, f"pausing pool {name} (pause {ev.pause_id}): importing its new "
+                                       f"chunks: {e.message}")
+                        break
+                    with self._lock:
+                        if self.closed or self.gone is not None:
+                            self._drop_imported(imported)
+                            continue
+                        self._paused[ev.pause_id] = imported
+                        self.pauses += 1
+                    if self.on_pause:
+                        self._callback(self.on_pause, [ByteRange(r.segment, r.offset, r.bytes) for r in ev.ranges])
+                    try:
+                        self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
+                                                                                 pause_id=ev.pause_id), conn=conn)
+                    except KvdError as e:
+                        # Too late (the pause timed out) or the daemon is going: its RESUME (not applied)
+                        # or the stream's end follows and says what happened.
+                        _log.warning("kvd: pool %s: acknowledging pause %d: %s", name, ev.pause_id, e)
+                elif ev.type == pb.EVENT_TYPE_RESUME:
+                    with self._lock:
+                        if self.closed or self.gone is not None:
+                            continue
+                        known = ev.pause_id in self._paused
+                        before = self.committed_blocks
+                        if not ev.applied:
+                            self._drop_imported(self._paused.pop(ev.pause_id, {}))
+                        elif not known:
+                            why = KvdError("INTERNAL", f"pool {name}: RESUME of pause {ev.pause_id}, whose PAUSE "
+                                           "this client never had")
+                            break
+                        else:
+                            try:
+                                self._resume(ev)
+                            except KvdError as e:
+                                why = KvdError(e.code, f"remapping pool {name} after pause {ev.pause_id}: "
+                                               f"{e.message}")
+                                break
+                        self.resumes += 1
+                        conn, client_id = self._conn, self.client_id
+                        self._changed.notify_all()
+                    if self.on_resume:
+                        self._callback(self.on_resume, bool(ev.applied))
+                    if ev.applied and ev.release_id:
+                        try:
+                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
+                                                                                     release_id=ev.release_id),
+                                               conn=conn)
+                        except KvdError as e:
+                            why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
+                            break
+                    if ev.applied and ev.committed_blocks < before and self.on_release:
+                        self._callback(self.on_release, ev.committed_blocks)
                 elif ev.type == pb.EVENT_TYPE_POOL_DELETED:
                     why = KvdError("NOT_FOUND", f"pool {name} was deleted")
                     break
@@ -802,13 +1027,16 @@ class Mapping:
                 if self.closed or self.gone is not None:
                     return None
             try:
-                watch = self._try_reattach(restart)
+                watch, resumed = self._try_reattach(restart)
             except _Fatal as e:
                 self._lose(e.error)
                 return None
             except KvdError as e:
                 last = e
             else:
+                if self.on_resume:  # the pauses the restart ended: whether their change was made
+                    for applied in resumed:
+                        self._callback(self.on_resume, applied)
                 if self.on_restart:
                     self._callback(self.on_restart, restart)
                 return watch
@@ -821,7 +1049,8 @@ class Mapping:
             delay = min(delay * 2, 2.0)
 
     def _try_reattach(self, restart):
-        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> the new watch."""
+        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> (the new watch, for each
+        pause in progress when the daemon went away whether its new chunks are in the pool now)."""
         client, name = self._client, self.pool_name
         old = self._conn
         c = client._live()
@@ -857,7 +1086,8 @@ class Mapping:
                     os.close(fd)
         try:
             resp = client._call("Attach", pb.AttachRequest(pool=name, client_name=self._client_name,
-                                                           device_uuid=self._peer_uuid), conn=c)
+                                                           device_uuid=self._peer_uuid, pausable=self.pausable),
+                                conn=c)
         except KvdError as e:
             # UNAVAILABLE: still RECOVERING, waiting for other clients' chunks or for its grace to pass.
             if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
@@ -884,17 +1114,25 @@ class Mapping:
                     restart.lost_chunk_ids.append(cid)
                     restart.lost_bytes += self._chunks[cid].bytes
                 self._unmap(gone)
+                # A pause does not outlive the daemon that began it: its imported chunks go, and the new
+                # daemon's chunk table says whether the change was made (those chunks come mapped from the
+                # lease).
+                paused, self._paused = self._paused, {}
+                for imported in paused.values():
+                    self._drop_imported(imported)
+                self._changed.notify_all()
                 try:
                     self._map_lease(resp.lease, list(resp.pool.chunks), conn=c)
                 except KvdError as e:
                     raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
+                resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in paused.values()]
                 self.committed_blocks = resp.pool.committed_blocks
                 self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
                     pb.POOL_STATE_AWAKE
                 self._conn, self.client_id, self.epoch, self._watch = c, resp.client_id, resp.pool.epoch, watch
                 restart.epoch, restart.committed_blocks = self.epoch, self.committed_blocks
             watch.initial_metadata()  # the daemon registered the watch (events since the Attach are queued)
-            return watch
+            return watch, resumed
         except BaseException:
             with self._lock:
                 adopted = self._watch is watch
@@ -918,6 +1156,7 @@ class Mapping:
             self.committed_blocks = 0
             self.gone = why
             watch = self._watch
+            self._changed.notify_all()
         watch.cancel()
         if self.on_lost:
             self._callback(self.on_lost, why)
@@ -982,6 +1221,7 @@ class Mapping:
                 return
             self.closed = True
             conn, client_id = self._conn, self.client_id
+            self._changed.notify_all()
         self._closing.set()
         with self._lock:
             watch = self._watch

@@ -224,9 +224,21 @@ class HostMemory:
 
     def import_and_map(self, va, nbytes, fd):
         """Maps the chunk FD at va; returns a handle for unmap(). The caller closes fd."""
+        return self.map_imported(va, nbytes, fd, self.import_chunk(fd))
+
+    def import_chunk(self, fd):
+        """A pause's new chunk, imported without mapping (map_imported at the RESUME, else
+        release_imported): a memfd needs nothing more than its FD, which the caller keeps."""
+        return None
+
+    def map_imported(self, va, nbytes, fd, handle):
+        """Maps an imported chunk at va; returns the handle for unmap()."""
         _mmap_or_raise(f"mmap(chunk fd {fd} at {va:#x}, {nbytes} bytes)", va, nbytes, PROT_READ | PROT_WRITE,
                        MAP_SHARED | MAP_FIXED, fd, 0)
-        return None
+        return handle
+
+    def release_imported(self, handle):
+        pass
 
     def unmap(self, va, nbytes, handle):
         # Put PROT_NONE anonymous memory back rather than munmap: the reservation keeps its hole.
@@ -390,23 +402,39 @@ class CudaMemory:
         return va.value
 
     def import_and_map(self, va, nbytes, fd):
+        handle = self.import_chunk(fd)
+        try:
+            return self.map_imported(va, nbytes, fd, handle)
+        except BaseException:
+            self.release_imported(handle)
+            raise
+
+    def import_chunk(self, fd):
+        """cuMemImportFromShareableHandle(fd) -> the allocation handle (a pause's new chunk is imported at
+        the PAUSE and mapped at the RESUME: map_imported, else release_imported)."""
         self._current()
         handle = ctypes.c_ulonglong(0)
         self._check(self._cu.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
                                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                     f"cuMemImportFromShareableHandle(POSIX FD {fd})")
-        try:
-            self._check(self._cu.cuMemMap(va, nbytes, 0, handle, 0), f"cuMemMap({va:#x}, {nbytes})")
-            desc = _CUmemAccessDesc(_CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
-                                    CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-            r = self._cu.cuMemSetAccess(va, nbytes, ctypes.byref(desc), 1)
-            if r != 0:
-                self._cu.cuMemUnmap(va, nbytes)
-                self._check(r, f"cuMemSetAccess({va:#x}, {nbytes}, READWRITE for device {self.ordinal})")
-        except BaseException:
-            self._cu.cuMemRelease(handle)
-            raise
         return handle.value
+
+    def map_imported(self, va, nbytes, fd, handle):
+        """cuMemMap + cuMemSetAccess of an imported handle at va; on failure the handle stays the
+        caller's (release_imported)."""
+        self._current()
+        self._check(self._cu.cuMemMap(va, nbytes, 0, handle, 0), f"cuMemMap({va:#x}, {nbytes})")
+        desc = _CUmemAccessDesc(_CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, self.ordinal),
+                                CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        r = self._cu.cuMemSetAccess(va, nbytes, ctypes.byref(desc), 1)
+        if r != 0:
+            self._cu.cuMemUnmap(va, nbytes)
+            self._check(r, f"cuMemSetAccess({va:#x}, {nbytes}, READWRITE for device {self.ordinal})")
+        return handle
+
+    def release_imported(self, handle):
+        self._current()
+        self._check(self._cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
 
     def unmap(self, va, nbytes, handle):
         self._current()

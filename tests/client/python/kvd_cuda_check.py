@@ -8,7 +8,10 @@ each writes, the other reads; the peer follows a grow; sleep/wake gives fresh me
 addresses; FDs are closed; close() detaches. Then attach(device=...) by UUID, prefix and index (the
 daemon's device: no peer access), refusals of an unknown device and of a process that sees no GPU, a
 one-rank kvd.Group grow/sleep/wake, and, where a second GPU is visible, peer access from it (refused
-until granted, then it reads rank 0's bytes). Exits 0 and prints PASS, or raises.
+until granted, then it reads rank 0's bytes). Last, pauses: this process and a peer attach pausable
+(on_pause synchronises torch) and keep every block's value across a compact of a pool grown in 8 steps
+and an exact shrink inside a chunk (the new chunks imported at the PAUSE, mapped at the same addresses
+at the RESUME). Exits 0 and prints PASS, or raises.
 """
 
 import os
@@ -35,9 +38,29 @@ def tensors(m):
     return [torch.as_tensor(v, device="cuda") for v in m.layers()]
 
 
-def peer(pool):
+def block_values(n):
+    """What check_pauses writes into block b of layer l (exact in float16): [layers, n]."""
+    b = torch.arange(n, device="cuda")
+    return torch.stack([((b * 7 + l * 13) % 2000).to(torch.float16) for l in range(DIMS["layers"])])
+
+
+def wrong_blocks(kv, n):
+    """Blocks below n whose every element is not block_values' value."""
+    want = block_values(n)
+    bad = 0
+    for l, t in enumerate(kv):
+        v = t[:n].reshape(n, -1)
+        bad += int(((v.amax(dim=1) != want[l]) | (v.amin(dim=1) != want[l])).sum())
+    return bad
+
+
+def peer(pool, pausable=False):
     c = kvd.connect(client_name="peer")
-    m = c.attach(pool)
+    resumed = []
+    if pausable:
+        m = c.attach(pool, on_pause=lambda ranges: torch.cuda.synchronize(), on_resume=resumed.append)
+    else:
+        m = c.attach(pool)
     kv = tensors(m)
     for line in sys.stdin:
         op, *args = line.split()
@@ -55,6 +78,11 @@ def peer(pool):
                  f"peer follows (committed {m.committed_blocks}, state {m.state}, chunks {m.mapped_chunks}, "
                  f"events {m.events_seen}, gone {m.gone})")
             print(len(m.mapped_chunks), flush=True)
+        elif op == "wait_chunks":  # after a pause: the remap done, then the blocks below n checked
+            n, blocks = int(args[0]), int(args[1])
+            poll(lambda: len(m.mapped_chunks) == n and m.committed_blocks == blocks and m.resumes == m.pauses,
+                 f"peer remaps (chunks {m.mapped_chunks}, committed {m.committed_blocks}, gone {m.gone})")
+            print(wrong_blocks(kv, blocks), resumed.count(True), flush=True)
         elif op == "exit":
             del kv
             m.close()
@@ -145,9 +173,71 @@ def check_devices_and_group(c, info):
         c.delete(pool, force=True)
 
 
+def check_pauses(c):
+    """Compact and an exact shrink on CUDA, with this process and a peer attached pausable."""
+    pool = f"cuda-pause-{os.getpid()}"
+    c.create_pool(pool, initial_blocks=0, override="LBNHC", **DIMS)
+    proc = None
+    try:
+        resumed = []
+        m = c.attach(pool, on_pause=lambda ranges: torch.cuda.synchronize(), on_resume=resumed.append)
+        for step in range(1, 9):
+            c.grow(pool, step * 256)
+        kv = tensors(m)
+        n = m.committed_blocks
+        want = block_values(n)
+        for l, t in enumerate(kv):
+            t[:n] = want[l].view(n, 1, 1, 1)
+        torch.cuda.synchronize()
+        assert wrong_blocks(kv, n) == 0
+        chunks = len(c.pool(pool).chunks)
+        proc = subprocess.Popen([sys.executable, __file__, "--pause-peer", pool], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+
+        def ask(line):
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            r = proc.stdout.readline().strip()
+            assert r, "peer died"
+            return r
+
+        assert ask(f"wait_chunks {chunks} {n}") == "0 0", "the peer reads the blocks before any pause"
+        t = time.perf_counter()
+        u = c.compact(pool)
+        r = u.reshape
+        print(f"compact {r.chunks_before} -> {r.chunks_after} chunks in {(time.perf_counter() - t) * 1e3:.1f} ms "
+              f"(copy {r.copy_us} us of {r.copied_bytes} bytes, pause {r.pause_us} us, {r.paused_clients} clients)")
+        assert r.chunks_after == m.geometry.segments and r.paused_clients == 2, r
+        assert m.mapped_chunks == sorted(ch.id for ch in u.pool.chunks), "own Mapping remapped on return"
+        assert wrong_blocks(kv, n) == 0, "bytes moved under this process's views"
+        assert ask(f"wait_chunks {r.chunks_after} {n}") == "0 1", "the peer's bytes after compact"
+        target = n // 2 + 40  # inside a chunk
+        u = c.shrink(pool, target)
+        r = u.reshape
+        print(f"exact shrink to {target} blocks: committed {u.pool.committed_blocks}, target_reached "
+              f"{r.target_reached}, copy {r.copy_us} us of {r.copied_bytes} bytes, pause {r.pause_us} us")
+        assert r.target_reached and r.paused_clients == 2, r
+        kept = u.pool.committed_blocks
+        assert wrong_blocks(kv, kept) == 0
+        assert ask(f"wait_chunks {len(u.pool.chunks)} {kept}") == "0 2", "the peer's bytes after shrink"
+        assert resumed == [True, True], resumed
+        print("pauses on CUDA: compact and exact shrink kept every block in both processes")
+        assert ask("exit") == "bye"
+        proc.wait()
+        del kv
+        m.close()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        c.delete(pool, force=True)
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--peer":
         return peer(sys.argv[2])
+    if len(sys.argv) > 2 and sys.argv[1] == "--pause-peer":
+        return peer(sys.argv[2], pausable=True)
     c = kvd.connect(client_name="cuda-check")
     info = c.device_info()
     assert info.backend == kvd.v1_pb2.BACKEND_CUDA, info
@@ -208,6 +298,7 @@ def main():
         assert fds1 <= fds0, f"{fds1} FDs open after close, {fds0} before attach"
         print(f"no FD left open ({fds1} now, {fds0} before attach); the pool shows 0 clients after close()")
         check_devices_and_group(c, info)
+        check_pauses(c)
     finally:
         c.delete(pool, force=True)
         c.close()
