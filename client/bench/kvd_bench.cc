@@ -186,8 +186,9 @@ std::string TakeMarks() {
 // ---------------------------------------------------------------------------------------------------
 // Patterns: bytes a client writes through its Mapping before a reshape (Compact, a Shrink that replaces
 // chunks) and reads back after it, at samples of 4 KiB: the first, middle and last 4 KiB of every chunk
-// (the seams a reshape copies across) and the first and last 4 KiB of every sixteenth of each segment's
-// committed blocks (around a shrink's target).
+// (the seams a reshape copies across) and, at every sixteenth of each segment's committed blocks, the
+// last 4 KiB of the block before it and the first and last 4 KiB of the block there (around a shrink's
+// target).
 
 constexpr uint64_t kSampleBytes = 4096;
 
@@ -238,6 +239,7 @@ std::vector<PatternSample> PatternSamples(const Mapping& m) {
     for (const auto& [segment, start] : segment_start) {
       for (uint64_t k = 0; k < 16 && committed > 0; ++k) {
         const uint64_t b = committed * k / 16;
+        if (b > 0) samples.emplace(start + b * stride - kSampleBytes, segment);  // the end of block b - 1
         samples.emplace(start + b * stride, segment);
         samples.emplace(start + (b + 1) * stride - kSampleBytes, segment);
       }
