@@ -43,6 +43,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -724,6 +725,7 @@ struct Options {
   int reps = 5;
   int fragments = 0;
   int compact_grows = 0;
+  std::string sections = "all";
   int pause_ms = -1;
   int threads = 4;
   int rpc_calls = 0;
@@ -831,6 +833,8 @@ class Bench {
   absl::Status StartDaemon();
   void Stop();
   void Pause() const { std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms_)); }
+  // Whether --sections asks for `section`.
+  bool Want(const std::string& section) const { return sections_.empty() || sections_.contains(section); }
   // The device's own free count: the driver's (cuMemGetInfo) on a GPU. On host, memfd pages are shmem and
   // the host device's free count is per process, so the machine's MemTotal - Shmem (MemAvailable does not
   // follow shmem frees on every VM).
@@ -847,6 +851,7 @@ class Bench {
 
   void AddAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& marks);
   void AddRawAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& parts);
+  absl::Status Lifecycle(RawExporter& raw, const PoolInfo& grown);
   absl::Status KvdCycle(bool paused, bool record);
   absl::Status RawCycle(RawExporter& raw, bool paused, bool record);
   absl::Status Fragmented();
@@ -868,6 +873,7 @@ class Bench {
   uint64_t bytes_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
   int pause_ms_ = 0, fragments_ = 0, compact_grows_ = 0, free_timeout_ms_ = 10000;
   uint64_t compact_bytes_ = 0, shrink_bytes_ = 0;  // the pools of the compact and shrink_to_half lines
+  std::set<std::string> sections_;                 // empty: all
   std::string socket_, dir_;
   pid_t kvd_pid_ = -1, daemon_pid_ = -1;
   std::unique_ptr<Client> client_;
@@ -1953,14 +1959,26 @@ absl::Status Bench::Run() {
   if (o_.bookkeeping_bytes.empty()) o_.bookkeeping_bytes = gpu_ ? "16GiB" : "1GiB";
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
+  if (o_.sections != "all") {
+    const std::set<std::string> known = {"lifecycle",  "fragmented",  "compact", "shrink_to_half", "control_rpc",
+                                         "concurrent", "bookkeeping", "granule", "torch"};
+    for (absl::string_view section : absl::StrSplit(o_.sections, ',', absl::SkipEmpty())) {
+      if (!known.contains(std::string(section))) {
+        return absl::InvalidArgumentError(absl::StrCat("--sections: unknown section \"", section, "\" (known: all, ",
+                                                       absl::StrJoin(known, ", "), ")"));
+      }
+      sections_.insert(std::string(section));
+    }
+    if (sections_.empty()) return absl::InvalidArgumentError("--sections: empty");
+  }
   if (blocks_ < static_cast<uint64_t>(fragments_) * (daemon_.granularity_bytes / kLayerBlockBytes) ||
       blocks_ < static_cast<uint64_t>(o_.threads) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
                      FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
   }
-  if (bytes_ / 2 / (segments_ * kLayerBlockBytes) <
-      static_cast<uint64_t>(compact_grows_) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
+  if (Want("compact") && bytes_ / 2 / (segments_ * kLayerBlockBytes) <
+                             static_cast<uint64_t>(compact_grows_) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("--compact-grows: half of --bytes (", FormatBytes(bytes_ / 2),
                                                    ") over ", segments_, " segments is less than one granule (",
                                                    FormatBytes(daemon_.granularity_bytes), ") per segment for each of ",
@@ -1984,6 +2002,68 @@ absl::Status Bench::Run() {
   for (const ChunkInfo& c : grown.chunks) max_chunk_ = std::max(max_chunk_, c.bytes);
   KVD_RETURN_IF_ERROR(client_->Shrink(pool_, 0, true).status());
   RawExporter raw(raw_.get(), PlanOf(grown));
+  if (Want("lifecycle")) KVD_RETURN_IF_ERROR(Lifecycle(raw, grown));
+  if (Want("fragmented")) {
+    std::fprintf(stderr, "kvd_bench: fragmented\n");
+    KVD_RETURN_IF_ERROR(Fragmented());
+  }
+  if (Want("compact")) {
+    std::fprintf(stderr, "kvd_bench: compact\n");
+    KVD_RETURN_IF_ERROR(Compact());
+  }
+  if (Want("shrink_to_half")) {
+    std::fprintf(stderr, "kvd_bench: shrink to half\n");
+    KVD_RETURN_IF_ERROR(ShrinkToHalf());
+  }
+  if (Want("control_rpc")) {
+    std::fprintf(stderr, "kvd_bench: control RPC\n");
+    KVD_RETURN_IF_ERROR(ControlRpc());
+    GetLine("control_rpc", "idle").target = "<= 1.2";
+    GetLine("control_rpc", "during_grow").target = "<= 2";
+  }
+  if (Want("concurrent")) {
+    std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
+    KVD_RETURN_IF_ERROR(Concurrent());
+  }
+  if (Want("bookkeeping")) {
+    std::fprintf(stderr, "kvd_bench: bookkeeping\n");
+    KVD_RETURN_IF_ERROR(MeasureBookkeeping());
+  } else {
+    book_.skipped = "not in --sections";
+  }
+  // The alternatives, against kvd's grow + attach after a pause.
+  std::vector<double> kvd_grow_attach;
+  if (Want("lifecycle")) {
+    const Line& g = GetLine("grow", "after_pause");
+    const Line& a = GetLine("attach", "after_pause");
+    for (size_t i = 0; i < std::min(g.kvd.size(), a.kvd.size()); ++i) kvd_grow_attach.push_back(g.kvd[i] + a.kvd[i]);
+  }
+  if (Want("granule")) {
+    std::fprintf(stderr, "kvd_bench: granule design\n");
+    KVD_RETURN_IF_ERROR(Granule());
+  }
+  if (Want("torch")) {
+    std::fprintf(stderr, "kvd_bench: torch.zeros\n");
+    KVD_RETURN_IF_ERROR(Torch());
+  }
+  for (const auto& [name, section] : {std::pair<const char*, const char*>{"granule_design", "granule"},
+                                      std::pair<const char*, const char*>{"torch_zeros", "torch"}}) {
+    if (!Want(section)) continue;
+    Line& l = GetLine(name, "after_pause");
+    l.kvd = kvd_grow_attach;
+    if (l.kvd.empty() && l.skipped.empty()) {
+      l.skipped = "compared with the lifecycle section's grow + attach: add lifecycle to --sections";
+    }
+    if (l.skipped.empty()) l.ratio = P50(l.base) / P50(l.kvd);
+  }
+  for (Line& l : lines_) {
+    if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
+  }
+  return absl::OkStatus();
+}
+
+// grow, attach, sleep, wake and shrink of the main pool, interleaved with the bare calls, both variants.
+absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
   KVD_RETURN_IF_ERROR(KvdCycle(false, false));
   KVD_RETURN_IF_ERROR(RawCycle(raw, false, false));
   for (const char* op : {"grow", "attach", "sleep", "wake", "shrink"}) {
@@ -2008,37 +2088,6 @@ absl::Status Bench::Run() {
         KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
       }
     }
-  }
-  std::fprintf(stderr, "kvd_bench: fragmented\n");
-  KVD_RETURN_IF_ERROR(Fragmented());
-  std::fprintf(stderr, "kvd_bench: compact\n");
-  KVD_RETURN_IF_ERROR(Compact());
-  std::fprintf(stderr, "kvd_bench: shrink to half\n");
-  KVD_RETURN_IF_ERROR(ShrinkToHalf());
-  std::fprintf(stderr, "kvd_bench: control RPC\n");
-  KVD_RETURN_IF_ERROR(ControlRpc());
-  GetLine("control_rpc", "idle").target = "<= 1.2";
-  GetLine("control_rpc", "during_grow").target = "<= 2";
-  std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
-  KVD_RETURN_IF_ERROR(Concurrent());
-  std::fprintf(stderr, "kvd_bench: bookkeeping\n");
-  KVD_RETURN_IF_ERROR(MeasureBookkeeping());
-  // The alternatives, against kvd's grow + attach after a pause.
-  std::vector<double> kvd_grow_attach;
-  const Line& g = GetLine("grow", "after_pause");
-  const Line& a = GetLine("attach", "after_pause");
-  for (size_t i = 0; i < std::min(g.kvd.size(), a.kvd.size()); ++i) kvd_grow_attach.push_back(g.kvd[i] + a.kvd[i]);
-  std::fprintf(stderr, "kvd_bench: granule design\n");
-  KVD_RETURN_IF_ERROR(Granule());
-  std::fprintf(stderr, "kvd_bench: torch.zeros\n");
-  KVD_RETURN_IF_ERROR(Torch());
-  for (const char* name : {"granule_design", "torch_zeros"}) {
-    Line& l = GetLine(name, "after_pause");
-    l.kvd = kvd_grow_attach;
-    if (l.skipped.empty()) l.ratio = P50(l.base) / P50(l.kvd);
-  }
-  for (Line& l : lines_) {
-    if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
   }
   return absl::OkStatus();
 }
@@ -2117,11 +2166,11 @@ std::string Bench::Json() const {
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
       " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_bytes\": %d, \"shrink_bytes\": %d, "
-      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d},\n \"lines\": [",
+      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
       segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, compact_bytes_, shrink_bytes_,
-      o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_);
+      o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_, Quote(o_.sections));
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -2193,6 +2242,10 @@ int main(int argc, char** argv) {
   app.add_option("--compact-grows", o.compact_grows,
                  "Grows of equal size that fragment the compact line's pool of half --bytes (default 64 on a GPU, 8 "
                  "on host)");
+  app.add_option("--sections", o.sections,
+                 "The parts to run, comma-separated: lifecycle, fragmented, compact, shrink_to_half, control_rpc, "
+                 "concurrent, bookkeeping, granule, torch (granule and torch compare with lifecycle's grow + attach)")
+      ->capture_default_str();
   app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
   app.add_option("--threads", o.threads, "Pools resized at once in the concurrent line")
       ->capture_default_str()

@@ -86,4 +86,19 @@ if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --compact-grows=5 2>"$dir
   echo "5 grows of 64MiB over 8 segments must fail"; exit 1
 fi
 grep -q -- "--compact-grows" "$dir/err"
+# --sections runs only the parts named: here the exact shrink, whose line is then the only one.
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --reps=1 --sections=shrink_to_half --json >"$dir/one.json" \
+  2>"$dir/one.txt"
+python3 - "$dir/one.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["config"]["sections"] == "shrink_to_half", d["config"]
+assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "once_grown")], d["lines"]
+assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
+assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
+PY
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
+  echo "an unknown section must fail"; exit 1
+fi
+grep -q -- '--sections: unknown section "nope"' "$dir/err"
 echo "kvd_bench_test: 1 passed, 0 failed"
