@@ -301,6 +301,7 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
       options.on_resume = [](bool) {};
     }
     c.mapping.reset();
+    c.pauses = 0;
     TakeMarks();
     const int64_t received = NowNs();
     KVD_ASSIGN_OR_RETURN(c.mapping, client->Attach(w[2], std::move(options)));
@@ -340,7 +341,8 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     return absl::StrCat("ok ", c.samples.size());
   }
   // kvd-pattern-check KEPT_BYTES CHUNKS: once the Mapping maps CHUNKS chunks (0: any), every sample written
-  // that ends within the first KEPT_BYTES of its segment is mapped and reads back as written. "ok CHECKED".
+  // that ends within the first KEPT_BYTES of its segment is mapped and reads back as written.
+  // "ok CHECKED pauses=N": N is how often on_pause ran since the attach.
   if (op == "kvd-pattern-check" && w.size() == 3) {
     uint64_t kept = 0, chunks = 0;
     if (!absl::SimpleAtoi(w[1], &kept) || !absl::SimpleAtoi(w[2], &chunks) || c.mapping == nullptr) {
@@ -1370,6 +1372,10 @@ absl::Status Bench::Compact() {
       return absl::DataLossError(absl::StrCat("Compact: ", checked.empty() ? "?" : checked[0], " of ",
                                               written.empty() ? "?" : written[0], " pattern samples read back"));
     }
+    if (Child::KeyValues(checked)["pauses"] != "1") {
+      return absl::InternalError(absl::StrCat("Compact: the second process's on_pause ran ",
+                                              Child::KeyValues(checked)["pauses"], " times, not once"));
+    }
     KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
     Pause();
     KVD_ASSIGN_OR_RETURN(const double after_ms, attach(frag.name, done.committed_bytes, /*pausable=*/false));
@@ -1489,6 +1495,10 @@ absl::Status Bench::ShrinkToHalf() {
     uint64_t n = 0;
     if (checked.empty() || !absl::SimpleAtoi(checked[0], &n) || n == 0) {
       return absl::DataLossError("Shrink: no pattern sample below the target was checked");
+    }
+    if (Child::KeyValues(checked)["pauses"] != "1") {
+      return absl::InternalError(absl::StrCat("Shrink: the second process's on_pause ran ",
+                                              Child::KeyValues(checked)["pauses"], " times, not once"));
     }
     KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
     if (record) {
