@@ -95,6 +95,7 @@ struct Flags {
   std::string fdstore = "auto";
   uint64_t fdstore_max = 16384;
   std::string recovery_grace = "60s";
+  std::string pause_timeout = "5s";
   bool drain_on_stop = false;
   std::string max_metadata = "1MiB";
   // Limits (docs/operations.md, "Limits"; daemon/core/limits.h).
@@ -518,6 +519,12 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--recovery-grace: \"", f.recovery_grace, "\" is not a duration (e.g. 60s)"));
   }
+  absl::Duration pause_timeout;
+  if (!absl::ParseDuration(f.pause_timeout, &pause_timeout) || pause_timeout <= absl::ZeroDuration() ||
+      pause_timeout > absl::Minutes(10)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pause-timeout: \"", f.pause_timeout, "\" is not a duration between 1ms and 10m (e.g. 5s)"));
+  }
   std::unique_ptr<FileStateStore> store;
   SavedState saved;
   if (f.state_dir != "none") {
@@ -554,6 +561,7 @@ absl::Status Run(const Flags& f) {
                                                    .epoch = saved.epoch + 1,
                                                    .started_at = started_at,
                                                    .recovery_grace = recovery_grace,
+                                                   .pause_timeout = pause_timeout,
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
   if (store != nullptr) {
@@ -738,6 +746,10 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--recovery-grace", f.recovery_grace,
                  "After a restart, how long a pool waits for clients to give back chunks the FD store did not have")
+      ->capture_default_str();
+  app.add_option("--pause-timeout", f.pause_timeout,
+                 "How long a shrink or compact that moves bytes waits for every attached client to pause (and then "
+                 "to resume) unless the request says otherwise")
       ->capture_default_str();
   app.add_flag("--drain-on-stop", f.drain_on_stop,
                "On SIGTERM delete every pool and release all memory (engines are told to unmap) instead of keeping "

@@ -109,6 +109,11 @@ absl::StatusOr<std::vector<PlannedChunk>> Geometry::PlanGrow(uint64_t prefix_byt
     return absl::InvalidArgumentError(
         absl::StrCat("target_blocks: ", target_blocks, " exceeds the capacity of ", dims_.capacity_blocks, " blocks"));
   }
+  return PlanRange(prefix_bytes, PrefixBytes(target_blocks), max_chunk_bytes);
+}
+
+absl::StatusOr<std::vector<PlannedChunk>> Geometry::PlanRange(uint64_t prefix_bytes, uint64_t to,
+                                                              uint64_t max_chunk_bytes) const {
   if (max_chunk_bytes == 0 || max_chunk_bytes % granularity_ != 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes: ", max_chunk_bytes,
                                                    " is not a positive multiple of the granularity ", granularity_));
@@ -117,7 +122,9 @@ absl::StatusOr<std::vector<PlannedChunk>> Geometry::PlanGrow(uint64_t prefix_byt
     return absl::InvalidArgumentError(
         absl::StrCat("prefix_bytes: ", prefix_bytes, " is not a granularity-aligned prefix"));
   }
-  const uint64_t to = PrefixBytes(target_blocks);
+  if (to % granularity_ != 0 || to > segment_stride_) {
+    return absl::InvalidArgumentError(absl::StrCat("to_bytes: ", to, " is not a granularity-aligned prefix"));
+  }
   std::vector<PlannedChunk> plan;
   if (to <= prefix_bytes) return plan;
   // Split the delta evenly: 5 GiB under a 4 GiB cap becomes 2 x 2.5 GiB, not 4 + 1.

@@ -77,6 +77,11 @@ class Geometry {
   [[nodiscard]] absl::StatusOr<std::vector<PlannedChunk>> PlanGrow(uint64_t prefix_bytes, uint64_t target_blocks,
                                                                    uint64_t max_chunk_bytes) const;
 
+  // The chunks that commit [from_bytes, to_bytes) of every segment, split as PlanGrow splits a delta.
+  // INVALID_ARGUMENT for unaligned or out-of-range bounds or a bad max_chunk_bytes.
+  [[nodiscard]] absl::StatusOr<std::vector<PlannedChunk>> PlanRange(uint64_t from_bytes, uint64_t to_bytes,
+                                                                    uint64_t max_chunk_bytes) const;
+
   // The block operations' view of a pool mapped at `base` with `committed_blocks` usable blocks.
   BlockSpan Span(uint64_t base, uint64_t committed_blocks) const;
 

@@ -128,7 +128,8 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
                          .pid = c.pid,
                          .mapped_bytes = mapped,
                          .attached_at = c.attached_at,
-                         .device_uuid = c.device_uuid});
+                         .device_uuid = c.device_uuid,
+                         .pausable = c.pausable});
   }
   for (const ChunkRecord& r : chunks_) v.chunks.push_back(r.info);
   return v;
@@ -321,11 +322,243 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
   return update;
 }
 
-void Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
-  if (release_id == 0) return;
+size_t Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
+  if (release_id == 0) return 0;
   absl::MutexLock lock(&mu_);
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return deleted_ || !releases_.contains(release_id); };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  auto r = releases_.find(release_id);
+  return r == releases_.end() ? 0 : r->second.waiting.size();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
+
+absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
+                                             const std::optional<std::vector<uint64_t>>& live) const {
+  KVD_ASSIGN_OR_RETURN(Change change, Check(GroupOp::kShrink, target_blocks));
+  (void)change;
+  if (whole_chunks_only && live.has_value()) {
+    return absl::InvalidArgumentError("live: a compaction shrink moves bytes and cannot be whole_chunks_only");
+  }
+  const Geometry& g = plan_.geometry;
+  const uint64_t to = g.PrefixBytes(target_blocks);
+  absl::MutexLock lock(&mu_);
+  ReshapePlan plan{.prefix_bytes = to, .chunks_before = static_cast<uint32_t>(chunks_.size())};
+  if (live.has_value()) {
+    const uint64_t committed = committed_blocks();
+    std::set<uint64_t> used;
+    for (size_t i = 0; i < live->size(); ++i) {
+      const uint64_t b = (*live)[i];
+      if (b >= committed) {
+        return absl::InvalidArgumentError(absl::StrCat("live.blocks[", i, "]: block ", b, " is not committed (pool ",
+                                                       name_, " has ", committed, " blocks)"));
+      }
+      if (!used.insert(b).second) {
+        return absl::InvalidArgumentError(absl::StrCat("live.blocks[", i, "]: block ", b, " is listed twice"));
+      }
+    }
+    if (used.size() > target_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("live: ", used.size(), " live blocks do not fit in target_blocks ", target_blocks));
+    }
+    // The live blocks past the target, in order, into the free blocks below it, in order.
+    uint64_t free = 0;
+    for (auto it = used.lower_bound(target_blocks); it != used.end(); ++it) {
+      while (used.contains(free)) ++free;
+      plan.moves.push_back({.src = *it, .dst = free++});
+    }
+  }
+  for (const ChunkRecord& r : chunks_) {
+    const uint64_t start = r.info.offset - g.SegmentOffset(r.info.segment);
+    if (start >= to) {
+      plan.released.push_back(r.info.id);
+    } else if (start + r.info.bytes > to) {
+      if (whole_chunks_only) {
+        plan.prefix_bytes = std::max(plan.prefix_bytes, start + r.info.bytes);
+        plan.target_reached = false;
+        continue;
+      }
+      // The kept bytes of a chunk that straddles the new prefix move into a chunk of just their size.
+      plan.replaced.push_back(r.info.id);
+      plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = to - start});
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
+  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
+  if (state_ != PoolState::kAwake) return Sleeping(name_);
+  const Geometry& g = plan_.geometry;
+  ReshapePlan plan{.prefix_bytes = prefix_bytes_, .chunks_before = static_cast<uint32_t>(chunks_.size())};
+  KVD_ASSIGN_OR_RETURN(std::vector<PlannedChunk> shape, g.PlanRange(0, prefix_bytes_, max_chunk_bytes));
+  // A planned chunk that is already one chunk stays; every other one replaces the chunks it overlaps.
+  // Those overlap no chunk that stays (chunks that stay match a planned chunk exactly), so the
+  // replacements cover the replaced chunks exactly.
+  std::set<uint64_t> replaced;
+  for (const PlannedChunk& p : shape) {
+    auto first = std::lower_bound(chunks_.begin(), chunks_.end(), p.offset,
+                                  [](const ChunkRecord& r, uint64_t at) { return r.info.offset + r.info.bytes <= at; });
+    if (first != chunks_.end() && first->info.offset == p.offset && first->info.bytes == p.bytes) continue;
+    for (auto it = first; it != chunks_.end() && it->info.offset < p.offset + p.bytes; ++it) {
+      replaced.insert(it->info.id);
+    }
+    plan.added.push_back(p);
+  }
+  plan.replaced.assign(replaced.begin(), replaced.end());
+  return plan;
+}
+
+absl::Status Pool::CheckPausable(absl::string_view what) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, c] : clients_) {
+    if (c.pausable) continue;
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " moves bytes of pool ", name_,
+                     " between chunks, which needs every attached client to pause, but client ", id, " (\"", c.name,
+                     "\", pid ", c.pid, ") did not opt in to pauses (AttachRequest.pausable)"));
+  }
+  return absl::OkStatus();
+}
+
+size_t Pool::BeginPause(const std::vector<ChunkRecord>& added) {
+  absl::MutexLock lock(&mu_);
+  Pause pause{.id = next_pause_id_++};
+  std::vector<uint64_t> ids;
+  for (const ChunkRecord& r : added) {
+    pause.added.push_back(r.info);
+    pause.fds[r.info.id] = r.fd.get();
+    ids.push_back(r.info.id);
+  }
+  for (auto& [id, client] : clients_) {
+    PoolEvent e = EventLocked(EventType::kPause);
+    e.pause_id = pause.id;
+    e.chunks = pause.added;
+    e.lease = shared_.leases->Issue(name_, client.session, id, ids);
+    for (const ChunkInfo& c : pause.added) client.handed[c.id] = c.bytes;
+    client.events->Push(std::move(e));
+    pause.asked.insert(id);
+  }
+  pause.waiting = pause.asked;
+  const size_t asked = pause.asked.size();
+  pause_ = std::move(pause);
+  return asked;
+}
+
+std::vector<ClientView> Pool::AwaitPause(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !pause_.has_value() || pause_->waiting.empty(); };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  std::vector<ClientView> late;
+  if (!pause_.has_value()) return late;
+  for (const std::string& id : pause_->waiting) {
+    const Client& c = clients_.at(id);
+    late.push_back({.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid});
+  }
+  return late;
+}
+
+void Pool::DetachUnresponsive(const std::string& client_id) {
+  absl::MutexLock lock(&mu_);
+  if (clients_.contains(client_id)) DetachLocked(client_id, /*keep_holding=*/true);
+}
+
+absl::Status Pool::AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Client * c, OwnClientLocked(caller, client_id));
+  if (!pause_.has_value() || pause_->id != pause_id || !pause_->waiting.contains(c->id)) {
+    return absl::NotFoundError(
+        absl::StrCat("pause_id: ", pause_id, " is not awaiting an acknowledgement from client ", client_id));
+  }
+  pause_->waiting.erase(c->id);
+  return absl::OkStatus();
+}
+
+void Pool::CancelPause() {
+  absl::MutexLock lock(&mu_);
+  if (!pause_.has_value()) return;
+  for (const std::string& id : pause_->asked) {
+    auto it = clients_.find(id);
+    if (it == clients_.end()) continue;
+    for (const ChunkInfo& c : pause_->added) it->second.handed.erase(c.id);
+    PoolEvent e = EventLocked(EventType::kResume);
+    e.pause_id = pause_->id;
+    e.applied = false;
+    it->second.events->Push(std::move(e));
+  }
+  pause_.reset();
+}
+
+std::vector<ChunkRecord*> Pool::ChunksById(const std::vector<uint64_t>& ids) {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkRecord*> out;
+  for (uint64_t id : ids) {
+    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
+    out.push_back(r == chunks_.end() ? nullptr : &*r);
+  }
+  return out;
+}
+
+PoolUpdate Pool::ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> added,
+                              std::vector<ChunkRecord>* removed) {
+  absl::MutexLock lock(&mu_);
+  std::set<uint64_t> gone(plan.replaced.begin(), plan.replaced.end());
+  gone.insert(plan.released.begin(), plan.released.end());
+  PoolUpdate update;
+  std::vector<ChunkRecord> kept;
+  Release release;
+  for (ChunkRecord& r : chunks_) {
+    if (!gone.contains(r.info.id)) {
+      kept.push_back(std::move(r));
+      continue;
+    }
+    release.chunks.push_back(r.info);
+    release.bytes += r.info.bytes;
+    update.released_chunk_ids.push_back(r.info.id);
+    removed->push_back(std::move(r));
+  }
+  for (ChunkRecord& r : added) {
+    update.added.push_back(r.info);
+    kept.push_back(std::move(r));
+  }
+  std::sort(kept.begin(), kept.end(), ByPlace);
+  chunks_.swap(kept);
+  prefix_bytes_ = plan.prefix_bytes;
+  ++generation_;
+  const uint64_t pause_id = pause_.has_value() ? pause_->id : 0;
+  pause_.reset();
+  const uint64_t id = next_release_id_++;
+  // Every attached client was asked to pause (Attach waits for op_mu) or had nothing to be asked about.
+  for (auto& [client_id, client] : clients_) {
+    const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
+    const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
+                                   [&](const ChunkInfo& c) { return handed.contains(c.id); });
+    if (holds) release.waiting.insert(client_id);
+    PoolEvent e = EventLocked(EventType::kResume);
+    e.pause_id = pause_id;
+    e.applied = true;
+    e.chunks = release.chunks;
+    e.release_id = holds ? id : 0;
+    client.events->Push(std::move(e));
+  }
+  for (const auto& [holder_id, holder] : holders_) {
+    const std::map<uint64_t, uint64_t>& handed = holder.handed;
+    if (std::any_of(release.chunks.begin(), release.chunks.end(),
+                    [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
+      release.waiting.insert(holder_id);
+    }
+  }
+  if (!release.chunks.empty()) {
+    releases_.emplace(id, std::move(release));
+    SettleReleasesLocked();
+    if (releases_.contains(id)) update.release_id = id;
+  }
+  update.pool = ViewLocked(ViewClients::kCounted);
+  return update;
 }
 
 // See Note [Who holds a released chunk] in docs/architecture.md.
@@ -376,7 +609,7 @@ std::optional<std::string> Pool::HeldBy(absl::string_view session) const {
 // Clients
 
 absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_view client_name,
-                                          absl::string_view peer_device, const SessionTable& sessions) {
+                                          absl::string_view peer_device, bool pausable, const SessionTable& sessions) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
   if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
@@ -398,7 +631,8 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
            .pid = caller.pid,
            .session = caller.session,
            .attached_at = absl::Now(),
-           .device_uuid = std::string(peer_device)};
+           .device_uuid = std::string(peer_device),
+           .pausable = pausable};
   std::vector<uint64_t> ids;
   for (const ChunkRecord& r : chunks_) {
     ids.push_back(r.info.id);
@@ -436,6 +670,10 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
 // See Note [A detached client still holds its chunks] in docs/architecture.md.
 void Pool::DetachLocked(const std::string& client_id, bool keep_holding) {
   shared_.leases->DropClient(client_id);
+  if (pause_.has_value()) {
+    pause_->waiting.erase(client_id);
+    pause_->asked.erase(client_id);
+  }
   auto it = clients_.find(client_id);
   if (it != clients_.end()) {
     Client& c = it->second;
@@ -704,11 +942,16 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
   };
   for (uint64_t id : chunk_ids) {
     auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
-    if (r == chunks_.end() || missing_.contains(id)) {
+    int own = -1;
+    if (r != chunks_.end() && !missing_.contains(id)) {
+      own = r->fd.get();
+    } else if (pause_.has_value() && pause_->fds.contains(id)) {
+      own = pause_->fds.at(id);  // a new chunk of the pause under way (the PAUSE's lease)
+    } else {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
-    const int fd = fcntl(r->fd.get(), F_DUPFD_CLOEXEC, 0);
+    const int fd = fcntl(own, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) return ErrnoStatus(errno, "fcntl(F_DUPFD_CLOEXEC)");
     out.push_back({id, fd});
   }

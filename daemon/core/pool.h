@@ -76,6 +76,21 @@ struct Transaction {
   Change change;
 };
 
+// A change of a pool's physical shape (shrink, compact): new chunks that take over the bytes at their
+// places from the old chunks they overlap, the old chunks wholly past the new prefix, and the prefix after.
+// See Note [Chunks are replaced, not cut] in docs/architecture.md.
+struct ReshapePlan {
+  std::vector<PlannedChunk> added;  // every byte of each was committed before: all of it is copied
+  std::vector<uint64_t> replaced;   // old chunks an added chunk overlaps (covered exactly by `added`)
+  std::vector<uint64_t> released;   // old chunks at or past the new prefix
+  uint64_t prefix_bytes = 0;        // every segment's committed prefix after
+  std::vector<BlockCopy> moves;     // compaction shrink: live blocks copied below the target first
+  uint32_t chunks_before = 0;
+  bool target_reached = true;  // shrink: the prefix is the target's (false only for whole chunks)
+  // Whether clients must pause: bytes move between chunks or blocks while they could touch them.
+  bool moves_bytes() const { return !added.empty() || !moves.empty(); }
+};
+
 // What the pools of one manager share: leaf-locked rooms and the daemon-wide chunk id counter.
 struct PoolShared {
   LeaseTable* leases = nullptr;
@@ -184,7 +199,45 @@ class Pool {
   PoolUpdate Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits (holding no lock of the caller's) until release `release_id` completed or `deadline` passed.
-  void AwaitRelease(uint64_t release_id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns the clients still waited for.
+  size_t AwaitRelease(uint64_t release_id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md ---
+
+  // A shrink to `target_blocks` (Check's errors first): exact, replacing a chunk that straddles the new
+  // prefix, unless `whole_chunks_only`. `live` (compaction shrink): the blocks still used; those at or
+  // past the target move to free blocks below it, in increasing order of both. INVALID_ARGUMENT naming
+  // live.blocks[i] for an id not committed or given twice, or for more live blocks than the target.
+  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
+                                                       const std::optional<std::vector<uint64_t>>& live) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every segment's prefix as one chunk per `max_chunk_bytes` (as a single grow makes it); chunks already
+  // in place stay. FAILED_PRECONDITION unless awake, ABORTED while held.
+  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
+  // needed the pause.
+  [[nodiscard]] absl::Status CheckPausable(absl::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Asks every attached client to pause: a PAUSE event with `added` (made and exported, not yet in the
+  // table; their FDs, borrowed from the caller until CancelPause or ApplyReshape, are leased to each
+  // client) and the ranges they cover. Returns how many clients were asked (0: nobody to wait for).
+  size_t BeginPause(const std::vector<ChunkRecord>& added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until every client asked acknowledged the pause (or detached), or `deadline`. Returns those that
+  // did not.
+  std::vector<ClientView> AwaitPause(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Detaches `client_id` for not acknowledging the pause (it keeps holding what it fetched).
+  void DetachUnresponsive(const std::string& client_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The pause is called off and nothing changed: a RESUME (not applied) to every client asked.
+  void CancelPause() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes have moved and the daemon maps `added` in place of `plan.replaced`: the table changes, the
+  // replaced and released chunks go to `*removed` (already unmapped by the caller) and into one release,
+  // and every client asked to pause gets the RESUME (applied) naming them.
+  PoolUpdate ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> added, std::vector<ChunkRecord>* removed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's chunks with these ids (for the manager's copy and remap), in the order asked.
+  std::vector<ChunkRecord*> ChunksById(const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Transactions ---
 
@@ -206,8 +259,9 @@ class Pool {
   // `peer_device` (not the daemon's own) is not granted; UNAUTHENTICATED once the session closed;
   // RESOURCE_EXHAUSTED when the pool has its share of --max-clients-per-pool (limits.h).
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view client_name,
-                                                    absl::string_view peer_device, const SessionTable& sessions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+                                                    absl::string_view peer_device, bool pausable,
+                                                    const SessionTable& sessions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND when not attached; PERMISSION_DENIED unless `caller` is its session or may use the pool.
   // The client's unredeemed leases are revoked. Its session still owes what the client was handed (see
   // Note [A detached client still holds its chunks] in docs/architecture.md): releases of those chunks
@@ -227,6 +281,9 @@ class Pool {
   // acknowledge the releases it was told of.
   [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
                                                      uint64_t release_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The client has paused for pause `pause_id`: NOT_FOUND unless that pause is waiting for it.
+  [[nodiscard]] absl::Status AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Everything else ---
 
@@ -283,6 +340,15 @@ class Pool {
     std::set<uint64_t> fetched;           // chunk ids whose FDs a lease of this client yielded
     std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
     bool watching = false;
+    bool pausable = false;
+  };
+  // A pause under way: the clients asked, those yet to acknowledge, and the new chunks they may fetch.
+  struct Pause {
+    uint64_t id = 0;
+    std::vector<ChunkInfo> added;
+    std::map<uint64_t, int> fds;  // borrowed from the manager's records
+    std::set<std::string> asked;
+    std::set<std::string> waiting;
   };
   // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
   // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.
@@ -346,6 +412,8 @@ class Pool {
   std::map<std::string, Holder, std::less<>> holders_ ABSL_GUARDED_BY(mu_);  // detached clients, by id
   std::map<uint64_t, Release> releases_ ABSL_GUARDED_BY(mu_);
   uint64_t next_release_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::optional<Pause> pause_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_pause_id_ ABSL_GUARDED_BY(mu_) = 1;
   PoolMetadata metadata_ ABSL_GUARDED_BY(mu_);
   // After a restart: chunks of the table no client has given back yet (kRecovering), the state to
   // resume, and the bytes released before the restart that clients may still map.

@@ -25,6 +25,13 @@ namespace {
 
 absl::Status Stopping() { return absl::UnavailableError("kvd is shutting down"); }
 
+// RESOURCE_EXHAUSTED when one request names more than --max-block-ids blocks (or copies).
+absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits) {
+  if (count <= limits.max_block_ids) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(field, ": ", count, " in one request, more than ", limits.max_block_ids, " (--max-block-ids)"));
+}
+
 // The daemon's address space left: the lower of RLIMIT_AS and the 47-bit user address space of x86-64
 // and arm64 Linux, less the process's VmSize. VA reservations (host mmap, cuMemAddressReserve under
 // UVA) come out of it.
@@ -513,14 +520,15 @@ void PoolManager::Destroy(Pool& pool, EventType why) {
 // Attach, detach, watch, acknowledge
 
 absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::string_view pool_name,
-                                                 absl::string_view client_name, absl::string_view device_uuid) {
+                                                 absl::string_view client_name, absl::string_view device_uuid,
+                                                 bool pausable) {
   if (!client_name.empty()) KVD_RETURN_IF_ERROR(ValidateName(client_name, "client_name"));
   const bool peer = !device_uuid.empty() && device_uuid != device_info_.uuid;
   if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
   absl::MutexLock op(&pool->op_mu);
   absl::StatusOr<AttachResult> attached =
-      pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), sessions_);
+      pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), pausable, sessions_);
   if (!attached.ok()) return Refused(attached.status());
   AttachResult result = *std::move(attached);
   absl::MutexLock lock(&mu_);
@@ -547,6 +555,11 @@ absl::StatusOr<uint64_t> PoolManager::Acknowledge(const Caller& caller, absl::st
   return pool->Acknowledge(caller, client_id, release_id);
 }
 
+absl::Status PoolManager::AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id) {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
+  return pool->AcknowledgePause(caller, client_id, pause_id);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The resize state machine: grow, shrink, sleep, wake, plain or in two phases
 
@@ -560,7 +573,18 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
 
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
+  const GroupOp op = change.op;
+  const uint64_t target_blocks = change.target_blocks;
+  const size_t chunks_before = pool.View(ViewClients::kCounted).chunks.size();
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
+  if (op == GroupOp::kShrink) {
+    // Whole chunks only: say whether that reached the target.
+    const Geometry& g = pool.geometry();
+    update.reshape =
+        ReshapeReport{.chunks_before = static_cast<uint32_t>(chunks_before),
+                      .chunks_after = static_cast<uint32_t>(update.pool.chunks.size()),
+                      .target_reached = update.pool.committed_bytes == g.CommittedBytes(g.PrefixBytes(target_blocks))};
+  }
   Save(pool);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
   for (ChunkRecord& r : released) {
@@ -594,8 +618,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_
 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                bool wait, absl::Time deadline) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return Resize(caller, pool, GroupOp::kShrink, target_blocks, wait, deadline);
+  return Shrink(caller, name, target_blocks, ShrinkOptions{.wait = wait, .deadline = deadline});
 }
 
 absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller, absl::string_view name, bool wait,
@@ -648,6 +671,237 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
     updates.push_back(*std::move(update));
   }
   return updates;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
+
+absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
+                                               const ShrinkOptions& options) {
+  if (options.live.has_value()) {
+    KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("live.blocks", options.live->size(), options_.limits)));
+  }
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  const absl::Time start = absl::Now();
+  const absl::Duration timeout =
+      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
+  PoolUpdate update;
+  absl::Time paused_at = absl::InfinitePast();
+  {
+    absl::MutexLock lock(&pool->op_mu);
+    KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
+    if (!plan.moves_bytes()) {
+      // Whole chunks go and nothing moves: the plain resize, which needs no pause.
+      KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, GroupOp::kShrink, target_blocks));
+      update = CommitLocked(*pool, std::move(change), caller.session, start);
+    } else {
+      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, options.pause,
+                                                 absl::StrCat("shrinking to ", target_blocks, " blocks"), &paused_at));
+    }
+  }
+  // Replied once the clients resumed (so that the caller's own Mapping has remapped), at most a pause
+  // timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
+  absl::Time deadline = options.wait ? options.deadline : absl::Now() + timeout;
+  if (!options.wait && update.reshape.has_value() && update.reshape->paused_clients == 0) deadline = absl::Now();
+  FinishReshape(*pool, update, paused_at, deadline, start);
+  return update;
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::string_view name,
+                                                const PauseOptions& pause) {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  const absl::Time start = absl::Now();
+  const absl::Duration timeout = pause.timeout > absl::ZeroDuration() ? pause.timeout : options_.pause_timeout;
+  PoolUpdate update;
+  absl::Time paused_at = absl::InfinitePast();
+  {
+    absl::MutexLock lock(&pool->op_mu);
+    KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanCompact(options_.max_chunk_bytes));
+    if (!plan.moves_bytes()) {
+      // Already in shape.
+      update.pool = pool->View(ViewClients::kCounted);
+      update.reshape = ReshapeReport{.chunks_before = plan.chunks_before,
+                                     .chunks_after = static_cast<uint32_t>(update.pool.chunks.size())};
+    } else {
+      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at));
+    }
+  }
+  FinishReshape(*pool, update, paused_at, absl::Now() + timeout, start);
+  return update;
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
+                                                      absl::string_view what, absl::Time* paused_at) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return Stopping();
+  }
+  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
+  const absl::Duration timeout = pause.timeout > absl::ZeroDuration() ? pause.timeout : options_.pause_timeout;
+  ReshapeReport report{.chunks_before = plan.chunks_before,
+                       .chunks_replaced = static_cast<uint32_t>(plan.replaced.size()),
+                       .chunks_added = static_cast<uint32_t>(plan.added.size()),
+                       .moved_blocks = plan.moves,
+                       .target_reached = plan.target_reached};
+
+  // The new chunks hold their bytes before the old ones give theirs back.
+  uint64_t bytes = 0;
+  for (const PlannedChunk& p : plan.added) bytes += p.bytes;
+  if (uint64_t free = 0; !budget_.TryTake(bytes, &free)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (", FormatBytes(bytes),
+                     ") for new chunks while the chunks they replace still hold theirs, but only ", free, " bytes (",
+                     FormatBytes(free), ") of the daemon's budget of ", FormatBytes(budget_.limit()), " are free"));
+  }
+  absl::Cleanup give_back = [&] { budget_.Give(bytes); };
+
+  // Made and filled beside the pool, in a reservation of their own; mapped in the pool only once filled.
+  uint64_t scratch = 0;
+  if (bytes > 0) {
+    KVD_ASSIGN_OR_RETURN(scratch, device_->Reserve(bytes));
+  }
+  absl::Cleanup free_scratch = [&] {
+    if (scratch != 0) device_->Free(scratch, bytes).IgnoreError();
+  };
+  std::vector<PlannedChunk> at_scratch;
+  for (uint64_t at = 0; const PlannedChunk& p : plan.added) {
+    at_scratch.push_back({.segment = p.segment, .offset = at, .bytes = p.bytes});
+    at += p.bytes;
+  }
+  std::vector<ChunkRecord> added;
+  {
+    absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(scratch, at_scratch);
+    if (!made.ok()) {
+      if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
+        absl::StatusOr<DeviceInfo> info = device_->Info();
+        return absl::ResourceExhaustedError(absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (",
+                                                         FormatBytes(bytes), ") of new chunks but the device has ",
+                                                         info.ok() ? info->free_bytes : 0,
+                                                         " bytes free: ", made.status().message()));
+      }
+      return made.status();
+    }
+    added = *std::move(made);
+  }
+  size_t kept_fds = 0;
+  size_t off_scratch = 0;  // the first new chunks are no longer mapped in the scratch reservation
+  // Until applied, the new chunks are the daemon's alone: a failure unmaps them from the scratch
+  // reservation and releases them.
+  absl::Cleanup discard = [&] {
+    for (size_t i = 0; i < added.size(); ++i) {
+      if (i < kept_fds) options_.store->DropChunkFd(added[i].info.id);
+      if (i >= off_scratch) device_->Unmap(scratch + at_scratch[i].offset, added[i].info.bytes).IgnoreError();
+      device_->Release(added[i].chunk).IgnoreError();
+      added[i].fd.reset();
+    }
+  };
+  for (size_t i = 0; i < added.size(); ++i) {
+    added[i].info.offset = plan.added[i].offset;
+    if (options_.store != nullptr) {
+      KVD_RETURN_IF_ERROR(options_.store->KeepChunkFd(added[i].info.id, added[i].fd.get()));
+      kept_fds = i + 1;
+    }
+  }
+
+  // The pause: every attached client imports the new chunks and stops touching the pool.
+  const size_t asked = pool.BeginPause(added);
+  absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu) { pool.CancelPause(); };
+  if (asked > 0) {
+    std::vector<ClientView> late = pool.AwaitPause(absl::Now() + timeout);
+    if (!late.empty() && !pause.detach_unresponsive) {
+      const ClientView& c = late.front();
+      return absl::DeadlineExceededError(
+          absl::StrCat("pool ", pool.name(), ": ", what, " paused its clients, but client ", c.id, " (\"", c.name,
+                       "\", pid ", c.pid, ")", late.size() > 1 ? absl::StrCat(" and ", late.size() - 1, " more") : "",
+                       " did not acknowledge the pause within ", absl::FormatDuration(timeout),
+                       "; nothing changed (PauseOptions.detach_unresponsive detaches such clients instead)"));
+    }
+    for (const ClientView& c : late) {
+      pool.DetachUnresponsive(c.id);
+      if (!pool.IsHolder(c.id)) ForgetClients({c.id});
+      report.detached_client_ids.push_back(c.id);
+      Warn(absl::StrCat("pool ", pool.name(), ": detached client ", c.id, " (pid ", c.pid,
+                        ") for not acknowledging a pause within ", absl::FormatDuration(timeout)));
+    }
+    report.paused_clients = static_cast<uint32_t>(asked - late.size());
+  }
+  *paused_at = absl::Now();
+
+  // The copies: live blocks first (they may land in a chunk that is replaced next), then every new chunk
+  // from the bytes now at its place.
+  const absl::Time copy_start = absl::Now();
+  if (!plan.moves.empty()) {
+    KVD_ASSIGN_OR_RETURN(BlockSpan span, pool.AwakeSpan());
+    KVD_RETURN_IF_ERROR(device_->CopyBlocks(span, plan.moves));
+  }
+  for (size_t i = 0; i < added.size(); ++i) {
+    KVD_RETURN_IF_ERROR(
+        device_->CopyRange(scratch + at_scratch[i].offset, pool.base() + plan.added[i].offset, plan.added[i].bytes));
+    report.copied_bytes += plan.added[i].bytes;
+  }
+  report.copy = absl::Now() - copy_start;
+
+  // The swap: the old chunks leave the pool's addresses and the new ones take them.
+  for (; off_scratch < added.size(); ++off_scratch) {
+    KVD_RETURN_IF_ERROR(device_->Unmap(scratch + at_scratch[off_scratch].offset, added[off_scratch].info.bytes));
+  }
+  std::vector<ChunkRecord*> old = pool.ChunksById(plan.replaced);
+  const uint64_t base = pool.base();
+  size_t unmapped = 0;
+  size_t mapped = 0;
+  absl::Cleanup unswap = [&] {
+    for (size_t i = 0; i < mapped; ++i) device_->Unmap(base + added[i].info.offset, added[i].info.bytes).IgnoreError();
+    for (size_t i = 0; i < unmapped; ++i) {
+      if (absl::Status s = device_->Map(base + old[i]->info.offset, old[i]->chunk, Access::kReadWrite); !s.ok()) {
+        Warn(absl::StrCat("pool ", pool.name(), ": could not map chunk ", old[i]->info.id,
+                          " back after a failed reshape: ", s.ToString()));
+      }
+    }
+  };
+  for (ChunkRecord* r : old) {
+    KVD_RETURN_IF_ERROR(device_->Unmap(base + r->info.offset, r->info.bytes));
+    ++unmapped;
+  }
+  for (ChunkRecord& r : added) {
+    KVD_RETURN_IF_ERROR(device_->Map(base + r.info.offset, r.chunk, Access::kReadWrite));
+    ++mapped;
+  }
+
+  // Applied: nothing below can fail.
+  std::move(unswap).Cancel();
+  std::move(resume).Cancel();
+  std::move(discard).Cancel();
+  std::move(free_scratch).Cancel();
+  std::move(give_back).Cancel();
+  if (scratch != 0) device_->Free(scratch, bytes).IgnoreError();
+  std::vector<ChunkRecord> removed;
+  PoolUpdate update = pool.ApplyReshape(plan, std::move(added), &removed);
+  Save(pool);
+  const std::set<uint64_t> replaced(plan.replaced.begin(), plan.replaced.end());
+  for (ChunkRecord& r : removed) {
+    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+    if (replaced.contains(r.info.id)) {
+      device_->Release(r.chunk).IgnoreError();  // unmapped by the swap
+      r.fd.reset();
+    } else {
+      DiscardChunk(pool.base(), r);
+    }
+  }
+  report.chunks_after = static_cast<uint32_t>(update.pool.chunks.size());
+  update.reshape = std::move(report);
+  return update;
+}
+
+void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline,
+                                absl::Time start) {
+  const size_t still = pool.AwaitRelease(update.release_id, deadline);
+  if (update.reshape.has_value() && update.reshape->paused_clients > 0) {
+    update.reshape->resumed_clients =
+        static_cast<uint32_t>(update.reshape->paused_clients - std::min<size_t>(still, update.reshape->paused_clients));
+    update.reshape->pause = absl::Now() - paused_at;
+  }
+  if (update.release_id != 0) update.pool = pool.View(ViewClients::kCounted);
+  update.elapsed = absl::Now() - start;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -788,17 +1042,6 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
 
 // ---------------------------------------------------------------------------------------------
 // Block operations
-
-namespace {
-
-// RESOURCE_EXHAUSTED when one request names more than --max-block-ids blocks (or copies).
-absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits) {
-  if (count <= limits.max_block_ids) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat(field, ": ", count, " in one request, more than ", limits.max_block_ids, " (--max-block-ids)"));
-}
-
-}  // namespace
 
 absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
                                                            absl::Span<const uint64_t> block_ids) const {

@@ -98,6 +98,9 @@ struct ManagerOptions {
   // How long a restored pool waits for its clients to give missing chunks back, and how long bytes
   // released before the restart stay counted.
   absl::Duration recovery_grace = absl::Seconds(60);
+  // How long a pause waits for every attached client to acknowledge it (and then for their RESUME
+  // acknowledgements) unless the request says otherwise (PauseOptions.timeout).
+  absl::Duration pause_timeout = absl::Seconds(5);
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
   std::function<void(const std::string&)> warn;
   // What tenants may hold (limits.h); its daemon_uid is set from daemon_uid above.
@@ -158,8 +161,10 @@ class PoolManager {
 
   // `device_uuid`: the device the client maps from; empty or the daemon's own device needs no grant,
   // any other must be granted by the pool (PERMISSION_DENIED naming both devices otherwise).
+  // `pausable`: the client takes part in pauses (AttachRequest.pausable).
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view pool,
-                                                    absl::string_view client_name, absl::string_view device_uuid = {});
+                                                    absl::string_view client_name, absl::string_view device_uuid = {},
+                                                    bool pausable = false);
   // Adds (or with `revoke` removes) a device UUID or "*" to the pool's peer devices. Attached clients
   // keep their mappings when a grant is revoked.
   [[nodiscard]] absl::StatusOr<PoolView> GrantPeerAccess(const Caller& caller, absl::string_view pool,
@@ -174,6 +179,20 @@ class PoolManager {
   // pending in the view).
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   bool wait, absl::Time deadline);
+  // Shrink as the proto's ShrinkRequest says: exact unless `whole_chunks_only` (Pool::PlanShrink), pausing
+  // the attached clients when bytes move (see Reshape below), all or nothing.
+  struct ShrinkOptions {
+    bool wait = false;
+    absl::Time deadline = absl::InfiniteFuture();
+    bool whole_chunks_only = false;
+    std::optional<std::vector<uint64_t>> live;
+    PauseOptions pause;
+  };
+  [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
+                                                  const ShrinkOptions& options);
+  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact), all or nothing.
+  [[nodiscard]] absl::StatusOr<PoolUpdate> Compact(const Caller& caller, absl::string_view pool,
+                                                   const PauseOptions& pause);
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
                                                               absl::Time deadline);
@@ -197,6 +216,8 @@ class PoolManager {
   // Returns the pool's bytes still pending release.
   [[nodiscard]] absl::StatusOr<uint64_t> Acknowledge(const Caller& caller, absl::string_view client_id,
                                                      uint64_t release_id);
+  // The client paused for `pause_id` (AcknowledgeRequest.pause_id).
+  [[nodiscard]] absl::Status AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id);
 
   // Block operations. RESOURCE_EXHAUSTED, before anything else, for more than --max-block-ids ids (or
   // copies). Every id is checked before any work: INVALID_ARGUMENT naming the entry for a block
@@ -292,6 +313,18 @@ class PoolManager {
   // Gives staged memory back: the chunks and their budget.
   void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Creates, maps and exports the planned chunks; on failure releases every one of them.
+  // Moves bytes between chunks under a pause (Note [Chunks are replaced, not cut]): makes `plan.added` in a
+  // reservation of their own, asks the clients to pause, copies (block moves first), maps the new chunks
+  // in place of the replaced ones and applies the plan. On any failure nothing changed: the clients are
+  // resumed, the new chunks released, the budget as before. `what` names the change in errors. Returns
+  // the update with its report, less what only waiting for the RESUME acknowledgements tells (the caller
+  // waits, without op_mu; `*paused_at` is when every client had paused).
+  [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
+                                                         absl::string_view what, absl::Time* paused_at)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // The end of a reshape, without op_mu: waits for the paused clients' RESUME acknowledgements (at most
+  // until `deadline`) and fills in the report.
+  void FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline, absl::Time start);
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(uint64_t base,
                                                                     const std::vector<PlannedChunk>& plan);
   void DiscardChunk(uint64_t base, ChunkRecord& record);

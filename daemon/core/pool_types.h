@@ -75,6 +75,7 @@ struct ClientView {
   uint64_t mapped_bytes = 0;  // handed to the client and not yet acknowledged as released
   absl::Time attached_at;
   std::string device_uuid;  // the device it maps from when not the daemon's own (peer access)
+  bool pausable = false;    // it takes part in pauses (AttachRequest.pausable)
 };
 
 // A consistent snapshot of one pool.
@@ -113,6 +114,29 @@ struct RangeExport {
   uint64_t generation = 0;
 };
 
+// How long a pause may take to start, and what becomes of a client that does not acknowledge it (proto
+// PauseOptions).
+struct PauseOptions {
+  absl::Duration timeout = absl::ZeroDuration();  // zero: the manager's default (--pause-timeout)
+  bool detach_unresponsive = false;
+};
+
+// What a shrink or compact did to a pool's physical shape (proto Reshape).
+struct ReshapeReport {
+  uint32_t chunks_before = 0;
+  uint32_t chunks_after = 0;
+  uint32_t chunks_replaced = 0;
+  uint32_t chunks_added = 0;
+  uint64_t copied_bytes = 0;
+  absl::Duration copy;
+  uint32_t paused_clients = 0;
+  absl::Duration pause;
+  uint32_t resumed_clients = 0;
+  std::vector<std::string> detached_client_ids;
+  std::vector<BlockCopy> moved_blocks;
+  bool target_reached = false;
+};
+
 // The result of one change to a pool's chunk table.
 struct PoolUpdate {
   PoolView pool;
@@ -121,6 +145,7 @@ struct PoolUpdate {
   std::vector<uint64_t> released_chunk_ids;
   uint64_t release_id = 0;  // 0: nothing to acknowledge
   absl::Duration elapsed;
+  std::optional<ReshapeReport> reshape;  // shrink and compact
 };
 
 // The four resizes. Plain Grow/Shrink/Sleep/Wake and engine groups' Prepare/Commit run the same
@@ -148,7 +173,15 @@ struct AttachResult {
   Lease lease;  // every chunk of pool.chunks
 };
 
-enum class EventType { kChunksAdded, kChunksReleased, kPoolDeleted, kDaemonStopping, kDaemonRestarting };
+enum class EventType {
+  kChunksAdded,
+  kChunksReleased,
+  kPoolDeleted,
+  kDaemonStopping,
+  kDaemonRestarting,
+  kPause,
+  kResume
+};
 
 struct PoolEvent {
   uint64_t sequence = 0;
@@ -156,9 +189,11 @@ struct PoolEvent {
   EventType type = EventType::kChunksAdded;
   std::vector<ChunkInfo> chunks;
   std::optional<Lease> lease;  // kChunksAdded: this client's FDs of `chunks`
-  uint64_t release_id = 0;     // kChunksReleased: what to acknowledge
+  uint64_t release_id = 0;     // kChunksReleased and an applied kResume: what to acknowledge
   uint64_t committed_blocks = 0;
   PoolState state = PoolState::kAwake;
+  uint64_t pause_id = 0;  // kPause and kResume
+  bool applied = false;   // kResume
 };
 
 struct DeviceStatus {

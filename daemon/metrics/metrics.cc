@@ -25,8 +25,8 @@
 namespace kvd::daemon {
 namespace {
 
-constexpr std::array<Operation, 5> kOperations = {Operation::kGrow, Operation::kShrink, Operation::kSleep,
-                                                  Operation::kWake, Operation::kAttach};
+constexpr std::array<Operation, 6> kOperations = {Operation::kGrow, Operation::kShrink, Operation::kSleep,
+                                                  Operation::kWake, Operation::kAttach, Operation::kCompact};
 
 // From a cheap attach (~100 us) to a shrink that waits a minute for clients to release.
 const prometheus::Histogram::BucketBoundaries& DurationBuckets() {
@@ -239,6 +239,8 @@ const char* OperationName(Operation op) {
       return "wake";
     case Operation::kAttach:
       return "attach";
+    case Operation::kCompact:
+      return "compact";
   }
   return "unknown";
 }
@@ -253,6 +255,9 @@ struct Metrics::Impl {
   std::array<prometheus::Counter*, kOperations.size()> ok{};
   std::array<prometheus::Counter*, kOperations.size()> failed{};
   std::array<prometheus::Histogram*, kOperations.size()> duration{};
+  prometheus::Histogram* pause = nullptr;
+  prometheus::Counter* copied_bytes = nullptr;
+  prometheus::Counter* chunks_replaced = nullptr;
   // Declared last: destroyed first, so no scrape runs while the rest goes away.
   std::unique_ptr<prometheus::Exposer> exposer;
 };
@@ -277,7 +282,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
   impl->snapshots = std::make_shared<SnapshotCollector>(manager, std::move(build), client_series);
   impl->operations = &prometheus::BuildCounter()
                           .Name("kvd_operations_total")
-                          .Help("Pool operations (grow, shrink, sleep, wake, attach) by result (ok, error).")
+                          .Help("Pool operations (grow, shrink, sleep, wake, attach, compact) by result (ok, error).")
                           .Labels(device)
                           .Register(*impl->registry);
   impl->durations = &prometheus::BuildHistogram()
@@ -296,6 +301,24 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
     impl->failed[i] = &impl->operations->Add({{"op", op}, {"result", "error"}});
     impl->duration[i] = &impl->durations->Add({{"op", op}}, DurationBuckets());
   }
+  impl->pause = &prometheus::BuildHistogram()
+                     .Name("kvd_pause_seconds")
+                     .Help("How long the attached clients were paused for a shrink or compact that moved bytes.")
+                     .Labels(device)
+                     .Register(*impl->registry)
+                     .Add({}, DurationBuckets());
+  impl->copied_bytes = &prometheus::BuildCounter()
+                            .Name("kvd_reshape_copied_bytes_total")
+                            .Help("Bytes copied on the device into new chunks by shrinks and compactions.")
+                            .Labels(device)
+                            .Register(*impl->registry)
+                            .Add({});
+  impl->chunks_replaced = &prometheus::BuildCounter()
+                               .Name("kvd_reshape_chunks_replaced_total")
+                               .Help("Chunks whose bytes shrinks and compactions moved into new chunks.")
+                               .Labels(device)
+                               .Register(*impl->registry)
+                               .Add({});
 
   // prometheus-cpp reports a failed bind (civetweb) by throwing; this is the one place it is caught.
   try {
@@ -319,6 +342,12 @@ void Metrics::SetLimits(std::vector<LimitValue> limits, std::function<HandleChan
 
 void Metrics::CountRpc(absl::string_view method, absl::StatusCode code) {
   impl_->rpcs->Add({{"method", std::string(method)}, {"code", absl::StatusCodeToString(code)}}).Increment();
+}
+
+void Metrics::ObserveReshape(absl::Duration pause, bool paused, uint64_t copied_bytes, uint64_t chunks_replaced) {
+  if (paused) impl_->pause->Observe(absl::ToDoubleSeconds(pause));
+  impl_->copied_bytes->Increment(static_cast<double>(copied_bytes));
+  impl_->chunks_replaced->Increment(static_cast<double>(chunks_replaced));
 }
 
 void Metrics::ObserveOperation(Operation op, absl::Duration elapsed, bool ok) {

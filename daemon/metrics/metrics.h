@@ -50,7 +50,7 @@ struct HandleChannelUsage {
 };
 
 // The timed operations: label op of kvd_operations_total and kvd_operation_duration_seconds.
-enum class Operation { kGrow, kShrink, kSleep, kWake, kAttach };
+enum class Operation { kGrow, kShrink, kSleep, kWake, kAttach, kCompact };
 
 class Metrics {
  public:
@@ -75,6 +75,9 @@ class Metrics {
   // One core operation that took `elapsed`: kvd_operations_total{op, result="ok"|"error"} and, for
   // every call, kvd_operation_duration_seconds{op}.
   void ObserveOperation(Operation op, absl::Duration elapsed, bool ok);
+  // One shrink or compact that moved bytes: kvd_pause_seconds (when clients paused),
+  // kvd_reshape_copied_bytes_total and kvd_reshape_chunks_replaced_total.
+  void ObserveReshape(absl::Duration pause, bool paused, uint64_t copied_bytes, uint64_t chunks_replaced);
   // The limits to export (kvd_limit) and the handle channel's usage (kvd_tenant_handle_connections and
   // its kvd_limit_refusals_total); until called, only the core's limits' usage and refusals are
   // exported. `channel` is called at every scrape, from the exposer's threads.

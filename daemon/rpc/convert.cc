@@ -16,6 +16,11 @@ uint64_t UnixMillis(absl::Time t) {
   return ms > 0 ? static_cast<uint64_t>(ms) : 0;
 }
 
+uint64_t Micros(absl::Duration d) {
+  const int64_t us = absl::ToInt64Microseconds(d);
+  return us > 0 ? static_cast<uint64_t>(us) : 0;
+}
+
 }  // namespace
 
 LayoutRequest FromProto(const v1::LayoutRequest& proto) {
@@ -200,6 +205,16 @@ ChunkInfo FromProto(const v1::Chunk& proto) {
           .fabric_handle = proto.fabric_handle()};
 }
 
+absl::StatusOr<PauseOptions> FromProto(const v1::PauseOptions& proto, absl::string_view field) {
+  constexpr uint64_t kMaxTimeoutMs = 600000;
+  if (proto.timeout_ms() > kMaxTimeoutMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".timeout_ms: ", proto.timeout_ms(), " is more than ", kMaxTimeoutMs, " (10 minutes)"));
+  }
+  return PauseOptions{.timeout = absl::Milliseconds(proto.timeout_ms()),
+                      .detach_unresponsive = proto.detach_unresponsive()};
+}
+
 v1::EventType ToProto(EventType type) {
   switch (type) {
     case EventType::kChunksAdded:
@@ -212,6 +227,10 @@ v1::EventType ToProto(EventType type) {
       return v1::EVENT_TYPE_DAEMON_STOPPING;
     case EventType::kDaemonRestarting:
       return v1::EVENT_TYPE_DAEMON_RESTARTING;
+    case EventType::kPause:
+      return v1::EVENT_TYPE_PAUSE;
+    case EventType::kResume:
+      return v1::EVENT_TYPE_RESUME;
   }
   return v1::EVENT_TYPE_UNSPECIFIED;
 }
@@ -243,6 +262,7 @@ v1::ClientInfo ToProto(const ClientView& client) {
   p.set_mapped_bytes(client.mapped_bytes);
   p.set_attached_at_unix_ms(UnixMillis(client.attached_at));
   p.set_device_uuid(client.device_uuid);
+  p.set_pausable(client.pausable);
   return p;
 }
 
@@ -285,8 +305,27 @@ v1::PoolUpdate ToProto(const PoolUpdate& update) {
   if (update.lease.has_value()) *p.mutable_lease() = ToProto(*update.lease);
   for (uint64_t id : update.released_chunk_ids) p.add_released_chunk_ids(id);
   p.set_release_id(update.release_id);
-  const int64_t us = absl::ToInt64Microseconds(update.elapsed);
-  p.set_elapsed_us(us > 0 ? static_cast<uint64_t>(us) : 0);
+  p.set_elapsed_us(Micros(update.elapsed));
+  if (update.reshape.has_value()) {
+    const ReshapeReport& r = *update.reshape;
+    v1::Reshape* q = p.mutable_reshape();
+    q->set_chunks_before(r.chunks_before);
+    q->set_chunks_after(r.chunks_after);
+    q->set_chunks_replaced(r.chunks_replaced);
+    q->set_chunks_added(r.chunks_added);
+    q->set_copied_bytes(r.copied_bytes);
+    q->set_copy_us(Micros(r.copy));
+    q->set_paused_clients(r.paused_clients);
+    q->set_pause_us(Micros(r.pause));
+    q->set_resumed_clients(r.resumed_clients);
+    for (const std::string& id : r.detached_client_ids) q->add_detached_client_ids(id);
+    for (const BlockCopy& m : r.moved_blocks) {
+      v1::BlockCopy* c = q->add_moved_blocks();
+      c->set_src(m.src);
+      c->set_dst(m.dst);
+    }
+    q->set_target_reached(r.target_reached);
+  }
   return p;
 }
 
@@ -301,6 +340,8 @@ v1::PoolEvent ToProto(const PoolEvent& event) {
   p.set_committed_blocks(event.committed_blocks);
   p.set_state(ToProto(event.state));
   for (const ByteRange& r : MergeChunkRanges(event.chunks)) *p.add_ranges() = ToProto(r);
+  p.set_pause_id(event.pause_id);
+  p.set_applied(event.applied);
   return p;
 }
 

@@ -34,6 +34,8 @@ PoolMetadata FromProto(const v1::PoolMetadata& proto);
 // build does not know.
 absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto);
 ChunkInfo FromProto(const v1::Chunk& proto);
+// INVALID_ARGUMENT "<field>.timeout_ms: ..." past 600000.
+absl::StatusOr<PauseOptions> FromProto(const v1::PauseOptions& proto, absl::string_view field);
 v1::EventType ToProto(EventType type);
 v1::Chunk ToProto(const ChunkInfo& chunk);
 v1::Lease ToProto(const Lease& lease);

@@ -110,6 +110,17 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
                u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
 }
 
+// A shrink or compact that moved bytes: its pause and copy, in the log and in metrics.
+void ObserveReshape(Metrics* metrics, const PoolUpdate& u) {
+  if (!u.reshape.has_value() || (u.reshape->chunks_added == 0 && u.reshape->moved_blocks.empty())) return;
+  const ReshapeReport& r = *u.reshape;
+  spdlog::info("pool {}: {} -> {} chunks, {} copied in {}, {} clients paused for {} ({} resumed{})", u.pool.name,
+               r.chunks_before, r.chunks_after, FormatBytes(r.copied_bytes), Elapsed(r.copy), r.paused_clients,
+               Elapsed(r.pause), r.resumed_clients,
+               r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
+  if (metrics != nullptr) metrics->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
+}
+
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
@@ -328,10 +339,11 @@ grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRe
   absl::Status status = Guarded("Attach", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(
-        AttachResult attached, Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
-          return manager_->Attach(caller, request->pool(), request->client_name(), request->device_uuid());
-        }));
+    KVD_ASSIGN_OR_RETURN(AttachResult attached,
+                         Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
+                           return manager_->Attach(caller, request->pool(), request->client_name(),
+                                                   request->device_uuid(), request->pausable());
+                         }));
     response->set_client_id(attached.client_id);
     *response->mutable_pool() = ToProto(attached.pool);
     *response->mutable_lease() = ToProto(attached.lease);
@@ -374,16 +386,42 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
   absl::Status status = Guarded("Shrink", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+    PoolManager::ShrinkOptions options{.wait = request->wait_for_release(),
+                                       .deadline = ReleaseDeadline(*context),
+                                       .whole_chunks_only = request->whole_chunks_only(),
+                                       .pause = pause};
+    if (request->has_live()) {
+      options.live.emplace(request->live().blocks().begin(), request->live().blocks().end());
+    }
     KVD_ASSIGN_OR_RETURN(PoolUpdate update,
                          Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kShrink, [&] {
-                           return manager_->Shrink(caller, request->pool(), request->target_blocks(),
-                                                   request->wait_for_release(), ReleaseDeadline(*context));
+                           return manager_->Shrink(caller, request->pool(), request->target_blocks(), options);
                          }));
     *response = ToProto(update);
     LogUpdate("shrank", update);
+    ObserveReshape(options_.metrics, update);
     return absl::OkStatus();
   });
   return Finish("Shrink", status);
+}
+
+grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::CompactRequest* request,
+                                 v1::PoolUpdate* response) {
+  absl::Status status = Guarded("Compact", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update,
+                         Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kCompact, [&] {
+                           return manager_->Compact(caller, request->pool(), pause);
+                         }));
+    *response = ToProto(update);
+    LogUpdate("compacted", update);
+    ObserveReshape(options_.metrics, update);
+    return absl::OkStatus();
+  });
+  return Finish("Compact", status);
 }
 
 grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
@@ -499,8 +537,15 @@ grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::Ack
   absl::Status status = Guarded("Acknowledge", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
-    if (request->release_id() == 0) {
-      return absl::InvalidArgumentError("release_id: must be > 0 (the release_id of a CHUNKS_RELEASED event)");
+    if ((request->release_id() == 0) == (request->pause_id() == 0)) {
+      return absl::InvalidArgumentError(
+          "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
+          "pause_id of a PAUSE event)");
+    }
+    if (request->pause_id() != 0) {
+      KVD_RETURN_IF_ERROR(manager_->AcknowledgePause(caller, request->client_id(), request->pause_id()));
+      response->set_pending_release_bytes(0);
+      return absl::OkStatus();
     }
     KVD_ASSIGN_OR_RETURN(uint64_t pending, manager_->Acknowledge(caller, request->client_id(), request->release_id()));
     response->set_pending_release_bytes(pending);

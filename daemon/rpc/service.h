@@ -66,6 +66,8 @@ class KvdService final : public v1::Kvd::Service {
   grpc::Status Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) override;
   grpc::Status Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
                       v1::PoolUpdate* response) override;
+  grpc::Status Compact(grpc::ServerContext* context, const v1::CompactRequest* request,
+                       v1::PoolUpdate* response) override;
   grpc::Status Sleep(grpc::ServerContext* context, const v1::SleepRequest* request, v1::PoolUpdates* response) override;
   grpc::Status Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) override;
   grpc::Status Watch(grpc::ServerContext* context, const v1::WatchRequest* request,

@@ -199,10 +199,23 @@ std::vector<Operation> Operations() {
                     [](FaultSweepTest& t) { return Ok(t.manager_->Grow(t.alice_, "p", 250)); }},
           Operation{"attach", [](FaultSweepTest& t) { CreateP(t, 200); },
                     [](FaultSweepTest& t) { return Ok(t.manager_->Attach(t.alice_, "p", "engine")); }},
-          Operation{"shrink", [](FaultSweepTest& t) { CreateAndAttachP(t, 200); },
+          Operation{
+              "shrink", [](FaultSweepTest& t) { CreateAndAttachP(t, 200); },
+              [](FaultSweepTest& t) { return Ok(t.manager_->Shrink(t.alice_, "p", 40, {.whole_chunks_only = true})); }},
+          // Exact: the chunk straddling 40 blocks is replaced (no client attached, so nobody pauses).
+          Operation{"shrink_exact", [](FaultSweepTest& t) { CreateP(t, 200); },
+                    [](FaultSweepTest& t) { return Ok(t.manager_->Shrink(t.alice_, "p", 40, false, absl::Now())); }},
+          Operation{"compaction_shrink", [](FaultSweepTest& t) { CreateP(t, 200); },
                     [](FaultSweepTest& t) {
-                      return Ok(t.manager_->Shrink(t.alice_, "p", 40, /*wait=*/false, absl::InfinitePast()));
+                      return Ok(t.manager_->Shrink(t.alice_, "p", 40,
+                                                   {.live = std::optional<std::vector<uint64_t>>({3, 150, 199})}));
                     }},
+          Operation{"compact",
+                    [](FaultSweepTest& t) {
+                      CreateP(t, 32);
+                      for (uint64_t b = 64; b <= 192; b += 32) ASSERT_THAT(t.manager_->Grow(t.alice_, "p", b), IsOk());
+                    },
+                    [](FaultSweepTest& t) { return Ok(t.manager_->Compact(t.alice_, "p", {})); }},
           Operation{"sleep", [](FaultSweepTest& t) { CreateAndAttachP(t, 200); },
                     [](FaultSweepTest& t) {
                       return Ok(t.manager_->Sleep(t.alice_, "p", /*wait=*/false, absl::InfinitePast()));

@@ -89,6 +89,12 @@ class PoolManagerTest : public ::testing::Test {
     return base;
   }
 
+ public:
+  uint64_t MapLeasePublic(const Caller& who, const PoolView& pool, const Lease& lease) {
+    return MapLease(who, pool, lease);
+  }
+
+ protected:
   void TearDownMappings() {
     for (auto [base, bytes] : reservations_) munmap(reinterpret_cast<void*>(base), bytes);
     reservations_.clear();
@@ -214,9 +220,16 @@ TEST_F(PoolManagerTest, ShrinkCompletesWhenEveryHolderAcknowledges) {
   KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "connector"));
   KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
 
-  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 64, false, absl::Now()));
+  // An exact shrink would replace the straddling chunks, which needs the connector to pause.
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 64, false, absl::Now()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(b.client_id), HasSubstr("connector"), HasSubstr("AttachRequest.pausable"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk,
+                           manager_->Shrink(alice_, "p", 64, PoolManager::ShrinkOptions{.whole_chunks_only = true}));
   EXPECT_EQ(shrunk.pool.committed_blocks, 256u) << "one chunk per segment backs all 256 blocks: none is whole above 64";
   EXPECT_THAT(shrunk.released_chunk_ids, SizeIs(0));
+  ASSERT_TRUE(shrunk.reshape.has_value());
+  EXPECT_FALSE(shrunk.reshape->target_reached);
 
   // Commit in two steps so that there is a whole chunk above the target to release.
   ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 64)), IsOk());
@@ -256,7 +269,7 @@ TEST_F(PoolManagerTest, ShrinkWithWaitReturnsOnceAcknowledged) {
     if (e && e->type == EventType::kChunksReleased)
       manager_->Acknowledge(bob, b.client_id, e->release_id).IgnoreError();
   });
-  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 1, true, absl::Now() + absl::Seconds(30)));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 64, true, absl::Now() + absl::Seconds(30)));
   follower.join();
   EXPECT_EQ(shrunk.pool.pending_release_bytes, 0u);
   EXPECT_EQ(Committed(), 8 * kMiB);
@@ -793,6 +806,261 @@ TEST_F(PoolManagerTest, FabricHandlesTravelWithChunksOnlyWhereTheDeviceHasThem) 
   KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "kv", 256));
   ASSERT_FALSE(grown.added.empty());
   for (const ChunkInfo& c : grown.added) EXPECT_EQ(c.fabric_handle.size(), 64u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reshaping: exact shrink, compact, compaction shrink and the pause (Note [Chunks are replaced, not cut])
+
+// An engine of the test: a mapping of one pool in this process that follows PAUSE and RESUME as the
+// client libraries do (import at PAUSE, remap at RESUME, acknowledge both).
+class PausingEngine {
+ public:
+  PausingEngine(PoolManagerTest* test, PoolManager* manager, Caller who, const std::string& pool, bool pausable)
+      : manager_(manager), who_(std::move(who)) {
+    absl::StatusOr<AttachResult> a = manager_->Attach(who_, pool, "engine", {}, pausable);
+    EXPECT_THAT(a, IsOk());
+    attached_ = *a;
+    base_ = test->MapLeasePublic(who_, attached_.pool, attached_.lease);
+    events_ = *manager_->Watch(who_, attached_.client_id);
+  }
+  uint8_t* at(uint64_t offset) const { return reinterpret_cast<uint8_t*>(base_ + offset); }
+  const std::string& id() const { return attached_.client_id; }
+  EventQueue& events() { return *events_; }
+
+  // Handles the next PAUSE and RESUME; returns the RESUME.
+  std::optional<PoolEvent> FollowPause() {
+    std::optional<PoolEvent> pause = events_->Pop(absl::Seconds(10));
+    if (!pause.has_value() || pause->type != EventType::kPause) return std::nullopt;
+    absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds =
+        manager_->RedeemLease(who_.session, pause->lease->token, who_.uid);
+    EXPECT_THAT(fds, IsOk());
+    EXPECT_THAT(manager_->AcknowledgePause(who_, id(), pause->pause_id), IsOk());
+    std::optional<PoolEvent> resume = events_->Pop(absl::Seconds(10));
+    EXPECT_TRUE(resume.has_value() && resume->type == EventType::kResume && resume->pause_id == pause->pause_id);
+    if (resume.has_value() && resume->applied) {
+      for (const ChunkInfo& c : resume->chunks) {
+        mmap(at(c.offset), c.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      }
+      for (const PoolManager::LeasedFd& f : *fds) {
+        auto c = std::find_if(pause->chunks.begin(), pause->chunks.end(),
+                              [&](const ChunkInfo& x) { return x.id == f.chunk_id; });
+        EXPECT_NE(mmap(at(c->offset), c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, f.fd, 0), MAP_FAILED);
+      }
+      if (resume->release_id != 0) {
+        EXPECT_THAT(manager_->Acknowledge(who_, id(), resume->release_id), IsOk());
+      }
+    }
+    for (const PoolManager::LeasedFd& f : *fds) close(f.fd);
+    return resume;
+  }
+
+ private:
+  PoolManager* manager_;
+  Caller who_;
+  AttachResult attached_;
+  uint64_t base_ = 0;
+  std::shared_ptr<EventQueue> events_;
+};
+
+// Byte i of segment s's committed prefix.
+uint8_t Pattern(uint64_t s, uint64_t i) { return static_cast<uint8_t>((s * 131 + i / 4096 * 7 + i) & 0xff); }
+
+void Fill(PausingEngine& e, const PoolView& pool, uint64_t bytes_per_segment) {
+  for (uint64_t s = 0; s < pool.geometry.segments(); ++s) {
+    uint8_t* p = e.at(pool.geometry.SegmentOffset(s));
+    for (uint64_t i = 0; i < bytes_per_segment; ++i) p[i] = Pattern(s, i);
+  }
+}
+
+// The first byte that differs, or -1.
+int64_t FirstDifference(PausingEngine& e, const PoolView& pool, uint64_t bytes_per_segment) {
+  for (uint64_t s = 0; s < pool.geometry.segments(); ++s) {
+    const uint8_t* p = e.at(pool.geometry.SegmentOffset(s));
+    for (uint64_t i = 0; i < bytes_per_segment; ++i) {
+      if (p[i] != Pattern(s, i)) return static_cast<int64_t>(pool.geometry.SegmentOffset(s) + i);
+    }
+  }
+  return -1;
+}
+
+TEST_F(PoolManagerTest, ExactShrinkReplacesTheStraddlingChunksWhileAPausableClientPauses) {
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("p", 256)));
+  ASSERT_THAT(pool.chunks, SizeIs(2));
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(engine, pool, 16 * kMiB);
+
+  absl::StatusOr<PoolUpdate> shrunk;
+  std::thread shrink([&] { shrunk = manager_->Shrink(alice_, "p", 40, false, absl::Now()); });
+  std::optional<PoolEvent> resume = engine.FollowPause();
+  shrink.join();
+  ASSERT_THAT(shrunk, IsOk());
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_TRUE(resume->applied);
+  // 40 blocks = 2.5 MiB per segment, rounded up to the 2 MiB granularity: 4 MiB, so 64 blocks.
+  EXPECT_EQ(shrunk->pool.committed_blocks, 64u);
+  EXPECT_EQ(shrunk->pool.committed_bytes, 8 * kMiB);
+  ASSERT_THAT(shrunk->pool.chunks, SizeIs(2));
+  EXPECT_EQ(shrunk->pool.chunks[0].bytes, 4 * kMiB);
+  ASSERT_TRUE(shrunk->reshape.has_value());
+  const ReshapeReport& r = *shrunk->reshape;
+  EXPECT_TRUE(r.target_reached);
+  EXPECT_EQ(r.chunks_replaced, 2u);
+  EXPECT_EQ(r.chunks_added, 2u);
+  EXPECT_EQ(r.copied_bytes, 8 * kMiB);
+  EXPECT_EQ(r.paused_clients, 1u);
+  EXPECT_EQ(r.resumed_clients, 1u);
+  EXPECT_EQ(resume->committed_blocks, 64u);
+  EXPECT_EQ(FirstDifference(engine, pool, 4 * kMiB), -1) << "the kept bytes read the same from the new chunks";
+  EXPECT_EQ(Committed(), 8 * kMiB) << "the released bytes were acknowledged";
+  EXPECT_EQ(device_->live_chunks(), 2);
+}
+
+TEST_F(PoolManagerTest, ExactShrinkWithoutClientsNeedsNoPause) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  for (uint64_t b = 96; b <= 256; b += 32) ASSERT_THAT(manager_->Grow(alice_, "p", b), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 100, false, absl::Now()));
+  // 100 blocks = 6.25 MiB -> 8 MiB: the chunk [6, 8) MiB of each segment stays whole; nothing straddles.
+  EXPECT_EQ(shrunk.pool.committed_bytes, 16 * kMiB);
+  EXPECT_EQ(shrunk.reshape->chunks_added, 0u);
+  EXPECT_TRUE(shrunk.reshape->target_reached);
+  KVD_ASSERT_OK_AND_ASSIGN(shrunk, manager_->Shrink(alice_, "p", 1, false, absl::Now()));
+  EXPECT_EQ(shrunk.pool.committed_bytes, 4 * kMiB);
+  EXPECT_EQ(shrunk.pool.committed_blocks, 32u);
+  EXPECT_EQ(shrunk.reshape->paused_clients, 0u);
+  EXPECT_EQ(Committed(), 4 * kMiB);
+}
+
+TEST_F(PoolManagerTest, CompactRewritesAFragmentedPoolAsOneChunkPerSegmentKeepingEveryByte) {
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("p", 32)));
+  for (uint64_t b = 64; b <= 256; b += 32) ASSERT_THAT(manager_->Grow(alice_, "p", b), IsOk());
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  KVD_ASSERT_OK_AND_ASSIGN(pool, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(pool.chunks, SizeIs(16));
+  Fill(engine, pool, 16 * kMiB);
+
+  absl::StatusOr<PoolUpdate> compacted;
+  std::thread compact([&] { compacted = manager_->Compact(alice_, "p", {}); });
+  ASSERT_TRUE(engine.FollowPause().has_value());
+  compact.join();
+  ASSERT_THAT(compacted, IsOk());
+  EXPECT_THAT(compacted->pool.chunks, SizeIs(2));
+  EXPECT_EQ(compacted->reshape->chunks_before, 16u);
+  EXPECT_EQ(compacted->reshape->chunks_after, 2u);
+  EXPECT_EQ(compacted->reshape->copied_bytes, 32 * kMiB);
+  EXPECT_EQ(compacted->pool.committed_blocks, 256u);
+  EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1);
+  EXPECT_EQ(Committed(), 32 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+
+  // Already in shape: nothing moves and nobody pauses.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate again, manager_->Compact(alice_, "p", {}));
+  EXPECT_EQ(again.reshape->chunks_added, 0u);
+  EXPECT_EQ(again.reshape->paused_clients, 0u);
+  EXPECT_FALSE(engine.events().Pop(absl::ZeroDuration()).has_value());
+}
+
+TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  const uint64_t committed = Committed();
+  const int chunks = device_->live_chunks();
+
+  EXPECT_THAT(manager_->Compact(alice_, "p", {.timeout = absl::Milliseconds(50)}),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       AllOf(HasSubstr(engine.id()), HasSubstr("did not acknowledge the pause"),
+                             HasSubstr("nothing changed"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  ASSERT_EQ(after.chunks.size(), before.chunks.size());
+  for (size_t i = 0; i < after.chunks.size(); ++i) EXPECT_EQ(after.chunks[i].id, before.chunks[i].id);
+  EXPECT_EQ(after.generation, before.generation);
+  EXPECT_EQ(Committed(), committed);
+  EXPECT_EQ(device_->live_chunks(), chunks);
+  std::optional<PoolEvent> pause = engine.events().Pop(absl::Seconds(1));
+  ASSERT_TRUE(pause.has_value());
+  EXPECT_EQ(pause->type, EventType::kPause);
+  std::optional<PoolEvent> resume = engine.events().Pop(absl::Seconds(1));
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->type, EventType::kResume);
+  EXPECT_FALSE(resume->applied);
+  EXPECT_THAT(manager_->AcknowledgePause(alice_, engine.id(), pause->pause_id),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("pause_id")));
+
+  // detach_unresponsive: the silent client is detached and the change goes on.
+  KVD_ASSERT_OK_AND_ASSIGN(
+      PoolUpdate compacted,
+      manager_->Compact(alice_, "p", {.timeout = absl::Milliseconds(50), .detach_unresponsive = true}));
+  EXPECT_THAT(compacted.reshape->detached_client_ids, ::testing::ElementsAre(engine.id()));
+  EXPECT_THAT(compacted.pool.chunks, SizeIs(2));
+  EXPECT_EQ(compacted.pool.client_count, 0u);
+}
+
+TEST_F(PoolManagerTest, AClientThatDidNotOptInIsNeverPaused) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/false);
+  EXPECT_THAT(manager_->Compact(alice_, "p", {}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, AllOf(HasSubstr(engine.id()), HasSubstr("pausable"))));
+  EXPECT_FALSE(engine.events().Pop(absl::ZeroDuration()).has_value());
+}
+
+TEST_F(PoolManagerTest, CompactionShrinkMovesLiveBlocksBelowTheTarget) {
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("p", 256)));
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  const uint64_t block = pool.geometry.block_stride();
+  // Block b of segment s starts with the bytes (s, b).
+  for (uint64_t s = 0; s < 2; ++s) {
+    for (uint64_t b = 0; b < 256; ++b) {
+      uint8_t* p = engine.at(pool.geometry.SegmentOffset(s) + b * block);
+      p[0] = static_cast<uint8_t>(s);
+      p[1] = static_cast<uint8_t>(b);
+    }
+  }
+  auto live = [](std::vector<uint64_t> blocks) { return std::optional<std::vector<uint64_t>>(std::move(blocks)); };
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 32, {.live = live({1, 300})}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("live.blocks[1]")));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 32, {.live = live({1, 200, 1})}),
+              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("live.blocks[2]"), HasSubstr("twice"))));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 2, {.live = live({0, 1, 5})}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("do not fit")));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 32, {.whole_chunks_only = true, .live = live({1})}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("whole_chunks_only")));
+  EXPECT_FALSE(engine.events().Pop(absl::ZeroDuration()).has_value()) << "refused before any pause";
+
+  absl::StatusOr<PoolUpdate> shrunk;
+  std::thread shrink([&] { shrunk = manager_->Shrink(alice_, "p", 32, {.live = live({0, 2, 40, 255, 33})}); });
+  ASSERT_TRUE(engine.FollowPause().has_value());
+  shrink.join();
+  ASSERT_THAT(shrunk, IsOk());
+  // Live past 32, in order (33, 40, 255), into the free blocks below it, in order (1, 3, 4).
+  ASSERT_THAT(shrunk->reshape->moved_blocks, SizeIs(3));
+  const std::vector<std::pair<uint64_t, uint64_t>> want = {{33, 1}, {40, 3}, {255, 4}};
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(shrunk->reshape->moved_blocks[i].src, want[i].first);
+    EXPECT_EQ(shrunk->reshape->moved_blocks[i].dst, want[i].second);
+  }
+  EXPECT_EQ(shrunk->pool.committed_blocks, 32u);
+  for (uint64_t s = 0; s < 2; ++s) {
+    for (auto [src, dst] : want) {
+      const uint8_t* p = engine.at(pool.geometry.SegmentOffset(s) + dst * block);
+      EXPECT_EQ(p[0], s);
+      EXPECT_EQ(p[1], static_cast<uint8_t>(src)) << "block " << src << " now at " << dst;
+    }
+    for (uint64_t kept : {0, 2}) EXPECT_EQ(engine.at(pool.geometry.SegmentOffset(s) + kept * block)[1], kept);
+  }
+}
+
+TEST_F(PoolManagerTest, AReplacementThatDoesNotFitTheBudgetChangesNothing) {
+  Start({.budget_bytes = 40 * kMiB});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 256)), IsOk());  // 32 MiB, one chunk per segment
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 160, false, absl::Now()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("20971520 bytes"), HasSubstr("8388608 bytes"), HasSubstr("still hold theirs"))));
+  EXPECT_EQ(Committed(), 32 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 32, false, absl::Now()));
+  EXPECT_EQ(shrunk.pool.committed_bytes, 4 * kMiB);
 }
 
 }  // namespace
