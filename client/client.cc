@@ -152,7 +152,8 @@ PoolInfo FromProto(const v1::Pool& p) {
                                      .pid = c.pid(),
                                      .mapped_bytes = c.mapped_bytes(),
                                      .attached_at_unix_ms = c.attached_at_unix_ms(),
-                                     .device_uuid = c.device_uuid()});
+                                     .device_uuid = c.device_uuid(),
+                                     .pausable = c.pausable()});
   }
   for (const v1::Chunk& c : p.chunks()) out.chunks.push_back(FromProto(c));
   out.group = GroupMembership{.name = p.group().name(), .rank = p.group().rank(), .size = p.group().size()};
@@ -166,11 +167,35 @@ PoolInfo FromProto(const v1::Pool& p) {
   return out;
 }
 
+Reshape FromProto(const v1::Reshape& r) {
+  Reshape out{.chunks_before = r.chunks_before(),
+              .chunks_after = r.chunks_after(),
+              .chunks_replaced = r.chunks_replaced(),
+              .chunks_added = r.chunks_added(),
+              .copied_bytes = r.copied_bytes(),
+              .copy_us = r.copy_us(),
+              .paused_clients = r.paused_clients(),
+              .pause_us = r.pause_us(),
+              .resumed_clients = r.resumed_clients(),
+              .target_reached = r.target_reached()};
+  out.detached_client_ids.assign(r.detached_client_ids().begin(), r.detached_client_ids().end());
+  for (const v1::BlockCopy& m : r.moved_blocks()) out.moved_blocks.push_back({.src = m.src(), .dst = m.dst()});
+  return out;
+}
+
 PoolChange FromProto(const v1::PoolUpdate& u) {
   PoolChange out{.pool = FromProto(u.pool()), .release_id = u.release_id(), .elapsed_us = u.elapsed_us()};
   for (const v1::Chunk& c : u.added()) out.added.push_back(FromProto(c));
   out.released_chunk_ids.assign(u.released_chunk_ids().begin(), u.released_chunk_ids().end());
+  if (u.has_reshape()) out.reshape = FromProto(u.reshape());
   return out;
+}
+
+void ToProto(const PauseOptions& p, v1::PauseOptions* out) {
+  // Whole milliseconds, rounded up: a positive timeout never becomes 0 (the daemon's default).
+  const int64_t us = absl::ToInt64Microseconds(p.timeout);
+  out->set_timeout_ms(us > 0 ? static_cast<uint64_t>((us + 999) / 1000) : 0);
+  out->set_detach_unresponsive(p.detach_unresponsive);
 }
 
 v1::Operation ToProto(GroupOp op) {
@@ -375,6 +400,11 @@ struct Client::Impl {
   std::shared_ptr<Mapping::Impl> FindMapping(const std::string& pool);
   // Maps the lease of `update` into this client's Mapping of its pool, if it has one.
   absl::Status Route(const v1::PoolUpdate& update);
+  // After this client's Shrink or Compact (`update`): waits, at most `timeout`, until its Mapping of the
+  // pool (if any) has no pause pending with one of update.added: it remapped them, or dropped them. The
+  // daemon replies after every RESUME's acknowledgement, and the follower acknowledges after remapping,
+  // so this normally finds nothing to wait for.
+  absl::Status AwaitRemap(const v1::PoolUpdate& update, absl::Duration timeout);
 };
 
 absl::StatusOr<Client::Impl::Conn> Client::Impl::Open(const ConnectOptions& options) {
@@ -483,6 +513,19 @@ struct Mapping::Impl {
   bool closing ABSL_GUARDED_BY(mu) = false;
   std::unique_ptr<grpc::ClientContext> watch_ctx ABSL_GUARDED_BY(mu);
 
+  // A pause in progress (docs/api.md, "Pauses and reshaping"): the new chunks of its PAUSE, imported but
+  // not mapped until the RESUME, and the PAUSE's ranges.
+  struct Imported {
+    ChunkInfo info;
+    Chunk chunk;
+    UniqueFd fd;
+  };
+  struct Pause {
+    std::vector<Imported> chunks;
+    std::vector<ByteRange> ranges;
+  };
+  std::map<uint64_t, Pause> pauses ABSL_GUARDED_BY(mu);  // by pause_id
+
   std::thread follower;
   // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
   // its way out and the next one is awaited.
@@ -498,7 +541,23 @@ struct Mapping::Impl {
                                               const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void UnmapOne(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Unmaps every chunk and releases the chunks of every pause in progress.
   void UnmapAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Unmaps every mapped chunk that overlaps [offset, offset + bytes): released by a change whose event
+  // this follower has not handled yet.
+  void UnmapOverlapping(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // PAUSE: fetches the event's lease on `c` and imports its chunks into pauses[pause_id], unmapped.
+  absl::Status ImportPause(const Client::Impl::Connection& c, const v1::PoolEvent& ev)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Releases the imported chunks of `pause`.
+  void DropPause(Pause& pause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // An applied RESUME: unmaps the event's chunks and maps the pause's new ones at their offsets.
+  absl::Status Remap(Pause& pause, const v1::PoolEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The follower's handling of PAUSE and RESUME; false when the Mapping was lost.
+  bool OnPause(const v1::PoolEvent& ev);
+  bool OnResume(const v1::PoolEvent& ev);
+  // Acknowledge(release_id) or Acknowledge(pause_id) on the Mapping's session.
+  absl::Status Acknowledge(uint64_t release_id, uint64_t pause_id);
   absl::Status ApplyUpdate(const v1::PoolUpdate& update);
   // Follows one event stream until it ends. Returns why to reconnect (the daemon restarted), or
   // nothing when the Mapping is lost or closing.
@@ -511,6 +570,9 @@ struct Mapping::Impl {
     std::unique_ptr<Reader> reader;  // set on success
     absl::Status status;             // why not
     bool fatal = false;              // no point retrying: the Mapping is lost
+    // The pauses in progress when the daemon went away, ended by the restart: whether each one's new
+    // chunks are in the restarted daemon's pool (on_resume's argument).
+    std::vector<bool> resumed;
   };
   Attempt TryReattach(DaemonRestart* restart);
   void Lose(const absl::Status& why);
@@ -590,6 +652,90 @@ void Mapping::Impl::UnmapOne(uint64_t id) {
 
 void Mapping::Impl::UnmapAll() {
   while (!chunks.empty()) UnmapOne(chunks.begin()->first);
+  for (auto& [id, pause] : pauses) DropPause(pause);
+  pauses.clear();
+}
+
+void Mapping::Impl::UnmapOverlapping(uint64_t offset, uint64_t bytes) {
+  std::vector<uint64_t> stale;
+  for (const auto& [mapped_id, m] : chunks) {
+    if (m.info.offset < offset + bytes && offset < m.info.offset + m.info.bytes) stale.push_back(mapped_id);
+  }
+  for (uint64_t s : stale) UnmapOne(s);
+}
+
+absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const v1::PoolEvent& ev) {
+  Pause pause;
+  for (const v1::ByteRange& r : ev.ranges()) pause.ranges.push_back({r.segment(), r.offset(), r.bytes()});
+  absl::Cleanup drop = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { DropPause(pause); };
+  if (!ev.chunks().empty()) {
+    std::map<uint64_t, ChunkInfo> wanted;
+    for (const v1::Chunk& chunk : ev.chunks()) wanted[chunk.id()] = FromProto(chunk);
+    KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(ev.lease().token()));
+    size_t next = 0;
+    absl::Cleanup close_rest = [&] {
+      for (size_t i = next; i < fds.size(); ++i) close(fds[i].second);
+    };
+    for (; next < fds.size(); ++next) {
+      const uint64_t id = fds[next].first;
+      UniqueFd fd(fds[next].second);
+      auto it = wanted.find(id);
+      if (it == wanted.end()) {
+        return absl::InternalError(absl::StrCat("lease yielded chunk ", id, " which is not in the pause's chunk list"));
+      }
+      const ChunkInfo& info = it->second;
+      if (info.offset + info.bytes > geometry.reserved_bytes) {
+        return absl::InternalError(absl::StrCat("chunk ", id, " lies outside the pool's reservation"));
+      }
+      KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
+      pause.chunks.push_back(Imported{info, chunk, std::move(fd)});
+      wanted.erase(it);
+    }
+    if (!wanted.empty()) {
+      return absl::InternalError(
+          absl::StrCat("the pause's lease lacks chunk ", wanted.begin()->first, " (", wanted.size(), " missing)"));
+    }
+  }
+  std::move(drop).Cancel();
+  pauses[ev.pause_id()] = std::move(pause);
+  return absl::OkStatus();
+}
+
+void Mapping::Impl::DropPause(Pause& pause) {
+  for (Imported& i : pause.chunks) device->Release(i.chunk).IgnoreError();
+  pause.chunks.clear();  // closes their FDs
+}
+
+absl::Status Mapping::Impl::Remap(Pause& pause, const v1::PoolEvent& ev) {
+  for (const v1::Chunk& chunk : ev.chunks()) UnmapOne(chunk.id());
+  size_t next = 0;
+  absl::Cleanup release_rest = [&] {
+    for (size_t i = next; i < pause.chunks.size(); ++i) device->Release(pause.chunks[i].chunk).IgnoreError();
+    pause.chunks.clear();
+  };
+  for (; next < pause.chunks.size(); ++next) {
+    Imported& i = pause.chunks[next];
+    UnmapOverlapping(i.info.offset, i.info.bytes);
+    if (absl::Status s = device->Map(base + i.info.offset, i.chunk, Access::kReadWrite); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("mapping chunk ", i.info.id, ": ", s.message()));
+    }
+    chunks[i.info.id] = Mapped{i.info, i.chunk, std::move(i.fd)};
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Mapping::Impl::Acknowledge(uint64_t release_id, uint64_t pause_id) {
+  Conn c;
+  v1::AcknowledgeRequest req;
+  {
+    absl::MutexLock lock(&mu);
+    c = conn;
+    req.set_client_id(client_id);
+  }
+  req.set_release_id(release_id);
+  req.set_pause_id(pause_id);
+  v1::AcknowledgeResponse resp;
+  return client->CallOn(*c, &v1::Kvd::Stub::Acknowledge, req, &resp);
 }
 
 absl::Status Mapping::Impl::ApplyUpdate(const v1::PoolUpdate& update) {
@@ -627,7 +773,137 @@ std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
   return out;
 }
 
+// `ranges` sorted, with overlapping and adjacent ranges of one segment joined.
+std::vector<ByteRange> Merged(std::vector<ByteRange> ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) {
+    return a.segment != b.segment ? a.segment < b.segment : a.offset < b.offset;
+  });
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : ranges) {
+    if (!out.empty() && out.back().segment == r.segment && r.offset <= out.back().offset + out.back().bytes) {
+      out.back().bytes = std::max(out.back().offset + out.back().bytes, r.offset + r.bytes) - out.back().offset;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// The bytes of `a` outside every range of `b` (both Merged).
+std::vector<ByteRange> Without(const std::vector<ByteRange>& a, const std::vector<ByteRange>& b) {
+  std::vector<ByteRange> out;
+  for (const ByteRange& x : a) {
+    uint64_t at = x.offset;
+    const uint64_t end = x.offset + x.bytes;
+    for (const ByteRange& y : b) {
+      if (y.segment != x.segment || y.offset + y.bytes <= at || y.offset >= end) continue;
+      if (y.offset > at) out.push_back({x.segment, at, y.offset - at});
+      at = std::max(at, y.offset + y.bytes);
+    }
+    if (at < end) out.push_back({x.segment, at, end - at});
+  }
+  return out;
+}
+
 }  // namespace
+
+bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
+  std::vector<ByteRange> ranges;
+  absl::Status imported;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return false;
+    imported = ImportPause(*conn, ev);
+    if (imported.ok()) ranges = pauses[ev.pause_id()].ranges;
+  }
+  if (!imported.ok()) {
+    Lose(absl::Status(imported.code(), absl::StrCat("pausing pool ", pool, " (pause ", ev.pause_id(),
+                                                    "): importing its new chunks: ", imported.message())));
+    return false;
+  }
+  if (options.on_ranges_released) options.on_ranges_released(ranges);
+  if (options.on_pause) options.on_pause(ranges);
+  // A refused acknowledgement (too late: the daemon called the change off) changes nothing here: the
+  // RESUME with applied = false follows, or the stream ends if the daemon detached this client.
+  Acknowledge(/*release_id=*/0, ev.pause_id()).IgnoreError();
+  return true;
+}
+
+bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
+  const uint64_t id = ev.pause_id();
+  if (!ev.applied()) {
+    std::vector<ByteRange> ranges;
+    {
+      absl::MutexLock lock(&mu);
+      if (closing || state == Mapping::State::kLost) return false;
+      if (auto it = pauses.find(id); it != pauses.end()) {
+        ranges = it->second.ranges;
+        DropPause(it->second);
+        pauses.erase(it);
+      }
+    }
+    // Nothing moved: connectors register again what they deregistered at the PAUSE.
+    if (options.on_ranges_added && !ranges.empty()) options.on_ranges_added(ranges);
+    if (options.on_resume) options.on_resume(false);
+    return true;
+  }
+  // Bytes unmapped without having moved (whole chunks a shrink released) that the PAUSE's ranges did not
+  // name: connectors deregister them before they go.
+  std::vector<ByteRange> released_only;
+  bool known = false;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return false;
+    if (auto it = pauses.find(id); it != pauses.end()) {
+      known = true;
+      std::vector<ByteRange> unmapped;
+      for (const v1::Chunk& chunk : ev.chunks()) {
+        if (auto m = chunks.find(chunk.id()); m != chunks.end()) {
+          unmapped.push_back({m->second.info.segment, m->second.info.offset, m->second.info.bytes});
+        }
+      }
+      released_only = Without(Merged(std::move(unmapped)), Merged(it->second.ranges));
+    }
+  }
+  if (!known) {
+    Lose(absl::InternalError(
+        absl::StrCat("pool ", pool, ": RESUME of pause ", id, ", whose PAUSE this client never had")));
+    return false;
+  }
+  if (options.on_ranges_released && !released_only.empty()) options.on_ranges_released(released_only);
+  absl::Status remapped;
+  std::vector<ByteRange> added;
+  uint64_t before = 0, committed = 0;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return false;
+    auto it = pauses.find(id);
+    if (it == pauses.end()) return false;  // only UnmapAll (closing or lost) takes it away meanwhile
+    for (const Imported& i : it->second.chunks) added.push_back({i.info.segment, i.info.offset, i.info.bytes});
+    remapped = Remap(it->second, ev);
+    pauses.erase(it);
+    if (remapped.ok()) {
+      before = committed_blocks;
+      committed_blocks = committed = ev.committed_blocks();
+    }
+  }
+  if (!remapped.ok()) {
+    Lose(absl::Status(remapped.code(),
+                      absl::StrCat("remapping pool ", pool, " after pause ", id, ": ", remapped.message())));
+    return false;
+  }
+  if (options.on_ranges_added && !added.empty()) options.on_ranges_added(Merged(std::move(added)));
+  if (options.on_resume) options.on_resume(true);
+  if (ev.release_id() != 0) {
+    absl::Status s = Acknowledge(ev.release_id(), /*pause_id=*/0);
+    if (!s.ok()) {
+      Lose(absl::Status(s.code(), absl::StrCat("acknowledging release ", ev.release_id(), ": ", s.message())));
+      return false;
+    }
+  }
+  if (committed < before && options.on_release) options.on_release(committed);
+  return true;
+}
 
 std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
   v1::PoolEvent ev;
@@ -684,6 +960,12 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
         if (options.on_release) options.on_release(committed);
         break;
       }
+      case v1::EVENT_TYPE_PAUSE:
+        OnPause(ev);
+        break;
+      case v1::EVENT_TYPE_RESUME:
+        OnResume(ev);
+        break;
       case v1::EVENT_TYPE_POOL_DELETED:
         Lose(absl::NotFoundError(absl::StrCat("pool ", pool, " was deleted")));
         break;
@@ -745,6 +1027,9 @@ std::unique_ptr<Mapping::Impl::Reader> Mapping::Impl::Reattach(const absl::Statu
     }
     Attempt attempt = TryReattach(&restart);
     if (attempt.reader != nullptr) {
+      for (bool applied : attempt.resumed) {
+        if (options.on_resume) options.on_resume(applied);
+      }
       if (options.on_restart) options.on_restart(restart);
       return std::move(attempt.reader);
     }
@@ -835,6 +1120,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   req.set_pool(pool);
   req.set_client_name(options.client_name);
   req.set_device_uuid(peer_uuid);
+  req.set_pausable(options.on_pause != nullptr);
   v1::AttachResponse resp;
   if (absl::Status s = client->CallOn(*c, &v1::Kvd::Stub::Attach, req, &resp); !s.ok()) {
     // UNAVAILABLE: still RECOVERING, waiting for other clients' chunks or for its grace to pass.
@@ -867,6 +1153,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   // Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has the
   // same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same name since.
   const bool restored = resp.pool().epoch() > 1;
+  std::vector<bool> resumed;
   {
     absl::MutexLock lock(&mu);
     if (closing || state == Mapping::State::kLost) return {.status = absl::CancelledError("closing"), .fatal = true};
@@ -889,10 +1176,24 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       restart->lost_bytes += chunks[id].info.bytes;
       UnmapOne(id);
     }
+    // A pause does not outlive the daemon that began it: its imported chunks go, and the new daemon's
+    // chunk table says whether the change was made.
+    std::vector<std::vector<uint64_t>> paused;
+    for (auto& [pause_id, pause] : pauses) {
+      paused.emplace_back();
+      for (const Imported& i : pause.chunks) paused.back().push_back(i.info.id);
+      DropPause(pause);
+    }
+    pauses.clear();
     if (absl::Status s = MapLease(*c, resp.lease().token(), resp.pool().chunks()); !s.ok()) {
       return {
           .status = absl::Status(s.code(), absl::StrCat("mapping pool ", pool, " after kvd restarted: ", s.message())),
           .fatal = true};
+    }
+    for (const std::vector<uint64_t>& ids : paused) {
+      bool applied = !ids.empty();
+      for (uint64_t id : ids) applied &= chunks.contains(id);
+      resumed.push_back(applied);
     }
     committed_blocks = resp.pool().committed_blocks();
     state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
@@ -907,7 +1208,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   reader->WaitForInitialMetadata();
   std::move(stop_watch).Cancel();
   std::move(detach).Cancel();
-  return {.reader = std::move(reader)};
+  return {.reader = std::move(reader), .resumed = std::move(resumed)};
 }
 
 void Mapping::Impl::Shutdown() {
@@ -960,6 +1261,29 @@ absl::Status Client::Impl::Route(const v1::PoolUpdate& update) {
                                                " changed but mapping its new chunks failed: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Status Client::Impl::AwaitRemap(const v1::PoolUpdate& update, absl::Duration timeout) {
+  if (update.added().empty()) return absl::OkStatus();
+  std::shared_ptr<Mapping::Impl> m = FindMapping(update.pool().name());
+  if (m == nullptr) return absl::OkStatus();
+  std::set<uint64_t> added;
+  for (const v1::Chunk& c : update.added()) added.insert(c.id());
+  Mapping::Impl* raw = m.get();
+  auto settled = [raw, &added]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (raw->closing || raw->state == Mapping::State::kLost) return true;
+    for (const auto& [pause_id, pause] : raw->pauses) {
+      for (const Mapping::Impl::Imported& i : pause.chunks) {
+        if (added.contains(i.info.id)) return false;
+      }
+    }
+    return true;
+  };
+  absl::MutexLock lock(&m->mu);
+  if (m->mu.AwaitWithTimeout(absl::Condition(&settled), timeout)) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat("pool ", update.pool().name(),
+                                                  " changed but this client's Mapping of it did not remap within ",
+                                                  absl::FormatDuration(timeout)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1135,16 +1459,47 @@ namespace {
 absl::Duration WaitTimeout(absl::Duration timeout, bool wait) {
   return wait ? std::max(timeout, absl::Seconds(65)) : timeout;
 }
+
+// The deadline of a change that may pause the attached clients: the daemon waits up to the pause timeout
+// for the PAUSE acknowledgements and again for the RESUME ones, then copies.
+absl::Duration PauseTimeout(absl::Duration timeout, const PauseOptions& pause) {
+  return std::max(WaitTimeout(timeout, true), 2 * pause.timeout + absl::Seconds(65));
+}
 }  // namespace
 
 absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t target_blocks, bool wait) {
+  return Shrink(pool, target_blocks, ShrinkOptions{.wait = wait});
+}
+
+absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t target_blocks,
+                                          const ShrinkOptions& options) {
   v1::ShrinkRequest req;
   req.set_pool(std::string(pool));
   req.set_target_blocks(target_blocks);
-  req.set_wait_for_release(wait);
+  req.set_wait_for_release(options.wait);
+  req.set_whole_chunks_only(options.whole_chunks_only);
+  if (options.live_blocks.has_value()) {
+    req.mutable_live()->mutable_blocks()->Add(options.live_blocks->begin(), options.live_blocks->end());
+  }
+  ToProto(options.pause, req.mutable_pause());
+  const absl::Duration timeout = options.whole_chunks_only ? WaitTimeout(impl_->options.timeout, options.wait)
+                                                           : PauseTimeout(impl_->options.timeout, options.pause);
   v1::PoolUpdate update;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Shrink, req, &update, WaitTimeout(impl_->options.timeout, wait)));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Shrink, req, &update, timeout));
   impl_->Observe(update);
+  KVD_RETURN_IF_ERROR(impl_->AwaitRemap(update, timeout));
+  return FromProto(update);
+}
+
+absl::StatusOr<PoolChange> Client::Compact(absl::string_view pool, const PauseOptions& pause) {
+  v1::CompactRequest req;
+  req.set_pool(std::string(pool));
+  ToProto(pause, req.mutable_pause());
+  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, pause);
+  v1::PoolUpdate update;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Compact, req, &update, timeout));
+  impl_->Observe(update);
+  KVD_RETURN_IF_ERROR(impl_->AwaitRemap(update, timeout));
   return FromProto(update);
 }
 
@@ -1217,6 +1572,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   req.set_pool(name);
   req.set_client_name(options.client_name);
   req.set_device_uuid(local.peer_uuid);
+  req.set_pausable(options.on_pause != nullptr);
   v1::AttachResponse resp;
   KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::Attach, req, &resp));
   impl_->Observe(resp);

@@ -96,6 +96,7 @@ struct Flags {
   uint64_t fdstore_max = 16384;
   std::string recovery_grace = "60s";
   std::string pause_timeout = "5s";
+  uint64_t compact_above_chunks = 0;
   bool drain_on_stop = false;
   std::string max_metadata = "1MiB";
   // Limits (docs/operations.md, "Limits"; daemon/core/limits.h).
@@ -562,6 +563,8 @@ absl::Status Run(const Flags& f) {
                                                    .started_at = started_at,
                                                    .recovery_grace = recovery_grace,
                                                    .pause_timeout = pause_timeout,
+                                                   .compact_above_chunks = f.compact_above_chunks,
+                                                   .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
   if (store != nullptr) {
@@ -750,6 +753,10 @@ int Main(int argc, char** argv) {
   app.add_option("--pause-timeout", f.pause_timeout,
                  "How long a shrink or compact that moves bytes waits for every attached client to pause (and then "
                  "to resume) unless the request says otherwise")
+      ->capture_default_str();
+  app.add_option("--compact-above-chunks", f.compact_above_chunks,
+                 "Compact a pool on the daemon's own when a grow leaves it with more chunks than this and every "
+                 "attached client is pausable (0: never; kvctl compact does it on request)")
       ->capture_default_str();
   app.add_flag("--drain-on-stop", f.drain_on_stop,
                "On SIGTERM delete every pool and release all memory (engines are told to unmap) instead of keeping "

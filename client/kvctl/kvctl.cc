@@ -26,10 +26,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
@@ -290,6 +292,11 @@ struct Flags {
   std::string metadata_out;  // metadata: write the data to this file
   std::string metadata_in;   // metadata --set: the file to store
   int64_t expected_version = -1;
+  bool whole_chunks = false;         // shrink --whole-chunks
+  bool live_given = false;           // shrink --live-blocks (an empty list is a compaction shrink too)
+  std::string live_blocks;           // "1,2,5-9" or "@FILE"
+  std::string pause_timeout;         // shrink, compact: empty for the daemon's --pause-timeout
+  bool detach_unresponsive = false;  // shrink, compact
 };
 
 // --blocks or --bytes -> a target block count for `pool`.
@@ -380,6 +387,13 @@ absl::Status Caps(Client& client, const Flags& f, const Replies& replies) {
   return absl::OkStatus();
 }
 
+// "2", or "2 (1 pausable)" when some attached clients take part in pauses (AttachRequest.pausable).
+std::string Clients(const PoolInfo& p) {
+  const size_t pausable =
+      std::count_if(p.clients.begin(), p.clients.end(), [](const ClientInfo& c) { return c.pausable; });
+  return pausable == 0 ? absl::StrCat(p.client_count) : absl::StrCat(p.client_count, " (", pausable, " pausable)");
+}
+
 absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
   if (f.json) {
@@ -397,8 +411,7 @@ absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   for (const PoolInfo& p : pools) {
     rows.push_back({p.name, PoolStateName(p.state), p.geometry.layout,
                     absl::StrCat(p.committed_blocks, "/", p.geometry.dims.capacity_blocks),
-                    FormatBytes(p.committed_bytes), FormatBytes(p.pending_release_bytes),
-                    absl::StrCat(p.client_count)});
+                    FormatBytes(p.committed_bytes), FormatBytes(p.pending_release_bytes), Clients(p)});
   }
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows) {
@@ -457,9 +470,10 @@ absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
   }
   std::printf("clients      %zu\n", p.clients.size());
   for (const ClientInfo& c : p.clients) {
-    std::printf("  %s %s uid %u pid %d, %s mapped%s\n", c.client_id.c_str(), c.name.c_str(), c.uid, c.pid,
+    std::printf("  %s %s uid %u pid %d, %s mapped%s%s\n", c.client_id.c_str(), c.name.c_str(), c.uid, c.pid,
                 FormatBytes(c.mapped_bytes).c_str(),
-                c.device_uuid.empty() ? "" : absl::StrCat(", from device ", c.device_uuid).c_str());
+                c.device_uuid.empty() ? "" : absl::StrCat(", from device ", c.device_uuid).c_str(),
+                c.pausable ? ", pausable" : "");
   }
   return absl::OkStatus();
 }
@@ -480,13 +494,71 @@ absl::Status Create(Client& client, const Flags& f, const Replies& replies) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text, absl::string_view flag);
+
+// --pause-timeout and --detach-unresponsive.
+absl::StatusOr<PauseOptions> Pause(const Flags& f) {
+  PauseOptions pause{.detach_unresponsive = f.detach_unresponsive};
+  if (!f.pause_timeout.empty() &&
+      (!absl::ParseDuration(f.pause_timeout, &pause.timeout) || pause.timeout <= absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pause-timeout: \"", f.pause_timeout, "\" is not a positive duration (e.g. 5s, 500ms)"));
+  }
+  return pause;
+}
+
+// --live-blocks: "1,2,5-9", or "@FILE" holding such a list (commas, spaces or newlines between items).
+// An empty list (no block is live) is a compaction shrink that moves nothing.
+absl::StatusOr<std::vector<uint64_t>> LiveBlocks(const std::string& text) {
+  std::string list = text;
+  if (absl::StartsWith(text, "@")) {
+    std::ifstream in(text.substr(1));
+    if (!in) return absl::NotFoundError(absl::StrCat("--live-blocks: cannot read ", text.substr(1)));
+    list.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    for (char& c : list) {
+      if (absl::ascii_isspace(static_cast<unsigned char>(c))) c = ',';
+    }
+  }
+  if (absl::StripAsciiWhitespace(absl::StrReplaceAll(list, {{",", ""}})).empty()) return std::vector<uint64_t>{};
+  return ParseBlockList(list, "--live-blocks");
+}
+
+// What a Shrink or Compact did to the pool's physical shape (PoolUpdate.reshape).
+void PrintReshape(const Reshape& r) {
+  std::printf("chunks       %u before, %u after (%u replaced, %u new)\n", r.chunks_before, r.chunks_after,
+              r.chunks_replaced, r.chunks_added);
+  if (r.copied_bytes == 0) {
+    std::printf("copied       nothing\n");
+  } else {
+    std::printf("copied       %s on the device in %s\n", FormatBytes(r.copied_bytes).c_str(),
+                Ms(r.copy_us / 1000.0).c_str());
+  }
+  if (r.paused_clients == 0) {
+    std::printf("pause        none (no client paused)\n");
+  } else {
+    std::printf("pause        %s: %u clients paused, %u resumed before the reply\n", Ms(r.pause_us / 1000.0).c_str(),
+                r.paused_clients, r.resumed_clients);
+  }
+  if (!r.detached_client_ids.empty()) {
+    std::printf("detached     %s (did not acknowledge the pause)\n",
+                absl::StrJoin(r.detached_client_ids, ", ").c_str());
+  }
+}
+
 absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool grow) {
   if (f.bytes.empty() == (f.blocks == 0)) {
     return absl::InvalidArgumentError("give exactly one of --blocks and --bytes");
   }
   KVD_ASSIGN_OR_RETURN(uint64_t target, TargetBlocks(client, f, grow));
+  ShrinkOptions options{.wait = f.wait, .whole_chunks_only = f.whole_chunks};
+  if (!grow) {
+    if (f.live_given) {
+      KVD_ASSIGN_OR_RETURN(options.live_blocks, LiveBlocks(f.live_blocks));
+    }
+    KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
+  }
   Timer t;
-  absl::StatusOr<PoolChange> change = grow ? client.Grow(f.pool, target) : client.Shrink(f.pool, target, f.wait);
+  absl::StatusOr<PoolChange> change = grow ? client.Grow(f.pool, target) : client.Shrink(f.pool, target, options);
   KVD_RETURN_IF_ERROR(change.status());
   const double ms = t.ms();
   if (f.json) return PrintReply<v1::PoolUpdate>(replies, {{"round_trip_ms", JsonMs(ms)}});
@@ -494,10 +566,36 @@ absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool
               FormatBytes(change->pool.committed_bytes).c_str(), Ms(ms).c_str());
   if (grow) {
     std::printf(", %zu new chunks\n", change->added.size());
-  } else {
-    std::printf(", %zu chunks released, %s pending release\n", change->released_chunk_ids.size(),
-                FormatBytes(change->pool.pending_release_bytes).c_str());
+    return absl::OkStatus();
   }
+  std::printf(", %zu chunks released, %s pending release\n", change->released_chunk_ids.size(),
+              FormatBytes(change->pool.pending_release_bytes).c_str());
+  if (!change->reshape.has_value()) return absl::OkStatus();  // a daemon from before reshaping
+  const Reshape& r = *change->reshape;
+  if (r.target_reached) {
+    std::printf("target       reached: every segment ends at block %lu\n", change->pool.committed_blocks);
+  } else {
+    std::printf("target       NOT reached: %lu blocks committed for a target of %lu (%s)\n",
+                change->pool.committed_blocks, target,
+                f.whole_chunks ? "--whole-chunks releases whole chunks only" : "whole chunks only");
+  }
+  if (options.live_blocks.has_value()) {
+    std::printf("moved        %zu live blocks below the target%s\n", r.moved_blocks.size(),
+                r.moved_blocks.empty() ? "" : " (--json lists each src -> dst)");
+  }
+  PrintReshape(r);
+  return absl::OkStatus();
+}
+
+absl::Status CompactVerb(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(PauseOptions pause, Pause(f));
+  Timer t;
+  KVD_ASSIGN_OR_RETURN(PoolChange change, client.Compact(f.pool, pause));
+  const double ms = t.ms();
+  if (f.json) return PrintReply<v1::PoolUpdate>(replies, {{"round_trip_ms", JsonMs(ms)}});
+  std::printf("compacted %s: %lu blocks (%s) in %s\n", f.pool.c_str(), change.pool.committed_blocks,
+              FormatBytes(change.pool.committed_bytes).c_str(), Ms(ms).c_str());
+  if (change.reshape.has_value()) PrintReshape(*change.reshape);
   return absl::OkStatus();
 }
 
@@ -647,8 +745,9 @@ absl::Status Metadata(Client& client, const Flags& f, const Replies& replies) {
   return absl::OkStatus();
 }
 
-// "1,2,5-9" -> {1, 2, 5, 6, 7, 8, 9} (order kept; the daemon refuses repeats).
-absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text) {
+// "1,2,5-9" -> {1, 2, 5, 6, 7, 8, 9} (order kept; the daemon refuses repeats). `flag` names the option in
+// errors.
+absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text, absl::string_view flag) {
   constexpr uint64_t kMaxIds = uint64_t{1} << 22;
   std::vector<uint64_t> ids;
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
@@ -656,23 +755,23 @@ absl::StatusOr<std::vector<uint64_t>> ParseBlockList(absl::string_view text) {
     const std::vector<absl::string_view> ends = absl::StrSplit(item, absl::MaxSplits('-', 1));
     uint64_t first = 0, last = 0;
     if (!absl::SimpleAtoi(ends[0], &first) || (ends.size() == 2 && !absl::SimpleAtoi(ends[1], &last))) {
-      return absl::InvalidArgumentError(absl::StrCat("--blocks: \"", item, "\" is not a block id or a range A-B"));
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": \"", item, "\" is not a block id or a range A-B"));
     }
     if (ends.size() == 1) last = first;
-    if (last < first) return absl::InvalidArgumentError(absl::StrCat("--blocks: range \"", item, "\" is empty"));
+    if (last < first) return absl::InvalidArgumentError(absl::StrCat(flag, ": range \"", item, "\" is empty"));
     if (last - first >= kMaxIds || ids.size() + (last - first + 1) > kMaxIds) {
-      return absl::InvalidArgumentError(absl::StrCat("--blocks: more than ", kMaxIds, " block ids"));
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": more than ", kMaxIds, " block ids"));
     }
     for (uint64_t b = first; b <= last; ++b) ids.push_back(b);
   }
-  if (ids.empty()) return absl::InvalidArgumentError("--blocks: names no block (e.g. --blocks 0,4,8-15)");
+  if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": names no block (e.g. ", flag, " 0,4,8-15)"));
   return ids;
 }
 
 absl::Status Transfer(Client& client, const Flags& f, const Replies& replies) {
   std::vector<uint64_t> ids;
   if (!f.block_list.empty()) {
-    KVD_ASSIGN_OR_RETURN(ids, ParseBlockList(f.block_list));
+    KVD_ASSIGN_OR_RETURN(ids, ParseBlockList(f.block_list, "--blocks"));
   }
   KVD_ASSIGN_OR_RETURN(TransferPlan plan, client.DescribeTransfer(f.pool, ids));
   if (f.json) return PrintReply<v1::DescribeTransferResponse>(replies, {{"pool", JsonString(f.pool)}});
@@ -901,7 +1000,10 @@ int Main(int argc, char** argv) {
   f.layout.Add(create);
 
   CLI::App* grow = app.add_subcommand("grow", "Grow a pool to --blocks or --bytes (rounded up to whole blocks)");
-  CLI::App* shrink = app.add_subcommand("shrink", "Shrink a pool to --blocks or --bytes (rounded down)");
+  CLI::App* shrink = app.add_subcommand(
+      "shrink",
+      "Shrink a pool to --blocks or --bytes (rounded down): every segment's prefix ends at the target (rounded up to "
+      "the granularity), a chunk straddling it is replaced by a smaller copy while the attached clients pause");
   for (CLI::App* sub : {grow, shrink}) {
     sub->add_option("pool", f.pool, "Pool name")->required();
     CLI::Option* b = sub->add_option("--blocks", f.blocks, "Target committed blocks");
@@ -909,6 +1011,27 @@ int Main(int argc, char** argv) {
     b->excludes(s);
   }
   shrink->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+  CLI::Option* whole = shrink->add_flag(
+      "--whole-chunks", f.whole_chunks,
+      "Release whole chunks only and never pause: the pool may stay above the target (the output says so)");
+  CLI::Option* live = shrink->add_option(
+      "--live-blocks", f.live_blocks,
+      "Compaction shrink: the blocks still in use, e.g. 0,4,8-15, or @FILE with such a list (commas, spaces or "
+      "newlines); live blocks at or above the target move to free blocks below it first");
+  live->excludes(whole);
+  CLI::App* compact = app.add_subcommand(
+      "compact",
+      "Rewrite a fragmented pool as one chunk per segment (split at the daemon's maximum chunk size), copying on the "
+      "device while the attached clients pause");
+  compact->add_option("pool", f.pool, "Pool name")->required();
+  for (CLI::App* sub : {shrink, compact}) {
+    sub->add_option("--pause-timeout", f.pause_timeout,
+                    "How long each attached client has to acknowledge the pause, e.g. 5s (default: the daemon's "
+                    "--pause-timeout)");
+    sub->add_flag("--detach-unresponsive", f.detach_unresponsive,
+                  "Detach a client that does not acknowledge the pause in time and go on (default: fail with "
+                  "DEADLINE_EXCEEDED naming it, nothing changed)");
+  }
 
   CLI::App* sleep = app.add_subcommand("sleep", "Release a pool's (or every pool's) memory, keeping its VA");
   CLI::App* wake = app.add_subcommand("wake", "Recommit a sleeping pool (or every sleeping pool)");
@@ -994,6 +1117,7 @@ int Main(int argc, char** argv) {
     return Fail(e.what(), 2);
   }
   f.layout.env_given = env->count() > 0;
+  f.live_given = live->count() > 0;
   if (transfer->parsed() && transfer->count("--blocks") > 0 && f.block_list.empty()) {
     return Fail("--blocks: names no block (e.g. --blocks 0,4,8-15)", 2);
   }
@@ -1052,6 +1176,8 @@ int Main(int argc, char** argv) {
     s = Create(c, f, replies);
   } else if (grow->parsed() || shrink->parsed()) {
     s = Resize(c, f, replies, grow->parsed());
+  } else if (compact->parsed()) {
+    s = CompactVerb(c, f, replies);
   } else if (sleep->parsed() || wake->parsed()) {
     s = SleepWake(c, f, replies, sleep->parsed());
   } else if (del->parsed()) {

@@ -133,6 +133,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
   // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
   next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
+  if (options_.compact_above_chunks > 0) compactor_ = std::thread([this] { CompactInBackground(); });
 }
 
 PoolManager::~PoolManager() {
@@ -613,7 +614,10 @@ absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::
 
 absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_view name, uint64_t target_blocks) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return Resize(caller, pool, GroupOp::kGrow, target_blocks, false, absl::InfinitePast());
+  KVD_ASSIGN_OR_RETURN(PoolUpdate update,
+                       Resize(caller, pool, GroupOp::kGrow, target_blocks, false, absl::InfinitePast()));
+  CompactLaterIfFragmented(update.pool);
+  return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
@@ -892,6 +896,42 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   return update;
 }
 
+void PoolManager::CompactLaterIfFragmented(const PoolView& pool) {
+  if (options_.compact_above_chunks == 0 || pool.chunks.size() <= options_.compact_above_chunks) return;
+  absl::MutexLock lock(&mu_);
+  if (std::find(to_compact_.begin(), to_compact_.end(), pool.name) == to_compact_.end()) {
+    to_compact_.push_back(pool.name);
+  }
+}
+
+void PoolManager::CompactInBackground() {
+  const Caller daemon{.uid = options_.daemon_uid, .pid = getpid(), .name = "kvd"};
+  for (;;) {
+    std::string name;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !to_compact_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) return;
+      name = std::move(to_compact_.front());
+      to_compact_.pop_front();
+    }
+    absl::StatusOr<PoolUpdate> compacted = Compact(daemon, name, {});
+    if (compacted.ok() && compacted->reshape.has_value() && compacted->reshape->chunks_added > 0) {
+      const ReshapeReport& r = *compacted->reshape;
+      if (options_.info) {
+        options_.info(absl::StrCat("pool ", name, ": compacted on its own past ", options_.compact_above_chunks,
+                                   " chunks (--compact-above-chunks): ", r.chunks_before, " -> ", r.chunks_after,
+                                   " chunks, ", FormatBytes(r.copied_bytes), " copied, ", r.paused_clients,
+                                   " clients paused for ", absl::FormatDuration(r.pause)));
+      }
+    } else if (!compacted.ok() && options_.info) {
+      // A client that is not pausable, a pool deleted or put to sleep meanwhile: it stays as it is.
+      options_.info(absl::StrCat("pool ", name, ": not compacted on its own: ", compacted.status().ToString()));
+    }
+  }
+}
+
 void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline,
                                 absl::Time start) {
   const size_t still = pool.AwaitRelease(update.release_id, deadline);
@@ -989,6 +1029,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
     pool->AwaitRelease(result.update.release_id, deadline);
     result.update.pool = pool->View(ViewClients::kCounted);
   }
+  if (result.op == GroupOp::kGrow) CompactLaterIfFragmented(result.update.pool);
   result.update.elapsed = absl::Now() - start;
   return result;
 }
@@ -1408,6 +1449,7 @@ void PoolManager::Shutdown(bool keep_pools) {
   }
   transactions_.Stop();
   if (reaper_.joinable()) reaper_.join();
+  if (compactor_.joinable()) compactor_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {
     absl::MutexLock op(&pool->op_mu);
     Destroy(*pool, keep_pools ? EventType::kDaemonRestarting : EventType::kDaemonStopping);

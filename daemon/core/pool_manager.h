@@ -43,6 +43,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -101,6 +102,11 @@ struct ManagerOptions {
   // How long a pause waits for every attached client to acknowledge it (and then for their RESUME
   // acknowledgements) unless the request says otherwise (PauseOptions.timeout).
   absl::Duration pause_timeout = absl::Seconds(5);
+  // A pool that a grow leaves with more chunks than this is compacted in the background, when every
+  // attached client is pausable (otherwise it stays as it is); 0: never on the daemon's own.
+  size_t compact_above_chunks = 0;
+  // Where the manager reports what it did on its own that is not a problem (background compactions).
+  std::function<void(const std::string&)> info;
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
   std::function<void(const std::string&)> warn;
   // What tenants may hold (limits.h); its daemon_uid is set from daemon_uid above.
@@ -325,6 +331,10 @@ class PoolManager {
   // The end of a reshape, without op_mu: waits for the paused clients' RESUME acknowledgements (at most
   // until `deadline`) and fills in the report.
   void FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline, absl::Time start);
+  // After a grow: queues the pool for compactor_ when it has more chunks than compact_above_chunks.
+  void CompactLaterIfFragmented(const PoolView& pool);
+  // compactor_'s loop: compacts the queued pools as the daemon, one at a time, until Shutdown.
+  void CompactInBackground();
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(uint64_t base,
                                                                     const std::vector<PlannedChunk>& plan);
   void DiscardChunk(uint64_t base, ChunkRecord& record);
@@ -379,6 +389,9 @@ class PoolManager {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
   std::thread recovery_;
+  // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
+  std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
+  std::thread compactor_;
 };
 
 }  // namespace kvd::daemon

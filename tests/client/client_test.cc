@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -62,12 +63,27 @@ struct Events {
   int grows ABSL_GUARDED_BY(mu) = 0;
   int releases ABSL_GUARDED_BY(mu) = 0;
   int lost ABSL_GUARDED_BY(mu) = 0;
+  int pauses ABSL_GUARDED_BY(mu) = 0;
+  int resumes ABSL_GUARDED_BY(mu) = 0;
+  bool applied ABSL_GUARDED_BY(mu) = false;  // the last on_resume's argument
   uint64_t last_blocks ABSL_GUARDED_BY(mu) = 0;
   absl::Status why ABSL_GUARDED_BY(mu);
 
-  AttachOptions Options(std::string name) {
+  // `pausable`: with on_pause and on_resume, which count their calls.
+  AttachOptions Options(std::string name, bool pausable = false) {
     AttachOptions o;
     o.client_name = std::move(name);
+    if (pausable) {
+      o.on_pause = [this](const std::vector<ByteRange>&) {
+        absl::MutexLock lock(&mu);
+        ++pauses;
+      };
+      o.on_resume = [this](bool was_applied) {
+        absl::MutexLock lock(&mu);
+        ++resumes;
+        applied = was_applied;
+      };
+    }
     o.on_grow = [this](uint64_t blocks) {
       absl::MutexLock lock(&mu);
       ++grows;
@@ -585,6 +601,343 @@ TEST_F(ClientTest, EnvironmentSocketAndLayout) {
   EXPECT_THAT(required.resolution.allowed_layouts, ::testing::ElementsAre("LBHNC", "LBNHC"));
   ASSERT_EQ(required.resolution.warnings.size(), 1u);  // the env layout outside the allowed set
   EXPECT_THAT(required.resolution.warnings[0], HasSubstr("LHBNC"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pauses and reshaping (docs/api.md, "Pauses and reshaping"; docs/integrating.md, "Pauses").
+
+// A byte of (layer, block, head) that no other triple shares within a test, never zero.
+unsigned char PatternOf(uint64_t l, uint64_t b, uint64_t h) {
+  return static_cast<unsigned char>((l * 67 + b * 13 + h * 5) % 251 + 1);
+}
+
+void WritePattern(const Mapping& m, const std::vector<uint64_t>& blocks) {
+  for (uint64_t l = 0; l < m.geometry().dims.layers; ++l) {
+    for (uint64_t b : blocks) {
+      for (uint64_t h = 0; h < m.geometry().dims.heads; ++h) {
+        *At(m.layer(l), b, h, 0, 0) = PatternOf(l, b, h);
+        *At(m.layer(l), b, h, 15, 63) = PatternOf(l, b, h);
+      }
+    }
+  }
+}
+
+// Every byte WritePattern wrote, through `m`; the first one that differs, if any.
+std::string CheckPattern(const Mapping& m, const std::vector<uint64_t>& blocks) {
+  for (uint64_t l = 0; l < m.geometry().dims.layers; ++l) {
+    for (uint64_t b : blocks) {
+      for (uint64_t h = 0; h < m.geometry().dims.heads; ++h) {
+        for (unsigned char* at : {At(m.layer(l), b, h, 0, 0), At(m.layer(l), b, h, 15, 63)}) {
+          if (*at != PatternOf(l, b, h)) {
+            return absl::StrCat("layer ", l, " block ", b, " head ", h, ": read ", *at, ", wrote ", PatternOf(l, b, h));
+          }
+        }
+      }
+    }
+  }
+  return "";
+}
+
+std::string Str(const std::vector<ByteRange>& ranges) {
+  std::string out;
+  for (const ByteRange& r : ranges) absl::StrAppend(&out, "[", r.segment, " ", r.offset, " +", r.bytes, "]");
+  return out;
+}
+
+// What a connector's callbacks (on_ranges_released, on_ranges_added) were given, call by call.
+struct ConnectorCalls {
+  absl::Mutex mu;
+  std::vector<std::string> released ABSL_GUARDED_BY(mu);
+  std::vector<std::string> added ABSL_GUARDED_BY(mu);
+
+  void Add(AttachOptions& o) {
+    o.on_ranges_released = [this](const std::vector<ByteRange>& r) {
+      absl::MutexLock lock(&mu);
+      released.push_back(Str(r));
+    };
+    o.on_ranges_added = [this](const std::vector<ByteRange>& r) {
+      absl::MutexLock lock(&mu);
+      added.push_back(Str(r));
+    };
+  }
+};
+
+// The memfd FDs open in this process (host backend: two per chunk a Mapping maps or has imported, see
+// AMappingKeepsOneFdPerMappedChunk).
+size_t Memfds() {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    n += std::filesystem::read_symlink(e.path(), ec).string().rfind("/memfd:", 0) == 0;
+  }
+  return n;
+}
+
+uint64_t MappedBytes(const Mapping& m) {
+  uint64_t bytes = 0;
+  for (const ChunkInfo& c : m.chunks()) bytes += c.bytes;
+  return bytes;
+}
+
+// An exact shrink to a target inside a chunk: the straddling chunk of each segment is replaced by a
+// smaller one holding the kept bytes while both Mappings pause, and both read every kept byte back
+// from the new memory at the same addresses. The shrinking client's own Mapping has remapped when
+// Shrink returns.
+TEST_F(ClientTest, ExactShrinkInsideAChunkKeepsTheBytes) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 2048)).status(), IsOk());  // one 8 MiB chunk per segment
+  Events ea, eb;
+  ConnectorCalls cb;
+  AttachOptions ob = eb.Options("connector", true);
+  cb.Add(ob);
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", std::move(ob)));
+  ASSERT_EQ(a->chunks().size(), 2u);
+  void* const base_a = a->base();
+  const std::vector<uint64_t> kept = {0, 1, 300, 511, 512, 599};
+  WritePattern(*a, kept);
+  WritePattern(*a, {600, 1023, 2047});
+
+  // 600 blocks of 4 KiB per segment end inside the first 4 MiB: that is where each segment ends now
+  // (1024 blocks).
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange shrunk, engine->Shrink("kv", 600, ShrinkOptions{}));
+  ASSERT_TRUE(shrunk.reshape.has_value());
+  const Reshape& r = *shrunk.reshape;
+  EXPECT_TRUE(r.target_reached);
+  EXPECT_EQ(r.chunks_before, 2u);
+  EXPECT_EQ(r.chunks_after, 2u);
+  EXPECT_EQ(r.chunks_replaced, 2u);
+  EXPECT_EQ(r.chunks_added, 2u);
+  EXPECT_EQ(r.copied_bytes, uint64_t{8} << 20);  // the kept 4 MiB of each segment
+  EXPECT_EQ(r.paused_clients, 2u);
+  EXPECT_TRUE(r.detached_client_ids.empty());
+  EXPECT_TRUE(r.moved_blocks.empty());
+  EXPECT_EQ(shrunk.added.size(), 2u);
+  EXPECT_EQ(shrunk.pool.committed_blocks, 1024u);  // 600 blocks rounded up to the 2 MiB granularity
+
+  // The shrinker's Mapping: remapped before Shrink returned, at the same base.
+  EXPECT_EQ(a->base(), base_a);
+  EXPECT_EQ(MappedBytes(*a), uint64_t{8} << 20);
+  for (const ChunkInfo& c : a->chunks()) EXPECT_EQ(c.bytes, uint64_t{4} << 20);
+  EXPECT_EQ(CheckPattern(*a, kept), "");
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_EQ(ea.pauses, 1);
+    EXPECT_EQ(ea.resumes, 1);
+    EXPECT_TRUE(ea.applied);
+  }
+  // The other Mapping follows on its thread.
+  ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, engine->GetPool("kv"));
+  const absl::Time deadline = absl::Now() + kWait;
+  while (Ids(b->chunks()) != Ids(p.chunks) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(Ids(a->chunks()), Ids(p.chunks));
+  EXPECT_EQ(Ids(b->chunks()), Ids(p.chunks));
+  EXPECT_EQ(CheckPattern(*b, kept), "");
+  {
+    absl::MutexLock lock(&eb.mu);
+    EXPECT_EQ(eb.pauses, 1);
+    EXPECT_EQ(eb.resumes, 1);
+    EXPECT_TRUE(eb.applied);
+    EXPECT_EQ(eb.lost, 0);
+  }
+  // The connector deregistered the moving bytes before the pause and the released ones before they were
+  // unmapped, and registers the new chunks once mapped.
+  const uint64_t stride = b->geometry().segment_stride;
+  const uint64_t MiB = uint64_t{1} << 20;
+  {
+    absl::MutexLock lock(&cb.mu);
+    EXPECT_THAT(cb.released, ::testing::ElementsAre(Str({{0, 0, 4 * MiB}, {1, stride, 4 * MiB}}),
+                                                    Str({{0, 4 * MiB, 4 * MiB}, {1, stride + 4 * MiB, 4 * MiB}})));
+    EXPECT_THAT(cb.added, ::testing::ElementsAre(Str({{0, 0, 4 * MiB}, {1, stride, 4 * MiB}})));
+  }
+  // Written through one, read through the other: the two map the same new memory.
+  *At(b->layer(1), 599, 1, 7, 7) = 0x3c;
+  EXPECT_EQ(*At(a->layer(1), 599, 1, 7, 7), 0x3c);
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{8} << 20);
+}
+
+// A Mapping whose pause hook does not return within the pause timeout: the change fails with
+// DEADLINE_EXCEEDED naming it and nothing changed (every Mapping gets on_resume(false)); with
+// detach_unresponsive it is detached instead (its Mapping is lost) and the change goes on.
+TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> slow, Connect("slow"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 2048)).status(), IsOk());
+  Events ea, eb;
+  // The slow Mapping's hook returns only once the test lets pause number n go.
+  absl::Mutex gate_mu;
+  int let_go = 0;
+  AttachOptions ob = eb.Options("slow", true);
+  ob.on_pause = [&](const std::vector<ByteRange>&) {
+    int n = 0;
+    {
+      absl::MutexLock lock(&eb.mu);
+      n = ++eb.pauses;
+    }
+    absl::MutexLock lock(&gate_mu);
+    auto open = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return let_go >= n; };
+    gate_mu.Await(absl::Condition(&open));
+  };
+  auto release = [&](int n) {
+    absl::MutexLock lock(&gate_mu);
+    let_go = n;
+  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
+  absl::Cleanup unblock = [&] { release(1000); };  // the follower must be able to stop
+  WritePattern(*a, {0, 599, 1500});
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, engine->GetPool("kv"));
+  const std::string slow_id = b->client_id();
+
+  const PauseOptions pause{.timeout = absl::Seconds(1)};
+  EXPECT_THAT(engine->Shrink("kv", 600, ShrinkOptions{.pause = pause}).status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(slow_id)));
+  release(1);
+  ASSERT_TRUE(ea.WaitFor(&Events::resumes, 1));
+  ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
+  for (Events* e : {&ea, &eb}) {
+    absl::MutexLock lock(&e->mu);
+    EXPECT_EQ(e->pauses, 1);
+    EXPECT_FALSE(e->applied);
+    EXPECT_EQ(e->lost, 0);
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo after, engine->GetPool("kv"));
+  EXPECT_EQ(Ids(after.chunks), Ids(before.chunks));
+  EXPECT_EQ(after.committed_blocks, 2048u);
+  EXPECT_EQ(Ids(a->chunks()), Ids(before.chunks));
+  EXPECT_EQ(Ids(b->chunks()), Ids(before.chunks));
+  EXPECT_EQ(CheckPattern(*b, {0, 599, 1500}), "");
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);                    // the replacement chunks were given back
+  EXPECT_EQ(Memfds(), 2 * (a->chunks().size() + b->chunks().size()));  // and dropped by both Mappings
+
+  KVD_ASSERT_OK_AND_ASSIGN(
+      PoolChange shrunk,
+      engine->Shrink("kv", 600, ShrinkOptions{.pause = {.timeout = absl::Seconds(1), .detach_unresponsive = true}}));
+  ASSERT_TRUE(shrunk.reshape.has_value());
+  EXPECT_THAT(shrunk.reshape->detached_client_ids, ::testing::ElementsAre(slow_id));
+  EXPECT_EQ(shrunk.reshape->paused_clients, 1u);
+  EXPECT_TRUE(shrunk.reshape->target_reached);
+  EXPECT_EQ(CheckPattern(*a, {0, 599}), "");
+  release(2);
+  ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
+  EXPECT_EQ(b->state(), Mapping::State::kLost);
+  EXPECT_TRUE(b->chunks().empty());
+  EXPECT_EQ(Memfds(), 2 * a->chunks().size());  // lost mid-pause: the imported chunks went too
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_EQ(ea.pauses, 2);
+    EXPECT_EQ(ea.resumes, 2);
+    EXPECT_TRUE(ea.applied);
+  }
+}
+
+// Compact of a pool grown 16 times (16 chunks per segment) leaves one chunk per segment, and both
+// Mappings read every byte written before.
+TEST_F(ClientTest, CompactOfAPoolGrownSixteenTimesKeepsEveryByte) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  PoolOptions o = SmallPool("kv", 512);
+  o.dims.capacity_blocks = 8192;
+  ASSERT_THAT(engine->CreatePool(o).status(), IsOk());
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector", true)));
+  std::vector<uint64_t> written;
+  for (uint64_t i = 0; i < 16; ++i) {
+    if (i > 0) {
+      ASSERT_THAT(engine->Grow("kv", 512 * (i + 1)).status(), IsOk());
+    }
+    const std::vector<uint64_t> blocks = {512 * i, 512 * i + 255, 512 * i + 511};
+    WritePattern(*a, blocks);
+    written.insert(written.end(), blocks.begin(), blocks.end());
+  }
+  ASSERT_EQ(a->chunks().size(), 32u);
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 15));
+  const void* const base_b = b->base();
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange compacted, engine->Compact("kv"));
+  ASSERT_TRUE(compacted.reshape.has_value());
+  const Reshape& r = *compacted.reshape;
+  EXPECT_EQ(r.chunks_before, 32u);
+  EXPECT_EQ(r.chunks_after, 2u);
+  EXPECT_EQ(r.chunks_replaced, 32u);
+  EXPECT_EQ(r.chunks_added, 2u);
+  EXPECT_EQ(r.copied_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(r.paused_clients, 2u);
+  EXPECT_EQ(compacted.pool.committed_blocks, 8192u);
+  EXPECT_EQ(a->chunks().size(), 2u);  // remapped before Compact returned
+  EXPECT_EQ(CheckPattern(*a, written), "");
+
+  ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
+  EXPECT_EQ(b->base(), base_b);
+  EXPECT_EQ(b->chunks().size(), 2u);
+  EXPECT_EQ(b->committed_blocks(), 8192u);
+  EXPECT_EQ(CheckPattern(*b, written), "");
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, engine->GetPool("kv"));
+  EXPECT_EQ(p.chunks.size(), 2u);
+  EXPECT_EQ(Ids(a->chunks()), Ids(p.chunks));
+  EXPECT_EQ(Ids(b->chunks()), Ids(p.chunks));
+  for (const ClientInfo& c : p.clients) EXPECT_TRUE(c.pausable) << c.client_id;
+  for (Events* e : {&ea, &eb}) {
+    absl::MutexLock lock(&e->mu);
+    EXPECT_EQ(e->pauses, 1);
+    EXPECT_EQ(e->resumes, 1);
+    EXPECT_TRUE(e->applied);
+    EXPECT_EQ(e->releases, 0);  // the pool kept its size
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{64} << 20);  // the old chunks are gone
+}
+
+// A Mapping without on_pause attaches non-pausable: Compact and an exact shrink that must replace a
+// chunk fail with FAILED_PRECONDITION naming it and change nothing; a whole-chunks shrink still
+// releases what it can and says that it stopped above the target.
+TEST_F(ClientTest, ANonPausableMappingIsNeverPaused) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());  // chunks end at blocks 512 and 2048
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("plain")));
+  WritePattern(*a, {0, 511, 700});
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, engine->GetPool("kv"));
+  ASSERT_EQ(before.clients.size(), 2u);
+  for (const ClientInfo& c : before.clients) EXPECT_EQ(c.pausable, c.name == "engine") << c.name;
+
+  const std::string plain = b->client_id();
+  EXPECT_THAT(engine->Compact("kv").status(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(plain)));
+  EXPECT_THAT(engine->Shrink("kv", 1000, ShrinkOptions{}).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(plain)));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo after, engine->GetPool("kv"));
+  EXPECT_EQ(Ids(after.chunks), Ids(before.chunks));
+  EXPECT_EQ(after.committed_blocks, 2048u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange shrunk,
+                           engine->Shrink("kv", 1000, ShrinkOptions{.wait = true, .whole_chunks_only = true}));
+  ASSERT_TRUE(shrunk.reshape.has_value());
+  EXPECT_FALSE(shrunk.reshape->target_reached);
+  EXPECT_EQ(shrunk.reshape->paused_clients, 0u);
+  EXPECT_EQ(shrunk.reshape->chunks_replaced, 0u);
+  EXPECT_EQ(shrunk.pool.committed_blocks, 2048u);  // the chunk straddling block 1000 stays
+  EXPECT_EQ(CheckPattern(*a, {0, 511, 700}), "");
+  for (Events* e : {&ea, &eb}) {
+    absl::MutexLock lock(&e->mu);
+    EXPECT_EQ(e->pauses, 0);
+    EXPECT_EQ(e->resumes, 0);
+    EXPECT_EQ(e->lost, 0);
+  }
+  // Once the non-pausable Mapping is gone, the exact shrink goes ahead.
+  b.reset();
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange exact, engine->Shrink("kv", 1000, ShrinkOptions{}));
+  ASSERT_TRUE(exact.reshape.has_value());
+  EXPECT_TRUE(exact.reshape->target_reached);
+  EXPECT_EQ(exact.reshape->paused_clients, 1u);
+  EXPECT_EQ(CheckPattern(*a, {0, 511, 700}), "");
 }
 
 }  // namespace

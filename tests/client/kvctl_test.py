@@ -270,9 +270,72 @@ class KvctlTest(KvctlCase):
         self.assertIn("--blocks", self.fails("transfer", "kv", "--blocks", "two"))
         self.assertIn("NOT_FOUND", self.fails("transfer", "missing"))
 
+    def test_compact_makes_one_chunk_per_segment(self):
+        # 8 KiB blocks over 2 segments: 512 blocks are one 2 MiB chunk per segment.
+        self.ok("create", "kv", *DIMS, "--initial-blocks", "512")
+        for blocks in ("1024", "1536", "2048"):
+            self.ok("grow", "kv", "--blocks", blocks)
+        segments = self.proto(self.json("describe", "kv"), kvd_pb2.Pool).geometry.segments
+        self.assertEqual(len(self.json("describe", "kv")["chunks"]), 4 * segments)
+        doc = self.json("compact", "kv")
+        self.assertEqual(sorted(doc), ["reply", "round_trip_ms"])
+        u = self.proto(doc["reply"], kvd_pb2.PoolUpdate)
+        self.assertEqual(u.reshape.chunks_before, 4 * segments)
+        self.assertEqual(u.reshape.chunks_after, segments)
+        self.assertEqual(u.reshape.copied_bytes, 16 * MiB)
+        self.assertEqual(u.reshape.paused_clients, 0)  # nobody attached: the daemon copies alone
+        self.assertEqual(u.pool.committed_blocks, 2048)
+        self.assertEqual(len(self.json("describe", "kv")["chunks"]), segments)
+        self.ok("shrink", "kv", "--blocks", "1024")  # exact: one 4 MiB chunk per segment
+        self.ok("grow", "kv", "--blocks", "2048")  # and a second one
+        human = self.ok("compact", "kv", "--pause-timeout", "2s", "--detach-unresponsive")
+        self.assertRegex(human, r"^compacted kv: 2048 blocks \(16\.0 MiB\) in [0-9.]+ ms\n")
+        self.assertRegex(human, r"(?m)^chunks +%d before, %d after \(%d replaced, %d new\)$"
+                         % (2 * segments, segments, 2 * segments, segments))
+        self.assertRegex(human, r"(?m)^copied +16\.0 MiB on the device in [0-9.]+ ms$")
+        self.assertRegex(human, r"(?m)^pause +none \(no client paused\)$")
+        self.assertIn("--pause-timeout", self.fails("compact", "kv", "--pause-timeout", "soon"))
+        self.assertIn("NOT_FOUND", self.fails("compact", "missing"))
+
+    def test_shrink_exact_whole_chunks_and_live_blocks(self):
+        self.ok("create", "kv", *DIMS, "--initial-blocks", "2048")  # one 8 MiB chunk per segment
+        # Whole chunks only: the one chunk straddles block 700, so nothing is released, and it says so.
+        doc = self.json("shrink", "kv", "--blocks", "700", "--whole-chunks")
+        u = self.proto(doc["reply"], kvd_pb2.PoolUpdate)
+        self.assertFalse(u.reshape.target_reached)
+        self.assertEqual(u.pool.committed_blocks, 2048)
+        self.assertEqual(u.reshape.chunks_replaced, 0)
+        human = self.ok("shrink", "kv", "--blocks", "700", "--whole-chunks")
+        self.assertRegex(human, r"(?m)^target +NOT reached: 2048 blocks committed for a target of 700 "
+                                r"\(--whole-chunks releases whole chunks only\)$")
+        # Exact: each segment's chunk is replaced by one of 2 MiB (500 blocks of 4 KiB per segment, rounded up
+        # to the granularity: 512).
+        human = self.ok("shrink", "kv", "--blocks", "500")
+        self.assertRegex(human, r"^shrank kv to 512 blocks \(4\.00 MiB\) in [0-9.]+ ms, 2 chunks released")
+        self.assertRegex(human, r"(?m)^target +reached: every segment ends at block 512$")
+        self.assertRegex(human, r"(?m)^chunks +2 before, 2 after \(2 replaced, 2 new\)$")
+        self.assertRegex(human, r"(?m)^copied +4\.00 MiB on the device in [0-9.]+ ms$")
+        # Compaction shrink: live blocks at or above the target move below it, in increasing order; the
+        # prefix then ends at 256 blocks rounded up to the granularity (512).
+        self.ok("grow", "kv", "--blocks", "2048")
+        live = os.path.join(self.dir, "live.txt")
+        with open(live, "w") as f:
+            f.write("3\n10 400\n450,1999\n")
+        doc = self.json("shrink", "kv", "--blocks", "256", "--live-blocks", "@" + live)
+        u = self.proto(doc["reply"], kvd_pb2.PoolUpdate)
+        self.assertTrue(u.reshape.target_reached)
+        self.assertEqual([(m.src, m.dst) for m in u.reshape.moved_blocks], [(400, 0), (450, 1), (1999, 2)])
+        self.assertEqual(u.pool.committed_blocks, 512)
+        self.assertIn("INVALID_ARGUMENT", self.fails("shrink", "kv", "--blocks", "128", "--live-blocks", "5,5"))
+        self.assertIn("--live-blocks", self.fails("shrink", "kv", "--blocks", "128", "--live-blocks", "x"))
+        self.assertIn("--live-blocks", self.fails("shrink", "kv", "--blocks", "128", "--live-blocks", "@/nonexistent"))
+        self.fails("shrink", "kv", "--blocks", "128", "--live-blocks", "1", "--whole-chunks", code=2)
+        human = self.ok("shrink", "kv", "--blocks", "128", "--live-blocks", "")
+        self.assertRegex(human, r"(?m)^moved +0 live blocks below the target$")
+
     def test_help_on_every_verb(self):
-        for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["sleep"], ["wake"],
-                     ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
+        for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["compact"], ["sleep"],
+                     ["wake"], ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
                      ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
                      ["group", "wake"], ["transfer"], ["caps"], ["drain"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)

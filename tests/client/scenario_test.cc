@@ -100,6 +100,9 @@ struct Recorder {
   uint32_t releases ABSL_GUARDED_BY(mu) = 0;
   uint32_t lost ABSL_GUARDED_BY(mu) = 0;
   uint32_t restarts ABSL_GUARDED_BY(mu) = 0;
+  uint32_t pauses ABSL_GUARDED_BY(mu) = 0;
+  uint32_t resumes ABSL_GUARDED_BY(mu) = 0;
+  bool resume_applied ABSL_GUARDED_BY(mu) = false;
   DaemonRestart restart ABSL_GUARDED_BY(mu);
   bool called ABSL_GUARDED_BY(mu) = false;
   uint64_t blocks ABSL_GUARDED_BY(mu) = 0;
@@ -115,6 +118,19 @@ void ObservePool(const PoolInfo& p, scenario::Expect* o) {
   o->set_layout(p.layout.layout);
   o->set_rule(p.layout.rule);
   for (const std::string& w : p.layout.warnings) o->add_warnings_contain(w);
+}
+
+void ObserveReshape(const PoolChange& c, scenario::Expect* o) {
+  if (!c.reshape.has_value()) return;
+  o->set_target_reached(c.reshape->target_reached);
+  o->set_chunks_before(c.reshape->chunks_before);
+  o->set_chunks_after(c.reshape->chunks_after);
+  o->set_paused_clients(c.reshape->paused_clients);
+}
+
+PauseOptions ToPause(const scenario::Step& step) {
+  return PauseOptions{.timeout = absl::Milliseconds(step.pause_timeout_ms()),
+                      .detach_unresponsive = step.detach_unresponsive()};
 }
 
 // Ranks or updates that agree on their pool's blocks and state report them once.
@@ -293,6 +309,9 @@ class ScenarioRun {
     o->set_on_release(a.recorder->releases);
     o->set_on_lost(a.recorder->lost);
     o->set_on_restart(a.recorder->restarts);
+    o->set_on_pause(a.recorder->pauses);
+    o->set_on_resume(a.recorder->resumes);
+    if (a.recorder->resumes > 0) o->set_resume_applied(a.recorder->resume_applied);
     if (a.recorder->restarts > 0) {
       o->set_restart_epoch(a.recorder->restart.epoch);
       o->set_lost_chunks(static_cast<uint32_t>(a.recorder->restart.lost_chunk_ids.size()));
@@ -382,6 +401,9 @@ class ScenarioRun {
     if (op == "get_pool") {
       KVD_ASSIGN_OR_RETURN(PoolInfo pool, c->GetPool(step.pool()));
       ObservePool(pool, o);
+      o->set_pausable_clients(static_cast<uint32_t>(
+          std::count_if(pool.clients.begin(), pool.clients.end(), [](const ClientInfo& ci) { return ci.pausable; })));
+      o->set_chunks(static_cast<uint32_t>(pool.chunks.size()));
       return absl::OkStatus();
     }
     if (op == "delete_pool") {
@@ -426,16 +448,41 @@ class ScenarioRun {
         ++r->restarts;
         r->restart = restart;
       };
+      if (step.pausable()) {
+        options.on_pause = [r = a.recorder](const std::vector<ByteRange>&) {
+          absl::MutexLock lock(&r->mu);
+          ++r->pauses;
+        };
+        options.on_resume = [r = a.recorder](bool applied) {
+          absl::MutexLock lock(&r->mu);
+          ++r->resumes;
+          r->resume_applied = applied;
+        };
+      }
       KVD_ASSIGN_OR_RETURN(a.mapping, c->Attach(step.pool(), std::move(options)));
       ObserveMapping(a, o);
       mappings_[step.mapping()] = std::move(a);
       owned_[step.client()].push_back(step.mapping());
       return absl::OkStatus();
     }
-    if (op == "grow" || op == "shrink") {
-      KVD_ASSIGN_OR_RETURN(PoolChange change, op == "grow" ? c->Grow(step.pool(), step.blocks())
-                                                           : c->Shrink(step.pool(), step.blocks(), step.wait()));
+    if (op == "grow") {
+      KVD_ASSIGN_OR_RETURN(PoolChange change, c->Grow(step.pool(), step.blocks()));
       ObservePool(change.pool, o);
+      return absl::OkStatus();
+    }
+    if (op == "shrink") {
+      KVD_ASSIGN_OR_RETURN(PoolChange change, c->Shrink(step.pool(), step.blocks(),
+                                                        ShrinkOptions{.wait = step.wait(),
+                                                                      .whole_chunks_only = step.whole_chunks_only(),
+                                                                      .pause = ToPause(step)}));
+      ObservePool(change.pool, o);
+      ObserveReshape(change, o);
+      return absl::OkStatus();
+    }
+    if (op == "compact") {
+      KVD_ASSIGN_OR_RETURN(PoolChange change, c->Compact(step.pool(), ToPause(step)));
+      ObservePool(change.pool, o);
+      ObserveReshape(change, o);
       return absl::OkStatus();
     }
     if (op == "sleep" || op == "wake") {

@@ -1806,6 +1806,105 @@ TEST_F(KvdDaemonTest, ReattachingInTheSameSessionTakesOverWhatTheDetachedClientH
   ctx->TryCancel();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Shrink to the exact target, Compact and the pause (docs/api.md, "Pauses and reshaping")
+
+TEST_F(KvdDaemonTest, CompactRewritesAFragmentedPoolAsOneChunkPerSegment) {
+  ASSERT_THAT(Create("frag", 64), GrpcOk());  // 64 blocks of 32 KiB: one 2 MiB granule per segment
+  for (uint64_t b = 128; b <= 512; b += 64) ASSERT_THAT(Grow(admin(), "frag", b), GrpcOk());
+  const v1::Pool before = Get("frag");
+  ASSERT_GT(before.chunks_size(), 2 * static_cast<int>(before.geometry().segments()));
+
+  v1::CompactRequest request;
+  request.set_pool("frag");
+  v1::PoolUpdate update;
+  ASSERT_THAT(stub().Compact(Ctx(admin()).get(), request, &update), GrpcOk());
+  const v1::Reshape& r = update.reshape();
+  EXPECT_EQ(r.chunks_before(), static_cast<uint32_t>(before.chunks_size()));
+  EXPECT_EQ(r.chunks_after(), before.geometry().segments());
+  EXPECT_EQ(update.pool().chunks_size(), static_cast<int>(before.geometry().segments()));
+  EXPECT_EQ(r.copied_bytes(), before.committed_bytes());
+  EXPECT_EQ(r.chunks_replaced(), static_cast<uint32_t>(before.chunks_size()));
+  EXPECT_EQ(r.paused_clients(), 0u) << "nobody attached: nobody paused";
+  EXPECT_EQ(update.pool().committed_bytes(), before.committed_bytes());
+  EXPECT_EQ(update.pool().committed_blocks(), before.committed_blocks());
+  EXPECT_GT(update.pool().generation(), before.generation());
+  EXPECT_EQ(update.added_size(), static_cast<int>(before.geometry().segments()));
+  EXPECT_EQ(update.released_chunk_ids_size(), before.chunks_size());
+  EXPECT_EQ(DeviceInfo().committed_bytes(), before.committed_bytes()) << "the old chunks' bytes went back";
+
+  request.set_pool("nope");
+  EXPECT_THAT(stub().Compact(Ctx(admin()).get(), request, &update), GrpcIs(grpc::StatusCode::NOT_FOUND, "nope"));
+  request.set_pool("");
+  EXPECT_THAT(stub().Compact(Ctx(admin()).get(), request, &update), GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "pool"));
+  request.set_pool("frag");
+  request.mutable_pause()->set_timeout_ms(600001);
+  EXPECT_THAT(stub().Compact(Ctx(admin()).get(), request, &update),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "pause.timeout_ms"));
+}
+
+TEST_F(KvdDaemonTest, ShrinkReachesTheTargetAndWholeChunksOnlySaysWhenItDoesNot) {
+  v1::Pool pool;
+  ASSERT_THAT(Create("p", 0, &pool), GrpcOk());
+  const uint64_t capacity = pool.geometry().dims().capacity_blocks();
+  ASSERT_THAT(Grow(admin(), "p", capacity), GrpcOk());
+  const uint64_t granularity = DeviceInfo().granularity_bytes();
+  const uint64_t target = capacity / 3;
+  const uint64_t prefix = (target * pool.geometry().block_stride() + granularity - 1) / granularity * granularity;
+
+  std::unique_ptr<Attachment> engine = *Attach("p", "engine");
+  v1::ShrinkRequest request;
+  request.set_pool("p");
+  request.set_target_blocks(target);
+  v1::PoolUpdate update;
+  EXPECT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update),
+              GrpcIs(grpc::StatusCode::FAILED_PRECONDITION, engine->client_id()));
+  EXPECT_FALSE(Get("p").clients(0).pausable());
+
+  request.set_whole_chunks_only(true);
+  ASSERT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update), GrpcOk());
+  EXPECT_FALSE(update.reshape().target_reached());
+  EXPECT_GT(update.pool().committed_blocks(), target);
+  request.set_whole_chunks_only(false);
+  request.mutable_live()->add_blocks(1);
+  request.set_whole_chunks_only(true);
+  EXPECT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "whole_chunks_only"));
+  engine.reset();  // detached: now nobody needs to pause
+
+  request.Clear();
+  request.set_pool("p");
+  request.set_target_blocks(target);
+  ASSERT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update), GrpcOk());
+  EXPECT_TRUE(update.reshape().target_reached());
+  EXPECT_EQ(update.pool().committed_bytes(), prefix * pool.geometry().segments());
+  EXPECT_EQ(update.reshape().chunks_added(), pool.geometry().segments());
+  EXPECT_EQ(update.reshape().copied_bytes(), prefix * pool.geometry().segments());
+  EXPECT_EQ(DeviceInfo().committed_bytes(), prefix * pool.geometry().segments());
+
+  request.set_target_blocks(1);
+  for (int i = 0; i < 65537; ++i) request.mutable_live()->add_blocks(0);
+  EXPECT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update),
+              GrpcIs(grpc::StatusCode::RESOURCE_EXHAUSTED, "live.blocks: 65537 in one request"));
+}
+
+TEST_F(KvdDaemonTest, AcknowledgeTakesExactlyOneOfReleaseAndPause) {
+  ASSERT_THAT(Create("p", 16), GrpcOk());
+  std::unique_ptr<Attachment> engine = *Attach("p", "engine");
+  v1::AcknowledgeRequest request;
+  request.set_client_id(engine->client_id());
+  v1::AcknowledgeResponse response;
+  EXPECT_THAT(stub().Acknowledge(Ctx(engine->token()).get(), request, &response),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "release_id, pause_id: set exactly one"));
+  request.set_release_id(3);
+  request.set_pause_id(4);
+  EXPECT_THAT(stub().Acknowledge(Ctx(engine->token()).get(), request, &response),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "release_id, pause_id: set exactly one"));
+  request.set_release_id(0);
+  EXPECT_THAT(stub().Acknowledge(Ctx(engine->token()).get(), request, &response),
+              GrpcIs(grpc::StatusCode::NOT_FOUND, "pause_id: 4"));
+}
+
 TEST_F(KvdDaemonTest, ZeroBlocksRefusesARepeatedBlockBeforeAnyWork) {
   ASSERT_THAT(Create("kv", 64), GrpcOk());
   v1::ZeroBlocksRequest request;

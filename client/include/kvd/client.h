@@ -17,7 +17,8 @@
 // Threads. Every method of Client and Mapping may be called from any thread, concurrently. Mapping
 // callbacks run on the Mapping's follower thread, one at a time; they may call Mapping's read-only
 // accessors and any Client method except those that wait for this Mapping's own acknowledgement
-// (Shrink/Sleep with wait = true of the same pool), and must not destroy the Mapping.
+// (Shrink/Sleep with wait = true, any Shrink that is not whole_chunks_only, and Compact, of the same
+// pool), and must not destroy the Mapping.
 //
 // Errors. absl::Status; a daemon error arrives with its canonical code and message unchanged (for
 // example INVALID_ARGUMENT "dims.heads: must be > 0"); UNAVAILABLE when no daemon answers.
@@ -63,7 +64,8 @@ struct ConnectOptions {
   // The session's name ([A-Za-z0-9._-]{0,64}); shown by kvctl. Empty: "libkvd".
   std::string client_name;
   // The deadline of each call (RPCs and handle-channel fetches). Shrink/Sleep with wait use the
-  // larger of this and 60 s.
+  // larger of this and 65 s; a Shrink that may pause (not whole_chunks_only) and Compact the larger of
+  // that and 2 x PauseOptions::timeout + 65 s.
   absl::Duration timeout = absl::Seconds(30);
   // How long a Mapping's follower keeps trying to reach a daemon that restarted (its event stream
   // said DAEMON_RESTARTING or broke with UNAVAILABLE), retrying after 50 ms, doubling up to 2 s.
@@ -524,7 +526,10 @@ class Client {
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks, bool wait);
   // Shrink to the exact target (rounded up to the granularity), pausing the attached clients when a chunk
-  // straddles it; options as ShrinkOptions says. This client's own Mapping remaps before it returns.
+  // straddles it; options as ShrinkOptions says. This client's own Mapping remaps before it returns: when
+  // it has not within the call's deadline, DEADLINE_EXCEEDED "pool P changed but this client's Mapping of
+  // it did not remap within ..." (the daemon did change the pool). The 3-argument Shrink is this one with
+  // ShrinkOptions{.wait = wait}.
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
   // Rewrites a fragmented pool as one chunk per segment (split at the daemon's maximum chunk size) while

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -827,9 +828,11 @@ class PausingEngine {
   const std::string& id() const { return attached_.client_id; }
   EventQueue& events() { return *events_; }
 
-  // Handles the next PAUSE and RESUME; returns the RESUME.
+  // Handles the next PAUSE (after any CHUNKS_ADDED, which this engine does not map) and its RESUME;
+  // returns the RESUME.
   std::optional<PoolEvent> FollowPause() {
     std::optional<PoolEvent> pause = events_->Pop(absl::Seconds(10));
+    while (pause.has_value() && pause->type == EventType::kChunksAdded) pause = events_->Pop(absl::Seconds(10));
     if (!pause.has_value() || pause->type != EventType::kPause) return std::nullopt;
     absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds =
         manager_->RedeemLease(who_.session, pause->lease->token, who_.uid);
@@ -1061,6 +1064,46 @@ TEST_F(PoolManagerTest, AReplacementThatDoesNotFitTheBudgetChangesNothing) {
   EXPECT_EQ(device_->live_chunks(), 2);
   KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 32, false, absl::Now()));
   EXPECT_EQ(shrunk.pool.committed_bytes, 4 * kMiB);
+}
+
+TEST_F(PoolManagerTest, AGrowPastTheChunkThresholdCompactsOnItsOwnWhenEveryClientPauses) {
+  std::vector<std::string> notes;
+  absl::Mutex notes_mu;
+  Start({.compact_above_chunks = 6, .info = [&](const std::string& line) {
+           absl::MutexLock lock(&notes_mu);
+           notes.push_back(line);
+         }});
+  auto chunks = [&](const std::string& name) { return manager_->GetPool(alice_, name)->chunks.size(); };
+  auto wait_for = [&](auto done) {
+    for (int i = 0; i < 1000 && !done(); ++i) absl::SleepFor(absl::Milliseconds(5));
+    return done();
+  };
+
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  for (uint64_t b = 64; b <= 96; b += 32) ASSERT_THAT(manager_->Grow(alice_, "p", b), IsOk());
+  EXPECT_EQ(chunks("p"), 6u) << "not past the threshold yet";
+  ASSERT_THAT(manager_->Grow(alice_, "p", 128), IsOk());
+  ASSERT_TRUE(engine.FollowPause().has_value()) << "the daemon paused the pool to compact it";
+  EXPECT_TRUE(wait_for([&] { return chunks("p") == 2; }));
+  EXPECT_TRUE(wait_for([&] {
+    absl::MutexLock lock(&notes_mu);
+    return !notes.empty();
+  }));
+  {
+    absl::MutexLock lock(&notes_mu);
+    EXPECT_THAT(notes.back(), AllOf(HasSubstr("pool p: compacted on its own"), HasSubstr("8 -> 2 chunks")));
+  }
+
+  // A client that did not opt in: the pool stays as it is, and the daemon says why.
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+  PausingEngine plain(this, manager_.get(), alice_, "q", /*pausable=*/false);
+  for (uint64_t b = 64; b <= 160; b += 32) ASSERT_THAT(manager_->Grow(alice_, "q", b), IsOk());
+  EXPECT_TRUE(wait_for([&] {
+    absl::MutexLock lock(&notes_mu);
+    return absl::StrContains(notes.back(), "pool q: not compacted on its own");
+  }));
+  EXPECT_EQ(chunks("q"), 10u);
 }
 
 }  // namespace
