@@ -7,7 +7,9 @@
 //   raw   the same chunk plan (the daemon's own chunk table) through kvd::Device in a bare pair of
 //         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there.
 // Each lifecycle op runs "after_release" (right after the previous release: the driver may still be
-// scrubbing) and "after_pause" (--pause-ms first). Then the fragmented shape, control-RPC latency
+// scrubbing) and "after_pause" (--pause-ms first). Then the fragmented shape, Compact of a pool grown in
+// many steps and an exact Shrink to half (each with a pausable second process checking a pattern, against
+// the bare calls of the same reshape: create, Device::CopyRange, release, remap), control-RPC latency
 // (idle, during another pool's grow, next to a bare gRPC ping served by the second process), resizes
 // of several pools at once against one pool at a time, the daemon's bookkeeping per chunk and per pool,
 // and the alternatives: one handle per granule and (CUDA, when importable) torch.zeros.
@@ -41,6 +43,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -125,11 +128,19 @@ class Reader {
     return absl::UnimplementedError(absl::StrCat("kvd_bench: no reader for backend ", backend));
   }
   // On the thread that opened it.
-  absl::Status ReadWord(uint64_t va, uint64_t* out) {
+  absl::Status ReadWord(uint64_t va, uint64_t* out) { return Read(va, out, sizeof(*out)); }
+  absl::Status Read(uint64_t va, void* out, uint64_t bytes) {
 #ifdef KVD_WITH_CUDA
-    if (cuda_ != nullptr) return CudaStatus(*cuda_, cuda_->cuMemcpyDtoH_(out, va, sizeof(*out)), "cuMemcpyDtoH");
+    if (cuda_ != nullptr) return CudaStatus(*cuda_, cuda_->cuMemcpyDtoH_(out, va, bytes), "cuMemcpyDtoH");
 #endif
-    std::memcpy(out, reinterpret_cast<const void*>(va), sizeof(*out));
+    std::memcpy(out, reinterpret_cast<const void*>(va), bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Write(uint64_t va, const void* in, uint64_t bytes) {
+#ifdef KVD_WITH_CUDA
+    if (cuda_ != nullptr) return CudaStatus(*cuda_, cuda_->cuMemcpyHtoD_(va, in, bytes), "cuMemcpyHtoD");
+#endif
+    std::memcpy(reinterpret_cast<void*>(va), in, bytes);
     return absl::OkStatus();
   }
 
@@ -173,6 +184,77 @@ std::string TakeMarks() {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Patterns: bytes a client writes through its Mapping before a reshape (Compact, a Shrink that replaces
+// chunks) and reads back after it, at samples of 4 KiB: the first, middle and last 4 KiB of every chunk
+// (the seams a reshape copies across) and, at every sixteenth of each segment's committed blocks, the
+// last 4 KiB of the block before it and the first and last 4 KiB of the block there (around a shrink's
+// target).
+
+constexpr uint64_t kSampleBytes = 4096;
+
+struct PatternSample {
+  uint64_t offset = 0;          // from the pool's base
+  uint64_t end_in_segment = 0;  // where the sample ends, from its segment's start
+};
+
+// The word at pool offset `offset` (a multiple of 8) of pattern `seed`.
+uint64_t PatternWord(uint64_t seed, uint64_t offset) {
+  uint64_t x = (offset + 1) * 0x9E3779B97F4A7C15ull ^ (seed + 1) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 29);
+}
+
+std::vector<uint64_t> PatternBytes(uint64_t seed, uint64_t offset) {
+  std::vector<uint64_t> words(kSampleBytes / 8);
+  for (size_t i = 0; i < words.size(); ++i) words[i] = PatternWord(seed, offset + 8 * i);
+  return words;
+}
+
+// Whether [offset, offset + bytes) lies inside one of `chunks`.
+bool InsideAChunk(const std::vector<ChunkInfo>& chunks, uint64_t offset, uint64_t bytes) {
+  for (const ChunkInfo& c : chunks) {
+    if (offset >= c.offset && offset + bytes <= c.offset + c.bytes) return true;
+  }
+  return false;
+}
+
+std::vector<PatternSample> PatternSamples(const Mapping& m) {
+  const std::vector<ChunkInfo> chunks = m.chunks();
+  std::map<uint64_t, uint64_t> segment_start;  // segment -> its lowest chunk offset
+  for (const ChunkInfo& c : chunks) {
+    auto [it, inserted] = segment_start.try_emplace(c.segment, c.offset);
+    if (!inserted) it->second = std::min(it->second, c.offset);
+  }
+  const uint64_t committed = m.committed_blocks(), stride = m.geometry().stride_b;
+  std::map<uint64_t, uint64_t> samples;  // offset -> segment
+  for (const ChunkInfo& c : chunks) {
+    if (c.bytes < kSampleBytes) continue;
+    for (uint64_t at :
+         {c.offset, c.offset + c.bytes / 2 / kSampleBytes * kSampleBytes, c.offset + c.bytes - kSampleBytes}) {
+      samples.emplace(at, c.segment);
+    }
+  }
+  if (stride >= kSampleBytes && stride % 8 == 0) {
+    for (const auto& [segment, start] : segment_start) {
+      for (uint64_t k = 0; k < 16 && committed > 0; ++k) {
+        const uint64_t b = committed * k / 16;
+        if (b > 0) samples.emplace(start + b * stride - kSampleBytes, segment);  // the end of block b - 1
+        samples.emplace(start + b * stride, segment);
+        samples.emplace(start + (b + 1) * stride - kSampleBytes, segment);
+      }
+      if (committed > 0) samples.emplace(start + committed * stride - kSampleBytes, segment);
+    }
+  }
+  std::vector<PatternSample> out;
+  for (const auto& [offset, segment] : samples) {
+    if (!InsideAChunk(chunks, offset, kSampleBytes)) continue;
+    out.push_back({.offset = offset, .end_in_segment = offset + kSampleBytes - segment_start[segment]});
+  }
+  return out;
+}
+
 struct ChildState {
   std::string backend;
   int device = 0;
@@ -180,7 +262,10 @@ struct ChildState {
   std::unique_ptr<Reader> reader;
   std::map<std::string, std::unique_ptr<Client>> clients;  // by socket
   std::unique_ptr<Mapping> mapping;
-  std::unique_ptr<Device> raw;  // the bare importer
+  std::atomic<int> pauses{0};  // on_pause calls of the pausable Mapping
+  uint64_t pattern_seed = 0;
+  std::vector<PatternSample> samples;  // written by kvd-pattern-write
+  std::unique_ptr<Device> raw;         // the bare importer
   uint64_t raw_va = 0, raw_bytes = 0;
   std::vector<std::pair<uint64_t, Chunk>> raw_chunks;  // offset, imported chunk (mapped)
   PingService ping;
@@ -201,16 +286,25 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     KVD_ASSIGN_OR_RETURN(c.reader, Reader::Open(c.backend, c.device));
   }
   const std::string& op = w[0];
-  if (op == "kvd-attach" && w.size() == 4) {  // kvd-attach SOCKET POOL EXPECTED_BYTES
+  // kvd-attach SOCKET POOL EXPECTED_BYTES [pausable]
+  if (op == "kvd-attach" && (w.size() == 4 || (w.size() == 5 && w[4] == "pausable"))) {
     uint64_t expected = 0;
     if (!absl::SimpleAtoi(w[3], &expected)) return absl::InvalidArgumentError("bad bytes");
     std::unique_ptr<Client>& client = c.clients[w[1]];
     if (client == nullptr) {
       KVD_ASSIGN_OR_RETURN(client, Client::Connect({.socket = w[1], .client_name = "kvd-bench-importer"}));
     }
+    AttachOptions options;
+    if (w.size() == 5) {
+      // An engine would synchronise its streams here; this process touches the pool only between requests.
+      options.on_pause = [&c](const std::vector<ByteRange>&) { ++c.pauses; };
+      options.on_resume = [](bool) {};
+    }
+    c.mapping.reset();
+    c.pauses = 0;
     TakeMarks();
     const int64_t received = NowNs();
-    KVD_ASSIGN_OR_RETURN(c.mapping, client->Attach(w[2]));
+    KVD_ASSIGN_OR_RETURN(c.mapping, client->Attach(w[2], std::move(options)));
     const int64_t attached = NowNs();
     uint64_t seen = 0, word = 0;
     const uint64_t base = reinterpret_cast<uint64_t>(c.mapping->base());
@@ -233,6 +327,52 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     return absl::DeadlineExceededError("the importer's follower did not map the pool within 60 s");
+  }
+  if (op == "kvd-pattern-write" && w.size() == 2) {  // kvd-pattern-write SEED: "ok SAMPLES"
+    if (!absl::SimpleAtoi(w[1], &c.pattern_seed) || c.mapping == nullptr) {
+      return absl::InvalidArgumentError("kvd-pattern-write");
+    }
+    c.samples = PatternSamples(*c.mapping);
+    const uint64_t base = reinterpret_cast<uint64_t>(c.mapping->base());
+    for (const PatternSample& sample : c.samples) {
+      const std::vector<uint64_t> words = PatternBytes(c.pattern_seed, sample.offset);
+      KVD_RETURN_IF_ERROR(c.reader->Write(base + sample.offset, words.data(), kSampleBytes));
+    }
+    return absl::StrCat("ok ", c.samples.size());
+  }
+  // kvd-pattern-check KEPT_BYTES CHUNKS: once the Mapping maps CHUNKS chunks (0: any), every sample written
+  // that ends within the first KEPT_BYTES of its segment is mapped and reads back as written.
+  // "ok CHECKED pauses=N": N is how often on_pause ran since the attach.
+  if (op == "kvd-pattern-check" && w.size() == 3) {
+    uint64_t kept = 0, chunks = 0;
+    if (!absl::SimpleAtoi(w[1], &kept) || !absl::SimpleAtoi(w[2], &chunks) || c.mapping == nullptr) {
+      return absl::InvalidArgumentError("kvd-pattern-check");
+    }
+    std::vector<ChunkInfo> mapped = c.mapping->chunks();
+    for (int i = 0; i < 60000 && chunks != 0 && mapped.size() != chunks; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      mapped = c.mapping->chunks();
+    }
+    if (chunks != 0 && mapped.size() != chunks) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the Mapping maps ", mapped.size(), " chunks 60 s after the change, not ", chunks));
+    }
+    const uint64_t base = reinterpret_cast<uint64_t>(c.mapping->base());
+    uint64_t checked = 0;
+    std::vector<uint64_t> got(kSampleBytes / 8);
+    for (const PatternSample& sample : c.samples) {
+      if (sample.end_in_segment > kept) continue;
+      if (!InsideAChunk(mapped, sample.offset, kSampleBytes)) {
+        return absl::InternalError(absl::StrCat("pattern: pool offset ", sample.offset, " is no longer mapped"));
+      }
+      KVD_RETURN_IF_ERROR(c.reader->Read(base + sample.offset, got.data(), kSampleBytes));
+      if (got != PatternBytes(c.pattern_seed, sample.offset)) {
+        return absl::DataLossError(absl::StrCat("pattern: the 4 KiB at pool offset ", sample.offset,
+                                                " do not read back as written before the change"));
+      }
+      ++checked;
+    }
+    return absl::StrCat("ok ", checked, " pauses=", c.pauses.load());
   }
   if (op == "kvd-marks") return absl::StrCat("ok", TakeMarks());
   if (op == "kvd-detach") {
@@ -514,6 +654,12 @@ class RawExporter {
 // ---------------------------------------------------------------------------------------------------
 // Results.
 
+// The phases of the bare calls of a reshape (Bench::RawReshape), in ms.
+struct ReshapeTimes {
+  double create_map = 0, copy = 0, release_old = 0, remap = 0, free_wait = 0;
+  double total() const { return create_map + copy + release_old + remap + free_wait; }
+};
+
 struct Line {
   std::string name;
   std::string variant;
@@ -536,6 +682,14 @@ void AddPhase(std::vector<std::pair<std::string, std::vector<double>>>& phases, 
     }
   }
   phases.push_back({name, {ms}});
+}
+
+void AddReshapePhases(std::vector<std::pair<std::string, std::vector<double>>>& phases, const ReshapeTimes& t) {
+  AddPhase(phases, "create_map", t.create_map);
+  AddPhase(phases, "copy", t.copy);
+  AddPhase(phases, "release_old", t.release_old);
+  AddPhase(phases, "remap", t.remap);
+  AddPhase(phases, "free_wait", t.free_wait);
 }
 
 // ns of a "name=NS" word of a second-process reply; -1 when missing.
@@ -572,6 +726,8 @@ struct Options {
   uint64_t segments = 0;
   int reps = 5;
   int fragments = 0;
+  int compact_grows = 0;
+  std::string sections = "all";
   int pause_ms = -1;
   int threads = 4;
   int rpc_calls = 0;
@@ -679,6 +835,8 @@ class Bench {
   absl::Status StartDaemon();
   void Stop();
   void Pause() const { std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms_)); }
+  // Whether --sections asks for `section`.
+  bool Want(const std::string& section) const { return sections_.empty() || sections_.contains(section); }
   // The device's own free count: the driver's (cuMemGetInfo) on a GPU. On host, memfd pages are shmem and
   // the host device's free count is per process, so the machine's MemTotal - Shmem (MemAvailable does not
   // follow shmem frees on every VM).
@@ -695,9 +853,14 @@ class Bench {
 
   void AddAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& marks);
   void AddRawAttachPhases(Line& l, int64_t sent, const std::map<std::string, std::string>& parts);
+  absl::Status Lifecycle(RawExporter& raw, const PoolInfo& grown);
   absl::Status KvdCycle(bool paused, bool record);
   absl::Status RawCycle(RawExporter& raw, bool paused, bool record);
   absl::Status Fragmented();
+  absl::StatusOr<uint64_t> ReshapeBytes(uint64_t want, double peak);
+  absl::StatusOr<ReshapeTimes> RawReshape(const Plan& from, const Plan& to);
+  absl::Status Compact();
+  absl::Status ShrinkToHalf();
   absl::Status ControlRpc();
   absl::Status Concurrent();
   absl::Status MeasureBookkeeping();
@@ -710,7 +873,9 @@ class Bench {
   DeviceStatus daemon_;
   DeviceInfo raw_info_;
   uint64_t bytes_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
-  int pause_ms_ = 0, fragments_ = 0, free_timeout_ms_ = 10000;
+  int pause_ms_ = 0, fragments_ = 0, compact_grows_ = 0, free_timeout_ms_ = 10000;
+  uint64_t compact_bytes_ = 0, shrink_bytes_ = 0;  // the pools of the compact and shrink_to_half lines
+  std::set<std::string> sections_;                 // empty: all
   std::string socket_, dir_;
   pid_t kvd_pid_ = -1, daemon_pid_ = -1;
   std::unique_ptr<Client> client_;
@@ -1026,8 +1191,356 @@ absl::Status Bench::Fragmented() {
   const std::string note = absl::StrFormat("%d grows, %d chunks", fragments_, grown.chunks.size());
   GetLine("fragmented_grow", "after_pause").note = note;
   GetLine("fragmented_attach", "after_pause").note = note;
-  GetLine("fragmented_attach", "after_compaction").skipped = "kvd has no compaction yet";
   return client_->DeletePool(name, true).status();
+}
+
+// The largest pool of at most `want` bytes whose reshape fits in the device's free memory now: a reshape
+// holds the old chunks and their replacements at once (every client maps the old ones until it resumes),
+// so `peak` times the pool must fit, less 4 GiB on a GPU for the three processes' contexts. Whole
+// granules per segment; 0 when not even one fits.
+absl::StatusOr<uint64_t> Bench::ReshapeBytes(uint64_t want, double peak) {
+  KVD_ASSIGN_OR_RETURN(const uint64_t free, FreeBytes());
+  const uint64_t reserve = gpu_ ? uint64_t{4} << 30 : 0;
+  const uint64_t fits = free > reserve ? static_cast<uint64_t>((free - reserve) / peak) : 0;
+  const uint64_t unit = segments_ * daemon_.granularity_bytes;
+  return std::min(want, fits) / unit * unit;
+}
+
+// The bare calls of a reshape, from the chunk plan `from` to the plan `to` (the same reservation). First,
+// untimed: `from` is created, mapped and exported at a reservation, then the pause. Timed: every chunk
+// of `to` that is not also in `from` (same offset and size) is created, mapped into a scratch reservation
+// and exported (create_map); its bytes are copied there from the pool's address on the device, one
+// Device::CopyRange per new chunk, across the old chunks it spans (copy); every chunk of `from` not in
+// `to` is unmapped, released and its FD closed (release_old); the new chunks are unmapped from the
+// scratch reservation and mapped at the pool's address (remap); then the free count must have risen by
+// the bytes given back (free_wait). Everything is released after, untimed.
+absl::StatusOr<ReshapeTimes> Bench::RawReshape(const Plan& from, const Plan& to) {
+  Device& d = *raw_;
+  struct Held {
+    PlanChunk at;
+    Chunk chunk;
+    int fd = -1;
+    uint64_t mapped_va = 0;  // 0: not mapped
+    bool live = false;
+  };
+  std::vector<Held> old_chunks, new_chunks;
+  uint64_t pool_va = 0, scratch_va = 0;
+  auto drop = [&](Held& h) -> absl::Status {
+    if (h.mapped_va != 0) KVD_RETURN_IF_ERROR(d.Unmap(h.mapped_va, h.at.bytes));
+    h.mapped_va = 0;
+    if (h.fd >= 0) close(h.fd);
+    h.fd = -1;
+    if (h.live) KVD_RETURN_IF_ERROR(d.Release(h.chunk));
+    h.live = false;
+    return absl::OkStatus();
+  };
+  absl::Cleanup undo = [&] {
+    for (Held& h : new_chunks) drop(h).IgnoreError();
+    for (Held& h : old_chunks) drop(h).IgnoreError();
+    if (pool_va != 0) d.Free(pool_va, from.reserve_bytes).IgnoreError();
+    if (scratch_va != 0) d.Free(scratch_va, to.reserve_bytes).IgnoreError();
+  };
+  auto create = [&](const PlanChunk& c, uint64_t va, Held& h) -> absl::Status {
+    h.at = c;
+    KVD_ASSIGN_OR_RETURN(h.chunk, d.Create(c.bytes));
+    h.live = true;
+    KVD_RETURN_IF_ERROR(d.Map(va + c.offset, h.chunk, Access::kReadWrite));
+    h.mapped_va = va + c.offset;
+    KVD_ASSIGN_OR_RETURN(h.fd, d.Export(h.chunk));
+    return absl::OkStatus();
+  };
+  auto same = [](const PlanChunk& a, const PlanChunk& b) { return a.offset == b.offset && a.bytes == b.bytes; };
+  auto in = [&](const Plan& plan, const PlanChunk& c) {
+    return std::any_of(plan.chunks.begin(), plan.chunks.end(), [&](const PlanChunk& o) { return same(o, c); });
+  };
+  KVD_ASSIGN_OR_RETURN(pool_va, d.Reserve(from.reserve_bytes));
+  KVD_ASSIGN_OR_RETURN(scratch_va, d.Reserve(to.reserve_bytes));
+  old_chunks.resize(from.chunks.size());
+  for (size_t i = 0; i < from.chunks.size(); ++i) KVD_RETURN_IF_ERROR(create(from.chunks[i], pool_va, old_chunks[i]));
+  std::vector<PlanChunk> added;
+  for (const PlanChunk& c : to.chunks) {
+    if (!in(from, c)) added.push_back(c);
+  }
+  uint64_t given_back = 0;
+  for (const PlanChunk& c : from.chunks) given_back += in(to, c) ? 0 : c.bytes;
+  for (const PlanChunk& c : added) given_back -= std::min(given_back, c.bytes);
+  Pause();
+  KVD_ASSIGN_OR_RETURN(const uint64_t free_before, FreeBytes());
+
+  ReshapeTimes times;
+  int64_t t = NowNs();
+  new_chunks.resize(added.size());
+  for (size_t i = 0; i < added.size(); ++i) KVD_RETURN_IF_ERROR(create(added[i], scratch_va, new_chunks[i]));
+  times.create_map = MsSince(t);
+  t = NowNs();
+  for (const PlanChunk& c : added) KVD_RETURN_IF_ERROR(d.CopyRange(scratch_va + c.offset, pool_va + c.offset, c.bytes));
+  times.copy = MsSince(t);
+  t = NowNs();
+  for (Held& h : old_chunks) {
+    if (!in(to, h.at)) KVD_RETURN_IF_ERROR(drop(h));
+  }
+  times.release_old = MsSince(t);
+  t = NowNs();
+  for (Held& h : new_chunks) {
+    KVD_RETURN_IF_ERROR(d.Unmap(h.mapped_va, h.at.bytes));
+    h.mapped_va = 0;
+    KVD_RETURN_IF_ERROR(d.Map(pool_va + h.at.offset, h.chunk, Access::kReadWrite));
+    h.mapped_va = pool_va + h.at.offset;
+  }
+  times.remap = MsSince(t);
+  t = NowNs();
+  KVD_RETURN_IF_ERROR(WaitFree(free_before, given_back));
+  times.free_wait = MsSince(t);
+
+  KVD_ASSIGN_OR_RETURN(const uint64_t free_after, FreeBytes());
+  std::move(undo).Invoke();
+  KVD_RETURN_IF_ERROR(WaitFree(free_after, to.bytes()));
+  return times;
+}
+
+// A pool of half of --bytes grown in --compact-grows equal steps (64 grows of 1 GiB over 80 segments on a
+// GPU), a pausable Mapping of the second process attached and a pattern written through it, then
+// Client::Compact; a fresh attach of the second process before and after, against the same pool grown
+// once; the Compact against the bare calls of the same reshape.
+absl::Status Bench::Compact() {
+  const std::string variant = absl::StrCat(compact_grows_, "_grows");
+  Line& compact = GetLine("compact", variant);
+  Line& pause = GetLine("compact_pause", variant);
+  Line& before = GetLine("compact_attach", "before_compact");
+  Line& after = GetLine("compact_attach", "after_compact");
+  compact.kvd_what = "Client::Compact with a pausable Mapping of the second process attached, then the free-count wait";
+  compact.base_what =
+      "raw: create + map + export the compacted chunks, CopyRange the bytes, unmap + release the old chunks, map "
+      "the new ones at the pool's address, free-count wait";
+  pause.kvd_what = "the Compact reply's reshape.pause_us";
+  pause.base_what = "raw: the CopyRange of the same bytes alone";
+  pause.ratio_means = "pause p50 / raw copy p50";
+  before.kvd_what = "a fresh attach of the second process (as attach), the fragmented pool";
+  after.kvd_what = "a fresh attach of the second process (as attach), the pool after Compact";
+  before.base_what = after.base_what = "the same attach of a pool of the same size grown once";
+  before.ratio_means = after.ratio_means = "kvd / grown once p50";
+  after.target = "<= 1.5";
+  KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_ / 2, 2.0));
+  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
+  if (blocks < static_cast<uint64_t>(compact_grows_) * granule_blocks) {
+    const std::string why = absl::StrCat("the device's free memory holds no pool of ", compact_grows_,
+                                         " granules per segment twice over (free now: ", FormatBytes(bytes), ")");
+    for (Line* l : {&compact, &pause, &before, &after}) l->skipped = why;
+    return absl::OkStatus();
+  }
+  compact_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  KVD_ASSIGN_OR_RETURN(const PoolInfo frag, CreatePool("compact", blocks));
+  KVD_ASSIGN_OR_RETURN(const PoolInfo once, CreatePool("once", blocks));
+  auto attach = [&](const std::string& pool, uint64_t committed, bool pausable) -> absl::StatusOr<double> {
+    const std::string request =
+        absl::StrCat("kvd-attach ", socket_, " ", pool, " ", committed, pausable ? " pausable" : "");
+    const int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), request, {}));
+    return child_->TimedReply(request, t);
+  };
+  Plan fragmented, compacted;
+  uint64_t seed = 0;
+  std::string shape;
+  auto kvd_round = [&](bool record) -> absl::Status {
+    for (int k = 1; k <= compact_grows_; ++k) {
+      KVD_RETURN_IF_ERROR(client_->Grow(frag.name, blocks * k / compact_grows_).status());
+    }
+    KVD_ASSIGN_OR_RETURN(const PoolInfo grown, client_->GetPool(frag.name));
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const double before_ms, attach(frag.name, grown.committed_bytes, /*pausable=*/true));
+    KVD_ASSIGN_OR_RETURN(const std::vector<std::string> written,
+                         child_->Call(absl::StrCat("kvd-pattern-write ", ++seed)));
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const uint64_t free_before, FreeBytes());
+    const int64_t t = NowNs();
+    KVD_ASSIGN_OR_RETURN(const PoolChange change, client_->Compact(frag.name));
+    const int64_t replied = NowNs();
+    KVD_RETURN_IF_ERROR(WaitFree(free_before, 0));  // the old chunks are gone, the new ones hold the same bytes
+    const double ms = MsSince(t);
+    if (!change.reshape.has_value()) return absl::InternalError("Compact replied without a reshape");
+    const Reshape& r = *change.reshape;
+    if (r.paused_clients < 1) {
+      return absl::InternalError(absl::StrCat("Compact of ", frag.name, " paused no client (", r.chunks_before, " -> ",
+                                              r.chunks_after, " chunks); the second process is pausable"));
+    }
+    KVD_ASSIGN_OR_RETURN(const PoolInfo done, client_->GetPool(frag.name));
+    KVD_ASSIGN_OR_RETURN(
+        const std::vector<std::string> checked,
+        child_->Call(absl::StrCat("kvd-pattern-check ", grown.committed_bytes, " ", done.chunks.size())));
+    if (written.empty() || checked.empty() || checked[0] != written[0]) {
+      return absl::DataLossError(absl::StrCat("Compact: ", checked.empty() ? "?" : checked[0], " of ",
+                                              written.empty() ? "?" : written[0], " pattern samples read back"));
+    }
+    if (Child::KeyValues(checked)["pauses"] != "1") {
+      return absl::InternalError(absl::StrCat("Compact: the second process's on_pause ran ",
+                                              Child::KeyValues(checked)["pauses"], " times, not once"));
+    }
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const double after_ms, attach(frag.name, done.committed_bytes, /*pausable=*/false));
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+    if (record) {
+      compact.kvd.push_back(ms);
+      AddPhase(compact.kvd_phases, "call", (replied - t) / 1e6);
+      AddPhase(compact.kvd_phases, "pause", r.pause_us / 1e3);
+      AddPhase(compact.kvd_phases, "copy", r.copy_us / 1e3);
+      AddPhase(compact.kvd_phases, "free_wait", ms - (replied - t) / 1e6);
+      pause.kvd.push_back(r.pause_us / 1e3);
+      before.kvd.push_back(before_ms);
+      after.kvd.push_back(after_ms);
+    } else {
+      fragmented = PlanOf(grown);
+      compacted = PlanOf(done);
+      shape = absl::StrFormat("%s, %d grows: %d -> %d chunks, %s copied, %d client(s) paused, %s pattern samples",
+                              FormatBytes(done.committed_bytes), compact_grows_, r.chunks_before, r.chunks_after,
+                              FormatBytes(r.copied_bytes), r.paused_clients, written[0]);
+    }
+    KVD_ASSIGN_OR_RETURN(const uint64_t free_now, FreeBytes());
+    KVD_RETURN_IF_ERROR(client_->Shrink(frag.name, 0, true).status());
+    return WaitFree(free_now, PlanOf(done).bytes());
+  };
+  auto once_round = [&](bool record) -> absl::Status {
+    KVD_RETURN_IF_ERROR(client_->Grow(once.name, blocks).status());
+    KVD_ASSIGN_OR_RETURN(const PoolInfo grown, client_->GetPool(once.name));
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const double ms, attach(once.name, grown.committed_bytes, /*pausable=*/false));
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+    if (record) {
+      before.base.push_back(ms);
+      after.base.push_back(ms);
+    }
+    KVD_ASSIGN_OR_RETURN(const uint64_t free_now, FreeBytes());
+    KVD_RETURN_IF_ERROR(client_->Shrink(once.name, 0, true).status());
+    return WaitFree(free_now, PlanOf(grown).bytes());
+  };
+  auto raw_round = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(const ReshapeTimes t, RawReshape(fragmented, compacted));
+    compact.base.push_back(t.total());
+    AddReshapePhases(compact.base_phases, t);
+    pause.base.push_back(t.copy);
+    return absl::OkStatus();
+  };
+  KVD_RETURN_IF_ERROR(kvd_round(false));  // warm-up, and both chunk plans
+  KVD_RETURN_IF_ERROR(once_round(false));
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    if (rep % 2 == 0) {
+      KVD_RETURN_IF_ERROR(kvd_round(true));
+      KVD_RETURN_IF_ERROR(once_round(true));
+      KVD_RETURN_IF_ERROR(raw_round());
+    } else {
+      KVD_RETURN_IF_ERROR(raw_round());
+      KVD_RETURN_IF_ERROR(once_round(true));
+      KVD_RETURN_IF_ERROR(kvd_round(true));
+    }
+  }
+  for (Line* l : {&compact, &pause, &before, &after}) l->note = shape;
+  pause.note = absl::StrCat(shape, "; target: pause p50 <= 60 ms (issue 14, 50 GiB)");
+  KVD_RETURN_IF_ERROR(client_->DeletePool(frag.name, true).status());
+  return client_->DeletePool(once.name, true).status();
+}
+
+// A pool of --bytes grown once (one chunk per segment below --chunk), a pausable Mapping of the second
+// process attached and a pattern written through it, shrunk to half its blocks: every chunk straddles the
+// target and is replaced by one holding the kept bytes. Against the bare calls of the same reshape.
+absl::Status Bench::ShrinkToHalf() {
+  Line& l = GetLine("shrink_to_half", "once_grown");
+  l.kvd_what =
+      "Client::Shrink(half, wait) with a pausable Mapping of the second process attached, then the free-count wait";
+  l.base_what =
+      "raw: create + map + export the kept bytes' chunks, CopyRange the kept bytes, unmap + release the old chunks, "
+      "map the new ones at the pool's address, free-count wait";
+  l.target = "<= 1.2";
+  KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_, 1.5));
+  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t target = blocks / 2;
+  if (target < daemon_.granularity_bytes / kLayerBlockBytes) {
+    l.skipped = absl::StrCat(
+        "the device's free memory holds no pool of two granules per segment and half of it "
+        "again (free now: ",
+        FormatBytes(bytes), ")");
+    return absl::OkStatus();
+  }
+  shrink_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  KVD_ASSIGN_OR_RETURN(const PoolInfo pool, CreatePool("half", blocks));
+  Plan grown_plan, shrunk_plan;
+  uint64_t seed = 1000;
+  auto kvd_round = [&](bool record) -> absl::Status {
+    KVD_RETURN_IF_ERROR(client_->Grow(pool.name, blocks).status());
+    KVD_ASSIGN_OR_RETURN(const PoolInfo grown, client_->GetPool(pool.name));
+    KVD_RETURN_IF_ERROR(
+        child_->Call(absl::StrCat("kvd-attach ", socket_, " ", pool.name, " ", grown.committed_bytes, " pausable"))
+            .status());
+    KVD_ASSIGN_OR_RETURN(const std::vector<std::string> written,
+                         child_->Call(absl::StrCat("kvd-pattern-write ", ++seed)));
+    const uint64_t given_back = grown_plan.bytes() - std::min(grown_plan.bytes(), shrunk_plan.bytes());
+    Pause();
+    KVD_ASSIGN_OR_RETURN(const uint64_t free_before, FreeBytes());
+    const int64_t t = NowNs();
+    KVD_ASSIGN_OR_RETURN(const PoolChange change, client_->Shrink(pool.name, target, ShrinkOptions{.wait = true}));
+    const int64_t replied = NowNs();
+    KVD_RETURN_IF_ERROR(WaitFree(free_before, given_back));
+    const double ms = MsSince(t);
+    if (!change.reshape.has_value()) return absl::InternalError("Shrink replied without a reshape");
+    const Reshape& r = *change.reshape;
+    if (!r.target_reached || r.paused_clients < 1) {
+      return absl::InternalError(absl::StrCat("Shrink of ", pool.name, " to ", target, " blocks: target_reached ",
+                                              r.target_reached, ", ", r.paused_clients, " client(s) paused, ",
+                                              r.chunks_replaced, " chunk(s) replaced"));
+    }
+    KVD_ASSIGN_OR_RETURN(const PoolInfo shrunk, client_->GetPool(pool.name));
+    KVD_ASSIGN_OR_RETURN(
+        const std::vector<std::string> checked,
+        child_->Call(absl::StrCat("kvd-pattern-check ", target * kLayerBlockBytes, " ", shrunk.chunks.size())));
+    uint64_t n = 0;
+    if (checked.empty() || !absl::SimpleAtoi(checked[0], &n) || n == 0) {
+      return absl::DataLossError("Shrink: no pattern sample below the target was checked");
+    }
+    if (Child::KeyValues(checked)["pauses"] != "1") {
+      return absl::InternalError(absl::StrCat("Shrink: the second process's on_pause ran ",
+                                              Child::KeyValues(checked)["pauses"], " times, not once"));
+    }
+    KVD_RETURN_IF_ERROR(child_->Call("kvd-detach").status());
+    if (record) {
+      l.kvd.push_back(ms);
+      AddPhase(l.kvd_phases, "call", (replied - t) / 1e6);
+      AddPhase(l.kvd_phases, "pause", r.pause_us / 1e3);
+      AddPhase(l.kvd_phases, "copy", r.copy_us / 1e3);
+      AddPhase(l.kvd_phases, "free_wait", ms - (replied - t) / 1e6);
+    } else {
+      grown_plan = PlanOf(grown);
+      shrunk_plan = PlanOf(shrunk);
+      l.note = absl::StrFormat(
+          "%s -> %s (%d -> %d blocks), %d chunk(s) replaced, %s copied, %d client(s) paused, %d of %s pattern "
+          "samples below the target checked",
+          FormatBytes(grown.committed_bytes), FormatBytes(shrunk.committed_bytes), blocks, shrunk.committed_blocks,
+          r.chunks_replaced, FormatBytes(r.copied_bytes), r.paused_clients, n, written.empty() ? "?" : written[0]);
+      if (shrink_bytes_ < bytes_) {
+        absl::StrAppend(&l.note, "; the pool is ", FormatBytes(shrink_bytes_), ", not --bytes ", FormatBytes(bytes_),
+                        ": the old chunks and their replacements must fit at once");
+      }
+    }
+    KVD_ASSIGN_OR_RETURN(const uint64_t free_now, FreeBytes());
+    KVD_RETURN_IF_ERROR(client_->Shrink(pool.name, 0, true).status());
+    return WaitFree(free_now, PlanOf(shrunk).bytes());
+  };
+  auto raw_round = [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(const ReshapeTimes t, RawReshape(grown_plan, shrunk_plan));
+    l.base.push_back(t.total());
+    AddReshapePhases(l.base_phases, t);
+    return absl::OkStatus();
+  };
+  KVD_RETURN_IF_ERROR(kvd_round(false));  // warm-up, and both chunk plans
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    if (rep % 2 == 0) {
+      KVD_RETURN_IF_ERROR(kvd_round(true));
+      KVD_RETURN_IF_ERROR(raw_round());
+    } else {
+      KVD_RETURN_IF_ERROR(raw_round());
+      KVD_RETURN_IF_ERROR(kvd_round(true));
+    }
+  }
+  return client_->DeletePool(pool.name, true).status();
 }
 
 // GetPool of a small pool through libkvd against a bare gRPC server answering the same method.
@@ -1447,6 +1960,7 @@ absl::Status Bench::Run() {
   segments_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
   blocks_ = bytes_ / (segments_ * kLayerBlockBytes);
   fragments_ = o_.fragments ? o_.fragments : (gpu_ ? 16 : 8);
+  compact_grows_ = o_.compact_grows ? o_.compact_grows : (gpu_ ? 64 : 8);
   pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
   free_timeout_ms_ = gpu_ ? 10000 : 2000;
   KVD_ASSIGN_OR_RETURN(slack_,
@@ -1455,11 +1969,30 @@ absl::Status Bench::Run() {
   if (o_.bookkeeping_bytes.empty()) o_.bookkeeping_bytes = gpu_ ? "16GiB" : "1GiB";
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
+  if (o_.sections != "all") {
+    const std::set<std::string> known = {"lifecycle",  "fragmented",  "compact", "shrink_to_half", "control_rpc",
+                                         "concurrent", "bookkeeping", "granule", "torch"};
+    for (absl::string_view section : absl::StrSplit(o_.sections, ',', absl::SkipEmpty())) {
+      if (!known.contains(std::string(section))) {
+        return absl::InvalidArgumentError(absl::StrCat("--sections: unknown section \"", section, "\" (known: all, ",
+                                                       absl::StrJoin(known, ", "), ")"));
+      }
+      sections_.insert(std::string(section));
+    }
+    if (sections_.empty()) return absl::InvalidArgumentError("--sections: empty");
+  }
   if (blocks_ < static_cast<uint64_t>(fragments_) * (daemon_.granularity_bytes / kLayerBlockBytes) ||
       blocks_ < static_cast<uint64_t>(o_.threads) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
                      FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
+  }
+  if (Want("compact") && bytes_ / 2 / (segments_ * kLayerBlockBytes) <
+                             static_cast<uint64_t>(compact_grows_) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("--compact-grows: half of --bytes (", FormatBytes(bytes_ / 2),
+                                                   ") over ", segments_, " segments is less than one granule (",
+                                                   FormatBytes(daemon_.granularity_bytes), ") per segment for each of ",
+                                                   compact_grows_, " grows"));
   }
   prefix_ = absl::StrCat("bench-", getpid(), "-");
 
@@ -1479,6 +2012,68 @@ absl::Status Bench::Run() {
   for (const ChunkInfo& c : grown.chunks) max_chunk_ = std::max(max_chunk_, c.bytes);
   KVD_RETURN_IF_ERROR(client_->Shrink(pool_, 0, true).status());
   RawExporter raw(raw_.get(), PlanOf(grown));
+  if (Want("lifecycle")) KVD_RETURN_IF_ERROR(Lifecycle(raw, grown));
+  if (Want("fragmented")) {
+    std::fprintf(stderr, "kvd_bench: fragmented\n");
+    KVD_RETURN_IF_ERROR(Fragmented());
+  }
+  if (Want("compact")) {
+    std::fprintf(stderr, "kvd_bench: compact\n");
+    KVD_RETURN_IF_ERROR(Compact());
+  }
+  if (Want("shrink_to_half")) {
+    std::fprintf(stderr, "kvd_bench: shrink to half\n");
+    KVD_RETURN_IF_ERROR(ShrinkToHalf());
+  }
+  if (Want("control_rpc")) {
+    std::fprintf(stderr, "kvd_bench: control RPC\n");
+    KVD_RETURN_IF_ERROR(ControlRpc());
+    GetLine("control_rpc", "idle").target = "<= 1.2";
+    GetLine("control_rpc", "during_grow").target = "<= 2";
+  }
+  if (Want("concurrent")) {
+    std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
+    KVD_RETURN_IF_ERROR(Concurrent());
+  }
+  if (Want("bookkeeping")) {
+    std::fprintf(stderr, "kvd_bench: bookkeeping\n");
+    KVD_RETURN_IF_ERROR(MeasureBookkeeping());
+  } else {
+    book_.skipped = "not in --sections";
+  }
+  // The alternatives, against kvd's grow + attach after a pause.
+  std::vector<double> kvd_grow_attach;
+  if (Want("lifecycle")) {
+    const Line& g = GetLine("grow", "after_pause");
+    const Line& a = GetLine("attach", "after_pause");
+    for (size_t i = 0; i < std::min(g.kvd.size(), a.kvd.size()); ++i) kvd_grow_attach.push_back(g.kvd[i] + a.kvd[i]);
+  }
+  if (Want("granule")) {
+    std::fprintf(stderr, "kvd_bench: granule design\n");
+    KVD_RETURN_IF_ERROR(Granule());
+  }
+  if (Want("torch")) {
+    std::fprintf(stderr, "kvd_bench: torch.zeros\n");
+    KVD_RETURN_IF_ERROR(Torch());
+  }
+  for (const auto& [name, section] : {std::pair<const char*, const char*>{"granule_design", "granule"},
+                                      std::pair<const char*, const char*>{"torch_zeros", "torch"}}) {
+    if (!Want(section)) continue;
+    Line& l = GetLine(name, "after_pause");
+    l.kvd = kvd_grow_attach;
+    if (l.kvd.empty() && l.skipped.empty()) {
+      l.skipped = "compared with the lifecycle section's grow + attach: add lifecycle to --sections";
+    }
+    if (l.skipped.empty()) l.ratio = P50(l.base) / P50(l.kvd);
+  }
+  for (Line& l : lines_) {
+    if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
+  }
+  return absl::OkStatus();
+}
+
+// grow, attach, sleep, wake and shrink of the main pool, interleaved with the bare calls, both variants.
+absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
   KVD_RETURN_IF_ERROR(KvdCycle(false, false));
   KVD_RETURN_IF_ERROR(RawCycle(raw, false, false));
   for (const char* op : {"grow", "attach", "sleep", "wake", "shrink"}) {
@@ -1503,33 +2098,6 @@ absl::Status Bench::Run() {
         KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
       }
     }
-  }
-  std::fprintf(stderr, "kvd_bench: fragmented\n");
-  KVD_RETURN_IF_ERROR(Fragmented());
-  std::fprintf(stderr, "kvd_bench: control RPC\n");
-  KVD_RETURN_IF_ERROR(ControlRpc());
-  GetLine("control_rpc", "idle").target = "<= 1.2";
-  GetLine("control_rpc", "during_grow").target = "<= 2";
-  std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
-  KVD_RETURN_IF_ERROR(Concurrent());
-  std::fprintf(stderr, "kvd_bench: bookkeeping\n");
-  KVD_RETURN_IF_ERROR(MeasureBookkeeping());
-  // The alternatives, against kvd's grow + attach after a pause.
-  std::vector<double> kvd_grow_attach;
-  const Line& g = GetLine("grow", "after_pause");
-  const Line& a = GetLine("attach", "after_pause");
-  for (size_t i = 0; i < std::min(g.kvd.size(), a.kvd.size()); ++i) kvd_grow_attach.push_back(g.kvd[i] + a.kvd[i]);
-  std::fprintf(stderr, "kvd_bench: granule design\n");
-  KVD_RETURN_IF_ERROR(Granule());
-  std::fprintf(stderr, "kvd_bench: torch.zeros\n");
-  KVD_RETURN_IF_ERROR(Torch());
-  for (const char* name : {"granule_design", "torch_zeros"}) {
-    Line& l = GetLine(name, "after_pause");
-    l.kvd = kvd_grow_attach;
-    if (l.skipped.empty()) l.ratio = P50(l.base) / P50(l.kvd);
-  }
-  for (Line& l : lines_) {
-    if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
   }
   return absl::OkStatus();
 }
@@ -1607,12 +2175,12 @@ std::string Bench::Json() const {
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
       " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
-      "\"pause_ms\": %d, \"fragments\": %d, \"threads\": %d, \"granule_reps\": %d, \"torch\": %s, "
-      "\"free_timeouts\": %d},\n \"lines\": [",
+      "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_bytes\": %d, \"shrink_bytes\": %d, "
+      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
-      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, o_.threads, o_.granule_reps,
-      Quote(torch_version_), free_timeouts_);
+      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, compact_bytes_, shrink_bytes_,
+      o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_, Quote(o_.sections));
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -1666,7 +2234,8 @@ int main(int argc, char** argv) {
   kvd::Options o;
   CLI::App app{
       "kvd_bench: the whole path through kvd (grow, a second process's attach, sleep, wake, shrink; the fragmented "
-      "shape; control-RPC latency; concurrent resizes; the daemon's bookkeeping) against the bare device calls in a "
+      "shape; Compact and an exact shrink to half against the bare calls of the same reshape; control-RPC latency; "
+      "concurrent resizes; the daemon's bookkeeping) against the bare device calls in a "
       "bare pair of processes, interleaved, as medians, p99 and ratios (docs/benchmarks.md)."};
   app.add_option("--socket", o.socket, "Use the running kvd on this gRPC socket (default: start one)");
   app.add_option("--kvd", o.kvd_binary, "The kvd program to start (default: next to kvd_bench, else on PATH)");
@@ -1680,6 +2249,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_option("--fragments", o.fragments, "Grows of the fragmented shape (default 16 on a GPU, 8 on host)");
+  app.add_option("--compact-grows", o.compact_grows,
+                 "Grows of equal size that fragment the compact line's pool of half --bytes (default 64 on a GPU, 8 "
+                 "on host)");
+  app.add_option("--sections", o.sections,
+                 "The parts to run, comma-separated: lifecycle, fragmented, compact, shrink_to_half, control_rpc, "
+                 "concurrent, bookkeeping, granule, torch (granule and torch compare with lifecycle's grow + attach)")
+      ->capture_default_str();
   app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
   app.add_option("--threads", o.threads, "Pools resized at once in the concurrent line")
       ->capture_default_str()

@@ -7,31 +7,34 @@ kvd=$1 bench=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$bench" --help | grep -q -- "--bytes"
-"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --rpc-calls=200 \
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --rpc-calls=200 \
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
-for line in grow attach sleep wake shrink fragmented_grow fragmented_attach control_rpc concurrent_resize_grow \
-  concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink granule_design torch_zeros; do
+for line in grow attach sleep wake shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
+  shrink_to_half control_rpc concurrent_resize_grow concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink \
+  granule_design torch_zeros; do
   grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
 done
 python3 - "$dir/out.json" <<'PY'
 import json, math, sys
 d = json.load(open(sys.argv[1]))
 assert d["program"] == "kvd_bench" and d["device"]["backend"] == "host", d["device"]
-for key in ("bytes", "segments", "chunks", "reps", "pause_ms"):
+for key in ("bytes", "segments", "chunks", "reps", "pause_ms", "compact_grows", "compact_bytes", "shrink_bytes"):
     assert d["config"][key] >= 0, key
 want = {("grow", v) for v in ("after_release", "after_pause")}
 want |= {(op, v) for op in ("attach", "sleep", "wake", "shrink") for v in ("after_release", "after_pause")}
 want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
-         ("fragmented_attach", "after_compaction"), ("control_rpc", "idle"), ("control_rpc", "during_grow"),
+         ("compact", "4_grows"), ("compact_pause", "4_grows"), ("compact_attach", "before_compact"),
+         ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
+         ("control_rpc", "idle"), ("control_rpc", "during_grow"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause")}
 got = {(l["name"], l["variant"]): l for l in d["lines"]}
 missing = want - set(got)
 assert not missing, f"missing lines: {sorted(missing)}"
-# Host: torch is CUDA only, and kvd has no compaction; everything else runs.
-must_skip = {("torch_zeros", "after_pause"), ("fragmented_attach", "after_compaction")}
+# Host: torch is CUDA only; everything else runs.
+must_skip = {("torch_zeros", "after_pause")}
 for key, l in got.items():
     if key in must_skip:
         assert l.get("skipped"), f"{key} must say why it was skipped"
@@ -52,6 +55,19 @@ for op in ("attach", "sleep"):
             for name, s in ph[side].items():
                 assert s["n"] == got[(op, v)][side]["n"], (op, v, side, name)
                 assert all(x is not None and x >= 0 for x in s["samples_ms"]), (op, v, side, name, s)
+# The reshape lines: both sides' phases, one sample per repetition, and the pool they ran on.
+assert d["config"]["compact_grows"] == 4 and d["config"]["compact_bytes"] > 0 and d["config"]["shrink_bytes"] > 0, d["config"]
+for key in (("compact", "4_grows"), ("shrink_to_half", "once_grown")):
+    ph = got[key]["phases"]
+    assert set(ph["kvd"]) == {"call", "pause", "copy", "free_wait"}, (key, ph["kvd"].keys())
+    assert set(ph["baseline"]) == {"create_map", "copy", "release_old", "remap", "free_wait"}, (key, ph["baseline"].keys())
+    for side in ("kvd", "baseline"):
+        for name, s in ph[side].items():
+            assert s["n"] == got[key][side]["n"], (key, side, name)
+            assert all(x is not None and x >= 0 for x in s["samples_ms"]), (key, side, name, s)
+    assert "pattern samples" in got[key]["note"], (key, got[key]["note"])
+assert got[("compact_attach", "after_compact")]["target"] == "<= 1.5"
+assert got[("shrink_to_half", "once_grown")]["target"] == "<= 1.2"
 b = d["bookkeeping"]
 assert "skipped" not in b, b
 assert b["chunks"] > 0 and b["pools"] == 16, b
@@ -66,4 +82,23 @@ PY
 # A bad size is refused with the flag's name.
 if "$bench" --kvd="$kvd" --backend=host --bytes=4MiB 2>"$dir/err"; then echo "4MiB over 8 segments must fail"; exit 1; fi
 grep -q -- "--bytes" "$dir/err"
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --compact-grows=5 2>"$dir/err"; then
+  echo "5 grows of 64MiB over 8 segments must fail"; exit 1
+fi
+grep -q -- "--compact-grows" "$dir/err"
+# --sections runs only the parts named: here the exact shrink, whose line is then the only one.
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --reps=1 --sections=shrink_to_half --json >"$dir/one.json" \
+  2>"$dir/one.txt"
+python3 - "$dir/one.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["config"]["sections"] == "shrink_to_half", d["config"]
+assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "once_grown")], d["lines"]
+assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
+assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
+PY
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
+  echo "an unknown section must fail"; exit 1
+fi
+grep -q -- '--sections: unknown section "nope"' "$dir/err"
 echo "kvd_bench_test: 1 passed, 0 failed"

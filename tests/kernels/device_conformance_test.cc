@@ -949,6 +949,168 @@ TEST_P(DeviceConformanceTest, CopiesTouchOnlyMappedMemoryOfThisDevice) {
       << "after Unmap";
 }
 
+// Device::CopyRange: bytes move on the device between mapped ranges of this device, wherever they lie:
+// from one reservation into another, and across the seam of two adjacent mappings (a range that spans
+// two chunks). The daemon copies a chunk's kept bytes into its replacement this way.
+TEST_P(DeviceConformanceTest, CopyRangeCopiesAcrossReservationsAndAdjacentMappings) {
+  const uint64_t g = granularity_;
+  DeviceScope scope(device_.get());
+  // Reservation A: two chunks of one granule side by side, then one granule unmapped.
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t a, scope.Reserve(3 * g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk a0, scope.Create(g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk a1, scope.Create(g));
+  ASSERT_THAT(scope.Map(a, a0), IsOk());
+  ASSERT_THAT(scope.Map(a + g, a1), IsOk());
+  // Reservation B: one chunk of two granules.
+  Chunk b0;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t b, scope.MapNew(2 * g, &b0));
+  std::vector<uint8_t> a_bytes = Pattern(51, 2 * g);
+  std::vector<uint8_t> b_bytes = Pattern(52, 2 * g);
+  ASSERT_THAT(device_->CopyFromHost(a, a_bytes.data(), 2 * g), IsOk());
+  ASSERT_THAT(device_->CopyFromHost(b, b_bytes.data(), 2 * g), IsOk());
+
+  // A's two mappings (odd offsets and length, across the seam at a + g) into B.
+  const uint64_t src_at = g / 2 + 3, dst_at = 4096 + 5, n1 = g - 7;
+  ASSERT_THAT(device_->CopyRange(b + dst_at, a + src_at, n1), IsOk());
+  std::copy_n(a_bytes.begin() + src_at, n1, b_bytes.begin() + dst_at);
+  // B into A, again across A's seam.
+  const uint64_t n2 = g / 4 + 1;
+  ASSERT_THAT(device_->CopyRange(a + g - n2 / 2, b + g + 11, n2), IsOk());
+  std::copy_n(b_bytes.begin() + g + 11, n2, a_bytes.begin() + (g - n2 / 2));
+  // Within one reservation, from one chunk into the other; then a whole chunk's bytes into another
+  // chunk of another reservation, as a replacement gets them.
+  ASSERT_THAT(device_->CopyRange(a + g + 100, a + 40, 1000), IsOk());
+  std::copy_n(a_bytes.begin() + 40, 1000, a_bytes.begin() + g + 100);
+  ASSERT_THAT(device_->CopyRange(b + g, a, g), IsOk());
+  std::copy_n(a_bytes.begin(), g, b_bytes.begin() + g);
+
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> a_back, Read(a, 2 * g));
+  EXPECT_TRUE(SameBytes(a_back, a_bytes)) << "reservation A: the copied ranges, and every other byte unchanged";
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> b_back, Read(b, 2 * g));
+  EXPECT_TRUE(SameBytes(b_back, b_bytes)) << "reservation B: the copied ranges, and every other byte unchanged";
+
+  // The copy is of memory, not of mappings: remapped elsewhere, A's second chunk holds what was copied.
+  ASSERT_THAT(scope.Unmap(a + g, g), IsOk());
+  ASSERT_THAT(scope.Map(a + 2 * g, a1), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> moved, Read(a + 2 * g, g));
+  EXPECT_TRUE(SameBytes(moved, std::vector<uint8_t>(a_bytes.begin() + g, a_bytes.end())));
+}
+
+// device.h: CopyRange of no bytes is a no-op, whatever the addresses; adjacent ranges do not overlap.
+TEST_P(DeviceConformanceTest, CopyRangeOfNoBytesIsANoOp) {
+  const uint64_t g = granularity_;
+  DeviceScope scope(device_.get());
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(2 * g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk chunk, scope.Create(g));
+  ASSERT_THAT(scope.Map(va, chunk), IsOk());
+  const std::vector<uint8_t> before = Pattern(53, g);
+  ASSERT_THAT(device_->CopyFromHost(va, before.data(), g), IsOk());
+
+  EXPECT_THAT(device_->CopyRange(va, va, 0), IsOk()) << "the same address";
+  EXPECT_THAT(device_->CopyRange(va + g, va, 0), IsOk()) << "into reserved, unmapped space";
+  EXPECT_THAT(device_->CopyRange(va, va + 2 * g, 0), IsOk()) << "from past the reservation";
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(va, g));
+  EXPECT_TRUE(SameBytes(back, before));
+
+  // Ranges that touch but do not overlap are fine, either way round.
+  ASSERT_THAT(device_->CopyRange(va + 64, va, 64), IsOk());
+  ASSERT_THAT(device_->CopyRange(va + 256, va + 320, 64), IsOk());
+  std::vector<uint8_t> expected = before;
+  std::copy_n(before.begin(), 64, expected.begin() + 64);
+  std::copy_n(before.begin() + 320, 64, expected.begin() + 256);
+  KVD_ASSERT_OK_AND_ASSIGN(back, Read(va, g));
+  EXPECT_TRUE(SameBytes(back, expected));
+}
+
+// device.h, "Misuse": CopyRange, as CopyToHost for its source and CopyFromHost for its destination,
+// and overlapping ranges.
+TEST_P(DeviceConformanceTest, CopyRangeTouchesOnlyMappedMemoryAndRefusesOverlap) {
+  const uint64_t g = granularity_;
+  DeviceScope scope(device_.get());
+  // One reservation of three granules: a chunk at va, nothing at va + g, a chunk at va + 2g.
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(3 * g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk first, scope.Create(g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk last, scope.Create(g));
+  ASSERT_THAT(scope.Map(va, first), IsOk());
+  ASSERT_THAT(scope.Map(va + 2 * g, last), IsOk());
+  const std::vector<uint8_t> first_bytes = Pattern(54, g), last_bytes = Pattern(55, g);
+  ASSERT_THAT(device_->CopyFromHost(va, first_bytes.data(), g), IsOk());
+  ASSERT_THAT(device_->CopyFromHost(va + 2 * g, last_bytes.data(), g), IsOk());
+  const std::vector<uint8_t> host(64, 0x5a);
+  const uint64_t host_va = reinterpret_cast<uintptr_t>(host.data());
+
+  const auto refused = [](absl::StatusCode code, const char* text) {
+    return StatusIs(code, AllOf(HasSubstr("CopyRange"), HasSubstr(text)));
+  };
+  EXPECT_THAT(device_->CopyRange(va + 16, va, 32), refused(absl::StatusCode::kInvalidArgument, "overlap"))
+      << "dst inside src";
+  EXPECT_THAT(device_->CopyRange(va, va + 16, 32), refused(absl::StatusCode::kInvalidArgument, "overlap"))
+      << "src inside dst";
+  EXPECT_THAT(device_->CopyRange(va + 8, va + 8, 1), refused(absl::StatusCode::kInvalidArgument, "overlap"))
+      << "the same byte";
+  EXPECT_THAT(device_->CopyRange(va, va + g, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "src in reserved, unmapped space";
+  EXPECT_THAT(device_->CopyRange(va, va + g - 8, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "src runs off its mapping";
+  EXPECT_THAT(device_->CopyRange(va + g, va, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "dst in reserved, unmapped space";
+  EXPECT_THAT(device_->CopyRange(va + 2 * g - 8, va, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "dst starts in the hole and runs into the last chunk";
+  EXPECT_THAT(device_->CopyRange(va, va + 2 * g, 2 * g),
+              refused(absl::StatusCode::kInvalidArgument, "not inside a reservation"))
+      << "src runs past the end of the reservation";
+  EXPECT_THAT(device_->CopyRange(va, host_va, 16),
+              refused(absl::StatusCode::kInvalidArgument, "not inside a reservation"))
+      << "src is memory this device does not own";
+  EXPECT_THAT(device_->CopyRange(host_va, va, 16),
+              refused(absl::StatusCode::kInvalidArgument, "not inside a reservation"))
+      << "dst is memory this device does not own";
+  EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0x5a; }));
+
+  ASSERT_THAT(scope.Unmap(va + 2 * g, g), IsOk());
+  EXPECT_THAT(device_->CopyRange(va, va + 2 * g, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "src after Unmap";
+  EXPECT_THAT(device_->CopyRange(va + 2 * g, va, 16), refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "dst after Unmap";
+  ASSERT_THAT(scope.Map(va + 2 * g, last), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> first_back, Read(va, g));
+  EXPECT_TRUE(SameBytes(first_back, first_bytes)) << "refused copies wrote nothing";
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> last_back, Read(va + 2 * g, g));
+  EXPECT_TRUE(SameBytes(last_back, last_bytes)) << "refused copies wrote nothing";
+}
+
+// device.h, "Misuse": CopyRange reads through a read-only mapping but never writes through one.
+TEST_P(DeviceConformanceTest, CopyRangeNeverWritesThroughAReadOnlyMapping) {
+  const uint64_t g = granularity_;
+  DeviceScope scope(device_.get());
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t va, scope.Reserve(2 * g));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk ro, scope.Create(g));
+  const std::vector<uint8_t> ro_bytes = Pattern(56, g);
+  ASSERT_THAT(scope.Map(va + g, ro), IsOk());
+  ASSERT_THAT(device_->CopyFromHost(va + g, ro_bytes.data(), g), IsOk());
+  ASSERT_THAT(scope.Unmap(va + g, g), IsOk());
+  const absl::Status mapped = scope.Map(va + g, ro, Access::kRead);
+  if (!host() && !mapped.ok()) GTEST_SKIP() << "this driver refuses read-only mappings: " << mapped;
+  ASSERT_THAT(mapped, IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk rw, scope.Create(g));
+  ASSERT_THAT(scope.Map(va, rw), IsOk());
+  const std::vector<uint8_t> rw_bytes = Pattern(57, g);
+  ASSERT_THAT(device_->CopyFromHost(va, rw_bytes.data(), g), IsOk());
+
+  EXPECT_THAT(device_->CopyRange(va + g, va, 16),
+              StatusIs(absl::StatusCode::kFailedPrecondition, AllOf(HasSubstr("CopyRange"), HasSubstr("read-only"))));
+  EXPECT_THAT(device_->CopyRange(va + g - 8, va, 16),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("read-only")))
+      << "starts in the read-write mapping";
+  ASSERT_THAT(device_->CopyRange(va + 100, va + g + 200, 300), IsOk()) << "reading a read-only mapping is fine";
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> ro_back, Read(va + g, g));
+  EXPECT_TRUE(SameBytes(ro_back, ro_bytes)) << "nothing wrote the read-only mapping";
+  std::vector<uint8_t> expected = rw_bytes;
+  std::copy_n(ro_bytes.begin() + 200, 300, expected.begin() + 100);
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> rw_back, Read(va, g));
+  EXPECT_TRUE(SameBytes(rw_back, expected)) << "only the allowed copy wrote";
+}
+
 // device.h, "Misuse": block operations over memory that is not mapped.
 TEST_P(DeviceConformanceTest, BlockOperationsTouchOnlyMappedMemoryOfThisDevice) {
   const uint64_t g = granularity_;

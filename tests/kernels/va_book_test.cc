@@ -207,6 +207,59 @@ TEST_F(VaBookTest, MemoryUseNeedsMappedMemoryOfThisDevice) {
   EXPECT_EQ(touched, 2) << "refused uses never touch memory";
 }
 
+TEST_F(VaBookTest, CopyUseChecksBothRangesAndRefusesOverlap) {
+  // kBase: read-write; kBase + kG: read-only; kBase + 2kG: unmapped; kBase + 3kG: read-write. A second
+  // reservation of two granules right after the first, both mapped read-write.
+  ASSERT_THAT(book_.Map(kBase, chunk_, Access::kReadWrite, Vendor), IsOk());
+  const Chunk ro{.handle = 9, .bytes = kG};
+  ASSERT_THAT(book_.AddChunk(ro, ChunkOrigin::kCreated), IsOk());
+  ASSERT_THAT(book_.Map(kBase + kG, ro, Access::kRead, Vendor), IsOk());
+  ASSERT_THAT(book_.Map(kBase + 3 * kG, chunk_, Access::kReadWrite, Vendor), IsOk());
+  const uint64_t next = kBase + 4 * kG;
+  ASSERT_THAT(book_.AddReservation(next, 2 * kG), IsOk());
+  ASSERT_THAT(book_.Map(next, chunk_, Access::kReadWrite, Vendor), IsOk());
+  ASSERT_THAT(book_.Map(next + kG, chunk_, Access::kReadWrite, Vendor), IsOk());
+  int touched = 0;
+  auto touch = [&] {
+    ++touched;
+    return absl::OkStatus();
+  };
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase, kBase + kG, kG, touch), IsOk()) << "from read-only into read-write";
+  EXPECT_THAT(book_.UseCopy("CopyRange", next + 5, kBase + kG / 2, kG, touch), IsOk())
+      << "across two mappings into another reservation";
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 100, kBase, 100, touch), IsOk()) << "adjacent, not overlapping";
+  EXPECT_EQ(touched, 3);
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 2 * kG, kBase + 2 * kG, 0, touch), IsOk()) << "nothing to copy";
+  EXPECT_EQ(touched, 3) << "a copy of no bytes touches nothing";
+
+  const auto refused = [](absl::StatusCode code, const char* text) {
+    return StatusIs(code, ::testing::AllOf(HasSubstr("CopyRange"), HasSubstr(text)));
+  };
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 10, kBase, 100, touch),
+              refused(absl::StatusCode::kInvalidArgument, "overlap"));
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase, kBase + 99, 100, touch),
+              refused(absl::StatusCode::kInvalidArgument, "overlap"));
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 2 * kG, kBase + 2 * kG, 1, touch),
+              refused(absl::StatusCode::kInvalidArgument, "overlap"))
+      << "overlap is refused before anything is looked up";
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + kG, kBase, 16, touch),
+              refused(absl::StatusCode::kFailedPrecondition, "read-only"));
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase, kBase + 2 * kG, 16, touch),
+              refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "src unmapped";
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 2 * kG + 8, kBase, 16, touch),
+              refused(absl::StatusCode::kFailedPrecondition, "not mapped"))
+      << "dst unmapped";
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase, kBase + 4 * kG - 8, 16, touch),
+              refused(absl::StatusCode::kInvalidArgument, "not inside a reservation"))
+      << "src spans two reservations, though every byte of it is mapped";
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase + 16 * kG, kBase, 16, touch),
+              refused(absl::StatusCode::kInvalidArgument, "not inside a reservation"));
+  EXPECT_THAT(book_.UseCopy("CopyRange", kBase, UINT64_MAX - 4, 16, touch),
+              refused(absl::StatusCode::kInvalidArgument, "wraps"));
+  EXPECT_EQ(touched, 3) << "refused copies never touch memory";
+}
+
 TEST_F(VaBookTest, BlockUseChecksEverySegmentAndThePackedBuffer) {
   ASSERT_THAT(book_.Map(kBase, chunk_, Access::kReadWrite, Vendor), IsOk());
   int touched = 0;

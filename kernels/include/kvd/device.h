@@ -33,11 +33,12 @@
 //               (holds part of one): INVALID_ARGUMENT. Unmapped parts of the range are left alone,
 //               so unmapping a whole reservation with holes is fine.
 //   Export      not a live chunk: INVALID_ARGUMENT.
-//   CopyToHost, CopyFromHost, ZeroBlocks, CopyBlocks, PackBlocks, UnpackBlocks
+//   CopyToHost, CopyFromHost, CopyRange, ZeroBlocks, CopyBlocks, PackBlocks, UnpackBlocks
 //               a null host pointer, a malformed span (its extent overflows, its segments overlap),
-//               or a range touched that is not inside one reservation of this device:
-//               INVALID_ARGUMENT; any byte touched that is reserved but not mapped, or mapped
-//               read-only where the call writes: FAILED_PRECONDITION. Nothing is touched then.
+//               CopyRange's two ranges overlapping, or a range touched that is not inside one
+//               reservation of this device: INVALID_ARGUMENT; any byte touched that is reserved but
+//               not mapped, or mapped read-only where the call writes: FAILED_PRECONDITION. Nothing
+//               is touched then.
 // A call that fails, for misuse or in the driver, leaves the device's bookkeeping as it was (an Unmap
 // over several mappings that fails in the driver part way leaves the ones before unmapped). Backend
 // rules beyond these (HIP before 7.12 refuses a second mapping in a reservation) are
