@@ -449,17 +449,35 @@ size_t Pool::BeginPause(const std::vector<ChunkRecord>& added) {
   return asked;
 }
 
-std::vector<ClientView> Pool::AwaitPause(absl::Time deadline) {
+Pool::PauseOutcome Pool::AwaitPause(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !pause_.has_value() || pause_->waiting.empty(); };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
-  std::vector<ClientView> late;
-  if (!pause_.has_value()) return late;
+  PauseOutcome outcome;
+  if (!pause_.has_value()) return outcome;
   for (const std::string& id : pause_->waiting) {
     const Client& c = clients_.at(id);
-    late.push_back({.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid});
+    outcome.late.push_back({.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid});
   }
-  return late;
+  // A client that acknowledged and then went away (its session ended) no longer counts.
+  for (const std::string& id : pause_->acknowledged) {
+    if (clients_.contains(id)) outcome.paused.insert(id);
+  }
+  return outcome;
+}
+
+size_t Pool::AwaitClients(uint64_t release_id, const std::set<std::string>& clients, absl::Time deadline) {
+  if (release_id == 0 || clients.empty()) return 0;
+  absl::MutexLock lock(&mu_);
+  auto still = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) -> size_t {
+    auto r = releases_.find(release_id);
+    if (deleted_ || r == releases_.end()) return 0;
+    return static_cast<size_t>(std::count_if(clients.begin(), clients.end(),
+                                             [&](const std::string& id) { return r->second.waiting.contains(id); }));
+  };
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return still() == 0; };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  return still();
 }
 
 void Pool::DetachUnresponsive(const std::string& client_id) {
@@ -475,6 +493,7 @@ absl::Status Pool::AcknowledgePause(const Caller& caller, absl::string_view clie
         absl::StrCat("pause_id: ", pause_id, " is not awaiting an acknowledgement from client ", client_id));
   }
   pause_->waiting.erase(c->id);
+  pause_->acknowledged.insert(c->id);
   return absl::OkStatus();
 }
 

@@ -223,9 +223,16 @@ class Pool {
   // client) and the ranges they cover. Returns how many clients were asked (0: nobody to wait for).
   size_t BeginPause(const std::vector<ChunkRecord>& added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits until every client asked acknowledged the pause (or detached), or `deadline`. Returns those that
-  // did not.
-  std::vector<ClientView> AwaitPause(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until every client asked acknowledged the pause (or detached), or `deadline`.
+  struct PauseOutcome {
+    std::vector<ClientView> late;  // attached, asked, and not acknowledged
+    std::set<std::string> paused;  // acknowledged
+  };
+  PauseOutcome AwaitPause(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until none of `clients` is still to acknowledge release `release_id` (their RESUME), or
+  // `deadline`. Returns how many still are.
+  size_t AwaitClients(uint64_t release_id, const std::set<std::string>& clients, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Detaches `client_id` for not acknowledging the pause (it keeps holding what it fetched).
   void DetachUnresponsive(const std::string& client_id) ABSL_LOCKS_EXCLUDED(mu_);
   // The pause is called off and nothing changed: a RESUME (not applied) to every client asked.
@@ -356,6 +363,7 @@ class Pool {
     std::map<uint64_t, int> fds;  // borrowed from the manager's records
     std::set<std::string> asked;
     std::set<std::string> waiting;
+    std::set<std::string> acknowledged;
   };
   // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
   // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.

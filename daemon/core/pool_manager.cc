@@ -734,6 +734,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
       options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
   PoolUpdate update;
   absl::Time paused_at = absl::InfinitePast();
+  std::set<std::string> paused;
   {
     absl::MutexLock lock(&pool->op_mu);
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
@@ -742,15 +743,15 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
       KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, GroupOp::kShrink, target_blocks));
       update = CommitLocked(*pool, std::move(change), caller.session, start);
     } else {
-      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, options.pause,
-                                                 absl::StrCat("shrinking to ", target_blocks, " blocks"), &paused_at));
+      KVD_ASSIGN_OR_RETURN(
+          update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
+                                &paused_at, &paused));
     }
   }
-  // Replied once the clients resumed (so that the caller's own Mapping has remapped), at most a pause
-  // timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
-  absl::Time deadline = options.wait ? options.deadline : absl::Now() + timeout;
-  if (!options.wait && update.reshape.has_value() && update.reshape->paused_clients == 0) deadline = absl::Now();
-  FinishReshape(*pool, update, paused_at, deadline, start);
+  // Replied once the paused clients resumed (so that the caller's own Mapping has remapped), at most a
+  // pause timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
+  FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout,
+                options.wait ? std::optional<absl::Time>(options.deadline) : std::nullopt, start);
   return update;
 }
 
@@ -761,6 +762,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
   const absl::Duration timeout = pause.timeout > absl::ZeroDuration() ? pause.timeout : options_.pause_timeout;
   PoolUpdate update;
   absl::Time paused_at = absl::InfinitePast();
+  std::set<std::string> paused;
   {
     absl::MutexLock lock(&pool->op_mu);
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanCompact(options_.max_chunk_bytes));
@@ -770,15 +772,16 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       update.reshape = ReshapeReport{.chunks_before = plan.chunks_before,
                                      .chunks_after = static_cast<uint32_t>(update.pool.chunks.size())};
     } else {
-      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at));
+      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at, &paused));
     }
   }
-  FinishReshape(*pool, update, paused_at, absl::Now() + timeout, start);
+  FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, start);
   return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
-                                                      absl::string_view what, absl::Time* paused_at) {
+                                                      absl::string_view what, absl::Time* paused_at,
+                                                      std::set<std::string>* paused) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
@@ -854,7 +857,8 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   const size_t asked = pool.BeginPause(added);
   absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu) { pool.CancelPause(); };
   if (asked > 0) {
-    std::vector<ClientView> late = pool.AwaitPause(absl::Now() + timeout);
+    Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
+    const std::vector<ClientView>& late = outcome.late;
     if (!late.empty() && !pause.detach_unresponsive) {
       const ClientView& c = late.front();
       return absl::DeadlineExceededError(
@@ -870,7 +874,8 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
       Warn(absl::StrCat("pool ", pool.name(), ": detached client ", c.id, " (pid ", c.pid,
                         ") for not acknowledging a pause within ", absl::FormatDuration(timeout)));
     }
-    report.paused_clients = static_cast<uint32_t>(asked - late.size());
+    report.paused_clients = static_cast<uint32_t>(outcome.paused.size());
+    *paused = std::move(outcome.paused);
   }
   *paused_at = absl::Now();
 
@@ -975,14 +980,17 @@ void PoolManager::CompactInBackground() {
   }
 }
 
-void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline,
-                                absl::Time start) {
-  const size_t still = pool.AwaitRelease(update.release_id, deadline);
-  if (update.reshape.has_value() && update.reshape->paused_clients > 0) {
-    update.reshape->resumed_clients =
-        static_cast<uint32_t>(update.reshape->paused_clients - std::min<size_t>(still, update.reshape->paused_clients));
+void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at,
+                                const std::set<std::string>& paused, absl::Time resume_deadline,
+                                std::optional<absl::Time> release_deadline, absl::Time start) {
+  if (!paused.empty()) {
+    // Only the paused clients' RESUME acknowledgements: a detached holder of the old chunks keeps them
+    // counted, but nobody waits for it here.
+    const size_t still = pool.AwaitClients(update.release_id, paused, resume_deadline);
+    update.reshape->resumed_clients = static_cast<uint32_t>(paused.size() - std::min(still, paused.size()));
     update.reshape->pause = absl::Now() - paused_at;
   }
+  if (release_deadline.has_value()) pool.AwaitRelease(update.release_id, *release_deadline);
   if (update.release_id != 0) update.pool = pool.View(ViewClients::kCounted);
   update.elapsed = absl::Now() - start;
 }

@@ -325,12 +325,16 @@ class PoolManager {
   // resumed, the new chunks released, the budget as before. `what` names the change in errors. Returns
   // the update with its report, less what only waiting for the RESUME acknowledgements tells (the caller
   // waits, without op_mu; `*paused_at` is when every client had paused).
+  // `*paused` are the clients that acknowledged the PAUSE.
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
-                                                         absl::string_view what, absl::Time* paused_at)
+                                                         absl::string_view what, absl::Time* paused_at,
+                                                         std::set<std::string>* paused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // The end of a reshape, without op_mu: waits for the paused clients' RESUME acknowledgements (at most
-  // until `deadline`) and fills in the report.
-  void FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, absl::Time deadline, absl::Time start);
+  // The end of a reshape, without op_mu: waits for the RESUME acknowledgements of the `paused` clients
+  // (at most until `resume_deadline`; with `release_deadline`, until the whole release completed or it
+  // passed) and fills in the report.
+  void FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, const std::set<std::string>& paused,
+                     absl::Time resume_deadline, std::optional<absl::Time> release_deadline, absl::Time start);
   // After a grow: queues the pool for compactor_ when it has more chunks than compact_above_chunks.
   void CompactLaterIfFragmented(const PoolView& pool);
   // compactor_'s loop: compacts the queued pools as the daemon, one at a time, until Shutdown.

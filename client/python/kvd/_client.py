@@ -1156,8 +1156,16 @@ class Mapping:
             self.committed_blocks = 0
             self.gone = why
             watch = self._watch
+            conn, client_id = self._conn, self.client_id
             self._changed.notify_all()
         watch.cancel()
+        # Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping
+        # held (a deleted pool's memory stays counted until its clients let go), as libkvd does.
+        try:
+            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id, released=True),
+                               conn=conn, timeout=min(self._client.timeout, 5.0))
+        except KvdError:
+            pass  # the daemon may be gone
         if self.on_lost:
             self._callback(self.on_lost, why)
 
