@@ -552,7 +552,8 @@ struct Mapping::Impl {
   // Releases the imported chunks of `pause`.
   void DropPause(Pause& pause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // An applied RESUME: unmaps the event's chunks and maps the pause's new ones at their offsets.
-  absl::Status Remap(Pause& pause, const v1::PoolEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status Remap(Pause& pause, const v1::PoolEvent& ev, std::vector<Mapped>* retired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The follower's handling of PAUSE and RESUME; false when the Mapping was lost.
   bool OnPause(const v1::PoolEvent& ev);
   bool OnResume(const v1::PoolEvent& ev);
@@ -706,8 +707,16 @@ void Mapping::Impl::DropPause(Pause& pause) {
   pause.chunks.clear();  // closes their FDs
 }
 
-absl::Status Mapping::Impl::Remap(Pause& pause, const v1::PoolEvent& ev) {
-  for (const v1::Chunk& chunk : ev.chunks()) UnmapOne(chunk.id());
+absl::Status Mapping::Impl::Remap(Pause& pause, const v1::PoolEvent& ev, std::vector<Mapped>* retired) {
+  // Only the unmapping happens while the pool is paused; the handles and FDs are given back after the
+  // engine resumed (`retired`).
+  for (const v1::Chunk& chunk : ev.chunks()) {
+    auto it = chunks.find(chunk.id());
+    if (it == chunks.end()) continue;
+    device->Unmap(base + it->second.info.offset, it->second.info.bytes).IgnoreError();
+    retired->push_back(std::move(it->second));
+    chunks.erase(it);
+  }
   size_t next = 0;
   absl::Cleanup release_rest = [&] {
     for (size_t i = next; i < pause.chunks.size(); ++i) device->Release(pause.chunks[i].chunk).IgnoreError();
@@ -886,6 +895,11 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
   if (options.on_ranges_released && !released_only.empty()) options.on_ranges_released(released_only);
   absl::Status remapped;
   std::vector<ByteRange> added;
+  std::vector<Mapped> retired;
+  absl::Cleanup release_retired = [&] {
+    for (Mapped& m : retired) device->Release(m.chunk).IgnoreError();
+    retired.clear();  // closes their FDs
+  };
   uint64_t before = 0, committed = 0;
   {
     absl::MutexLock lock(&mu);
@@ -893,7 +907,7 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
     auto it = pauses.find(id);
     if (it == pauses.end()) return false;  // only UnmapAll (closing or lost) takes it away meanwhile
     for (const Imported& i : it->second.chunks) added.push_back({i.info.segment, i.info.offset, i.info.bytes});
-    remapped = Remap(it->second, ev);
+    remapped = Remap(it->second, ev, &retired);
     pauses.erase(it);
     if (remapped.ok()) {
       before = committed_blocks;

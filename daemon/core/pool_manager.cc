@@ -735,6 +735,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
   PoolUpdate update;
   absl::Time paused_at = absl::InfinitePast();
   std::set<std::string> paused;
+  OldView old;
   {
     absl::MutexLock lock(&pool->op_mu);
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
@@ -745,13 +746,14 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     } else {
       KVD_ASSIGN_OR_RETURN(
           update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
-                                &paused_at, &paused));
+                                &paused_at, &paused, &old));
     }
   }
   // Replied once the paused clients resumed (so that the caller's own Mapping has remapped), at most a
   // pause timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
   FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout,
                 options.wait ? std::optional<absl::Time>(options.deadline) : std::nullopt, start);
+  TakeDown(old);
   return update;
 }
 
@@ -763,6 +765,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
   PoolUpdate update;
   absl::Time paused_at = absl::InfinitePast();
   std::set<std::string> paused;
+  OldView old;
   {
     absl::MutexLock lock(&pool->op_mu);
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanCompact(options_.max_chunk_bytes));
@@ -772,16 +775,17 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       update.reshape = ReshapeReport{.chunks_before = plan.chunks_before,
                                      .chunks_after = static_cast<uint32_t>(update.pool.chunks.size())};
     } else {
-      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at, &paused));
+      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at, &paused, &old));
     }
   }
   FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, start);
+  TakeDown(old);
   return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                       absl::string_view what, absl::Time* paused_at,
-                                                      std::set<std::string>* paused) {
+                                                      std::set<std::string>* paused, OldView* teardown) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
@@ -805,22 +809,16 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   }
   absl::Cleanup give_back = [&] { budget_.Give(bytes); };
 
-  // Made and filled beside the pool, in a reservation of their own; mapped in the pool only once filled.
-  uint64_t scratch = 0;
-  if (bytes > 0) {
-    KVD_ASSIGN_OR_RETURN(scratch, device_->Reserve(bytes));
-  }
-  absl::Cleanup free_scratch = [&] {
-    if (scratch != 0) device_->Free(scratch, bytes).IgnoreError();
-  };
-  std::vector<PlannedChunk> at_scratch;
-  for (uint64_t at = 0; const PlannedChunk& p : plan.added) {
-    at_scratch.push_back({.segment = p.segment, .offset = at, .bytes = p.bytes});
-    at += p.bytes;
-  }
+  // The daemon's next view of the pool: a reservation of the pool's size where the new chunks are made and
+  // the chunks that stay are mapped again. After the copy the daemon switches its base to it, instead of
+  // unmapping and mapping chunk by chunk while the clients wait (its base is its own; clients map at
+  // theirs). The old view is taken down after the clients resumed (FinishReshape's caller).
+  const uint64_t reserved = pool.geometry().reserved_bytes();
+  KVD_ASSIGN_OR_RETURN(const uint64_t next, device_->Reserve(reserved));
+  absl::Cleanup free_next = [&] { device_->Free(next, reserved).IgnoreError(); };
   std::vector<ChunkRecord> added;
   {
-    absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(scratch, at_scratch);
+    absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(next, plan.added);
     if (!made.ok()) {
       if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
         absl::StatusOr<DeviceInfo> info = device_->Info();
@@ -834,23 +832,35 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
     added = *std::move(made);
   }
   size_t kept_fds = 0;
-  size_t off_scratch = 0;  // the first new chunks are no longer mapped in the scratch reservation
-  // Until applied, the new chunks are the daemon's alone: a failure unmaps them from the scratch
-  // reservation and releases them.
+  // Until applied, the new chunks are the daemon's alone: a failure unmaps and releases them.
   absl::Cleanup discard = [&] {
     for (size_t i = 0; i < added.size(); ++i) {
       if (i < kept_fds) options_.store->DropChunkFd(added[i].info.id);
-      if (i >= off_scratch) device_->Unmap(scratch + at_scratch[i].offset, added[i].info.bytes).IgnoreError();
-      device_->Release(added[i].chunk).IgnoreError();
-      added[i].fd.reset();
+      DiscardChunk(next, added[i]);
     }
   };
-  for (size_t i = 0; i < added.size(); ++i) {
-    added[i].info.offset = plan.added[i].offset;
-    if (options_.store != nullptr) {
-      KVD_RETURN_IF_ERROR(options_.store->KeepChunkFd(added[i].info.id, added[i].fd.get()));
-      kept_fds = i + 1;
+  if (options_.store != nullptr) {
+    for (; kept_fds < added.size(); ++kept_fds) {
+      KVD_RETURN_IF_ERROR(options_.store->KeepChunkFd(added[kept_fds].info.id, added[kept_fds].fd.get()));
     }
+  }
+  std::set<uint64_t> leaving(plan.replaced.begin(), plan.replaced.end());
+  leaving.insert(plan.released.begin(), plan.released.end());
+  std::vector<uint64_t> staying_ids;
+  std::vector<ChunkInfo> mapped = pool.View(ViewClients::kCounted).chunks;
+  for (const ChunkInfo& c : mapped) {
+    if (!leaving.contains(c.id)) staying_ids.push_back(c.id);
+  }
+  const std::vector<ChunkRecord*> staying = pool.ChunksById(staying_ids);
+  size_t remapped = 0;
+  absl::Cleanup unmap_staying = [&] {
+    for (size_t i = 0; i < remapped; ++i) {
+      device_->Unmap(next + staying[i]->info.offset, staying[i]->info.bytes).IgnoreError();
+    }
+  };
+  for (; remapped < staying.size(); ++remapped) {
+    const ChunkRecord& r = *staying[remapped];
+    KVD_RETURN_IF_ERROR(device_->Map(next + r.info.offset, r.chunk, Access::kReadWrite));
   }
 
   // The pause: every attached client imports the new chunks and stops touching the pool.
@@ -880,68 +890,50 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   *paused_at = absl::Now();
 
   // The copies: live blocks first (they may land in a chunk that is replaced next), then every new chunk
-  // from the bytes now at its place.
+  // from the bytes now at its place in the current view.
   const absl::Time copy_start = absl::Now();
   if (!plan.moves.empty()) {
     KVD_ASSIGN_OR_RETURN(BlockSpan span, pool.AwakeSpan());
     KVD_RETURN_IF_ERROR(device_->CopyBlocks(span, plan.moves));
   }
-  for (size_t i = 0; i < added.size(); ++i) {
-    KVD_RETURN_IF_ERROR(
-        device_->CopyRange(scratch + at_scratch[i].offset, pool.base() + plan.added[i].offset, plan.added[i].bytes));
-    report.copied_bytes += plan.added[i].bytes;
+  const uint64_t base = pool.base();
+  for (const PlannedChunk& p : plan.added) {
+    KVD_RETURN_IF_ERROR(device_->CopyRange(next + p.offset, base + p.offset, p.bytes));
+    report.copied_bytes += p.bytes;
   }
   report.copy = absl::Now() - copy_start;
 
-  // The swap: the old chunks leave the pool's addresses and the new ones take them.
-  for (; off_scratch < added.size(); ++off_scratch) {
-    KVD_RETURN_IF_ERROR(device_->Unmap(scratch + at_scratch[off_scratch].offset, added[off_scratch].info.bytes));
-  }
-  std::vector<ChunkRecord*> old = pool.ChunksById(plan.replaced);
-  const uint64_t base = pool.base();
-  size_t unmapped = 0;
-  size_t mapped = 0;
-  absl::Cleanup unswap = [&] {
-    for (size_t i = 0; i < mapped; ++i) device_->Unmap(base + added[i].info.offset, added[i].info.bytes).IgnoreError();
-    for (size_t i = 0; i < unmapped; ++i) {
-      if (absl::Status s = device_->Map(base + old[i]->info.offset, old[i]->chunk, Access::kReadWrite); !s.ok()) {
-        Warn(absl::StrCat("pool ", pool.name(), ": could not map chunk ", old[i]->info.id,
-                          " back after a failed reshape: ", s.ToString()));
-      }
-    }
-  };
-  for (ChunkRecord* r : old) {
-    KVD_RETURN_IF_ERROR(device_->Unmap(base + r->info.offset, r->info.bytes));
-    ++unmapped;
-  }
-  for (ChunkRecord& r : added) {
-    KVD_RETURN_IF_ERROR(device_->Map(base + r.info.offset, r.chunk, Access::kReadWrite));
-    ++mapped;
-  }
-
-  // Applied: nothing below can fail.
-  std::move(unswap).Cancel();
+  // Applied: nothing below can fail. The next view becomes the daemon's.
   std::move(resume).Cancel();
+  std::move(unmap_staying).Cancel();
   std::move(discard).Cancel();
-  std::move(free_scratch).Cancel();
+  std::move(free_next).Cancel();
   std::move(give_back).Cancel();
-  if (scratch != 0) device_->Free(scratch, bytes).IgnoreError();
-  std::vector<ChunkRecord> removed;
-  PoolUpdate update = pool.ApplyReshape(plan, std::move(added), &removed);
+  pool.set_base(next);
+  PoolUpdate update = pool.ApplyReshape(plan, std::move(added), &teardown->chunks);
   Save(pool);
-  const std::set<uint64_t> replaced(plan.replaced.begin(), plan.replaced.end());
-  for (ChunkRecord& r : removed) {
-    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
-    if (replaced.contains(r.info.id)) {
-      device_->Release(r.chunk).IgnoreError();  // unmapped by the swap
-      r.fd.reset();
-    } else {
-      DiscardChunk(pool.base(), r);
-    }
+  // The record no longer names them (Note [Durable pools]); their memory goes with the old view.
+  if (options_.store != nullptr) {
+    for (const ChunkRecord& r : teardown->chunks) options_.store->DropChunkFd(r.info.id);
   }
+  teardown->base = base;
+  teardown->bytes = reserved;
+  teardown->mapped = std::move(mapped);
   report.chunks_after = static_cast<uint32_t>(update.pool.chunks.size());
   update.reshape = std::move(report);
   return update;
+}
+
+void PoolManager::TakeDown(OldView& old) {
+  if (old.base != 0) {
+    for (const ChunkInfo& c : old.mapped) device_->Unmap(old.base + c.offset, c.bytes).IgnoreError();
+    device_->Free(old.base, old.bytes).IgnoreError();
+  }
+  for (ChunkRecord& r : old.chunks) {
+    device_->Release(r.chunk).IgnoreError();
+    r.fd.reset();
+  }
+  old = OldView{};
 }
 
 void PoolManager::CompactLaterIfFragmented(const PoolView& pool) {

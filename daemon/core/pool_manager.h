@@ -325,11 +325,21 @@ class PoolManager {
   // resumed, the new chunks released, the budget as before. `what` names the change in errors. Returns
   // the update with its report, less what only waiting for the RESUME acknowledgements tells (the caller
   // waits, without op_mu; `*paused_at` is when every client had paused).
-  // `*paused` are the clients that acknowledged the PAUSE.
+  // `*paused` are the clients that acknowledged the PAUSE. The daemon's previous view of the pool (its old
+  // base and the chunks that left the table) goes to `*old`, for TakeDown once the clients resumed.
+  struct OldView {
+    uint64_t base = 0;
+    uint64_t bytes = 0;
+    std::vector<ChunkInfo> mapped;    // every chunk mapped in it
+    std::vector<ChunkRecord> chunks;  // the chunks that left the table
+  };
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                          absl::string_view what, absl::Time* paused_at,
-                                                         std::set<std::string>* paused)
+                                                         std::set<std::string>* paused, OldView* old)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
+  // else refers to them).
+  void TakeDown(OldView& old);
   // The end of a reshape, without op_mu: waits for the RESUME acknowledgements of the `paused` clients
   // (at most until `resume_deadline`; with `release_deadline`, until the whole release completed or it
   // passed) and fills in the report.
