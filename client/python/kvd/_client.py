@@ -747,18 +747,33 @@ class Mapping:
                     os.close(fd)
         return mapped
 
-    def _unmap(self, chunk_ids):
+    def _unmap(self, chunk_ids, retired=None):
+        """Unmaps the chunks, releases their handles and closes their FDs; with `retired`, only unmaps
+        and appends them there for _release_retired (a RESUME's remap, while the pool is paused)."""
         done = []
         with self._lock:
             for cid in chunk_ids:
                 entry = self._chunks.pop(cid, None)
-                if entry is not None:
+                if entry is None:
+                    continue
+                if retired is not None:
+                    retired.append(entry)
+                    self._memory.unmap_only(entry.va, entry.bytes)
+                else:
                     try:
                         self._memory.unmap(entry.va, entry.bytes, entry.handle)
                     finally:
                         os.close(entry.fd)
-                    done.append(cid)
+                done.append(cid)
         return done
+
+    def _release_retired(self, retired):
+        for entry in retired:
+            try:
+                self._memory.release_imported(entry.handle)
+            finally:
+                os.close(entry.fd)
+        retired.clear()
 
     def _unmap_all(self):
         """Unmaps every chunk and drops every chunk imported for a pause that has not resumed."""
@@ -805,14 +820,15 @@ class Mapping:
             finally:
                 os.close(entry.fd)
 
-    def _resume(self, ev):
-        """An applied RESUME: unmaps ev.chunks, maps the PAUSE's imported chunks at their offsets (the same
-        addresses) keeping their FDs, and takes the new committed_blocks. Raises KvdError when a chunk
-        does not map (the Mapping is then lost)."""
+    def _resume(self, ev, retired):
+        """An applied RESUME: unmaps ev.chunks (their handles and FDs go to `retired`, released once the
+        engine resumed), maps the PAUSE's imported chunks at their offsets (the same addresses) keeping
+        their FDs, and takes the new committed_blocks. Raises KvdError when a chunk does not map (the
+        Mapping is then lost)."""
         with self._lock:
             imported = self._paused.pop(ev.pause_id, {})
             try:
-                self._unmap([c.id for c in ev.chunks])
+                self._unmap([c.id for c in ev.chunks], retired)
                 for cid in sorted(imported, key=lambda i: imported[i].chunk.offset):
                     entry = imported[cid]
                     c = entry.chunk
@@ -946,6 +962,7 @@ class Mapping:
                         # or the stream's end follows and says what happened.
                         _log.warning("kvd: pool %s: acknowledging pause %d: %s", name, ev.pause_id, e)
                 elif ev.type == pb.EVENT_TYPE_RESUME:
+                    retired = []
                     with self._lock:
                         if self.closed or self.gone is not None:
                             continue
@@ -959,8 +976,9 @@ class Mapping:
                             break
                         else:
                             try:
-                                self._resume(ev)
+                                self._resume(ev, retired)
                             except KvdError as e:
+                                self._release_retired(retired)
                                 why = KvdError(e.code, f"remapping pool {name} after pause {ev.pause_id}: "
                                                f"{e.message}")
                                 break
@@ -975,8 +993,10 @@ class Mapping:
                                                                                      release_id=ev.release_id),
                                                conn=conn)
                         except KvdError as e:
+                            self._release_retired(retired)
                             why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
                             break
+                    self._release_retired(retired)  # after the engine resumed: not part of its pause
                     if ev.applied and ev.committed_blocks < before and self.on_release:
                         self._callback(self.on_release, ev.committed_blocks)
                 elif ev.type == pb.EVENT_TYPE_POOL_DELETED:

@@ -241,6 +241,11 @@ class HostMemory:
         pass
 
     def unmap(self, va, nbytes, handle):
+        self.unmap_only(va, nbytes)
+
+    def unmap_only(self, va, nbytes):
+        """Unmaps without releasing the handle (release_imported later): a RESUME's remap does only this
+        while the pool is paused."""
         # Put PROT_NONE anonymous memory back rather than munmap: the reservation keeps its hole.
         _mmap_or_raise(f"mmap(PROT_NONE over {va:#x}, {nbytes} bytes)", va, nbytes, PROT_NONE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
@@ -437,9 +442,12 @@ class CudaMemory:
         self._check(self._cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
 
     def unmap(self, va, nbytes, handle):
+        self.unmap_only(va, nbytes)
+        self._check(self._cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+
+    def unmap_only(self, va, nbytes):
         self._current()
         self._check(self._cu.cuMemUnmap(va, nbytes), f"cuMemUnmap({va:#x}, {nbytes})")
-        self._check(self._cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
 
     def free(self, va, nbytes):
         self._current()
