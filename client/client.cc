@@ -18,6 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -531,6 +532,13 @@ struct Mapping::Impl {
   // its way out and the next one is awaited.
   bool restart_announced = false;
 
+  // Fetches `lease` on `c` and hands each FD with its chunk of `leased` to `each` (the FD is `each`'s),
+  // after checking that the chunk is one of `leased` and lies inside the reservation (INTERNAL otherwise).
+  // With `all`, INTERNAL also when the lease lacks one of `leased`.
+  absl::Status FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
+                           const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
+                           absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Fetches `lease` on `c` and maps each chunk of `added` at base + offset, keeping its FD. A chunk
   // mapped already with the same segment, offset and bytes stays as it is.
   absl::Status MapLease(const Client::Impl::Connection& c, const std::string& lease,
@@ -580,11 +588,11 @@ struct Mapping::Impl {
   void Shutdown();
 };
 
-absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const std::string& lease,
-                                     const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
-  if (added.empty()) return absl::OkStatus();
+absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
+                                        const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
+                                        absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each) {
   std::map<uint64_t, ChunkInfo> wanted;
-  for (const v1::Chunk& chunk : added) wanted[chunk.id()] = FromProto(chunk);
+  for (const v1::Chunk& chunk : leased) wanted[chunk.id()] = FromProto(chunk);
   KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease));
   internal::MarkPhase("lease.fetched");
   size_t next = 0;
@@ -598,31 +606,42 @@ absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const st
     if (it == wanted.end()) {
       return absl::InternalError(absl::StrCat("lease yielded chunk ", id, " which is not in the chunk list"));
     }
-    const ChunkInfo& info = it->second;
+    const ChunkInfo info = it->second;
+    wanted.erase(it);
     if (info.offset + info.bytes > geometry.reserved_bytes) {
       return absl::InternalError(absl::StrCat("chunk ", id, " lies outside the pool's reservation"));
     }
-    if (auto have = chunks.find(id); have != chunks.end() && have->second.info.segment == info.segment &&
-                                     have->second.info.offset == info.offset && have->second.info.bytes == info.bytes) {
-      continue;  // the same chunk, mapped already (a re-attach after a restart): the FD closes here
-    }
-    // The daemon's live chunks never overlap: a local chunk that does was released by a change whose
-    // release event this follower has not handled yet (it will find the chunk gone and acknowledge).
-    std::vector<uint64_t> stale;
-    for (const auto& [mapped_id, m] : chunks) {
-      if (m.info.offset < info.offset + info.bytes && info.offset < m.info.offset + m.info.bytes) {
-        stale.push_back(mapped_id);
-      }
-    }
-    for (uint64_t s : stale) UnmapOne(s);
-    KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
-    if (absl::Status s = device->Map(base + info.offset, chunk, Access::kReadWrite); !s.ok()) {
-      device->Release(chunk).IgnoreError();
-      return s;
-    }
-    chunks[id] = Mapped{info, chunk, std::move(fd)};
+    KVD_RETURN_IF_ERROR(each(info, std::move(fd)));
+  }
+  if (all && !wanted.empty()) {
+    return absl::InternalError(
+        absl::StrCat("the lease lacks chunk ", wanted.begin()->first, " (", wanted.size(), " missing)"));
   }
   return absl::OkStatus();
+}
+
+absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const std::string& lease,
+                                     const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
+  if (added.empty()) return absl::OkStatus();
+  return FetchLeased(
+      c, lease, added, /*all=*/false,
+      [&](const ChunkInfo& info, UniqueFd fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) -> absl::Status {
+        if (auto have = chunks.find(info.id); have != chunks.end() && have->second.info.segment == info.segment &&
+                                              have->second.info.offset == info.offset &&
+                                              have->second.info.bytes == info.bytes) {
+          return absl::OkStatus();  // the same chunk, mapped already (a re-attach after a restart): the FD closes
+        }
+        // The daemon's live chunks never overlap: a local chunk that does was released by a change whose
+        // release event this follower has not handled yet (it will find the chunk gone and acknowledge).
+        UnmapOverlapping(info.offset, info.bytes);
+        KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
+        if (absl::Status s = device->Map(base + info.offset, chunk, Access::kReadWrite); !s.ok()) {
+          device->Release(chunk).IgnoreError();
+          return s;
+        }
+        chunks[info.id] = Mapped{info, chunk, std::move(fd)};
+        return absl::OkStatus();
+      });
 }
 
 absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& lease,
@@ -670,32 +689,12 @@ absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const
   for (const v1::ByteRange& r : ev.ranges()) pause.ranges.push_back({r.segment(), r.offset(), r.bytes()});
   absl::Cleanup drop = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { DropPause(pause); };
   if (!ev.chunks().empty()) {
-    std::map<uint64_t, ChunkInfo> wanted;
-    for (const v1::Chunk& chunk : ev.chunks()) wanted[chunk.id()] = FromProto(chunk);
-    KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(ev.lease().token()));
-    size_t next = 0;
-    absl::Cleanup close_rest = [&] {
-      for (size_t i = next; i < fds.size(); ++i) close(fds[i].second);
-    };
-    for (; next < fds.size(); ++next) {
-      const uint64_t id = fds[next].first;
-      UniqueFd fd(fds[next].second);
-      auto it = wanted.find(id);
-      if (it == wanted.end()) {
-        return absl::InternalError(absl::StrCat("lease yielded chunk ", id, " which is not in the pause's chunk list"));
-      }
-      const ChunkInfo& info = it->second;
-      if (info.offset + info.bytes > geometry.reserved_bytes) {
-        return absl::InternalError(absl::StrCat("chunk ", id, " lies outside the pool's reservation"));
-      }
-      KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
-      pause.chunks.push_back(Imported{info, chunk, std::move(fd)});
-      wanted.erase(it);
-    }
-    if (!wanted.empty()) {
-      return absl::InternalError(
-          absl::StrCat("the pause's lease lacks chunk ", wanted.begin()->first, " (", wanted.size(), " missing)"));
-    }
+    KVD_RETURN_IF_ERROR(FetchLeased(c, ev.lease().token(), ev.chunks(), /*all=*/true,
+                                    [&](const ChunkInfo& info, UniqueFd fd) -> absl::Status {
+                                      KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
+                                      pause.chunks.push_back(Imported{info, chunk, std::move(fd)});
+                                      return absl::OkStatus();
+                                    }));
   }
   std::move(drop).Cancel();
   pauses[ev.pause_id()] = std::move(pause);
