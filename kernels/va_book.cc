@@ -242,8 +242,8 @@ absl::Status VaBook::UseCopy(absl::string_view call, uint64_t dst, uint64_t src,
                              absl::FunctionRef<absl::Status()> touch) {
   if (bytes == 0) return absl::OkStatus();
   if (dst < src ? src - dst < bytes : dst - src < bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(call, ": dst ", Hex(dst), " and src ", Hex(src), " overlap within ",
-                                                   bytes, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, ": dst ", Hex(dst), " and src ", Hex(src), " overlap within ", bytes, " bytes"));
   }
   absl::ReaderMutexLock lock(&va_mu_);
   KVD_RETURN_IF_ERROR(CheckMapped(call, src, bytes, /*write=*/false));

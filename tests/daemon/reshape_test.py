@@ -26,6 +26,7 @@ import urllib.request
 
 import kvd
 from kvd_daemon import KvdDaemonCase
+from line_peer import LinePeer
 
 POLL_S = 30.0
 MiB = 1 << 20
@@ -125,44 +126,15 @@ def engine_main(socket_path, pool, index, mode):
     return 0
 
 
-class Engine:
+class Engine(LinePeer):
     def __init__(self, socket_path, pool, index, mode="pausable"):
-        self.index, self.name = index, f"engine-{index}"
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", socket_path, pool,
-                                   str(index), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.index = index
+        super().__init__([sys.executable, os.path.abspath(__file__), "--engine", socket_path, pool, str(index), mode],
+                         f"engine-{index}")
         self.client_id = self._reply()  # attached, mapped and following
 
-    def _reply(self):
-        line = self.p.stdout.readline()
-        if not line:
-            raise AssertionError(f"{self.name} died (exit {self.p.wait()})")
-        r = json.loads(line)
-        if not r["ok"]:
-            raise AssertionError(f"{self.name}: {r['error']}")
-        return r.get("result")
-
-    def __call__(self, op, **kw):
-        kw["op"] = op
-        self.p.stdin.write(json.dumps(kw) + "\n")
-        self.p.stdin.flush()
-        return self._reply()
-
     def close(self):
-        if self.p.poll() is None:
-            try:
-                self("exit")
-            except Exception:
-                pass
-            try:
-                self.p.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        for f in (self.p.stdin, self.p.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        super().close(timeout=POLL_S)
 
 
 def poll(fn, what, timeout=POLL_S):

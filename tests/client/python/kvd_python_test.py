@@ -17,6 +17,7 @@ import time
 import unittest
 
 import kvd
+from line_peer import LinePeer
 
 POLL_S = 20.0
 
@@ -87,48 +88,16 @@ def peer_main(socket_path, pool, device=None):
     return 0
 
 
-class Peer:
+class Peer(LinePeer):
     def __init__(self, socket_path, pool, device=None):
-        env = dict(os.environ)
         extra = [str(device)] if device is not None else []
-        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer", socket_path, pool, *extra],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        super().__init__([sys.executable, os.path.abspath(__file__), "--peer", socket_path, pool, *extra], "peer",
+                         env=dict(os.environ))
         self._reply()  # "attached": the peer has mapped the pool and follows it
 
-    def _reply(self):
-        line = self.p.stdout.readline()
-        if not line:
-            raise AssertionError(f"peer died (exit {self.p.wait()})")
-        r = json.loads(line)
-        if not r["ok"]:
-            raise AssertionError("peer: " + r["error"])
-        return r.get("result")
-
-    def __call__(self, op, **kw):
-        kw["op"] = op
-        self.p.stdin.write(json.dumps(kw) + "\n")
-        self.p.stdin.flush()
-        return self._reply()
-
     def close(self):
-        if self.p.poll() is None and not self.p.stdin.closed:
-            try:
-                self("exit")
-            except Exception:
-                pass
-            try:
-                self.p.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        for f in (self.p.stdin, self.p.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
+        super().close(timeout=POLL_S)
 
-
-# --- the daemon ----------------------------------------------------------------------------------
 
 class Daemon:
     def __init__(self):
