@@ -1888,7 +1888,8 @@ TEST_F(KvdDaemonTest, ShrinkReachesTheTargetAndWholeChunksOnlySaysWhenItDoesNot)
   request.set_whole_chunks_only(true);
   EXPECT_THAT(stub().Shrink(Ctx(admin()).get(), request, &update),
               GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "whole_chunks_only"));
-  engine.reset();  // detached: now nobody needs to pause
+  engine.reset();  // detached (once the daemon saw its stream and session end): now nobody needs to pause
+  ASSERT_TRUE(WaitFor([&] { return Get("p").client_count() == 0; }));
 
   request.Clear();
   request.set_pool("p");
