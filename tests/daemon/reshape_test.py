@@ -15,18 +15,16 @@ No sleeps as assertions: waits are bounded polls.
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 import unittest
-import urllib.request
 
 import kvd
 from kvd_daemon import KvdDaemonCase
 from line_peer import LinePeer
+from scrape import free_port, http_get, parse_samples, poll
 
 POLL_S = 30.0
 MiB = 1 << 20
@@ -137,15 +135,6 @@ class Engine(LinePeer):
         super().close(timeout=POLL_S)
 
 
-def poll(fn, what, timeout=POLL_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
-        time.sleep(0.01)
 
 
 def table(pool):
@@ -547,32 +536,10 @@ class ReshapeTest(KvdDaemonCase):
         self.assertEqual(s[("kvd_operations_total", frozenset({dev, ("op", "shrink"), ("result", "ok")}))], 1)
 
 
-def parse_samples(text):
-    """{(name, frozenset(labels.items())): value} from the Prometheus text format."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        labels = {}
-        name = series
-        if "{" in series:
-            name, rest = series.split("{", 1)
-            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
-        samples[(name, frozenset(labels.items()))] = float(value)
-    return samples
 
 
-def free_port():
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def http_get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode("utf-8")
 
 
 if __name__ == "__main__":

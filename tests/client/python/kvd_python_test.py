@@ -13,11 +13,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import kvd
 from line_peer import LinePeer
+from scrape import poll
 
 POLL_S = 20.0
 
@@ -25,15 +25,6 @@ POLL_S = 20.0
 DIMS = dict(layers=4, capacity_blocks=256, heads=8, block_tokens=16, channels=128, element_bytes=2)
 
 
-def poll(fn, what, timeout=POLL_S):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def fd_count():

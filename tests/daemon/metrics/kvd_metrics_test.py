@@ -10,7 +10,6 @@ the ones on PATH. Without promtool / prometheus the test exits 77 (ctest reports
 """
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -21,8 +20,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testing"))
 from kvd_daemon import KvdDaemonCase  # noqa: E402
+from scrape import free_port, http_get, parse_samples  # noqa: E402
 import urllib.parse
-import urllib.request
 
 KVD = os.environ.get("KVD_BINARY", "kvd")
 KVCTL = os.environ.get("KVCTL_BINARY", "kvctl")
@@ -38,32 +37,10 @@ DIMS = ["--layers", "2", "--capacity-blocks", "4096", "--heads", "2", "--block-t
         "--element-bytes", "2"]
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def http_get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode("utf-8")
 
 
-def parse_samples(text):
-    """{(name, frozenset(labels.items())): value} from the Prometheus text format (escapes kept as is)."""
-    samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        labels = {}
-        if "{" in series:
-            name, rest = series.split("{", 1)
-            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
-        else:
-            name = series
-        samples[(name, frozenset(labels.items()))] = float(value)
-    return samples
 
 
 def L(*pairs, device="0"):
