@@ -97,7 +97,9 @@ class PlayedManager:
             time.sleep(0.002)
 
     def stored(self):
-        """The FD store's names, sorted."""
+        """The FD store's names, sorted, once every notification already sent has been handled (kvd sends
+        FDSTORE=1 before it answers the RPC that made the chunk; the receiving thread may not have run yet)."""
+        self._settle()
         with self._lock:
             return sorted(self.fds)
 
