@@ -178,7 +178,9 @@ Reshape FromProto(const v1::Reshape& r) {
               .paused_clients = r.paused_clients(),
               .pause_us = r.pause_us(),
               .resumed_clients = r.resumed_clients(),
-              .target_reached = r.target_reached()};
+              .target_reached = r.target_reached(),
+              .steps = r.steps(),
+              .max_pause_us = r.max_pause_us()};
   out.detached_client_ids.assign(r.detached_client_ids().begin(), r.detached_client_ids().end());
   for (const v1::BlockCopy& m : r.moved_blocks()) out.moved_blocks.push_back({.src = m.src(), .dst = m.dst()});
   return out;
@@ -1517,11 +1519,12 @@ absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t targe
   return FromProto(update);
 }
 
-absl::StatusOr<PoolChange> Client::Compact(absl::string_view pool, const PauseOptions& pause) {
+absl::StatusOr<PoolChange> Client::Compact(absl::string_view pool, const CompactOptions& options) {
   v1::CompactRequest req;
   req.set_pool(std::string(pool));
-  ToProto(pause, req.mutable_pause());
-  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, pause);
+  ToProto(options.pause, req.mutable_pause());
+  req.set_max_chunks_per_pause(options.max_chunks_per_pause);
+  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, options.pause);
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Compact, req, &update, timeout));
   impl_->Observe(update);

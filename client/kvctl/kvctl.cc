@@ -297,6 +297,7 @@ struct Flags {
   std::string live_blocks;           // "1,2,5-9" or "@FILE"
   std::string pause_timeout;         // shrink, compact: empty for the daemon's --pause-timeout
   bool detach_unresponsive = false;  // shrink, compact
+  uint32_t chunks_per_pause = 0;     // compact: 0 for the daemon's --compact-chunks-per-pause
 };
 
 // --blocks or --bytes -> a target block count for `pool`.
@@ -538,6 +539,10 @@ void PrintReshape(const Reshape& r) {
   } else {
     std::printf("pause        %s: %u clients paused, %u resumed before the reply\n", Ms(r.pause_us / 1000.0).c_str(),
                 r.paused_clients, r.resumed_clients);
+    if (r.steps > 1) {
+      std::printf("steps        %u pauses, the longest %s (--chunks-per-pause)\n", r.steps,
+                  Ms(r.max_pause_us / 1000.0).c_str());
+    }
   }
   if (!r.detached_client_ids.empty()) {
     std::printf("detached     %s (did not acknowledge the pause)\n",
@@ -588,9 +593,10 @@ absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool
 }
 
 absl::Status CompactVerb(Client& client, const Flags& f, const Replies& replies) {
-  KVD_ASSIGN_OR_RETURN(PauseOptions pause, Pause(f));
+  CompactOptions options{.max_chunks_per_pause = f.chunks_per_pause};
+  KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
   Timer t;
-  KVD_ASSIGN_OR_RETURN(PoolChange change, client.Compact(f.pool, pause));
+  KVD_ASSIGN_OR_RETURN(PoolChange change, client.Compact(f.pool, options));
   const double ms = t.ms();
   if (f.json) return PrintReply<v1::PoolUpdate>(replies, {{"round_trip_ms", JsonMs(ms)}});
   std::printf("compacted %s: %lu blocks (%s) in %s\n", f.pool.c_str(), change.pool.committed_blocks,
@@ -1024,6 +1030,12 @@ int Main(int argc, char** argv) {
       "Rewrite a fragmented pool as one chunk per segment (split at the daemon's maximum chunk size), copying on the "
       "device while the attached clients pause");
   compact->add_option("pool", f.pool, "Pool name")->required();
+  compact
+      ->add_option("--chunks-per-pause", f.chunks_per_pause,
+                   "With clients attached, replace at most this many chunks under one pause, in as many steps as it "
+                   "takes (each paused client unmaps every replaced chunk; default: the daemon's "
+                   "--compact-chunks-per-pause)")
+      ->check(CLI::Range(1u, 1u << 20));
   for (CLI::App* sub : {shrink, compact}) {
     sub->add_option("--pause-timeout", f.pause_timeout,
                     "How long each attached client has to acknowledge the pause, e.g. 5s (default: the daemon's "

@@ -387,7 +387,7 @@ absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_
   return plan;
 }
 
-absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes) const {
+absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced) const {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
   if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
@@ -404,9 +404,11 @@ absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes) const {
     auto first = std::lower_bound(chunks_.begin(), chunks_.end(), p.offset,
                                   [](const ChunkRecord& r, uint64_t at) { return r.info.offset + r.info.bytes <= at; });
     if (first != chunks_.end() && first->info.offset == p.offset && first->info.bytes == p.bytes) continue;
-    for (auto it = first; it != chunks_.end() && it->info.offset < p.offset + p.bytes; ++it) {
-      replaced.insert(it->info.id);
-    }
+    auto last = first;
+    while (last != chunks_.end() && last->info.offset < p.offset + p.bytes) ++last;
+    const size_t overlapped = static_cast<size_t>(last - first);
+    if (max_replaced.has_value() && !plan.added.empty() && replaced.size() + overlapped > *max_replaced) break;
+    for (auto it = first; it != last; ++it) replaced.insert(it->info.id);
     plan.added.push_back(p);
   }
   plan.replaced.assign(replaced.begin(), replaced.end());

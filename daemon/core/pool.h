@@ -212,8 +212,11 @@ class Pool {
                                                        const std::optional<std::vector<uint64_t>>& live) const
       ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // Every segment's prefix as one chunk per `max_chunk_bytes` (as a single grow makes it); chunks already
-  // in place stay. FAILED_PRECONDITION unless awake, ABORTED while held.
-  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes) const
+  // in place stay. With `max_replaced`, only the first new chunks (by place) that replace at most that
+  // many old ones, but at least one: one step of a compaction in steps. FAILED_PRECONDITION unless awake,
+  // ABORTED while held.
+  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes,
+                                                        std::optional<size_t> max_replaced) const
       ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
   // needed the pause.

@@ -754,33 +754,112 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
   FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout,
                 options.wait ? std::optional<absl::Time>(options.deadline) : std::nullopt, start);
   TakeDown(old);
+  if (update.reshape.has_value() && update.reshape->steps > 0) ObserveStep(*update.reshape);
   return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::string_view name,
-                                                const PauseOptions& pause) {
+                                                const CompactOptions& options) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   const absl::Time start = absl::Now();
-  const absl::Duration timeout = pause.timeout > absl::ZeroDuration() ? pause.timeout : options_.pause_timeout;
-  PoolUpdate update;
-  absl::Time paused_at = absl::InfinitePast();
-  std::set<std::string> paused;
-  OldView old;
-  {
-    absl::MutexLock lock(&pool->op_mu);
-    KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanCompact(options_.max_chunk_bytes));
-    if (!plan.moves_bytes()) {
-      // Already in shape.
-      update.pool = pool->View(ViewClients::kCounted);
-      update.reshape = ReshapeReport{.chunks_before = plan.chunks_before,
-                                     .chunks_after = static_cast<uint32_t>(update.pool.chunks.size())};
-    } else {
-      KVD_ASSIGN_OR_RETURN(update, ReshapeLocked(*pool, plan, pause, "compacting", &paused_at, &paused, &old));
+  const absl::Duration timeout =
+      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
+  const size_t per_pause =
+      options.max_chunks_per_pause > 0 ? options.max_chunks_per_pause : options_.compact_chunks_per_pause;
+  // Each step: plan the next new chunks (at most per_pause old ones replaced, all of them with nobody to
+  // pause), reshape under op_mu, let the clients resume without it. Planned afresh each time, so that a
+  // grow between steps is compacted too.
+  std::optional<PoolUpdate> total;
+  for (;;) {
+    PoolUpdate update;
+    absl::Time paused_at = absl::InfinitePast();
+    std::set<std::string> paused;
+    OldView old;
+    const absl::Time step_start = absl::Now();
+    {
+      absl::MutexLock lock(&pool->op_mu);
+      absl::StatusOr<ReshapePlan> plan = pool->PlanCompact(
+          options_.max_chunk_bytes,
+          pool->View(ViewClients::kCounted).client_count > 0 ? std::optional<size_t>(per_pause) : std::nullopt);
+      absl::Status failed = plan.status();
+      if (failed.ok() && !plan->moves_bytes()) {
+        if (!total.has_value()) {  // already in shape
+          total.emplace();
+          total->pool = pool->View(ViewClients::kCounted);
+          total->reshape = ReshapeReport{.chunks_before = plan->chunks_before,
+                                         .chunks_after = static_cast<uint32_t>(total->pool.chunks.size())};
+        }
+        break;
+      }
+      if (failed.ok() && total.has_value()) {
+        if (absl::Now() >= options.interrupt.deadline) {
+          failed = absl::DeadlineExceededError(absl::StrCat("pool ", name, ": the deadline of the call passed"));
+        } else if (options.interrupt.cancelled && options.interrupt.cancelled()) {
+          failed = absl::CancelledError(absl::StrCat("pool ", name, ": the caller cancelled the call"));
+        }
+      }
+      if (failed.ok()) {
+        absl::StatusOr<PoolUpdate> made =
+            ReshapeLocked(*pool, *plan, options.pause, "compacting", &paused_at, &paused, &old);
+        failed = made.status();
+        if (made.ok()) update = *std::move(made);
+      }
+      if (!failed.ok()) {
+        if (!total.has_value()) return failed;
+        // The steps before stay done: the pool is whole, only less fragmented than asked.
+        const ReshapeReport& done = *total->reshape;
+        return absl::Status(failed.code(),
+                            absl::StrCat(failed.message(), "; what the compaction steps before it did stays done (",
+                                         done.steps, " of them: ", done.chunks_before, " -> ",
+                                         pool->View(ViewClients::kCounted).chunks.size(),
+                                         " chunks): Compact again to go on"));
+      }
     }
+    FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
+    TakeDown(old);
+    ObserveStep(*update.reshape);
+    if (!total.has_value()) {
+      total = std::move(update);
+      continue;
+    }
+    // Summed over the steps, but for the last step's clients and release; `added` is filled in below.
+    ReshapeReport& sum = *total->reshape;
+    const ReshapeReport& r = *update.reshape;
+    sum.chunks_after = r.chunks_after;
+    sum.chunks_replaced += r.chunks_replaced;
+    sum.chunks_added += r.chunks_added;
+    sum.copied_bytes += r.copied_bytes;
+    sum.copy += r.copy;
+    sum.paused_clients = r.paused_clients;
+    sum.pause += r.pause;
+    sum.max_pause = std::max(sum.max_pause, r.max_pause);
+    sum.resumed_clients = r.resumed_clients;
+    sum.detached_client_ids.insert(sum.detached_client_ids.end(), r.detached_client_ids.begin(),
+                                   r.detached_client_ids.end());
+    sum.steps += r.steps;
+    total->pool = std::move(update.pool);
+    total->added.insert(total->added.end(), update.added.begin(), update.added.end());
+    total->released_chunk_ids.insert(total->released_chunk_ids.end(), update.released_chunk_ids.begin(),
+                                     update.released_chunk_ids.end());
+    total->release_id = update.release_id;
   }
-  FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, start);
-  TakeDown(old);
-  return update;
+  // A later step may have replaced a chunk an earlier one added (a grow between them moved the last
+  // chunk's end): `added` names only the new chunks in the table.
+  std::set<uint64_t> now;
+  for (const ChunkInfo& c : total->pool.chunks) now.insert(c.id);
+  std::erase_if(total->added, [&](const ChunkInfo& c) { return !now.contains(c.id); });
+  total->elapsed = absl::Now() - start;
+  return *std::move(total);
+}
+
+void PoolManager::Observe(Observers observers) {
+  absl::MutexLock lock(&observer_mu_);
+  observers_ = std::move(observers);
+}
+
+void PoolManager::ObserveStep(const ReshapeReport& step) {
+  absl::MutexLock lock(&observer_mu_);
+  if (observers_.reshape_step) observers_.reshape_step(step);
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
@@ -796,7 +875,8 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
                        .chunks_replaced = static_cast<uint32_t>(plan.replaced.size()),
                        .chunks_added = static_cast<uint32_t>(plan.added.size()),
                        .moved_blocks = plan.moves,
-                       .target_reached = plan.target_reached};
+                       .target_reached = plan.target_reached,
+                       .steps = 1};
 
   // The new chunks hold their bytes before the old ones give theirs back.
   uint64_t bytes = 0;
@@ -956,14 +1036,20 @@ void PoolManager::CompactInBackground() {
       name = std::move(to_compact_.front());
       to_compact_.pop_front();
     }
+    const absl::Time start = absl::Now();
     absl::StatusOr<PoolUpdate> compacted = Compact(daemon, name, {});
+    {
+      absl::MutexLock lock(&observer_mu_);
+      if (observers_.background_compaction) observers_.background_compaction(absl::Now() - start, compacted.ok());
+    }
     if (compacted.ok() && compacted->reshape.has_value() && compacted->reshape->chunks_added > 0) {
       const ReshapeReport& r = *compacted->reshape;
       if (options_.info) {
         options_.info(absl::StrCat("pool ", name, ": compacted on its own past ", options_.compact_above_chunks,
                                    " chunks (--compact-above-chunks): ", r.chunks_before, " -> ", r.chunks_after,
-                                   " chunks, ", FormatBytes(r.copied_bytes), " copied, ", r.paused_clients,
-                                   " clients paused for ", absl::FormatDuration(r.pause)));
+                                   " chunks, ", FormatBytes(r.copied_bytes), " copied in ", r.steps, " steps, ",
+                                   r.paused_clients, " clients paused for ", absl::FormatDuration(r.pause),
+                                   " (at most ", absl::FormatDuration(r.max_pause), " at a time)"));
       }
     } else if (!compacted.ok() && options_.info) {
       // A client that is not pausable, a pool deleted or put to sleep meanwhile: it stays as it is.
@@ -981,6 +1067,7 @@ void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time pause
     const size_t still = pool.AwaitClients(update.release_id, paused, resume_deadline);
     update.reshape->resumed_clients = static_cast<uint32_t>(paused.size() - std::min(still, paused.size()));
     update.reshape->pause = absl::Now() - paused_at;
+    update.reshape->max_pause = update.reshape->pause;
   }
   if (release_deadline.has_value()) pool.AwaitRelease(update.release_id, *release_deadline);
   if (update.release_id != 0) update.pool = pool.View(ViewClients::kCounted);

@@ -105,6 +105,9 @@ struct ManagerOptions {
   // A pool that a grow leaves with more chunks than this is compacted in the background, when every
   // attached client is pausable (otherwise it stays as it is); 0: never on the daemon's own.
   size_t compact_above_chunks = 0;
+  // How many chunks a compaction replaces under one pause, at most (CompactRequest.max_chunks_per_pause):
+  // a client unmaps each old chunk before it maps the new ones, ~17 us a chunk on an H200.
+  uint32_t compact_chunks_per_pause = 1024;
   // Where the manager reports what it did on its own that is not a problem (background compactions).
   std::function<void(const std::string&)> info;
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
@@ -162,6 +165,15 @@ class PoolManager {
   TenantUsage Usage() const;
   // Requests refused by a limit since start, by the limit's flag ("--max-pools-per-uid").
   std::map<std::string, uint64_t> LimitRefusals() const;
+  // What the manager reports as it works, for metrics; called from its own threads too.
+  struct Observers {
+    // Each step of a reshape that moved bytes: a shrink's, each of a compact's, a background compaction's.
+    std::function<void(const ReshapeReport&)> reshape_step;
+    // A compaction the manager ran on its own (ManagerOptions::compact_above_chunks).
+    std::function<void(absl::Duration elapsed, bool ok)> background_compaction;
+  };
+  // Replaces the observers before (empty: none) and returns once no call to those runs.
+  void Observe(Observers observers) ABSL_LOCKS_EXCLUDED(observer_mu_);
   // FAILED_PRECONDITION while clients are attached unless `force`. Returns the bytes released.
   [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(const Caller& caller, absl::string_view name, bool force);
 
@@ -196,9 +208,18 @@ class PoolManager {
   };
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
-  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact), all or nothing.
+  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). With clients
+  // attached, in steps that each replace at most `max_chunks_per_pause` chunks (0: the manager's
+  // compact_chunks_per_pause) under a pause of their own, the clients running between them. Each step is
+  // all or nothing; a step that fails leaves the steps before it done and says so in its error; so does a
+  // caller that gives up between steps (`interrupt`).
+  struct CompactOptions {
+    PauseOptions pause;
+    uint32_t max_chunks_per_pause = 0;
+    Interrupt interrupt;
+  };
   [[nodiscard]] absl::StatusOr<PoolUpdate> Compact(const Caller& caller, absl::string_view pool,
-                                                   const PauseOptions& pause);
+                                                   const CompactOptions& options);
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
                                                               absl::Time deadline);
@@ -417,6 +438,10 @@ class PoolManager {
   // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
   std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
   std::thread compactor_;
+  // A leaf: held only while calling an observer.
+  absl::Mutex observer_mu_;
+  Observers observers_ ABSL_GUARDED_BY(observer_mu_);
+  void ObserveStep(const ReshapeReport& step) ABSL_LOCKS_EXCLUDED(observer_mu_);
 };
 
 }  // namespace kvd::daemon

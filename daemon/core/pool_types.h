@@ -135,6 +135,8 @@ struct ReshapeReport {
   std::vector<std::string> detached_client_ids;
   std::vector<BlockCopy> moved_blocks;
   bool target_reached = false;
+  uint32_t steps = 0;        // pauses (or copies, with no client attached) the change took
+  absl::Duration max_pause;  // the longest of them
 };
 
 // The result of one change to a pool's chunk table.

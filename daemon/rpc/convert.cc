@@ -325,6 +325,8 @@ v1::PoolUpdate ToProto(const PoolUpdate& update) {
       c->set_dst(m.dst);
     }
     q->set_target_reached(r.target_reached);
+    q->set_steps(r.steps);
+    q->set_max_pause_us(Micros(r.max_pause));
   }
   return p;
 }

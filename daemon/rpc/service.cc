@@ -110,15 +110,15 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
                u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
 }
 
-// A shrink or compact that moved bytes: its pause and copy, in the log and in metrics.
-void ObserveReshape(Metrics* metrics, const PoolUpdate& u) {
+// A shrink or compact that moved bytes: its pause and copy, in the log (metrics see each step: main.cc).
+void LogReshape(const PoolUpdate& u) {
   if (!u.reshape.has_value() || (u.reshape->chunks_added == 0 && u.reshape->moved_blocks.empty())) return;
   const ReshapeReport& r = *u.reshape;
-  spdlog::info("pool {}: {} -> {} chunks, {} copied in {}, {} clients paused for {} ({} resumed{})", u.pool.name,
-               r.chunks_before, r.chunks_after, FormatBytes(r.copied_bytes), Elapsed(r.copy), r.paused_clients,
-               Elapsed(r.pause), r.resumed_clients,
+  spdlog::info("pool {}: {} -> {} chunks, {} copied in {}, {} clients paused for {} in {} steps (at most {} at a "
+               "time; {} resumed{})",
+               u.pool.name, r.chunks_before, r.chunks_after, FormatBytes(r.copied_bytes), Elapsed(r.copy),
+               r.paused_clients, Elapsed(r.pause), r.steps, Elapsed(r.max_pause), r.resumed_clients,
                r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
-  if (metrics != nullptr) metrics->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
 }
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
@@ -400,7 +400,7 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
                          }));
     *response = ToProto(update);
     LogUpdate("shrank", update);
-    ObserveReshape(options_.metrics, update);
+    LogReshape(update);
     return absl::OkStatus();
   });
   return Finish("Shrink", status);
@@ -414,11 +414,15 @@ grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::Compact
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     KVD_ASSIGN_OR_RETURN(PoolUpdate update,
                          Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kCompact, [&] {
-                           return manager_->Compact(caller, request->pool(), pause);
+                           return manager_->Compact(
+                               caller, request->pool(),
+                               {.pause = pause,
+                                .max_chunks_per_pause = request->max_chunks_per_pause(),
+                                .interrupt = InterruptOf(*context)});
                          }));
     *response = ToProto(update);
     LogUpdate("compacted", update);
-    ObserveReshape(options_.metrics, update);
+    LogReshape(update);
     return absl::OkStatus();
   });
   return Finish("Compact", status);

@@ -284,6 +284,7 @@ class KvctlTest(KvctlCase):
         self.assertEqual(u.reshape.chunks_after, segments)
         self.assertEqual(u.reshape.copied_bytes, 16 * MiB)
         self.assertEqual(u.reshape.paused_clients, 0)  # nobody attached: the daemon copies alone
+        self.assertEqual(u.reshape.steps, 1)  # in one step, whatever --chunks-per-pause says
         self.assertEqual(u.pool.committed_blocks, 2048)
         self.assertEqual(len(self.json("describe", "kv")["chunks"]), segments)
         self.ok("shrink", "kv", "--blocks", "1024")  # exact: one 4 MiB chunk per segment
@@ -296,6 +297,9 @@ class KvctlTest(KvctlCase):
         self.assertRegex(human, r"(?m)^pause +none \(no client paused\)$")
         self.assertIn("--pause-timeout", self.fails("compact", "kv", "--pause-timeout", "soon"))
         self.assertIn("NOT_FOUND", self.fails("compact", "missing"))
+        self.assertIn("--chunks-per-pause", self.fails("compact", "kv", "--chunks-per-pause", "0", code=2))
+        self.assertRegex(self.ok("compact", "kv", "--chunks-per-pause", "1"), r"(?m)^chunks +%d before, %d after"
+                         % (segments, segments))
 
     def test_shrink_exact_whole_chunks_and_live_blocks(self):
         self.ok("create", "kv", *DIMS, "--initial-blocks", "2048")  # one 8 MiB chunk per segment

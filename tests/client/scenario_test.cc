@@ -480,7 +480,7 @@ class ScenarioRun {
       return absl::OkStatus();
     }
     if (op == "compact") {
-      KVD_ASSIGN_OR_RETURN(PoolChange change, c->Compact(step.pool(), ToPause(step)));
+      KVD_ASSIGN_OR_RETURN(PoolChange change, c->Compact(step.pool(), {.pause = ToPause(step)}));
       ObservePool(change.pool, o);
       ObserveReshape(change, o);
       return absl::OkStatus();

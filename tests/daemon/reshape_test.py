@@ -159,7 +159,7 @@ class ReshapeTest(KvdDaemonCase):
             args.append("--compact-above-chunks=6")
         if self._testMethodName == "test_metrics_count_pauses_copies_and_compactions":
             self.metrics_port = free_port()
-            args.append(f"--metrics-address=127.0.0.1:{self.metrics_port}")
+            args += [f"--metrics-address=127.0.0.1:{self.metrics_port}", "--compact-above-chunks=6"]
         return args
 
     def setUp(self):
@@ -321,6 +321,31 @@ class ReshapeTest(KvdDaemonCase):
         self.assertEqual(u.pool.committed_blocks, 512)
         self.assertEqual(u.pool.committed_bytes, self.prefix_bytes(512))
         self.assert_follows(engines, u.pool)
+        self.assert_intact(engines, kept(512))
+
+    def test_compact_in_steps_pauses_once_a_step_and_keeps_every_byte(self):
+        """max_chunks_per_pause=32 on 32 chunks a segment: one segment's new chunk a step, two pauses."""
+        self.create(0)
+        engines = self.engines()
+        for step in range(1, 33):
+            self.c.grow("kv", step * GRANULE_BLOCKS)
+        self.assert_follows(engines, self.c.pool("kv"))
+        self.write_all(engines, 512)
+
+        u = self.c.compact("kv", max_chunks_per_pause=32)
+        r = u.reshape
+        self.assertEqual((r.chunks_before, r.chunks_after, r.chunks_replaced, r.chunks_added), (64, 2, 64, 2), r)
+        self.assertEqual(r.steps, 2, r)
+        self.assertGreater(r.max_pause_us, 0, r)
+        self.assertLessEqual(r.max_pause_us, r.pause_us, r)
+        self.assertEqual(r.copied_bytes, self.prefix_bytes(512), r)
+        self.assertEqual((r.paused_clients, r.resumed_clients), (2, 2), r)
+        self.assertEqual(len(u.added), 2)
+        self.assertEqual(len(u.released_chunk_ids), 64)
+        self.assert_follows(engines, u.pool)
+        for e in engines:
+            st = e("state")
+            self.assertEqual((st["pauses"], st["resumed"]), (2, [True, True]), e.name)
         self.assert_intact(engines, kept(512))
 
     def test_the_daemon_compacts_a_fragmented_pool_on_its_own_when_every_client_pauses(self):
@@ -523,17 +548,31 @@ class ReshapeTest(KvdDaemonCase):
         engines = self.engines()
         self.write_all(engines, 256)
         shrunk = self.c.shrink("kv", 200)  # inside the last chunk: 2 replaced
-        compacted = self.c.compact("kv")    # 6 chunks -> 2
+        # 6 chunks -> 2, in two steps (3 chunks a segment, at most 3 replaced a pause): a pause each.
+        compacted = self.c.compact("kv", max_chunks_per_pause=3)
         self.assertEqual((shrunk.reshape.chunks_replaced, compacted.reshape.chunks_replaced), (2, 6))
+        self.assertEqual(compacted.reshape.steps, 2)
         self.assert_intact(engines, kept(compacted.pool.committed_blocks))
         s = parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics"))
         dev = ("device", "0")
-        self.assertEqual(s[("kvd_pause_seconds_count", frozenset({dev}))], 2)
+        self.assertEqual(s[("kvd_pause_seconds_count", frozenset({dev}))], 3)
         self.assertEqual(s[("kvd_reshape_chunks_replaced_total", frozenset({dev}))], 8)
         self.assertEqual(s[("kvd_reshape_copied_bytes_total", frozenset({dev}))],
                          shrunk.reshape.copied_bytes + compacted.reshape.copied_bytes)
         self.assertEqual(s[("kvd_operations_total", frozenset({dev, ("op", "compact"), ("result", "ok")}))], 1)
         self.assertEqual(s[("kvd_operations_total", frozenset({dev, ("op", "shrink"), ("result", "ok")}))], 1)
+
+        # A compaction on the daemon's own (--compact-above-chunks=6) counts as one too.
+        for blocks in (256, 320, 384):
+            self.c.grow("kv", blocks)  # 2 more chunks each: 8 after the third
+        poll(lambda: len(self.c.pool("kv").chunks) == 2, "the daemon to compact the pool on its own")
+        poll(lambda: parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")).get(
+            ("kvd_operations_total", frozenset({dev, ("op", "compact"), ("result", "ok")}))) == 2,
+            "kvd_operations_total{op=\"compact\",result=\"ok\"} to count the daemon's own compaction")
+        self.assertEqual(
+            parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics"))[
+                ("kvd_pause_seconds_count", frozenset({dev}))], 4)
+        self.assert_intact(engines, kept(compacted.pool.committed_blocks))
 
 
 

@@ -294,11 +294,13 @@ struct Reshape {
   uint64_t copied_bytes = 0;  // copied on the device
   uint64_t copy_us = 0;
   uint32_t paused_clients = 0;
-  uint64_t pause_us = 0;  // every client paused -> the last one resumed; 0: nobody paused
+  uint64_t pause_us = 0;  // every client paused -> the last one resumed (summed over steps); 0: nobody paused
   uint32_t resumed_clients = 0;
   std::vector<std::string> detached_client_ids;  // PauseOptions::detach_unresponsive
   std::vector<BlockMove> moved_blocks;           // compaction shrink
   bool target_reached = false;                   // Shrink: every segment's prefix is at the target
+  uint32_t steps = 0;                            // pauses it took (Compact: CompactOptions::max_chunks_per_pause)
+  uint64_t max_pause_us = 0;                     // the longest of them
 };
 
 // The result of one change (proto PoolUpdate).
@@ -329,6 +331,13 @@ struct ShrinkOptions {
   // into free blocks below it first (PoolChange::reshape->moved_blocks). nullopt: no compaction.
   std::optional<std::vector<uint64_t>> live_blocks;
   PauseOptions pause;
+};
+
+struct CompactOptions {
+  PauseOptions pause;
+  // With clients attached: at most this many chunks replaced under one pause, in as many steps as it
+  // takes (the clients run between them). 0: the daemon's --compact-chunks-per-pause.
+  uint32_t max_chunks_per_pause = 0;
 };
 
 struct ResolvedLayout {
@@ -533,8 +542,9 @@ class Client {
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
   // Rewrites a fragmented pool as one chunk per segment (split at the daemon's maximum chunk size) while
-  // the attached clients pause. This client's own Mapping remaps before it returns.
-  [[nodiscard]] absl::StatusOr<PoolChange> Compact(absl::string_view pool, const PauseOptions& pause = {});
+  // the attached clients pause, in steps (CompactOptions). This client's own Mapping remaps before it
+  // returns. A step that fails leaves the steps before it done; the error says so.
+  [[nodiscard]] absl::StatusOr<PoolChange> Compact(absl::string_view pool, const CompactOptions& options = {});
   // An empty `pool` means every pool (awake ones for Sleep, sleeping ones for Wake).
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, bool wait);
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool);

@@ -481,16 +481,19 @@ class Client:
         self._await_remap(update, timeout)
         return update
 
-    def compact(self, name, pause_timeout=None, detach_unresponsive=False):
+    def compact(self, name, pause_timeout=None, detach_unresponsive=False, max_chunks_per_pause=0):
         """Compact -> kvd.v1.PoolUpdate: rewrites a fragmented pool as one chunk per segment (split at the
         daemon's --max-chunk), copied on the device while the attached clients pause; reshape says the
-        chunks before and after, the bytes copied and the pause. All or nothing. pause_timeout and
-        detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
+        chunks before and after, the bytes copied, the pauses (steps, pause_us, max_pause_us).
+        With clients attached it goes in steps that each replace at most max_chunks_per_pause chunks
+        under a pause of their own (0: the daemon's --compact-chunks-per-pause); each step is all or
+        nothing, and a step that fails leaves the steps before it done (the error says so). pause_timeout
+        and detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
         returns."""
         timeout = _reshape_call_timeout(self.timeout, pause_timeout)
-        update = self._call("Compact", pb.CompactRequest(pool=name,
-                                                         pause=_pause_options(pause_timeout, detach_unresponsive)),
-                            timeout=timeout)
+        req = pb.CompactRequest(pool=name, pause=_pause_options(pause_timeout, detach_unresponsive),
+                                max_chunks_per_pause=max_chunks_per_pause)
+        update = self._call("Compact", req, timeout=timeout)
         self._await_remap(update, timeout)
         return update
 

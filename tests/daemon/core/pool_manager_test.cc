@@ -962,6 +962,84 @@ TEST_F(PoolManagerTest, CompactRewritesAFragmentedPoolAsOneChunkPerSegmentKeepin
   EXPECT_FALSE(engine.events().Pop(absl::ZeroDuration()).has_value());
 }
 
+// A pool grown in 8 steps: 8 chunks a segment, one new chunk each once compacted.
+PoolView GrowInSteps(PoolManager* manager, const Caller& who) {
+  EXPECT_THAT(manager->CreatePool(who, Spec("p", 32)), IsOk());
+  for (uint64_t b = 64; b <= 256; b += 32) EXPECT_THAT(manager->Grow(who, "p", b), IsOk());
+  absl::StatusOr<PoolView> pool = manager->GetPool(who, "p");
+  EXPECT_THAT(pool, IsOk());
+  EXPECT_THAT(pool->chunks, SizeIs(16));
+  return *pool;
+}
+
+TEST_F(PoolManagerTest, CompactWithClientsGoesInStepsOfAtMostMaxChunksPerPause) {
+  const PoolView pool = GrowInSteps(manager_.get(), alice_);
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(engine, pool, 16 * kMiB);
+  std::vector<ReshapeReport> steps;
+  manager_->Observe({.reshape_step = [&](const ReshapeReport& r) { steps.push_back(r); }});
+
+  // A step of at most 8 replaced chunks: one segment's new chunk at a time.
+  absl::StatusOr<PoolUpdate> compacted;
+  std::thread compact([&] { compacted = manager_->Compact(alice_, "p", {.max_chunks_per_pause = 8}); });
+  std::optional<PoolEvent> first = engine.FollowPause();
+  std::optional<PoolEvent> second = engine.FollowPause();
+  compact.join();
+  manager_->Observe({});
+  ASSERT_THAT(compacted, IsOk());
+  ASSERT_TRUE(first.has_value() && first->applied);
+  ASSERT_TRUE(second.has_value() && second->applied);
+  EXPECT_THAT(first->chunks, SizeIs(8)) << "the first step unmaps one segment's 8 old chunks";
+  EXPECT_THAT(second->chunks, SizeIs(8));
+  const ReshapeReport& r = *compacted->reshape;
+  EXPECT_EQ(r.steps, 2u);
+  EXPECT_EQ(r.chunks_before, 16u);
+  EXPECT_EQ(r.chunks_after, 2u);
+  EXPECT_EQ(r.chunks_replaced, 16u);
+  EXPECT_EQ(r.chunks_added, 2u);
+  EXPECT_EQ(r.copied_bytes, 32 * kMiB);
+  EXPECT_EQ(r.paused_clients, 1u);
+  EXPECT_EQ(r.resumed_clients, 1u);
+  EXPECT_THAT(compacted->added, SizeIs(2));
+  EXPECT_THAT(compacted->released_chunk_ids, SizeIs(16));
+  ASSERT_THAT(steps, SizeIs(2));
+  EXPECT_EQ(steps[0].chunks_replaced, 8u);
+  EXPECT_EQ(steps[0].chunks_after, 9u);
+  EXPECT_EQ(r.pause, steps[0].pause + steps[1].pause);
+  EXPECT_EQ(r.max_pause, std::max(steps[0].pause, steps[1].pause));
+  EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1);
+  EXPECT_EQ(Committed(), 32 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+
+  // With nobody attached there is nobody to pause: one step, whatever the limit.
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+  for (uint64_t b = 64; b <= 256; b += 32) ASSERT_THAT(manager_->Grow(alice_, "q", b), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate alone, manager_->Compact(alice_, "q", {.max_chunks_per_pause = 1}));
+  EXPECT_EQ(alone.reshape->steps, 1u);
+  EXPECT_EQ(alone.reshape->chunks_after, 2u);
+}
+
+TEST_F(PoolManagerTest, ACompactionStepThatFailsLeavesTheStepsBeforeItDone) {
+  const PoolView pool = GrowInSteps(manager_.get(), alice_);
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(engine, pool, 16 * kMiB);
+  absl::StatusOr<PoolUpdate> compacted;
+  std::thread compact([&] {
+    compacted =
+        manager_->Compact(alice_, "p", {.pause = {.timeout = absl::Milliseconds(200)}, .max_chunks_per_pause = 8});
+  });
+  ASSERT_TRUE(engine.FollowPause().has_value());  // the second PAUSE is never acknowledged
+  compact.join();
+  EXPECT_THAT(compacted, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                  AllOf(HasSubstr("did not acknowledge the pause"),
+                                        HasSubstr("steps before it did stays done (1 of them: 16 -> 9 chunks)"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_THAT(after.chunks, SizeIs(9));
+  EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1) << "the first step's chunk holds segment 0's bytes";
+  EXPECT_EQ(Committed(), 32 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 9);
+}
+
 TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
   ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
   ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
@@ -970,7 +1048,7 @@ TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
   const uint64_t committed = Committed();
   const int chunks = device_->live_chunks();
 
-  EXPECT_THAT(manager_->Compact(alice_, "p", {.timeout = absl::Milliseconds(50)}),
+  EXPECT_THAT(manager_->Compact(alice_, "p", {.pause = {.timeout = absl::Milliseconds(50)}}),
               StatusIs(absl::StatusCode::kDeadlineExceeded,
                        AllOf(HasSubstr(engine.id()), HasSubstr("did not acknowledge the pause"),
                              HasSubstr("nothing changed"))));
@@ -993,7 +1071,7 @@ TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
   // detach_unresponsive: the silent client is detached and the change goes on.
   KVD_ASSERT_OK_AND_ASSIGN(
       PoolUpdate compacted,
-      manager_->Compact(alice_, "p", {.timeout = absl::Milliseconds(50), .detach_unresponsive = true}));
+      manager_->Compact(alice_, "p", {.pause = {.timeout = absl::Milliseconds(50), .detach_unresponsive = true}}));
   EXPECT_THAT(compacted.reshape->detached_client_ids, ::testing::ElementsAre(engine.id()));
   EXPECT_THAT(compacted.pool.chunks, SizeIs(2));
   EXPECT_EQ(compacted.pool.client_count, 0u);
