@@ -727,6 +727,7 @@ struct Options {
   int reps = 5;
   int fragments = 0;
   int compact_grows = 0;
+  uint32_t compact_chunks_per_pause = 0;  // 0: the daemon's --compact-chunks-per-pause
   std::string sections = "all";
   int pause_ms = -1;
   int threads = 4;
@@ -1356,7 +1357,8 @@ absl::Status Bench::Compact() {
     Pause();
     KVD_ASSIGN_OR_RETURN(const uint64_t free_before, FreeBytes());
     const int64_t t = NowNs();
-    KVD_ASSIGN_OR_RETURN(const PoolChange change, client_->Compact(frag.name));
+    KVD_ASSIGN_OR_RETURN(const PoolChange change,
+                         client_->Compact(frag.name, {.max_chunks_per_pause = o_.compact_chunks_per_pause}));
     const int64_t replied = NowNs();
     KVD_RETURN_IF_ERROR(WaitFree(free_before, 0));  // the old chunks are gone, the new ones hold the same bytes
     const double ms = MsSince(t);
@@ -2180,11 +2182,13 @@ std::string Bench::Json() const {
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
       " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
-      "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_bytes\": %d, \"shrink_bytes\": %d, "
+      "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
+      "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
       "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
-      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, compact_bytes_, shrink_bytes_,
+      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
+      compact_bytes_, shrink_bytes_,
       o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_, Quote(o_.sections));
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
@@ -2257,6 +2261,9 @@ int main(int argc, char** argv) {
   app.add_option("--compact-grows", o.compact_grows,
                  "Grows of equal size that fragment the compact line's pool of half --bytes (default 64 on a GPU, 8 "
                  "on host)");
+  app.add_option("--compact-chunks-per-pause", o.compact_chunks_per_pause,
+                 "CompactOptions::max_chunks_per_pause of the compact line's Compact (default 0: the daemon's "
+                 "--compact-chunks-per-pause)");
   app.add_option("--sections", o.sections,
                  "The parts to run, comma-separated: lifecycle, fragmented, compact, shrink_to_half, control_rpc, "
                  "concurrent, bookkeeping, granule, torch (granule and torch compare with lifecycle's grow + attach)")

@@ -113,8 +113,8 @@ def engine(sock, pool, parity):
 def report(label, u):
     r = u.reshape
     print(f"{label}: {r.chunks_before} -> {r.chunks_after} chunks, {r.copied_bytes / (1 << 30):.2f} GiB copied in "
-          f"{r.copy_us / 1000:.1f} ms, {r.paused_clients} clients paused for {r.pause_us / 1000:.1f} ms "
-          f"({r.resumed_clients} resumed), target reached {r.target_reached}; committed "
+          f"{r.copy_us / 1000:.1f} ms, {r.paused_clients} clients paused for {r.pause_us / 1000:.1f} ms in "
+          f"{r.steps} steps (longest {r.max_pause_us / 1000:.1f} ms; {r.resumed_clients} resumed), target reached {r.target_reached}; committed "
           f"{u.pool.committed_blocks} blocks ({u.pool.committed_bytes / (1 << 30):.2f} GiB); "
           f"daemon elapsed {u.elapsed_us / 1000:.1f} ms", flush=True)
 
