@@ -746,7 +746,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     } else {
       KVD_ASSIGN_OR_RETURN(
           update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
-                                &paused_at, &paused, &old));
+                                &paused_at, &paused, &old, nullptr));
     }
   }
   // Replied once the paused clients resumed (so that the caller's own Mapping has remapped), at most a
@@ -770,6 +770,8 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
   // pause), reshape under op_mu, let the clients resume without it. Planned afresh each time, so that a
   // grow between steps is compacted too.
   std::optional<PoolUpdate> total;
+  OldView spare;  // the view the step before left, to be the next one (ReshapeLocked)
+  absl::Cleanup take_down_spare = [&] { TakeDown(spare); };
   for (;;) {
     PoolUpdate update;
     absl::Time paused_at = absl::InfinitePast();
@@ -800,7 +802,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       }
       if (failed.ok()) {
         absl::StatusOr<PoolUpdate> made =
-            ReshapeLocked(*pool, *plan, options.pause, "compacting", &paused_at, &paused, &old);
+            ReshapeLocked(*pool, *plan, options.pause, "compacting", &paused_at, &paused, &old, &spare);
         failed = made.status();
         if (made.ok()) update = *std::move(made);
       }
@@ -816,7 +818,16 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       }
     }
     FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
-    TakeDown(old);
+    // The old view is kept for the next step, less the chunks that left the table (released now, so that
+    // their memory is free for the next step's new chunks).
+    std::set<uint64_t> table;
+    for (const ChunkInfo& c : update.pool.chunks) table.insert(c.id);
+    if (Recycle(old, table)) {
+      old.generation = update.pool.generation;
+      spare = std::move(old);
+    } else {
+      TakeDown(old);
+    }
     ObserveStep(*update.reshape);
     if (!total.has_value()) {
       total = std::move(update);
@@ -864,7 +875,8 @@ void PoolManager::ObserveStep(const ReshapeReport& step) {
 
 absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                       absl::string_view what, absl::Time* paused_at,
-                                                      std::set<std::string>* paused, OldView* teardown) {
+                                                      std::set<std::string>* paused, OldView* teardown,
+                                                      OldView* spare) {
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
@@ -889,12 +901,38 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   }
   absl::Cleanup give_back = [&] { budget_.Give(bytes); };
 
+  std::set<uint64_t> leaving(plan.replaced.begin(), plan.replaced.end());
+  leaving.insert(plan.released.begin(), plan.released.end());
+  std::vector<uint64_t> staying_ids;
+  const PoolView now = pool.View(ViewClients::kCounted);
+  std::vector<ChunkInfo> mapped = now.chunks;
+  for (const ChunkInfo& c : mapped) {
+    if (!leaving.contains(c.id)) staying_ids.push_back(c.id);
+  }
+
   // The daemon's next view of the pool: a reservation of the pool's size where the new chunks are made and
   // the chunks that stay are mapped again. After the copy the daemon switches its base to it, instead of
   // unmapping and mapping chunk by chunk while the clients wait (its base is its own; clients map at
-  // theirs). The old view is taken down after the clients resumed (FinishReshape's caller).
+  // theirs). The old view is taken down after the clients resumed (FinishReshape's caller), or handed
+  // back in `*spare` for the next step of a compaction, which brings it up to date (Recycle) rather than
+  // mapping every chunk of the pool again.
   const uint64_t reserved = pool.geometry().reserved_bytes();
-  KVD_ASSIGN_OR_RETURN(const uint64_t next, device_->Reserve(reserved));
+  std::set<uint64_t> in_view;  // staying chunks `next` already maps
+  uint64_t next = 0;
+  if (spare != nullptr && spare->base != 0) {
+    // Only a view of the table as this pool has it now: no other change came between the steps.
+    if (spare->generation == now.generation && spare->bytes == reserved &&
+        Recycle(*spare, std::set<uint64_t>(staying_ids.begin(), staying_ids.end()))) {
+      next = spare->base;
+      for (const ChunkInfo& c : spare->mapped) in_view.insert(c.id);
+      *spare = OldView{};
+    } else {
+      TakeDown(*spare);
+    }
+  }
+  if (next == 0) {
+    KVD_ASSIGN_OR_RETURN(next, device_->Reserve(reserved));
+  }
   absl::Cleanup free_next = [&] { device_->Free(next, reserved).IgnoreError(); };
   std::vector<ChunkRecord> added;
   {
@@ -924,22 +962,17 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
       KVD_RETURN_IF_ERROR(options_.store->KeepChunkFd(added[kept_fds].info.id, added[kept_fds].fd.get()));
     }
   }
-  std::set<uint64_t> leaving(plan.replaced.begin(), plan.replaced.end());
-  leaving.insert(plan.released.begin(), plan.released.end());
-  std::vector<uint64_t> staying_ids;
-  std::vector<ChunkInfo> mapped = pool.View(ViewClients::kCounted).chunks;
-  for (const ChunkInfo& c : mapped) {
-    if (!leaving.contains(c.id)) staying_ids.push_back(c.id);
-  }
   const std::vector<ChunkRecord*> staying = pool.ChunksById(staying_ids);
   size_t remapped = 0;
   absl::Cleanup unmap_staying = [&] {
-    for (size_t i = 0; i < remapped; ++i) {
+    for (size_t i = 0; i < staying.size(); ++i) {
+      if (i >= remapped && !in_view.contains(staying[i]->info.id)) continue;
       device_->Unmap(next + staying[i]->info.offset, staying[i]->info.bytes).IgnoreError();
     }
   };
   for (; remapped < staying.size(); ++remapped) {
     const ChunkRecord& r = *staying[remapped];
+    if (in_view.contains(r.info.id)) continue;
     KVD_RETURN_IF_ERROR(device_->Map(next + r.info.offset, r.chunk, Access::kReadWrite));
   }
 
@@ -1002,6 +1035,30 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   report.chunks_after = static_cast<uint32_t>(update.pool.chunks.size());
   update.reshape = std::move(report);
   return update;
+}
+
+bool PoolManager::Recycle(OldView& old, const std::set<uint64_t>& staying) {
+  std::vector<ChunkInfo> kept;
+  for (size_t i = 0; i < old.mapped.size(); ++i) {
+    const ChunkInfo& c = old.mapped[i];
+    if (staying.contains(c.id)) {
+      kept.push_back(c);
+      continue;
+    }
+    if (!device_->Unmap(old.base + c.offset, c.bytes).ok()) {
+      // TakeDown unmaps what is still mapped: the ones kept, this one (it may be), and the rest.
+      kept.insert(kept.end(), old.mapped.begin() + static_cast<ptrdiff_t>(i), old.mapped.end());
+      old.mapped = std::move(kept);
+      return false;
+    }
+  }
+  old.mapped = std::move(kept);
+  for (ChunkRecord& r : old.chunks) {
+    device_->Release(r.chunk).IgnoreError();
+    r.fd.reset();
+  }
+  old.chunks.clear();
+  return true;
 }
 
 void PoolManager::TakeDown(OldView& old) {

@@ -353,14 +353,20 @@ class PoolManager {
     uint64_t bytes = 0;
     std::vector<ChunkInfo> mapped;    // every chunk mapped in it
     std::vector<ChunkRecord> chunks;  // the chunks that left the table
+    uint64_t generation = 0;          // a spare view (Compact's steps): the pool's when it was last brought up to date
   };
+  // `spare` (may be null): the view a step before left, whose clients resumed; brought up to date and
+  // used as the next view (it is consumed either way).
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                          absl::string_view what, absl::Time* paused_at,
-                                                         std::set<std::string>* paused, OldView* old)
+                                                         std::set<std::string>* paused, OldView* old, OldView* spare)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
   // else refers to them).
   void TakeDown(OldView& old);
+  // Readies an old view to be the next one: unmaps every chunk but `staying` from it and releases the
+  // chunks that left the table. False (the view still to be taken down) when an unmap failed.
+  bool Recycle(OldView& old, const std::set<uint64_t>& staying);
   // The end of a reshape, without op_mu: waits for the RESUME acknowledgements of the `paused` clients
   // (at most until `resume_deadline`; with `release_deadline`, until the whole release completed or it
   // passed) and fills in the report.

@@ -829,10 +829,10 @@ class PausingEngine {
   EventQueue& events() { return *events_; }
 
   // Handles the next PAUSE (after any CHUNKS_ADDED, which this engine does not map) and its RESUME;
-  // returns the RESUME.
-  std::optional<PoolEvent> FollowPause() {
-    std::optional<PoolEvent> pause = events_->Pop(absl::Seconds(10));
-    while (pause.has_value() && pause->type == EventType::kChunksAdded) pause = events_->Pop(absl::Seconds(10));
+  // returns the RESUME (nullopt when no PAUSE came within `wait`).
+  std::optional<PoolEvent> FollowPause(absl::Duration wait = absl::Seconds(10)) {
+    std::optional<PoolEvent> pause = events_->Pop(wait);
+    while (pause.has_value() && pause->type == EventType::kChunksAdded) pause = events_->Pop(wait);
     if (!pause.has_value() || pause->type != EventType::kPause) return std::nullopt;
     absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds =
         manager_->RedeemLease(who_.session, pause->lease->token, who_.uid);
@@ -963,10 +963,10 @@ TEST_F(PoolManagerTest, CompactRewritesAFragmentedPoolAsOneChunkPerSegmentKeepin
 }
 
 // A pool grown in 8 steps: 8 chunks a segment, one new chunk each once compacted.
-PoolView GrowInSteps(PoolManager* manager, const Caller& who) {
-  EXPECT_THAT(manager->CreatePool(who, Spec("p", 32)), IsOk());
-  for (uint64_t b = 64; b <= 256; b += 32) EXPECT_THAT(manager->Grow(who, "p", b), IsOk());
-  absl::StatusOr<PoolView> pool = manager->GetPool(who, "p");
+PoolView GrowInSteps(PoolManager* manager, const Caller& who, const std::string& name = "p") {
+  EXPECT_THAT(manager->CreatePool(who, Spec(name, 32)), IsOk());
+  for (uint64_t b = 64; b <= 256; b += 32) EXPECT_THAT(manager->Grow(who, name, b), IsOk());
+  absl::StatusOr<PoolView> pool = manager->GetPool(who, name);
   EXPECT_THAT(pool, IsOk());
   EXPECT_THAT(pool->chunks, SizeIs(16));
   return *pool;
@@ -1038,6 +1038,72 @@ TEST_F(PoolManagerTest, ACompactionStepThatFailsLeavesTheStepsBeforeItDone) {
   EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1) << "the first step's chunk holds segment 0's bytes";
   EXPECT_EQ(Committed(), 32 * kMiB);
   EXPECT_EQ(device_->live_chunks(), 9);
+}
+
+// Every fallible backend call of a compaction in two steps, failed once: a failure in the first step
+// changes nothing, one in the second leaves the first done; either way nothing leaks (chunks, mappings,
+// reservations: the step's next view and the view the first step left), the engine's bytes read the
+// same, and compacting again finishes the job.
+TEST_F(PoolManagerTest, EveryFailedCallOfACompactionInStepsLeavesTheStepsBeforeItAndNothingElse) {
+  int in_second_step = 0, faults = 0;
+  for (int n = 1;; ++n) {
+    faults = n - 1;
+    const std::string name = absl::StrCat("p", n);
+    const int chunks0 = device_->live_chunks(), mappings0 = device_->live_mappings(),
+              reservations0 = device_->live_reservations();
+    const uint64_t committed0 = Committed();
+    const PoolView pool = GrowInSteps(manager_.get(), alice_, name);
+    PausingEngine engine(this, manager_.get(), alice_, name, /*pausable=*/true);
+    Fill(engine, pool, 16 * kMiB);
+    auto compact = [&](int fault) {
+      if (fault > 0) device_->FailNthCall(fault, absl::ResourceExhaustedError(absl::StrCat("injected fault #", fault)));
+      std::atomic<bool> finished{false};
+      absl::StatusOr<PoolUpdate> compacted;
+      std::thread t([&] {
+        compacted = manager_->Compact(alice_, name, {.max_chunks_per_pause = 8});
+        finished = true;
+      });
+      while (!finished) engine.FollowPause(absl::Milliseconds(20));
+      t.join();
+      return compacted;
+    };
+    absl::StatusOr<PoolUpdate> compacted = compact(n);
+    const bool walked_all = device_->fault_pending();
+    device_->FailNthCall(0, absl::OkStatus());  // not pending any more either way
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, name));
+    EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1) << "fault #" << n;
+    const int chunks = static_cast<int>(after.chunks.size());
+    EXPECT_EQ(device_->live_chunks(), chunks0 + chunks) << "fault #" << n;
+    EXPECT_EQ(device_->live_mappings(), mappings0 + chunks) << "fault #" << n << ": the daemon's view only";
+    EXPECT_EQ(device_->live_reservations(), reservations0 + 1) << "fault #" << n;
+    EXPECT_EQ(Committed(), committed0 + 32 * kMiB) << "fault #" << n << ": the budget as the table says";
+    if (walked_all) {  // the compaction made fewer than n fallible calls: the walk is over
+      EXPECT_THAT(compacted, IsOk());
+      EXPECT_EQ(chunks, 2);
+    } else {
+      EXPECT_THAT(compacted, StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("injected fault")));
+      if (chunks == 9) {
+        ++in_second_step;
+        EXPECT_THAT(compacted.status().message(), HasSubstr("stays done (1 of them: 16 -> 9 chunks)"));
+      } else {
+        EXPECT_EQ(chunks, 16) << "fault #" << n << ": the first step failed and changed nothing";
+      }
+      KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate again, compact(0));
+      EXPECT_THAT(again.pool.chunks, SizeIs(2));
+      EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1) << "fault #" << n << ", compacted again";
+    }
+    // Gone without a trace.
+    EXPECT_THAT(manager_->Detach(alice_, engine.id(), /*released=*/true), IsOk());
+    EXPECT_THAT(manager_->DeletePool(alice_, name, /*force=*/false), IsOk());
+    EXPECT_EQ(Committed(), committed0) << "fault #" << n;
+    EXPECT_EQ(device_->live_chunks(), chunks0) << "fault #" << n;
+    EXPECT_EQ(device_->live_mappings(), mappings0) << "fault #" << n;
+    EXPECT_EQ(device_->live_reservations(), reservations0) << "fault #" << n;
+    if (HasFailure() || walked_all) break;
+  }
+  EXPECT_GT(in_second_step, 0) << "some fault must have hit the second step";
+  std::printf("[ sweep    ] compact in 2 steps: %d fallible backend calls, each failed once (%d in the second step)\n",
+              faults, in_second_step);
 }
 
 TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
