@@ -602,8 +602,8 @@ absl::Status Run(const Flags& f) {
                          [m](const ReshapeReport& r) {
                            m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
                          },
-                     .background_compaction =
-                         [m](absl::Duration elapsed, bool ok) { m->ObserveOperation(Operation::kCompact, elapsed, ok); }});
+                     .background_compaction = [m](absl::Duration elapsed,
+                                                  bool ok) { m->ObserveOperation(Operation::kCompact, elapsed, ok); }});
   }
   // The manager's threads stop reporting before metrics goes.
   absl::Cleanup forget_metrics = [&] { manager.Observe({}); };

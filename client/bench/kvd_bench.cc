@@ -2188,8 +2188,8 @@ std::string Bench::Json() const {
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
       segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
-      compact_bytes_, shrink_bytes_,
-      o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_, Quote(o_.sections));
+      compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_,
+      Quote(o_.sections));
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));

@@ -810,11 +810,11 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
         if (!total.has_value()) return failed;
         // The steps before stay done: the pool is whole, only less fragmented than asked.
         const ReshapeReport& done = *total->reshape;
-        return absl::Status(failed.code(),
-                            absl::StrCat(failed.message(), "; what the compaction steps before it did stays done (",
-                                         done.steps, " of them: ", done.chunks_before, " -> ",
-                                         pool->View(ViewClients::kCounted).chunks.size(),
-                                         " chunks): Compact again to go on"));
+        return absl::Status(
+            failed.code(),
+            absl::StrCat(failed.message(), "; what the compaction steps before it did stays done (", done.steps,
+                         " of them: ", done.chunks_before, " -> ", pool->View(ViewClients::kCounted).chunks.size(),
+                         " chunks): Compact again to go on"));
       }
     }
     FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);

@@ -114,11 +114,12 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
 void LogReshape(const PoolUpdate& u) {
   if (!u.reshape.has_value() || (u.reshape->chunks_added == 0 && u.reshape->moved_blocks.empty())) return;
   const ReshapeReport& r = *u.reshape;
-  spdlog::info("pool {}: {} -> {} chunks, {} copied in {}, {} clients paused for {} in {} steps (at most {} at a "
-               "time; {} resumed{})",
-               u.pool.name, r.chunks_before, r.chunks_after, FormatBytes(r.copied_bytes), Elapsed(r.copy),
-               r.paused_clients, Elapsed(r.pause), r.steps, Elapsed(r.max_pause), r.resumed_clients,
-               r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
+  spdlog::info(
+      "pool {}: {} -> {} chunks, {} copied in {}, {} clients paused for {} in {} steps (at most {} at a "
+      "time; {} resumed{})",
+      u.pool.name, r.chunks_before, r.chunks_after, FormatBytes(r.copied_bytes), Elapsed(r.copy), r.paused_clients,
+      Elapsed(r.pause), r.steps, Elapsed(r.max_pause), r.resumed_clients,
+      r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
 }
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
@@ -414,11 +415,10 @@ grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::Compact
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     KVD_ASSIGN_OR_RETURN(PoolUpdate update,
                          Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kCompact, [&] {
-                           return manager_->Compact(
-                               caller, request->pool(),
-                               {.pause = pause,
-                                .max_chunks_per_pause = request->max_chunks_per_pause(),
-                                .interrupt = InterruptOf(*context)});
+                           return manager_->Compact(caller, request->pool(),
+                                                    {.pause = pause,
+                                                     .max_chunks_per_pause = request->max_chunks_per_pause(),
+                                                     .interrupt = InterruptOf(*context)});
                          }));
     *response = ToProto(update);
     LogUpdate("compacted", update);
