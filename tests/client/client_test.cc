@@ -893,6 +893,86 @@ TEST_F(ClientTest, CompactOfAPoolGrownSixteenTimesKeepsEveryByte) {
   EXPECT_EQ(d.committed_bytes, uint64_t{64} << 20);  // the old chunks are gone
 }
 
+// A compaction called off after the punctual Mapping swapped the new chunks in (it does so while the
+// daemon copies): it maps the old chunks back at the same addresses, bytes and all, and lets the new ones go.
+// Then, in steps of at most 8 chunks, each step paused once.
+TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOnceAStep) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> slow, Connect("slow"));
+  PoolOptions o = SmallPool("kv", 512);
+  o.dims.capacity_blocks = 4096;
+  ASSERT_THAT(engine->CreatePool(o).status(), IsOk());
+  for (uint64_t blocks = 1024; blocks <= 4096; blocks += 512) ASSERT_THAT(engine->Grow("kv", blocks).status(), IsOk());
+  Events ea, eb;
+  absl::Mutex gate_mu;
+  int let_go = 0;
+  AttachOptions ob = eb.Options("slow", true);
+  ob.on_pause = [&](const std::vector<ByteRange>&) {
+    int n = 0;
+    {
+      absl::MutexLock lock(&eb.mu);
+      n = ++eb.pauses;
+    }
+    absl::MutexLock lock(&gate_mu);
+    auto open = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return let_go >= n; };
+    gate_mu.Await(absl::Condition(&open));
+  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
+  absl::Cleanup unblock = [&] {
+    absl::MutexLock lock(&gate_mu);
+    let_go = 1000;  // the follower must be able to stop
+  };
+  const std::vector<uint64_t> written = {0, 511, 512, 1500, 2047, 2048, 4095};
+  WritePattern(*a, written);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, engine->GetPool("kv"));
+  ASSERT_EQ(before.chunks.size(), 16u);
+
+  EXPECT_THAT(engine->Compact("kv", {.pause = {.timeout = absl::Seconds(1)}}).status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(b->client_id())));
+  ASSERT_TRUE(ea.WaitFor(&Events::resumes, 1));
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_FALSE(ea.applied);
+    EXPECT_EQ(ea.lost, 0);
+  }
+  EXPECT_EQ(Ids(a->chunks()), Ids(before.chunks));
+  EXPECT_EQ(CheckPattern(*a, written), "");
+  unsigned char* const probe = At(a->layer(1), 4095, 1, 7, 7);
+  const unsigned char was = *probe;
+  *probe = static_cast<unsigned char>(~was);  // the old memory, mapped back: the slow Mapping sees it too
+  {
+    absl::MutexLock lock(&gate_mu);
+    let_go = 1;
+  }
+  ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
+  EXPECT_EQ(*At(b->layer(1), 4095, 1, 7, 7), static_cast<unsigned char>(~was));
+  *At(b->layer(1), 4095, 1, 7, 7) = was;
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{32} << 20);  // the new chunks were given back
+  EXPECT_EQ(Memfds(), 2 * (a->chunks().size() + b->chunks().size()));  // and let go by both Mappings
+
+  {
+    absl::MutexLock lock(&gate_mu);
+    let_go = 1000;
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(PoolChange compacted, engine->Compact("kv", {.max_chunks_per_pause = 8}));
+  ASSERT_TRUE(compacted.reshape.has_value());
+  EXPECT_EQ(compacted.reshape->steps, 2u);
+  EXPECT_LE(compacted.reshape->max_pause_us, compacted.reshape->pause_us);
+  EXPECT_EQ(compacted.reshape->chunks_after, 2u);
+  EXPECT_EQ(a->chunks().size(), 2u);
+  EXPECT_EQ(CheckPattern(*a, written), "");
+  ASSERT_TRUE(eb.WaitFor(&Events::resumes, 3));
+  EXPECT_EQ(CheckPattern(*b, written), "");
+  for (Events* e : {&ea, &eb}) {
+    absl::MutexLock lock(&e->mu);
+    EXPECT_EQ(e->pauses, 3);  // the one called off, then one a step
+    EXPECT_TRUE(e->applied);
+    EXPECT_EQ(e->lost, 0);
+  }
+}
+
 // A Mapping without on_pause attaches non-pausable: Compact and an exact shrink that must replace a
 // chunk fail with FAILED_PRECONDITION naming it and change nothing; a whole-chunks shrink still
 // releases what it can and says that it stopped above the target.

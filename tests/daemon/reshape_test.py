@@ -452,6 +452,31 @@ class ReshapeTest(KvdDaemonCase):
         stuck.close()
         self.assertEqual(stuck.p.returncode, 0)
 
+    def test_a_compaction_called_off_maps_the_old_chunks_back(self):
+        """The engine that pauses swaps the new chunks in while the daemon copies; when the compaction is
+        called off (the other engine never acknowledges) it maps the old chunks back, bytes and all, and
+        lets the new ones go."""
+        self.create(0)
+        good, stuck = self.engines(modes=("pausable", "stuck"))
+        for step in range(1, 9):
+            self.c.grow("kv", step * GRANULE_BLOCKS)
+        before = self.c.pool("kv")
+        self.assertEqual(len(before.chunks), 16)
+        self.assert_follows([good, stuck], before)
+        self.write_all([good, stuck], 128)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.compact("kv", pause_timeout=3)
+        self.assertEqual(e.exception.code, "DEADLINE_EXCEEDED", e.exception)
+        self.assertIn(stuck.client_id, e.exception.message)
+        self.assertEqual(table(self.c.pool("kv")), table(before))
+        poll(lambda: good("state")["resumed"] == [False], "engine-0 to resume (not applied)")
+        self.assert_follows([good], before)  # the old chunks mapped again, one FD each, nothing else held
+        self.assert_intact([good], kept(128))
+        stuck("unstick")
+        poll(lambda: stuck("state")["resumed"] == [False], "engine-1 to resume (not applied)")
+        self.assert_intact([stuck], kept(128))
+        self.assertEqual(self.c.device_info().committed_bytes, before.committed_bytes)
+
     def test_a_client_killed_while_paused_lets_the_change_go_on(self):
         self.create(256)
         good, stuck = self.engines(modes=("pausable", "stuck"))
