@@ -526,10 +526,6 @@ struct Mapping::Impl {
   struct Pause {
     std::vector<Imported> chunks;
     std::vector<ByteRange> ranges;
-    // Swapped in early (SwapIn, once the PAUSE is acknowledged): the first `mapped` of `chunks` are mapped,
-    // and the old chunks they overlap are unmapped and kept here until the RESUME says what became of them.
-    size_t mapped = 0;
-    std::vector<Mapped> displaced;
   };
   std::map<uint64_t, Pause> pauses ABSL_GUARDED_BY(mu);  // by pause_id
 
@@ -563,16 +559,9 @@ struct Mapping::Impl {
   // PAUSE: fetches the event's lease on `c` and imports its chunks into pauses[pause_id], unmapped.
   absl::Status ImportPause(const Client::Impl::Connection& c, const v1::PoolEvent& ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Unmaps and releases the imported chunks of `pause`, and releases the chunks it displaced.
+  // Releases the imported chunks of `pause`.
   void DropPause(Pause& pause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // After the PAUSE's acknowledgement, while the daemon copies: unmaps the old chunks under the pause's
-  // new ones (kept in pause.displaced) and maps the new ones, so that the RESUME finds nothing left to do
-  // but let go of the old ones. The engine touches nothing meanwhile: it paused.
-  absl::Status SwapIn(Pause& pause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // A RESUME not applied: the pause's new chunks unmapped, the displaced ones mapped back in their place.
-  absl::Status SwapBack(Pause& pause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // An applied RESUME: unmaps the event's chunks and maps the pause's new ones at their offsets (those
-  // SwapIn did not map already).
+  // An applied RESUME: unmaps the event's chunks and maps the pause's new ones at their offsets.
   absl::Status Remap(Pause& pause, const v1::PoolEvent& ev, std::vector<Mapped>* retired)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The follower's handling of PAUSE and RESUME; false when the Mapping was lost.
@@ -714,106 +703,9 @@ absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const
   return absl::OkStatus();
 }
 
-namespace {
-
-// An event's ranges (connectors).
-std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
-  std::vector<ByteRange> out;
-  for (const v1::ByteRange& r : ev.ranges()) out.push_back({r.segment(), r.offset(), r.bytes()});
-  return out;
-}
-
-// `ranges` sorted, with overlapping and adjacent ranges of one segment joined.
-std::vector<ByteRange> Merged(std::vector<ByteRange> ranges) {
-  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) {
-    return a.segment != b.segment ? a.segment < b.segment : a.offset < b.offset;
-  });
-  std::vector<ByteRange> out;
-  for (const ByteRange& r : ranges) {
-    if (!out.empty() && out.back().segment == r.segment && r.offset <= out.back().offset + out.back().bytes) {
-      out.back().bytes = std::max(out.back().offset + out.back().bytes, r.offset + r.bytes) - out.back().offset;
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
-// The bytes of `a` outside every range of `b` (both Merged).
-std::vector<ByteRange> Without(const std::vector<ByteRange>& a, const std::vector<ByteRange>& b) {
-  std::vector<ByteRange> out;
-  for (const ByteRange& x : a) {
-    uint64_t at = x.offset;
-    const uint64_t end = x.offset + x.bytes;
-    for (const ByteRange& y : b) {
-      if (y.segment != x.segment || y.offset + y.bytes <= at || y.offset >= end) continue;
-      if (y.offset > at) out.push_back({x.segment, at, y.offset - at});
-      at = std::max(at, y.offset + y.bytes);
-    }
-    if (at < end) out.push_back({x.segment, at, end - at});
-  }
-  return out;
-}
-
-}  // namespace
-
 void Mapping::Impl::DropPause(Pause& pause) {
-  for (size_t k = 0; k < pause.chunks.size(); ++k) {
-    Imported& i = pause.chunks[k];
-    if (k < pause.mapped) device->Unmap(base + i.info.offset, i.info.bytes).IgnoreError();
-    device->Release(i.chunk).IgnoreError();
-  }
+  for (Imported& i : pause.chunks) device->Release(i.chunk).IgnoreError();
   pause.chunks.clear();  // closes their FDs
-  pause.mapped = 0;
-  for (Mapped& m : pause.displaced) device->Release(m.chunk).IgnoreError();
-  pause.displaced.clear();
-}
-
-absl::Status Mapping::Impl::SwapIn(Pause& pause) {
-  const std::vector<ByteRange> moving = Merged(pause.ranges);
-  for (; pause.mapped < pause.chunks.size(); ++pause.mapped) {
-    const Imported& i = pause.chunks[pause.mapped];
-    std::vector<uint64_t> under;
-    for (const auto& [id, m] : chunks) {
-      if (m.info.offset < i.info.offset + i.info.bytes && i.info.offset < m.info.offset + m.info.bytes) {
-        under.push_back(id);
-      }
-    }
-    // Only old chunks whose every byte moves: connectors were told of those at the PAUSE. A chunk whose
-    // tail a shrink releases is unmapped at the RESUME, after they hear of the tail (and so are the new
-    // chunks from here on, in order).
-    for (uint64_t id : under) {
-      const ChunkInfo& m = chunks[id].info;
-      if (!Without({{m.segment, m.offset, m.bytes}}, moving).empty()) return absl::OkStatus();
-    }
-    for (uint64_t id : under) {
-      auto it = chunks.find(id);
-      device->Unmap(base + it->second.info.offset, it->second.info.bytes).IgnoreError();
-      pause.displaced.push_back(std::move(it->second));
-      chunks.erase(it);
-    }
-    if (absl::Status s = device->Map(base + i.info.offset, i.chunk, Access::kReadWrite); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("mapping chunk ", i.info.id, ": ", s.message()));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Mapping::Impl::SwapBack(Pause& pause) {
-  for (; pause.mapped > 0; --pause.mapped) {
-    const Imported& i = pause.chunks[pause.mapped - 1];
-    device->Unmap(base + i.info.offset, i.info.bytes).IgnoreError();
-  }
-  while (!pause.displaced.empty()) {
-    Mapped& m = pause.displaced.back();
-    if (absl::Status s = device->Map(base + m.info.offset, m.chunk, Access::kReadWrite); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("mapping chunk ", m.info.id, " back: ", s.message()));
-    }
-    const uint64_t id = m.info.id;
-    chunks[id] = std::move(m);
-    pause.displaced.pop_back();
-  }
-  return absl::OkStatus();
 }
 
 absl::Status Mapping::Impl::Remap(Pause& pause, const v1::PoolEvent& ev, std::vector<Mapped>* retired) {
@@ -826,15 +718,7 @@ absl::Status Mapping::Impl::Remap(Pause& pause, const v1::PoolEvent& ev, std::ve
     retired->push_back(std::move(it->second));
     chunks.erase(it);
   }
-  // What SwapIn did already: the displaced chunks are the replaced ones, the first `mapped` new ones are in.
-  for (Mapped& m : pause.displaced) retired->push_back(std::move(m));
-  pause.displaced.clear();
-  for (size_t k = 0; k < pause.mapped; ++k) {
-    Imported& i = pause.chunks[k];
-    chunks[i.info.id] = Mapped{i.info, i.chunk, std::move(i.fd)};
-  }
-  size_t next = pause.mapped;
-  pause.mapped = 0;
+  size_t next = 0;
   absl::Cleanup release_rest = [&] {
     for (size_t i = next; i < pause.chunks.size(); ++i) device->Release(pause.chunks[i].chunk).IgnoreError();
     pause.chunks.clear();
@@ -903,6 +787,49 @@ void Mapping::Impl::Lose(const absl::Status& why) {
   if (options.on_lost) options.on_lost(why);
 }
 
+namespace {
+
+// An event's ranges (connectors).
+std::vector<ByteRange> Ranges(const v1::PoolEvent& ev) {
+  std::vector<ByteRange> out;
+  for (const v1::ByteRange& r : ev.ranges()) out.push_back({r.segment(), r.offset(), r.bytes()});
+  return out;
+}
+
+// `ranges` sorted, with overlapping and adjacent ranges of one segment joined.
+std::vector<ByteRange> Merged(std::vector<ByteRange> ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const ByteRange& a, const ByteRange& b) {
+    return a.segment != b.segment ? a.segment < b.segment : a.offset < b.offset;
+  });
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : ranges) {
+    if (!out.empty() && out.back().segment == r.segment && r.offset <= out.back().offset + out.back().bytes) {
+      out.back().bytes = std::max(out.back().offset + out.back().bytes, r.offset + r.bytes) - out.back().offset;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// The bytes of `a` outside every range of `b` (both Merged).
+std::vector<ByteRange> Without(const std::vector<ByteRange>& a, const std::vector<ByteRange>& b) {
+  std::vector<ByteRange> out;
+  for (const ByteRange& x : a) {
+    uint64_t at = x.offset;
+    const uint64_t end = x.offset + x.bytes;
+    for (const ByteRange& y : b) {
+      if (y.segment != x.segment || y.offset + y.bytes <= at || y.offset >= end) continue;
+      if (y.offset > at) out.push_back({x.segment, at, y.offset - at});
+      at = std::max(at, y.offset + y.bytes);
+    }
+    if (at < end) out.push_back({x.segment, at, end - at});
+  }
+  return out;
+}
+
+}  // namespace
+
 bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
   std::vector<ByteRange> ranges;
   absl::Status imported;
@@ -922,19 +849,6 @@ bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
   // A refused acknowledgement (too late: the daemon called the change off) changes nothing here: the
   // RESUME with applied = false follows, or the stream ends if the daemon detached this client.
   Acknowledge(/*release_id=*/0, ev.pause_id()).IgnoreError();
-  // The daemon copies now, from its own mappings; this client's unmapping of the old chunks (the pause's
-  // largest part: the driver's unmap costs per mapping) runs meanwhile instead of after the RESUME.
-  absl::Status swapped;
-  {
-    absl::MutexLock lock(&mu);
-    if (closing || state == Mapping::State::kLost) return false;
-    if (auto it = pauses.find(ev.pause_id()); it != pauses.end()) swapped = SwapIn(it->second);
-  }
-  if (!swapped.ok()) {
-    Lose(absl::Status(swapped.code(), absl::StrCat("pausing pool ", pool, " (pause ", ev.pause_id(),
-                                                   "): mapping its new chunks: ", swapped.message())));
-    return false;
-  }
   return true;
 }
 
@@ -942,21 +856,14 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
   const uint64_t id = ev.pause_id();
   if (!ev.applied()) {
     std::vector<ByteRange> ranges;
-    absl::Status restored;
     {
       absl::MutexLock lock(&mu);
       if (closing || state == Mapping::State::kLost) return false;
       if (auto it = pauses.find(id); it != pauses.end()) {
         ranges = it->second.ranges;
-        restored = SwapBack(it->second);
         DropPause(it->second);
         pauses.erase(it);
       }
-    }
-    if (!restored.ok()) {
-      Lose(absl::Status(restored.code(), absl::StrCat("pool ", pool, ": pause ", id, " was called off, but ",
-                                                      restored.message())));
-      return false;
     }
     // Nothing moved: connectors register again what they deregistered at the PAUSE.
     if (options.on_ranges_added && !ranges.empty()) options.on_ranges_added(ranges);

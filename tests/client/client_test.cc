@@ -893,9 +893,9 @@ TEST_F(ClientTest, CompactOfAPoolGrownSixteenTimesKeepsEveryByte) {
   EXPECT_EQ(d.committed_bytes, uint64_t{64} << 20);  // the old chunks are gone
 }
 
-// A compaction called off after the punctual Mapping swapped the new chunks in (it does so while the
-// daemon copies): it maps the old chunks back at the same addresses, bytes and all, and lets the new ones go.
-// Then, in steps of at most 8 chunks, each step paused once.
+// A compaction called off (one Mapping never acknowledges): the punctual Mapping keeps the old chunks at
+// the same addresses, bytes and all, and lets the new ones it imported go. Then, in steps of at most 8
+// chunks, each step paused once.
 TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOnceAStep) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> slow, Connect("slow"));
@@ -940,7 +940,7 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   EXPECT_EQ(CheckPattern(*a, written), "");
   unsigned char* const probe = At(a->layer(1), 4095, 1, 7, 7);
   const unsigned char was = *probe;
-  *probe = static_cast<unsigned char>(~was);  // the old memory, mapped back: the slow Mapping sees it too
+  *probe = static_cast<unsigned char>(~was);  // the old memory, still mapped: the slow Mapping sees it too
   {
     absl::MutexLock lock(&gate_mu);
     let_go = 1;

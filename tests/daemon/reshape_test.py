@@ -453,9 +453,8 @@ class ReshapeTest(KvdDaemonCase):
         self.assertEqual(stuck.p.returncode, 0)
 
     def test_a_compaction_called_off_maps_the_old_chunks_back(self):
-        """The engine that pauses swaps the new chunks in while the daemon copies; when the compaction is
-        called off (the other engine never acknowledges) it maps the old chunks back, bytes and all, and
-        lets the new ones go."""
+        """A compaction called off (the other engine never acknowledges): the engine that paused keeps
+        the old chunks, bytes and all, and lets the new ones it imported go."""
         self.create(0)
         good, stuck = self.engines(modes=("pausable", "stuck"))
         for step in range(1, 9):
@@ -470,7 +469,7 @@ class ReshapeTest(KvdDaemonCase):
         self.assertIn(stuck.client_id, e.exception.message)
         self.assertEqual(table(self.c.pool("kv")), table(before))
         poll(lambda: good("state")["resumed"] == [False], "engine-0 to resume (not applied)")
-        self.assert_follows([good], before)  # the old chunks mapped again, one FD each, nothing else held
+        self.assert_follows([good], before)  # the old chunks, one FD each, nothing else held
         self.assert_intact([good], kept(128))
         stuck("unstick")
         poll(lambda: stuck("state")["resumed"] == [False], "engine-1 to resume (not applied)")

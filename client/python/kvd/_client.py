@@ -513,7 +513,7 @@ class Client:
         def settled():
             if m.closed or m.gone is not None:
                 return True
-            return not any(added.intersection(pause.ids()) for pause in m._paused.values())
+            return not any(added.intersection(imported) for imported in m._paused.values())
 
         with m._changed:
             if m._changed.wait_for(settled, timeout=timeout):
@@ -664,31 +664,6 @@ _Mapped = collections.namedtuple("_Mapped", "va bytes handle fd segment offset")
 _Imported = collections.namedtuple("_Imported", "chunk fd handle")
 
 
-class _Pause:
-    """A PAUSE acted on. `imported`: its new chunks not mapped yet ({id: _Imported}). After the
-    acknowledgement, while the daemon copies, those whose old chunks all move are mapped (`swapped`: their
-    ids, in Mapping._chunks now) and the old chunks under them unmapped and kept until the RESUME
-    (`displaced`: [(id, _Mapped)]): the unmapping, the pause's largest part, overlaps the daemon's copy."""
-
-    def __init__(self, imported, ranges):
-        self.imported, self.ranges, self.swapped, self.displaced = imported, ranges, [], []
-
-    def ids(self):
-        return set(self.imported) | set(self.swapped)
-
-
-def _outside(segment, offset, nbytes, ranges):
-    """Whether some byte of [offset, offset + nbytes) of `segment` is in none of `ranges`."""
-    at, end = offset, offset + nbytes
-    for r in sorted((r for r in ranges if r.segment == segment), key=lambda r: r.offset):
-        if r.offset > at:
-            break
-        at = max(at, r.offset + r.bytes)
-        if at >= end:
-            return False
-    return at < end
-
-
 class Mapping:
     """One attached pool, mapped at `base` in this process: VA for geometry.reserved_bytes, every
     chunk at base + chunk.offset. A daemon thread follows the pool's Watch stream (maps grown/woken
@@ -726,7 +701,7 @@ class Mapping:
         self._changed = threading.Condition(self._lock)  # notified after each event the follower acted on
         self._closing = threading.Event()
         self._chunks = {}  # id -> _Mapped
-        self._paused = {}  # pause_id -> _Pause: from the PAUSE until its RESUME
+        self._paused = {}  # pause_id -> {chunk id: _Imported}: imported at the PAUSE, not mapped yet
         self.events_seen = 0
         self._watch = self._thread = None
         self._restart_announced = False  # the follower's: the last stream ended with DAEMON_RESTARTING
@@ -808,8 +783,8 @@ class Mapping:
         with self._lock:
             self._unmap(list(self._chunks))
             paused, self._paused = self._paused, {}
-            for pause in paused.values():
-                self._drop_pause(pause)
+            for imported in paused.values():
+                self._drop_imported(imported)
 
     # -- pauses ---------------------------------------------------------------------------------
     def _import_lease(self, lease, chunks, conn):
@@ -848,64 +823,13 @@ class Mapping:
             finally:
                 os.close(entry.fd)
 
-    def _drop_pause(self, pause):
-        """Drops what a pause still holds apart from self._chunks: its unmapped new chunks and the old
-        chunks it displaced (unmapped, their handles and FDs kept until now)."""
-        self._drop_imported(pause.imported)
-        pause.imported = {}
-        displaced, pause.displaced = pause.displaced, []
-        self._release_retired([mp for _, mp in displaced])
-
-    def _swap_in(self, pause_id):
-        """After the PAUSE's acknowledgement, while the daemon copies (libkvd's SwapIn): in order of place,
-        unmaps the old chunks under each new chunk and maps it, as long as every byte of those old chunks
-        moves (connectors heard of those at the PAUSE; a chunk whose tail a shrink releases waits for the
-        RESUME). The engine touches nothing meanwhile: it paused. Raises KvdError when a chunk does not map."""
-        with self._lock:
-            pause = self._paused.get(pause_id)
-            if pause is None:
-                return
-            for cid in sorted(pause.imported, key=lambda i: pause.imported[i].chunk.offset):
-                c = pause.imported[cid].chunk
-                under = [i for i, mp in self._chunks.items()
-                         if mp.offset < c.offset + c.bytes and c.offset < mp.offset + mp.bytes]
-                if any(_outside(self._chunks[i].segment, self._chunks[i].offset, self._chunks[i].bytes, pause.ranges)
-                       for i in under):
-                    return
-                for i in under:
-                    mp = self._chunks.pop(i)
-                    self._memory.unmap_only(mp.va, mp.bytes)
-                    pause.displaced.append((i, mp))
-                entry = pause.imported.pop(cid)
-                va = self.base + c.offset
-                try:
-                    handle = self._memory.map_imported(va, c.bytes, entry.fd, entry.handle)
-                except BaseException:
-                    self._drop_imported({cid: entry})
-                    raise
-                self._chunks[cid] = _Mapped(va, c.bytes, handle, entry.fd, c.segment, c.offset)
-                pause.swapped.append(cid)
-
-    def _swap_back(self, pause):
-        """A RESUME not applied: the new chunks _swap_in mapped go, the old ones come back in their place."""
-        self._unmap([cid for cid in pause.swapped if cid in self._chunks])
-        pause.swapped = []
-        while pause.displaced:
-            cid, mp = pause.displaced[-1]
-            handle = self._memory.map_imported(mp.va, mp.bytes, mp.fd, mp.handle)
-            self._chunks[cid] = mp._replace(handle=handle)
-            pause.displaced.pop()
-
     def _resume(self, ev, retired):
         """An applied RESUME: unmaps ev.chunks (their handles and FDs go to `retired`, released once the
-        engine resumed; so do the chunks _swap_in displaced), maps the PAUSE's imported chunks that
-        _swap_in did not at their offsets (the same addresses) keeping their FDs, and takes the new
-        committed_blocks. Raises KvdError when a chunk does not map (the Mapping is then lost)."""
+        engine resumed), maps the PAUSE's imported chunks at their offsets (the same addresses) keeping
+        their FDs, and takes the new committed_blocks. Raises KvdError when a chunk does not map (the
+        Mapping is then lost)."""
         with self._lock:
-            pause = self._paused.pop(ev.pause_id, None) or _Pause({}, [])
-            imported = pause.imported
-            retired.extend(mp for _, mp in pause.displaced)
-            pause.displaced = []
+            imported = self._paused.pop(ev.pause_id, {})
             try:
                 self._unmap([c.id for c in ev.chunks], retired)
                 for cid in sorted(imported, key=lambda i: imported[i].chunk.offset):
@@ -1029,7 +953,7 @@ class Mapping:
                         if self.closed or self.gone is not None:
                             self._drop_imported(imported)
                             continue
-                        self._paused[ev.pause_id] = _Pause(imported, list(ev.ranges))
+                        self._paused[ev.pause_id] = imported
                         self.pauses += 1
                     if self.on_pause:
                         self._callback(self.on_pause, [ByteRange(r.segment, r.offset, r.bytes) for r in ev.ranges])
@@ -1040,12 +964,6 @@ class Mapping:
                         # Too late (the pause timed out) or the daemon is going: its RESUME (not applied)
                         # or the stream's end follows and says what happened.
                         _log.warning("kvd: pool %s: acknowledging pause %d: %s", name, ev.pause_id, e)
-                    try:
-                        self._swap_in(ev.pause_id)
-                    except KvdError as e:
-                        why = KvdError(e.code, f"pausing pool {name} (pause {ev.pause_id}): mapping its new "
-                                       f"chunks: {e.message}")
-                        break
                 elif ev.type == pb.EVENT_TYPE_RESUME:
                     retired = []
                     with self._lock:
@@ -1054,16 +972,7 @@ class Mapping:
                         known = ev.pause_id in self._paused
                         before = self.committed_blocks
                         if not ev.applied:
-                            pause = self._paused.pop(ev.pause_id, None)
-                            if pause is not None:
-                                try:
-                                    self._swap_back(pause)
-                                except KvdError as e:
-                                    self._drop_pause(pause)
-                                    why = KvdError(e.code, f"pool {name}: pause {ev.pause_id} was called off, but "
-                                                   f"mapping its old chunks back failed: {e.message}")
-                                    break
-                                self._drop_pause(pause)
+                            self._drop_imported(self._paused.pop(ev.pause_id, {}))
                         elif not known:
                             why = KvdError("INTERNAL", f"pool {name}: RESUME of pause {ev.pause_id}, whose PAUSE "
                                            "this client never had")
@@ -1232,15 +1141,14 @@ class Mapping:
                 # daemon's chunk table says whether the change was made (those chunks come mapped from the
                 # lease).
                 paused, self._paused = self._paused, {}
-                pause_ids = [pause.ids() for pause in paused.values()]
-                for pause in paused.values():
-                    self._drop_pause(pause)
+                for imported in paused.values():
+                    self._drop_imported(imported)
                 self._changed.notify_all()
                 try:
                     self._map_lease(resp.lease, list(resp.pool.chunks), conn=c)
                 except KvdError as e:
                     raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
-                resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in pause_ids]
+                resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in paused.values()]
                 self.committed_blocks = resp.pool.committed_blocks
                 self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
                     pb.POOL_STATE_AWAKE
