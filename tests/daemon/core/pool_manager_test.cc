@@ -1040,6 +1040,28 @@ TEST_F(PoolManagerTest, ACompactionStepThatFailsLeavesTheStepsBeforeItDone) {
   EXPECT_EQ(device_->live_chunks(), 9);
 }
 
+TEST_F(PoolManagerTest, ACallerThatGivesUpBetweenCompactionStepsKeepsTheStepsDone) {
+  const PoolView pool = GrowInSteps(manager_.get(), alice_);
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(engine, pool, 16 * kMiB);
+  absl::StatusOr<PoolUpdate> compacted;
+  // Consulted only between steps: the first step runs, the second does not begin.
+  std::thread compact([&] {
+    compacted =
+        manager_->Compact(alice_, "p", {.max_chunks_per_pause = 8, .interrupt = {.cancelled = [] { return true; }}});
+  });
+  ASSERT_TRUE(engine.FollowPause().has_value());
+  compact.join();
+  EXPECT_THAT(compacted, StatusIs(absl::StatusCode::kCancelled,
+                                  AllOf(HasSubstr("the caller cancelled the call"),
+                                        HasSubstr("steps before it did stays done (1 of them: 16 -> 9 chunks)"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_THAT(after.chunks, SizeIs(9));
+  EXPECT_EQ(FirstDifference(engine, pool, 16 * kMiB), -1);
+  EXPECT_EQ(device_->live_chunks(), 9) << "the first step's view was taken down";
+  EXPECT_FALSE(engine.events().Pop(absl::ZeroDuration()).has_value()) << "no second PAUSE";
+}
+
 // Every fallible backend call of a compaction in two steps, failed once: a failure in the first step
 // changes nothing, one in the second leaves the first done; either way nothing leaks (chunks, mappings,
 // reservations: the step's next view and the view the first step left), the engine's bytes read the
