@@ -110,6 +110,36 @@ struct Events {
   }
 };
 
+// Pausable Mappings whose pause hook returns only once the test lets pause number n of that Mapping go
+// (Open(n)). Open every pause (a Cleanup declared after the Mappings) before they are destroyed: their
+// followers may wait here.
+class PauseGate {
+ public:
+  // `events`' pausable options, its on_pause held at the gate.
+  AttachOptions Options(Events& events, std::string name) {
+    AttachOptions o = events.Options(std::move(name), /*pausable=*/true);
+    o.on_pause = [this, &events](const std::vector<ByteRange>&) {
+      int n = 0;
+      {
+        absl::MutexLock lock(&events.mu);
+        n = ++events.pauses;
+      }
+      absl::MutexLock lock(&mu_);
+      auto open = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return let_go_ >= n; };
+      mu_.Await(absl::Condition(&open));
+    };
+    return o;
+  }
+  void Open(int n) {
+    absl::MutexLock lock(&mu_);
+    let_go_ = n;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int let_go_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // 2 layers x 2 heads x 16 tokens x 64 channels x 2 bytes: 4 KiB per layer and block, so 512 blocks
 // are one 2 MiB chunk per segment.
 PoolOptions SmallPool(const std::string& name, uint64_t initial_blocks = 512) {
@@ -767,27 +797,10 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> slow, Connect("slow"));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv", 2048)).status(), IsOk());
   Events ea, eb;
-  // The slow Mapping's hook returns only once the test lets pause number n go.
-  absl::Mutex gate_mu;
-  int let_go = 0;
-  AttachOptions ob = eb.Options("slow", true);
-  ob.on_pause = [&](const std::vector<ByteRange>&) {
-    int n = 0;
-    {
-      absl::MutexLock lock(&eb.mu);
-      n = ++eb.pauses;
-    }
-    absl::MutexLock lock(&gate_mu);
-    auto open = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return let_go >= n; };
-    gate_mu.Await(absl::Condition(&open));
-  };
-  auto release = [&](int n) {
-    absl::MutexLock lock(&gate_mu);
-    let_go = n;
-  };
+  PauseGate gate;  // the slow Mapping's
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
-  absl::Cleanup unblock = [&] { release(1000); };  // the follower must be able to stop
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", gate.Options(eb, "slow")));
+  absl::Cleanup unblock = [&] { gate.Open(1000); };  // the follower must be able to stop
   WritePattern(*a, {0, 599, 1500});
   KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, engine->GetPool("kv"));
   const std::string slow_id = b->client_id();
@@ -795,7 +808,7 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   const PauseOptions pause{.timeout = absl::Seconds(1)};
   EXPECT_THAT(engine->Shrink("kv", 600, ShrinkOptions{.pause = pause}).status(),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(slow_id)));
-  release(1);
+  gate.Open(1);
   ASSERT_TRUE(ea.WaitFor(&Events::resumes, 1));
   ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
   for (Events* e : {&ea, &eb}) {
@@ -822,7 +835,7 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   EXPECT_EQ(shrunk.reshape->paused_clients, 1u);
   EXPECT_TRUE(shrunk.reshape->target_reached);
   EXPECT_EQ(CheckPattern(*a, {0, 599}), "");
-  release(2);
+  gate.Open(2);
   ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
   EXPECT_EQ(b->state(), Mapping::State::kLost);
   EXPECT_TRUE(b->chunks().empty());
@@ -904,25 +917,10 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   ASSERT_THAT(engine->CreatePool(o).status(), IsOk());
   for (uint64_t blocks = 1024; blocks <= 4096; blocks += 512) ASSERT_THAT(engine->Grow("kv", blocks).status(), IsOk());
   Events ea, eb;
-  absl::Mutex gate_mu;
-  int let_go = 0;
-  AttachOptions ob = eb.Options("slow", true);
-  ob.on_pause = [&](const std::vector<ByteRange>&) {
-    int n = 0;
-    {
-      absl::MutexLock lock(&eb.mu);
-      n = ++eb.pauses;
-    }
-    absl::MutexLock lock(&gate_mu);
-    auto open = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return let_go >= n; };
-    gate_mu.Await(absl::Condition(&open));
-  };
+  PauseGate gate;  // the slow Mapping's
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
-  absl::Cleanup unblock = [&] {
-    absl::MutexLock lock(&gate_mu);
-    let_go = 1000;  // the follower must be able to stop
-  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", gate.Options(eb, "slow")));
+  absl::Cleanup unblock = [&] { gate.Open(1000); };  // the follower must be able to stop
   const std::vector<uint64_t> written = {0, 511, 512, 1500, 2047, 2048, 4095};
   WritePattern(*a, written);
   KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, engine->GetPool("kv"));
@@ -941,10 +939,7 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   unsigned char* const probe = At(a->layer(1), 4095, 1, 7, 7);
   const unsigned char was = *probe;
   *probe = static_cast<unsigned char>(~was);  // the old memory, still mapped: the slow Mapping sees it too
-  {
-    absl::MutexLock lock(&gate_mu);
-    let_go = 1;
-  }
+  gate.Open(1);
   ASSERT_TRUE(eb.WaitFor(&Events::resumes, 1));
   EXPECT_EQ(*At(b->layer(1), 4095, 1, 7, 7), static_cast<unsigned char>(~was));
   *At(b->layer(1), 4095, 1, 7, 7) = was;
@@ -952,10 +947,7 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   EXPECT_EQ(d.committed_bytes, uint64_t{32} << 20);                    // the new chunks were given back
   EXPECT_EQ(Memfds(), 2 * (a->chunks().size() + b->chunks().size()));  // and let go by both Mappings
 
-  {
-    absl::MutexLock lock(&gate_mu);
-    let_go = 1000;
-  }
+  gate.Open(1000);
   KVD_ASSERT_OK_AND_ASSIGN(PoolChange compacted, engine->Compact("kv", {.max_chunks_per_pause = 8}));
   ASSERT_TRUE(compacted.reshape.has_value());
   EXPECT_EQ(compacted.reshape->steps, 2u);
