@@ -596,7 +596,8 @@ TEST_F(LimitsTest, AGrowPastTheBudgetIsRefusedBeforeItsChunkPlanIsBuilt) {
   // 1024 segments of 32 GiB each (32 TiB reserved): with 2 MiB chunks the plan of a grow to capacity
   // has 16.7 million chunks (~400 MiB); the budget is 512 MiB.
   StartKvd({"--max-chunk=2MiB"});
-  ASSERT_TRUE(RootCreate("huge", 1024, uint64_t{16} << 20).ok());  // 2 KiB blocks: 32 GiB per segment
+  const grpc::Status created = RootCreate("huge", 1024, uint64_t{16} << 20);  // 2 KiB blocks: 32 GiB per segment
+  ASSERT_TRUE(created.ok()) << created.error_code() << ": " << created.error_message();
   absl::StatusOr<uint64_t> before = PeakRss(kvd_.log());
   ASSERT_TRUE(before.ok()) << before.status();
   v1::GrowRequest grow;
