@@ -24,7 +24,7 @@ import unittest
 import kvd
 from kvd_daemon import KvdDaemonCase
 from line_peer import LinePeer
-from scrape import free_port, http_get, parse_samples, poll
+from scrape import free_port, http_get, memfd_fds, parse_samples, poll
 
 POLL_S = 30.0
 MiB = 1 << 20
@@ -42,16 +42,6 @@ def pattern(owners, layer, seeds, shape):
     word = (seeds * np.uint64(2654435761) + np.uint64(layer * 40503) + owners * np.uint64(7919)) & np.uint64(0xFFFFFFFF)
     idx = np.arange(int(np.prod(shape)), dtype=np.uint64)
     return ((word[:, None] + idx[None, :]) & np.uint64(0xFFFF)).astype(np.uint16).reshape(len(seeds), *shape)
-
-
-def memfd_fds():
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
-    return n
 
 
 # --- the engine process ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Helpers the Python tests share: waiting for a condition, and scraping a kvd's /metrics."""
+"""Helpers the Python tests share: waiting for a condition, counting chunk FDs, and scraping a kvd's /metrics."""
+import os
 import re
 import socket
 import time
@@ -16,6 +17,17 @@ def poll(fn, what, timeout=30.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         time.sleep(0.01)
+
+
+def memfd_fds():
+    """Open FDs of chunks (memfds) in this process; gRPC's own FDs vary by version and are not counted."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
 
 
 def free_port():

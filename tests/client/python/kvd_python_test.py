@@ -17,7 +17,7 @@ import unittest
 
 import kvd
 from line_peer import LinePeer
-from scrape import poll
+from scrape import memfd_fds, poll
 
 POLL_S = 20.0
 
@@ -29,17 +29,6 @@ DIMS = dict(layers=4, capacity_blocks=256, heads=8, block_tokens=16, channels=12
 
 def fd_count():
     return len(os.listdir("/proc/self/fd"))
-
-
-def memfd_fds():
-    """Open FDs of chunks (memfds); gRPC's own FDs vary by version and are not counted."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
-    return n
 
 
 def memfd_maps():
