@@ -528,6 +528,8 @@ struct Mapping::Impl {
     std::vector<ByteRange> ranges;
   };
   std::map<uint64_t, Pause> pauses ABSL_GUARDED_BY(mu);  // by pause_id
+  // The engine was paused (on_pause) for chunks a restarted daemon lacks; on_resume once reattached.
+  bool paused_for_restart ABSL_GUARDED_BY(mu) = false;
 
   std::thread follower;
   // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
@@ -586,7 +588,11 @@ struct Mapping::Impl {
     std::vector<bool> resumed;
   };
   Attempt TryReattach(DaemonRestart* restart);
-  void Lose(const absl::Status& why);
+  // The Mapping stops following its pool and says `why` (on_lost). `engine_done`: the engine asked for
+  // this (its own session's delete) or is paused, so everything is unmapped now; otherwise a pausable
+  // Mapping pauses the engine first, and one that is not pausable keeps every chunk mapped until closed
+  // when the loss was `forced` on it (a forced release, chunks a restart lost).
+  void Lose(const absl::Status& why, bool engine_done = false, bool forced = false);
   void Shutdown();
 };
 
@@ -759,34 +765,6 @@ absl::Status Mapping::Impl::ApplyUpdate(const v1::PoolUpdate& update) {
   return absl::OkStatus();
 }
 
-void Mapping::Impl::Lose(const absl::Status& why) {
-  Conn c;
-  v1::DetachRequest req;
-  {
-    absl::MutexLock lock(&mu);
-    if (closing || state == Mapping::State::kLost) return;
-    UnmapAll();
-    state = Mapping::State::kLost;
-    committed_blocks = 0;
-    // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
-    // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
-    // which finds the Mapping lost already).
-    if (watch_ctx != nullptr) watch_ctx->TryCancel();
-    c = conn;
-    req.set_pool(pool);
-    req.set_client_id(client_id);
-    req.set_released(true);
-  }
-  // Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping held
-  // (a deleted pool's memory stays counted until its clients let go). Best effort: the daemon may be gone.
-  if (c != nullptr) {
-    v1::DetachResponse resp;
-    client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
-        .IgnoreError();
-  }
-  if (options.on_lost) options.on_lost(why);
-}
-
 namespace {
 
 // An event's ranges (connectors).
@@ -830,6 +808,51 @@ std::vector<ByteRange> Without(const std::vector<ByteRange>& a, const std::vecto
 
 }  // namespace
 
+void Mapping::Impl::Lose(const absl::Status& why, bool engine_done, bool forced) {
+  // See Note [Releases pause first] in docs/architecture.md: nothing is unmapped while the engine may touch
+  // it. A pausable Mapping that is not paused pauses the engine first; one that is not pausable keeps what
+  // it maps until it is closed when the loss was forced on it.
+  std::vector<ByteRange> mapped;
+  bool pause_first = false;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return;
+    if (!engine_done && pauses.empty() && options.on_pause) {
+      pause_first = true;
+      for (const auto& [id, m] : chunks) mapped.push_back({m.info.segment, m.info.offset, m.info.bytes});
+    }
+  }
+  if (pause_first) options.on_pause(Merged(std::move(mapped)));
+  Conn c;
+  v1::DetachRequest req;
+  bool released = false;
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return;
+    released = engine_done || options.on_pause != nullptr || !forced || chunks.empty();
+    if (released) UnmapAll();
+    state = Mapping::State::kLost;
+    committed_blocks = 0;
+    // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
+    // must not hold up a shrink or sleep that waits for every client (the stream then ends CANCELLED,
+    // which finds the Mapping lost already).
+    if (watch_ctx != nullptr) watch_ctx->TryCancel();
+    c = conn;
+    req.set_pool(pool);
+    req.set_client_id(client_id);
+    req.set_released(true);
+  }
+  // Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping held
+  // (a deleted pool's memory stays counted until its clients let go). Best effort: the daemon may be gone.
+  // A Mapping that keeps its chunks says so when it is closed.
+  if (c != nullptr && released) {
+    v1::DetachResponse resp;
+    client->CallOn(*c, &v1::Kvd::Stub::Detach, req, &resp, std::min(client->options.timeout, absl::Seconds(5)))
+        .IgnoreError();
+  }
+  if (options.on_lost) options.on_lost(why);
+}
+
 bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
   std::vector<ByteRange> ranges;
   absl::Status imported;
@@ -870,6 +893,8 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
     if (options.on_resume) options.on_resume(false);
     return true;
   }
+  // A release's RESUME (a shrink's or sleep's whole chunks) marks the phases a CHUNKS_RELEASED does.
+  if (ev.release_id() != 0) internal::MarkPhase("release.event");
   // Bytes unmapped without having moved (whole chunks a shrink released) that the PAUSE's ranges did not
   // name: connectors deregister them before they go.
   std::vector<ByteRange> released_only;
@@ -913,6 +938,7 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
     if (remapped.ok()) {
       before = committed_blocks;
       committed_blocks = committed = ev.committed_blocks();
+      if (ev.state() == v1::POOL_STATE_SLEEPING) state = Mapping::State::kSleeping;  // a sleep's pause
     }
   }
   if (!remapped.ok()) {
@@ -920,9 +946,11 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
                       absl::StrCat("remapping pool ", pool, " after pause ", id, ": ", remapped.message())));
     return false;
   }
+  if (ev.release_id() != 0) internal::MarkPhase("release.unmapped");
   if (options.on_ranges_added && !added.empty()) options.on_ranges_added(Merged(std::move(added)));
   if (options.on_resume) options.on_resume(true);
   if (ev.release_id() != 0) {
+    internal::MarkPhase("release.acknowledging");
     absl::Status s = Acknowledge(ev.release_id(), /*pause_id=*/0);
     if (!s.ok()) {
       Lose(absl::Status(s.code(), absl::StrCat("acknowledging release ", ev.release_id(), ": ", s.message())));
@@ -961,6 +989,15 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
       }
       case v1::EVENT_TYPE_CHUNKS_RELEASED: {
         internal::MarkPhase("release.event");
+        if (ev.forced()) {
+          Lose(absl::FailedPreconditionError(absl::StrCat(
+                   "pool ", pool, ": ", ev.chunks_size(),
+                   " chunks were released by force while this Mapping, which is not ",
+                   "pausable, mapped them: it keeps every chunk mapped (their bytes no longer the pool's) until it is "
+                   "closed")),
+               /*engine_done=*/false, /*forced=*/true);
+          break;
+        }
         uint64_t committed = 0;
         if (options.on_ranges_released) options.on_ranges_released(Ranges(ev));
         Conn c;
@@ -994,9 +1031,20 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
       case v1::EVENT_TYPE_RESUME:
         OnResume(ev);
         break;
-      case v1::EVENT_TYPE_POOL_DELETED:
-        Lose(absl::NotFoundError(absl::StrCat("pool ", pool, " was deleted")));
+      case v1::EVENT_TYPE_POOL_DELETED: {
+        bool paused = false;
+        {
+          absl::MutexLock lock(&mu);
+          paused = !pauses.empty();
+        }
+        // Not forced: this Mapping's own session deleted it, or a pause holds the engine.
+        Lose(absl::NotFoundError(absl::StrCat(
+                 "pool ", pool, " was deleted",
+                 ev.forced() ? " by force: this Mapping, not pausable, keeps its chunks mapped until it is closed"
+                             : "")),
+             /*engine_done=*/!ev.forced() || paused, /*forced=*/ev.forced());
         break;
+      }
       case v1::EVENT_TYPE_DAEMON_STOPPING:
         Lose(absl::UnavailableError("kvd is stopping"));
         break;
@@ -1182,10 +1230,15 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   // same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same name since.
   const bool restored = resp.pool().epoch() > 1;
   std::vector<bool> resumed;
+  // Keep what the daemon still has exactly as it was; unmap what it lost; map what it added. A pausable
+  // Mapping unmaps what the daemon lost only with the engine paused for it (Note [Releases pause first] in
+  // docs/architecture.md), and resumes it once remapped.
+  std::vector<uint64_t> gone;
+  std::vector<ByteRange> gone_ranges;
+  bool paused_before = false;
   {
     absl::MutexLock lock(&mu);
     if (closing || state == Mapping::State::kLost) return {.status = absl::CancelledError("closing"), .fatal = true};
-    // Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
     std::set<uint64_t> kept;
     for (const v1::Chunk& theirs : resp.pool().chunks()) {
       if (!restored) break;
@@ -1195,10 +1248,23 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
         kept.insert(theirs.id());
       }
     }
-    std::vector<uint64_t> gone;
     for (const auto& [id, m] : chunks) {
-      if (!kept.contains(id)) gone.push_back(id);
+      if (kept.contains(id)) continue;
+      gone.push_back(id);
+      gone_ranges.push_back({m.info.segment, m.info.offset, m.info.bytes});
     }
+    paused_before = !pauses.empty() || paused_for_restart;
+  }
+  // Not pausable: the chunks go as they are (the daemon no longer counts their memory, so keeping them
+  // would let it promise that memory twice).
+  if (!gone.empty() && !paused_before && options.on_pause) {
+    options.on_pause(Merged(std::move(gone_ranges)));
+    absl::MutexLock lock(&mu);
+    paused_for_restart = true;
+  }
+  {
+    absl::MutexLock lock(&mu);
+    if (closing || state == Mapping::State::kLost) return {.status = absl::CancelledError("closing"), .fatal = true};
     for (uint64_t id : gone) {
       restart->lost_chunk_ids.push_back(id);
       restart->lost_bytes += chunks[id].info.bytes;
@@ -1223,6 +1289,8 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       for (uint64_t id : ids) applied &= chunks.contains(id);
       resumed.push_back(applied);
     }
+    if (paused_for_restart) resumed.push_back(true);  // on_resume(true) once it follows the restarted daemon
+    paused_for_restart = false;
     committed_blocks = resp.pool().committed_blocks();
     state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
     conn = c;
@@ -1510,8 +1578,9 @@ absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t targe
     req.mutable_live()->mutable_blocks()->Add(options.live_blocks->begin(), options.live_blocks->end());
   }
   ToProto(options.pause, req.mutable_pause());
-  const absl::Duration timeout = options.whole_chunks_only ? WaitTimeout(impl_->options.timeout, options.wait)
-                                                           : PauseTimeout(impl_->options.timeout, options.pause);
+  req.set_force(options.force);
+  // Every shrink may pause the clients of other sessions (docs/api.md, "Releases and running engines").
+  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, options.pause);
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Shrink, req, &update, timeout));
   impl_->Observe(update);
@@ -1533,15 +1602,22 @@ absl::StatusOr<PoolChange> Client::Compact(absl::string_view pool, const Compact
 }
 
 absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, bool wait) {
+  return Sleep(pool, SleepOptions{.wait = wait});
+}
+
+absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, const SleepOptions& options) {
   v1::SleepRequest req;
   if (pool.empty()) {
     req.set_all(true);
   } else {
     req.set_pool(std::string(pool));
   }
-  req.set_wait_for_release(wait);
+  req.set_wait_for_release(options.wait);
+  req.set_force(options.force);
+  ToProto(options.pause, req.mutable_pause());
   v1::PoolUpdates updates;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Sleep, req, &updates, WaitTimeout(impl_->options.timeout, wait)));
+  KVD_RETURN_IF_ERROR(
+      impl_->Call(&v1::Kvd::Stub::Sleep, req, &updates, PauseTimeout(impl_->options.timeout, options.pause)));
   impl_->Observe(updates);
   std::vector<PoolChange> out;
   for (const v1::PoolUpdate& u : updates.updates()) out.push_back(FromProto(u));
@@ -1569,12 +1645,14 @@ absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) {
   return out;
 }
 
-absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force) {
+absl::StatusOr<uint64_t> Client::DeletePool(absl::string_view name, bool force, const PauseOptions& pause) {
   v1::DeletePoolRequest req;
   req.set_name(std::string(name));
   req.set_force(force);
+  ToProto(pause, req.mutable_pause());
   v1::DeletePoolResponse resp;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::DeletePool, req, &resp));
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::DeletePool, req, &resp,
+                                  force ? PauseTimeout(impl_->options.timeout, pause) : impl_->options.timeout));
   impl_->Observe(resp);
   return resp.released_bytes();
 }
@@ -1770,14 +1848,19 @@ absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, co
 }
 
 absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
-                                               absl::Duration ttl) {
+                                               absl::Duration ttl, bool force) {
   v1::PrepareRequest req;
+  req.set_force(force);
   req.set_pool(std::string(pool));
   req.set_operation(ToProto(op));
   req.set_target_blocks(target_blocks);
   req.set_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(absl::ToInt64Milliseconds(ttl), 1)));
   v1::PrepareResponse resp;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Prepare, req, &resp));
+  // A shrink or sleep waits for the pause acknowledgements of other sessions' clients.
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Prepare, req, &resp,
+                                  op == GroupOp::kShrink || op == GroupOp::kSleep
+                                      ? PauseTimeout(impl_->options.timeout, PauseOptions{})
+                                      : impl_->options.timeout));
   impl_->Observe(resp);
   return PreparedChange{.transaction = resp.transaction(),
                         .pool = FromProto(resp.pool()),

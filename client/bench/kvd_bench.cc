@@ -294,12 +294,12 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     if (client == nullptr) {
       KVD_ASSIGN_OR_RETURN(client, Client::Connect({.socket = w[1], .client_name = "kvd-bench-importer"}));
     }
+    // Always pausable: the bench's shrinks and sleeps come from another session, which pauses it first
+    // (docs/api.md, "Releases and running engines"); an engine would synchronise its streams here, this
+    // process touches the pool only between requests. `pausable` is kept for the compaction lines' words.
     AttachOptions options;
-    if (w.size() == 5) {
-      // An engine would synchronise its streams here; this process touches the pool only between requests.
-      options.on_pause = [&c](const std::vector<ByteRange>&) { ++c.pauses; };
-      options.on_resume = [](bool) {};
-    }
+    options.on_pause = [&c](const std::vector<ByteRange>&) { ++c.pauses; };
+    options.on_resume = [](bool) {};
     c.mapping.reset();
     c.pauses = 0;
     TakeMarks();
@@ -1061,8 +1061,9 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
     const int64_t event = NsOf(kv, "release.event"), unmapped = NsOf(kv, "release.unmapped"),
                   acking = NsOf(kv, "release.acknowledging");
     Line& l = GetLine("sleep", variant);
-    // The daemon's Sleep until the importer's follower has the release event (the daemon's own
-    // unmap/release runs on after it sends the event), the importer's unmap + release, from its
+    // The daemon's Sleep until the importer's follower has the release (its RESUME: the importer is
+    // pausable, so this includes its pause and acknowledgement; the daemon's own unmap/release runs on
+    // after it sends the event), the importer's unmap + release, from its
     // Acknowledge RPC's start to the Sleep's reply here (the daemon answers on the last
     // acknowledgement), then the wait for the free count.
     AddPhase(l.kvd_phases, "to_event", Between(t, event));

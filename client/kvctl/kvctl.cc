@@ -555,7 +555,7 @@ absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool
     return absl::InvalidArgumentError("give exactly one of --blocks and --bytes");
   }
   KVD_ASSIGN_OR_RETURN(uint64_t target, TargetBlocks(client, f, grow));
-  ShrinkOptions options{.wait = f.wait, .whole_chunks_only = f.whole_chunks};
+  ShrinkOptions options{.wait = f.wait, .whole_chunks_only = f.whole_chunks, .force = f.force};
   if (!grow) {
     if (f.live_given) {
       KVD_ASSIGN_OR_RETURN(options.live_blocks, LiveBlocks(f.live_blocks));
@@ -608,7 +608,11 @@ absl::Status CompactVerb(Client& client, const Flags& f, const Replies& replies)
 absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, bool sleep) {
   if (f.pool.empty() == !f.all) return absl::InvalidArgumentError("give exactly one of POOL and --all");
   Timer t;
-  absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, f.wait) : client.Wake(f.pool);
+  SleepOptions options{.wait = f.wait, .force = f.force};
+  if (sleep) {
+    KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
+  }
+  absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, options) : client.Wake(f.pool);
   KVD_RETURN_IF_ERROR(changes.status());
   const double ms = t.ms();
   if (f.json) return PrintReply<v1::PoolUpdates>(replies, {{"round_trip_ms", JsonMs(ms)}});
@@ -627,7 +631,8 @@ absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, b
 }
 
 absl::Status Delete(Client& client, const Flags& f, const Replies& replies) {
-  KVD_ASSIGN_OR_RETURN(uint64_t released, client.DeletePool(f.pool, f.force));
+  KVD_ASSIGN_OR_RETURN(PauseOptions pause, Pause(f));
+  KVD_ASSIGN_OR_RETURN(uint64_t released, client.DeletePool(f.pool, f.force, pause));
   if (f.json) return PrintReply<v1::DeletePoolResponse>(replies, {{"pool", JsonString(f.pool)}});
   std::printf("deleted %s, released %s\n", f.pool.c_str(), FormatBytes(released).c_str());
   return absl::OkStatus();
@@ -638,6 +643,7 @@ absl::Status Delete(Client& client, const Flags& f, const Replies& replies) {
 // daemon refuses to this uid (PERMISSION_DENIED) or that is gone meanwhile (NOT_FOUND) is skipped;
 // any other failure is reported and makes the exit status 1 once every pool was tried.
 absl::Status Drain(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(PauseOptions pause, Pause(f));
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
   uint64_t released = 0;
   size_t deleted = 0, skipped = 0, failed = 0;
@@ -645,7 +651,7 @@ absl::Status Drain(Client& client, const Flags& f, const Replies& replies) {
   absl::Status first_failure;
   for (size_t i = 0; i < pools.size(); ++i) {
     const PoolInfo& p = pools[i];
-    absl::StatusOr<uint64_t> r = client.DeletePool(p.name, /*force=*/true);
+    absl::StatusOr<uint64_t> r = client.DeletePool(p.name, /*force=*/true, pause);
     const std::string progress = absl::StrCat("(", i + 1, "/", pools.size(), ")");
     if (r.ok()) {
       ++deleted;
@@ -898,10 +904,10 @@ absl::Status GroupChangeVerb(Group& group, const Flags& f, Replies& replies, Gro
       change = group.Grow(target);
       break;
     case GroupOp::kShrink:
-      change = group.Shrink(target, f.wait);
+      change = group.Shrink(target, f.wait, f.force);
       break;
     case GroupOp::kSleep:
-      change = group.Sleep(f.wait);
+      change = group.Sleep(f.wait, f.force);
       break;
     case GroupOp::kWake:
       change = group.Wake();
@@ -1036,16 +1042,9 @@ int Main(int argc, char** argv) {
                    "takes (each paused client unmaps every replaced chunk; default: the daemon's "
                    "--compact-chunks-per-pause)")
       ->check(CLI::Range(1u, 1u << 20));
-  for (CLI::App* sub : {shrink, compact}) {
-    sub->add_option("--pause-timeout", f.pause_timeout,
-                    "How long each attached client has to acknowledge the pause, e.g. 5s (default: the daemon's "
-                    "--pause-timeout)");
-    sub->add_flag("--detach-unresponsive", f.detach_unresponsive,
-                  "Detach a client that does not acknowledge the pause in time and go on (default: fail with "
-                  "DEADLINE_EXCEEDED naming it, nothing changed)");
-  }
-
-  CLI::App* sleep = app.add_subcommand("sleep", "Release a pool's (or every pool's) memory, keeping its VA");
+  CLI::App* sleep = app.add_subcommand(
+      "sleep",
+      "Release a pool's (or every pool's) memory, keeping its VA; attached engines that are pausable pause first");
   CLI::App* wake = app.add_subcommand("wake", "Recommit a sleeping pool (or every sleeping pool)");
   for (CLI::App* sub : {sleep, wake}) {
     sub->add_option("pool", f.pool, "Pool name");
@@ -1055,11 +1054,29 @@ int Main(int argc, char** argv) {
 
   CLI::App* del = app.add_subcommand("delete", "Delete a pool");
   del->add_option("pool", f.pool, "Pool name")->required();
-  del->add_flag("--force", f.force, "Delete even with clients attached");
+  del->add_flag("--force", f.force,
+                "Delete even with clients attached: pausable engines pause first, the others keep what they map "
+                "(counted as pending release) until they detach");
   CLI::App* drain = app.add_subcommand(
       "drain",
       "Force-delete every pool this uid may change, giving the device's memory back (before a stop that should "
-      "not keep the pools); attached engines lose their mappings");
+      "not keep the pools); pausable engines pause first, the others keep what they map until they detach");
+  for (CLI::App* sub : {shrink, sleep}) {
+    sub->add_flag("--force", f.force,
+                  "Go on past attached engines of other sessions that are not pausable (default: refused naming "
+                  "them): they keep what they map, counted as pending release, until they detach; pausable ones "
+                  "that do not acknowledge the pause in time are detached");
+  }
+  for (CLI::App* sub : {shrink, compact, sleep, del, drain}) {
+    sub->add_option("--pause-timeout", f.pause_timeout,
+                    "How long each attached client has to acknowledge the pause, e.g. 5s (default: the daemon's "
+                    "--pause-timeout)");
+  }
+  for (CLI::App* sub : {shrink, compact, sleep}) {
+    sub->add_flag("--detach-unresponsive", f.detach_unresponsive,
+                  "Detach a client that does not acknowledge the pause in time and go on (default: fail with "
+                  "DEADLINE_EXCEEDED naming it, nothing changed)");
+  }
 
   CLI::App* grant = app.add_subcommand("grant", "Let clients on another device of the node attach a pool");
   CLI::App* revoke = app.add_subcommand("revoke", "Take a peer-access grant back (attached clients keep theirs)");
@@ -1108,6 +1125,9 @@ int Main(int argc, char** argv) {
   }
   for (CLI::App* sub : {group_shrink, group_sleep}) {
     sub->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+    sub->add_flag("--force", f.force,
+                  "Go on past attached engines of other sessions that are not pausable (default: refused naming "
+                  "them); they keep what they map, counted as pending release, until they detach");
   }
 
   CLI::App* layout = app.add_subcommand("layout", "Layout tools");

@@ -227,11 +227,11 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
       if (change.target_blocks > 0) return PublishLocked(std::move(change.staged), change.target_blocks, session);
       return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
     case GroupOp::kShrink:
-      return ReleaseLocked(plan_.geometry.PrefixBytes(change.target_blocks), released);
+      return ReleaseLocked(plan_.geometry.PrefixBytes(change.target_blocks), released, session, change.forced);
     case GroupOp::kSleep:
       wake_blocks_ = committed_blocks();
       state_ = PoolState::kSleeping;
-      return ReleaseLocked(0, released);
+      return ReleaseLocked(0, released, session, change.forced);
   }
   return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
 }
@@ -267,7 +267,8 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
   return update;
 }
 
-PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released) {
+PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session,
+                               bool forced) {
   PoolUpdate update;
   // Whole chunks only: a chunk that straddles the new prefix stays, and the prefix ends after it.
   std::vector<ChunkRecord> kept;
@@ -284,42 +285,84 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
   }
   chunks_.swap(kept);
   prefix_bytes_ = kept_prefix;
+  Release release;
   if (released->size() > first_released) {
     ++generation_;
-    Release release;
     for (size_t i = first_released; i < released->size(); ++i) {
       const ChunkInfo& info = (*released)[i].info;
       release.chunks.push_back(info);
       release.bytes += info.bytes;
       update.released_chunk_ids.push_back(info.id);
     }
-    const uint64_t id = next_release_id_++;
-    for (auto& [client_id, client] : clients_) {
-      const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
-      const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
-                                     [&](const ChunkInfo& c) { return handed.contains(c.id); });
-      if (!holds) continue;
-      release.waiting.insert(client_id);
-      PoolEvent e = EventLocked(EventType::kChunksReleased);
-      e.chunks = release.chunks;
-      e.release_id = id;
-      client.events->Push(std::move(e));
-    }
-    // A detached client still holding some of the chunks is waited for too; it has no stream to be told
-    // on, so its session's end (or an acknowledgement of an earlier release) settles it.
-    for (const auto& [holder_id, holder] : holders_) {
-      const std::map<uint64_t, uint64_t>& handed = holder.handed;
-      if (std::any_of(release.chunks.begin(), release.chunks.end(),
-                      [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
-        release.waiting.insert(holder_id);
-      }
-    }
-    releases_.emplace(id, std::move(release));
-    SettleReleasesLocked();
-    if (releases_.contains(id)) update.release_id = id;
   }
+  update.release_id = AnnounceReleaseLocked(std::move(release), session, forced);
   update.pool = ViewLocked(ViewClients::kCounted);
   return update;
+}
+
+uint64_t Pool::AnnounceReleaseLocked(Release release, absl::string_view session, bool forced) {
+  const uint64_t id = release.chunks.empty() ? 0 : next_release_id_++;
+  const std::optional<Pause> pause = std::move(pause_);
+  pause_.reset();
+  for (auto& [client_id, client] : clients_) {
+    const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
+    const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
+                                   [&](const ChunkInfo& c) { return handed.contains(c.id); });
+    if (holds) release.waiting.insert(client_id);
+    if (pause.has_value() && pause->asked.contains(client_id)) {
+      // Paused for this release: it unmaps the chunks and then resumes.
+      PoolEvent e = EventLocked(EventType::kResume);
+      e.pause_id = pause->id;
+      e.applied = true;
+      e.chunks = release.chunks;
+      e.release_id = holds ? id : 0;
+      client.events->Push(std::move(e));
+      continue;
+    }
+    if (!holds) continue;
+    PoolEvent e = EventLocked(EventType::kChunksReleased);
+    e.chunks = release.chunks;
+    e.release_id = id;
+    e.forced = forced && client.session != session;
+    client.events->Push(std::move(e));
+  }
+  // A detached client still holding some of the chunks is waited for too; it has no stream to be told
+  // on, so its session's end (or an acknowledgement of an earlier release) settles it.
+  for (const auto& [holder_id, holder] : holders_) {
+    const std::map<uint64_t, uint64_t>& handed = holder.handed;
+    if (std::any_of(release.chunks.begin(), release.chunks.end(),
+                    [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
+      release.waiting.insert(holder_id);
+    }
+  }
+  if (id == 0) return 0;
+  releases_.emplace(id, std::move(release));
+  SettleReleasesLocked();
+  return releases_.contains(id) ? id : 0;
+}
+
+Pool::Bystanders Pool::BystandersOf(absl::string_view session) const {
+  absl::MutexLock lock(&mu_);
+  Bystanders out;
+  for (const auto& [id, c] : clients_) {
+    if (!session.empty() && c.session == session) continue;
+    if (c.pausable) {
+      out.pausable.insert(id);
+    } else {
+      out.unpausable.push_back({.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid, .pausable = false});
+    }
+  }
+  return out;
+}
+
+std::vector<ChunkInfo> Pool::Leaving(uint64_t prefix_bytes) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkInfo> out;
+  for (const ChunkRecord& r : chunks_) {
+    if (missing_.contains(r.info.id)) continue;
+    if (r.info.offset - plan_.geometry.SegmentOffset(r.info.segment) >= prefix_bytes) out.push_back(r.info);
+  }
+  return out;
 }
 
 size_t Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
@@ -427,9 +470,10 @@ absl::Status Pool::CheckPausable(absl::string_view what) const {
   return absl::OkStatus();
 }
 
-size_t Pool::BeginPause(const std::vector<ChunkRecord>& added) {
+size_t Pool::BeginPause(const std::vector<ChunkRecord>& added, const std::set<std::string>* only,
+                        std::vector<ByteRange> ranges) {
   absl::MutexLock lock(&mu_);
-  Pause pause{.id = next_pause_id_++};
+  Pause pause{.id = next_pause_id_++, .ranges = std::move(ranges)};
   std::vector<uint64_t> ids;
   for (const ChunkRecord& r : added) {
     pause.added.push_back(r.info);
@@ -437,10 +481,12 @@ size_t Pool::BeginPause(const std::vector<ChunkRecord>& added) {
     ids.push_back(r.info.id);
   }
   for (auto& [id, client] : clients_) {
+    if (only != nullptr && !only->contains(id)) continue;
     PoolEvent e = EventLocked(EventType::kPause);
     e.pause_id = pause.id;
     e.chunks = pause.added;
-    e.lease = shared_.leases->Issue(name_, client.session, id, ids);
+    e.ranges = pause.ranges;
+    if (!ids.empty()) e.lease = shared_.leases->Issue(name_, client.session, id, ids);
     for (const ChunkInfo& c : pause.added) client.handed[c.id] = c.bytes;
     client.events->Push(std::move(e));
     pause.asked.insert(id);
@@ -983,8 +1029,11 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
   return out;
 }
 
-std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held) {
+std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held,
+                                       absl::string_view session, bool forced) {
   absl::MutexLock lock(&mu_);
+  const std::set<std::string> paused = pause_.has_value() ? pause_->asked : std::set<std::string>{};
+  pause_.reset();
   deleted_ = true;
   uint64_t bytes = committed_bytes() + PendingBytesLocked();
   if (held != nullptr) {
@@ -1012,7 +1061,9 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
   }
   std::vector<std::string> ids;
   for (auto& [id, client] : clients_) {
-    client.events->Push(EventLocked(why));
+    PoolEvent e = EventLocked(why);
+    e.forced = forced && client.session != session && !paused.contains(id);
+    client.events->Push(std::move(e));
     client.events->Close();
     ids.push_back(id);
   }
@@ -1101,20 +1152,27 @@ std::vector<ChunkInfo> Pool::GiveUpRecovery(std::vector<ChunkRecord>* present) {
   absl::MutexLock lock(&mu_);
   std::vector<ChunkInfo> lost;
   if (state_ != PoolState::kRecovering) return lost;
+  Release release;
+  uint64_t lost_bytes = 0;
   for (ChunkRecord& r : chunks_) {
     if (missing_.contains(r.info.id)) {
       lost.push_back(r.info);
+      lost_bytes += r.info.bytes;
     } else {
+      release.chunks.push_back(r.info);
+      release.bytes += r.info.bytes;
       present->push_back(std::move(r));
     }
   }
-  shared_.budget->Give(committed_bytes());
+  // The present chunks' bytes stay counted until the clients that map them let go (a release).
+  shared_.budget->Give(lost_bytes);
   wake_blocks_ = resume_state_ == PoolState::kSleeping ? wake_blocks_ : committed_blocks();
   chunks_.clear();
   missing_.clear();
   prefix_bytes_ = 0;
   state_ = PoolState::kSleeping;
   ++generation_;
+  AnnounceReleaseLocked(std::move(release), /*session=*/{}, /*forced=*/true);
   return lost;
 }
 

@@ -65,6 +65,8 @@ struct Change {
   GroupOp op = GroupOp::kGrow;
   uint64_t target_blocks = 0;  // grow and shrink: as asked; wake: the blocks it recommits; sleep: 0
   Staged staged;               // grow and wake
+  // Shrink and sleep: forced past the clients that are not pausable (Note [Releases pause first]).
+  bool forced = false;
 };
 
 // A prepared group resize holding its pool until Commit, Abort, its session's end or its ttl.
@@ -160,8 +162,10 @@ class Pool {
   std::vector<uint64_t> Adopt(std::vector<ChunkRecord> adopted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The recovery grace passed with chunks still missing: those are lost. The chunks present go to
-  // `*present` for the caller to unmap and release, every committed byte leaves the budget, and the pool
-  // sleeps with wake_blocks = the blocks it had. Returns the lost chunks.
+  // `*present` for the caller to unmap and release, and to the clients that map them as a release (a
+  // RESUME to those a pause holds, a forced CHUNKS_RELEASED to the others), counted until they let go; the
+  // lost bytes leave the budget, and the pool sleeps with wake_blocks = the blocks it had. Returns the
+  // lost chunks.
   std::vector<ChunkInfo> GiveUpRecovery(std::vector<ChunkRecord>* present) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The recovery grace passed: bytes released before the restart stop counting. Returns them.
@@ -194,10 +198,23 @@ class Pool {
   // Makes a checked (and staged) change visible. Grow and wake publish the staged chunks: ids, the
   // prefix, the generation, a lease in the reply for `session`'s client and CHUNKS_ADDED for the
   // others. Shrink and sleep take every chunk at or past the new prefix out of the table and ask the
-  // clients that hold them to unmap; the caller unmaps and releases the daemon's references to
-  // `*released` (no lock but op_mu held).
+  // clients that hold them to unmap (a RESUME to those a pause holds, CHUNKS_RELEASED to the others,
+  // forced past those of other sessions when change.forced); the caller unmaps and releases the daemon's
+  // references to `*released` (no lock but op_mu held).
   PoolUpdate Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // --- Releases: Note [Releases pause first] in docs/architecture.md ---
+
+  // The attached clients a release asked by `session` takes memory from: every client of another
+  // session (the daemon's own releases pass an empty session), pausable or not.
+  struct Bystanders {
+    std::set<std::string> pausable;
+    std::vector<ClientView> unpausable;
+  };
+  Bystanders BystandersOf(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The chunks a release to `prefix_bytes` takes out of the table (whole chunks at or past it; 0: all).
+  std::vector<ChunkInfo> Leaving(uint64_t prefix_bytes) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Waits (holding no lock of the caller's) until release `release_id` completed or `deadline` passed.
   // Returns the clients still waited for.
   size_t AwaitRelease(uint64_t release_id, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
@@ -221,11 +238,13 @@ class Pool {
   // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
   // needed the pause.
   [[nodiscard]] absl::Status CheckPausable(absl::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Asks every attached client to pause: a PAUSE event with `added` (made and exported, not yet in the
-  // table; their FDs, borrowed from the caller until CancelPause or ApplyReshape, are leased to each
-  // client) and the ranges they cover. Returns how many clients were asked (0: nobody to wait for).
-  size_t BeginPause(const std::vector<ChunkRecord>& added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Asks every attached client (or only those in `only`) to pause: a PAUSE event with `added` (made and
+  // exported, not yet in the table; their FDs, borrowed from the caller until CancelPause or ApplyReshape,
+  // are leased to each client) and the ranges they cover, or `ranges` when given (a release: nothing is
+  // added, the bytes go away). Returns how many clients were asked (0: nobody to wait for). A release's
+  // pause ends in Apply (or Destroy, GiveUpRecovery), which sends the asked clients their RESUME.
+  size_t BeginPause(const std::vector<ChunkRecord>& added, const std::set<std::string>* only = nullptr,
+                    std::vector<ByteRange> ranges = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until every client asked acknowledged the pause (or detached), or `deadline`.
   struct PauseOutcome {
     std::vector<ClientView> late;  // attached, asked, and not acknowledged
@@ -331,7 +350,8 @@ class Pool {
   [[nodiscard]] absl::Status CheckChunksLive(absl::string_view client_id, const std::vector<uint64_t>& chunk_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Marks the pool deleted, tells every client `why` and closes its stream, gives every byte back to
+  // Marks the pool deleted, tells every client `why` (forced past those of sessions other than `session`
+  // that no pause holds, when `forced`) and closes its stream, gives every byte back to
   // the budget and hands the daemon's chunks (the table's and a held transaction's) to the caller to
   // unmap and release. Returns the ids of the clients it detached and of the detached holders.
   // With `held`, the bytes of every chunk some client fetched stay in the budget and are described there
@@ -341,7 +361,8 @@ class Pool {
     uint64_t bytes = 0;
     std::map<std::string, std::string> clients;  // client id -> its session
   };
-  std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held = nullptr)
+  std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held = nullptr,
+                                   absl::string_view session = {}, bool forced = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -367,6 +388,7 @@ class Pool {
     std::set<std::string> asked;
     std::set<std::string> waiting;
     std::set<std::string> acknowledged;
+    std::vector<ByteRange> ranges;  // a release's: the bytes going away
   };
   // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
   // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.
@@ -392,7 +414,13 @@ class Pool {
   absl::Status CheckNotHeldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolUpdate PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released)
+  // Takes the chunks at or past `prefix_bytes` out of the table (every chunk for `all`, a prefix of 0)
+  // into `*released` and tells the clients that hold them (see Apply).
+  PoolUpdate ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session,
+                           bool forced) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the clients holding some of `release.chunks` and waits for them (a RESUME, applied, to those the
+  // pause asked, which ends it; CHUNKS_RELEASED to the others); returns the release's id, 0 if none waits.
+  uint64_t AnnounceReleaseLocked(Release release, absl::string_view session, bool forced)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With `keep_holding`, a client that fetched FDs of chunks it was handed stays a Holder of those
   // until it acknowledges or its session ends; without (its session ended), everything it owed is

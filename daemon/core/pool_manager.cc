@@ -385,6 +385,7 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
 }
 
 void PoolManager::Unstage(Pool& pool, Staged& staged) {
+  pool.CancelPause();  // a prepared shrink's or sleep's pause, called off
   for (ChunkRecord& r : staged.chunks) {
     if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
@@ -472,7 +473,7 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
   }
   pool->set_base(*base);
   if (spec.initial_blocks > 0) {
-    absl::StatusOr<Change> change = PrepareLocked(*pool, GroupOp::kGrow, spec.initial_blocks);
+    absl::StatusOr<Change> change = PrepareLocked(*pool, GroupOp::kGrow, spec.initial_blocks, caller.session, {});
     if (!change.ok()) {
       device_->Free(*base, pool->geometry().reserved_bytes()).IgnoreError();
       return forget(change.status());
@@ -518,20 +519,61 @@ PoolPage PoolManager::ListPools(const Caller& caller, absl::string_view after, s
   return out;
 }
 
-absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::string_view name, bool force) {
+absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::string_view name, bool force,
+                                                 PauseOptions pause) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_RETURN_IF_ERROR(pool->CheckDeletable(force));
+  if (force) {
+    KVD_RETURN_IF_ERROR(QuiesceLocked(*pool, caller.session, "deleting", pool->Leaving(0),
+                                      ReleaseOptions{.force = true, .pause = pause}));
+  }
   const uint64_t bytes = pool->View(ViewClients::kCounted).committed_bytes;
   {
     absl::MutexLock lock(&mu_);
     ErasePoolLocked(*pool);
   }
-  Destroy(*pool, EventType::kPoolDeleted);
+  Destroy(*pool, EventType::kPoolDeleted, caller.session);
   return bytes;
 }
 
-void PoolManager::Destroy(Pool& pool, EventType why) {
+absl::Status PoolManager::QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
+                                        const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options) {
+  if (leaving.empty()) return absl::OkStatus();
+  Pool::Bystanders bystanders = pool.BystandersOf(session);
+  if (!bystanders.unpausable.empty() && !options.force) {
+    const ClientView& c = bystanders.unpausable.front();
+    const size_t more = bystanders.unpausable.size() - 1;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool ", pool.name(), ": ", what, " takes memory that client ", c.id, " (\"", c.name, "\", pid ", c.pid, ")",
+        more > 0 ? absl::StrCat(" and ", more, " more") : "",
+        " maps, which is not pausable (AttachRequest.pausable) and would fault if it touched it: detach it, attach "
+        "it pausable, or force the release (its memory then stays mapped, and counted, until it detaches)"));
+  }
+  if (bystanders.pausable.empty()) return absl::OkStatus();
+  const absl::Duration timeout =
+      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
+  if (pool.BeginPause({}, &bystanders.pausable, MergeChunkRanges(leaving)) == 0) return absl::OkStatus();
+  const Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
+  if (!outcome.late.empty() && !options.force && !options.pause.detach_unresponsive) {
+    pool.CancelPause();
+    const ClientView& c = outcome.late.front();
+    return absl::DeadlineExceededError(absl::StrCat(
+        "pool ", pool.name(), ": ", what, " paused its clients, but client ", c.id, " (\"", c.name, "\", pid ", c.pid,
+        ")", outcome.late.size() > 1 ? absl::StrCat(" and ", outcome.late.size() - 1, " more") : "",
+        " did not acknowledge the pause within ", absl::FormatDuration(timeout),
+        "; nothing changed (PauseOptions.detach_unresponsive, or force, detaches such clients instead)"));
+  }
+  for (const ClientView& c : outcome.late) {
+    pool.DetachUnresponsive(c.id);
+    if (!pool.IsHolder(c.id)) ForgetClients({c.id});
+    Warn(absl::StrCat("pool ", pool.name(), ": ", what, ": detached client ", c.id, " (pid ", c.pid,
+                      ") for not acknowledging a pause within ", absl::FormatDuration(timeout)));
+  }
+  return absl::OkStatus();
+}
+
+void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) {
   if (const std::string held = pool.View(ViewClients::kCounted).transaction; !held.empty()) {
     transactions_.Remove(held, why == EventType::kPoolDeleted ? "its pool was deleted" : "kvd is shutting down");
   }
@@ -540,7 +582,7 @@ void PoolManager::Destroy(Pool& pool, EventType why) {
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
-  ForgetClients(pool.Destroy(why, &chunks, deleted ? &held : nullptr));
+  ForgetClients(pool.Destroy(why, &chunks, deleted ? &held : nullptr, session, /*forced=*/deleted));
   if (deleted && held.bytes > 0) {
     absl::MutexLock lock(&mu_);
     orphaned_.push_back({.pool = pool.name(), .held = std::move(held)});
@@ -607,10 +649,18 @@ absl::Status PoolManager::AcknowledgePause(const Caller& caller, absl::string_vi
 // ---------------------------------------------------------------------------------------------
 // The resize state machine: grow, shrink, sleep, wake, plain or in two phases
 
-absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks) {
+absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
+                                                  absl::string_view session, const ReleaseOptions& release) {
   KVD_ASSIGN_OR_RETURN(Change change, pool.Check(op, target_blocks));
   if ((op == GroupOp::kGrow || op == GroupOp::kWake) && change.target_blocks > 0) {
     KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks));
+  }
+  if (op == GroupOp::kShrink || op == GroupOp::kSleep) {
+    const uint64_t prefix = op == GroupOp::kSleep ? 0 : pool.geometry().PrefixBytes(target_blocks);
+    KVD_RETURN_IF_ERROR(QuiesceLocked(
+        pool, session, op == GroupOp::kSleep ? "sleeping" : absl::StrCat("shrinking to ", target_blocks, " blocks"),
+        pool.Leaving(prefix), release));
+    change.forced = release.force;
   }
   return change;
 }
@@ -640,12 +690,13 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
-                                               uint64_t target_blocks, bool wait, absl::Time deadline) {
+                                               uint64_t target_blocks, bool wait, absl::Time deadline,
+                                               const ReleaseOptions& release) {
   PoolUpdate update;
   {
     absl::MutexLock lock(&pool->op_mu);
     const absl::Time start = absl::Now();
-    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks));
+    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release));
     update = CommitLocked(*pool, std::move(change), caller.session, start);
   }
   if (wait && update.release_id != 0) {
@@ -669,11 +720,11 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
 }
 
 absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller, absl::string_view name, bool wait,
-                                                           absl::Time deadline) {
+                                                           absl::Time deadline, const ReleaseOptions& release) {
   std::vector<PoolUpdate> updates;
   if (!name.empty()) {
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline, release));
     updates.push_back(std::move(update));
     return updates;
   }
@@ -682,9 +733,11 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller,
   std::vector<std::shared_ptr<Pool>> slept;
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     if (!pool->Allows(caller.uid) || pool->state() != PoolState::kAwake) continue;
-    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline);
+    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline, release);
     if (!update.ok()) {
-      if (absl::IsNotFound(update.status()) || absl::IsFailedPrecondition(update.status())) continue;
+      // Gone or asleep meanwhile: skipped. Any other refusal (a client that is not pausable) stops here, the
+      // pools before it asleep.
+      if (absl::IsNotFound(update.status()) || pool->deleted() || pool->state() != PoolState::kAwake) continue;
       return update.status();
     }
     updates.push_back(*std::move(update));
@@ -741,7 +794,9 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
     if (!plan.moves_bytes()) {
       // Whole chunks go and nothing moves: the plain resize, which needs no pause.
-      KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, GroupOp::kShrink, target_blocks));
+      KVD_ASSIGN_OR_RETURN(Change change,
+                           PrepareLocked(*pool, GroupOp::kShrink, target_blocks, caller.session,
+                                         ReleaseOptions{.force = options.force, .pause = options.pause}));
       update = CommitLocked(*pool, std::move(change), caller.session, start);
     } else {
       KVD_ASSIGN_OR_RETURN(
@@ -1135,7 +1190,7 @@ void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time pause
 // Engine groups: the same state machine, split at the RPC boundary
 
 absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::string_view name, GroupOp op,
-                                                uint64_t target_blocks, absl::Duration ttl) {
+                                                uint64_t target_blocks, absl::Duration ttl, bool force) {
   const absl::Time start = absl::Now();
   if ((op == GroupOp::kSleep || op == GroupOp::kWake) && target_blocks != 0) {
     return absl::InvalidArgumentError(
@@ -1143,7 +1198,9 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op_lock(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks));
+  // A shrink or sleep pauses the pausable clients of other sessions until the commit or abort.
+  KVD_ASSIGN_OR_RETURN(Change change,
+                       PrepareLocked(*pool, op, target_blocks, caller.session, ReleaseOptions{.force = force}));
   const uint64_t prepared_bytes = change.staged.bytes;
   Transaction txn{.id = RandomToken("t-"),
                   .session = caller.session,
@@ -1530,6 +1587,14 @@ void PoolManager::ExpireRecovery(absl::Time deadline) {
   }
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     absl::MutexLock op(&pool->op_mu);
+    if (pool->state() != PoolState::kRecovering) {
+      pool->ForgetRestartPending();
+      continue;
+    }
+    // The clients that gave chunks back map them: the pausable ones pause before the pool sleeps, the
+    // others are forced past (Note [Releases pause first]).
+    QuiesceLocked(*pool, /*session=*/{}, "the recovery grace's end", pool->Leaving(0), ReleaseOptions{.force = true})
+        .IgnoreError();
     std::vector<ChunkRecord> present;
     const std::vector<ChunkInfo> lost = pool->GiveUpRecovery(&present);
     for (const ChunkInfo& c : lost) {

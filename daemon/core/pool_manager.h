@@ -116,6 +116,14 @@ struct ManagerOptions {
   Limits limits;
 };
 
+// How a release treats the attached clients of other sessions (Note [Releases pause first] in
+// docs/architecture.md): pausable ones are paused first (within `pause`); one that is not pausable makes
+// the release FAILED_PRECONDITION naming it unless `force`, which also detaches a pausable client that
+// does not acknowledge in time (as pause.detach_unresponsive does).
+struct ReleaseOptions {
+  bool force = false;
+  PauseOptions pause;
+};
 // One page of ListPools: pools by name, after the page before.
 struct PoolPage {
   std::vector<PoolView> pools;
@@ -174,8 +182,10 @@ class PoolManager {
   };
   // Replaces the observers before (empty: none) and returns once no call to those runs.
   void Observe(Observers observers) ABSL_LOCKS_EXCLUDED(observer_mu_);
-  // FAILED_PRECONDITION while clients are attached unless `force`. Returns the bytes released.
-  [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(const Caller& caller, absl::string_view name, bool force);
+  // FAILED_PRECONDITION while clients are attached unless `force`; forced, the clients of other sessions
+  // are released as ReleaseOptions{.force = true} says. Returns the bytes released.
+  [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(const Caller& caller, absl::string_view name, bool force,
+                                                    PauseOptions pause = {});
 
   // `device_uuid`: the device the client maps from; empty or the daemon's own device needs no grant,
   // any other must be granted by the pool (PERMISSION_DENIED naming both devices otherwise).
@@ -205,6 +215,7 @@ class PoolManager {
     bool whole_chunks_only = false;
     std::optional<std::vector<uint64_t>> live;
     PauseOptions pause;
+    bool force = false;  // a release of whole chunks only (ReleaseOptions)
   };
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
@@ -222,13 +233,15 @@ class PoolManager {
                                                    const CompactOptions& options);
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
-                                                              absl::Time deadline);
+                                                              absl::Time deadline, const ReleaseOptions& release = {});
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool);
 
   // Two-phase resizes for engine groups (see the top of this file). `target_blocks` is for kGrow and
   // kShrink and must be 0 otherwise; `ttl` is how long the pool stays held before the daemon aborts.
+  // A shrink or sleep quiesces the clients of other sessions first (ReleaseOptions, with `force`), and the
+  // pausable ones stay paused until the Commit or Abort.
   [[nodiscard]] absl::StatusOr<PreparedOp> Prepare(const Caller& caller, absl::string_view pool, GroupOp op,
-                                                   uint64_t target_blocks, absl::Duration ttl);
+                                                   uint64_t target_blocks, absl::Duration ttl, bool force = false);
   // Only the preparing session may commit or abort. NOT_FOUND (with the reason when the daemon aborted
   // it) for a transaction that is unknown or ended; ABORTED when its ttl passed. `wait` and `deadline`
   // are Shrink's, for shrink and sleep.
@@ -325,13 +338,23 @@ class PoolManager {
 
   // The resize state machine, op_mu held: Check, Stage (grow and wake), Apply, then the daemon's
   // references to released chunks go. Prepare and Commit split it at Stage.
-  [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks)
+  // A shrink or sleep first quiesces the clients of sessions other than `session` (QuiesceLocked).
+  [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
+                                                     absl::string_view session, const ReleaseOptions& release)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   PoolUpdate CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // A plain resize: PrepareLocked and CommitLocked under one hold of op_mu, then the wait.
   [[nodiscard]] absl::StatusOr<PoolUpdate> Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
-                                                  uint64_t target_blocks, bool wait, absl::Time deadline);
+                                                  uint64_t target_blocks, bool wait, absl::Time deadline,
+                                                  const ReleaseOptions& release = {});
+  // Before a release of `leaving` asked by `session` (empty: the daemon's own): refuses for a client of
+  // another session that is not pausable unless forced, then pauses the pausable ones and waits for their
+  // acknowledgements; the pause stays for Pool::Apply, Destroy or GiveUpRecovery to end (or Unstage to
+  // call off). On failure nothing changed and no pause is left. `what` names the release in errors.
+  [[nodiscard]] absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
+                                           const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
 
   // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
   // in the daemon and exported, but not in the table. On failure nothing is left.
@@ -392,7 +415,8 @@ class PoolManager {
   void ReapExpired();
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
   // kDaemonRestarting keeps its record and FDs in the store; anything else forgets them.
-  void Destroy(Pool& pool, EventType why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // A delete is forced past the clients of sessions other than `session` that no pause holds.
+  void Destroy(Pool& pool, EventType why, absl::string_view session = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // OK to go on with a sliced operation after `done` of `total` entries; else why not (see ZeroBlocks).
   [[nodiscard]] absl::Status CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
                                             size_t total) const ABSL_LOCKS_EXCLUDED(mu_);

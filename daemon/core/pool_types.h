@@ -185,6 +185,15 @@ enum class EventType {
   kResume
 };
 
+// One contiguous byte range of a pool, from its base address.
+struct ByteRange {
+  uint64_t segment = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+
+  bool operator==(const ByteRange&) const = default;
+};
+
 struct PoolEvent {
   uint64_t sequence = 0;
   std::string pool;
@@ -196,6 +205,11 @@ struct PoolEvent {
   PoolState state = PoolState::kAwake;
   uint64_t pause_id = 0;  // kPause and kResume
   bool applied = false;   // kResume
+  // kPause of a release (no new chunks): the bytes going away; empty: the ranges of `chunks`.
+  std::vector<ByteRange> ranges;
+  // kChunksReleased and kPoolDeleted: forced past this client, which is not pausable and did not ask for
+  // it (Note [Releases pause first] in docs/architecture.md).
+  bool forced = false;
 };
 
 struct DeviceStatus {

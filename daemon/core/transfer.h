@@ -56,15 +56,6 @@ struct TransferPlan {
   uint64_t generation = 0;
 };
 
-// One contiguous byte range of a pool, from its base address.
-struct ByteRange {
-  uint64_t segment = 0;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-
-  bool operator==(const ByteRange&) const = default;
-};
-
 // `chunks` (any order) as the fewest contiguous ranges: chunks of one segment that touch merge. What an
 // event tells a connector to register (added) or deregister (released).
 std::vector<ByteRange> MergeChunkRanges(std::vector<ChunkInfo> chunks);

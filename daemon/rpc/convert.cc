@@ -341,9 +341,12 @@ v1::PoolEvent ToProto(const PoolEvent& event) {
   p.set_release_id(event.release_id);
   p.set_committed_blocks(event.committed_blocks);
   p.set_state(ToProto(event.state));
-  for (const ByteRange& r : MergeChunkRanges(event.chunks)) *p.add_ranges() = ToProto(r);
+  for (const ByteRange& r : event.ranges.empty() ? MergeChunkRanges(event.chunks) : event.ranges) {
+    *p.add_ranges() = ToProto(r);
+  }
   p.set_pause_id(event.pause_id);
   p.set_applied(event.applied);
+  p.set_forced(event.forced);
   return p;
 }
 

@@ -326,7 +326,8 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
   absl::Status status = Guarded("DeletePool", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
-    KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->DeletePool(caller, request->name(), request->force()));
+    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+    KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->DeletePool(caller, request->name(), request->force(), pause));
     response->set_released_bytes(released);
     spdlog::info("deleted pool {}{}: {} released", request->name(), request->force() ? " (forced)" : "",
                  FormatBytes(released));
@@ -391,7 +392,8 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
     PoolManager::ShrinkOptions options{.wait = request->wait_for_release(),
                                        .deadline = ReleaseDeadline(*context),
                                        .whole_chunks_only = request->whole_chunks_only(),
-                                       .pause = pause};
+                                       .pause = pause,
+                                       .force = request->force()};
     if (request->has_live()) {
       options.live.emplace(request->live().blocks().begin(), request->live().blocks().end());
     }
@@ -444,9 +446,11 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
       case v1::SleepRequest::TARGET_NOT_SET:
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
     }
+    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
                          Timed<absl::StatusOr<std::vector<PoolUpdate>>>(options_.metrics, Operation::kSleep, [&] {
-                           return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context));
+                           return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context),
+                                                  {.force = request->force(), .pause = pause});
                          }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
@@ -619,8 +623,8 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
     }
     const absl::Duration ttl =
         absl::Milliseconds(request->ttl_ms() == 0 ? kDefaultTransactionTtlMs : request->ttl_ms());
-    KVD_ASSIGN_OR_RETURN(PreparedOp prepared,
-                         manager_->Prepare(caller, request->pool(), op, request->target_blocks(), ttl));
+    KVD_ASSIGN_OR_RETURN(PreparedOp prepared, manager_->Prepare(caller, request->pool(), op, request->target_blocks(),
+                                                                ttl, request->force()));
     response->set_transaction(prepared.transaction);
     *response->mutable_pool() = ToProto(prepared.pool);
     response->set_prepared_bytes(prepared.prepared_bytes);

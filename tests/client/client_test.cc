@@ -339,7 +339,9 @@ TEST_F(ClientTest, ShrinkWaitsForTheFollowersAcknowledgements) {
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
   Events ea, eb;
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+  // Pausable: another session's shrink pauses it first (docs/api.md, "Releases and running engines").
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                           connector->Attach("kv", eb.Options("connector", /*pausable=*/true)));
   ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());
   ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
 
@@ -363,7 +365,8 @@ TEST_F(ClientTest, SleepAndWake) {
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
   Events ea, eb;
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine")));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                           connector->Attach("kv", eb.Options("connector", /*pausable=*/true)));
   *At(a->layer(0), 3, 0, 0, 0) = 0x77;
 
   KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolChange> slept, engine->Sleep("kv", /*wait=*/true));
@@ -403,8 +406,42 @@ TEST_F(ClientTest, DeleteWithForceLosesTheMapping) {
   EXPECT_EQ(released, uint64_t{4} << 20);
   ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
   EXPECT_EQ(b->state(), Mapping::State::kLost);
+  {
+    absl::MutexLock lock(&eb.mu);
+    EXPECT_THAT(eb.why, StatusIs(absl::StatusCode::kNotFound, HasSubstr("deleted by force")));
+  }
+  // Not pausable: the forced delete leaves it its chunks (its engine may still be reading them), counted
+  // until it is destroyed.
+  EXPECT_EQ(b->chunks().size(), 2u);
+  *At(b->layer(0), 3, 0, 0, 0) = 0x42;
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus held, engine->DeviceInfo());
+  EXPECT_EQ(held.committed_bytes, uint64_t{4} << 20);
+  b.reset();
+  absl::StatusOr<DeviceStatus> d;
+  for (int i = 0; i < 200; ++i) {
+    d = engine->DeviceInfo();
+    if (!d.ok() || d->committed_bytes == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_THAT(d.status(), IsOk());
+  EXPECT_EQ(d->committed_bytes, 0u);
+}
+
+TEST_F(ClientTest, DeleteWithForcePausesAPausableMappingFirstAndItUnmaps) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  Events eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                           connector->Attach("kv", eb.Options("connector", /*pausable=*/true)));
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t released, engine->DeletePool("kv", /*force=*/true));
+  EXPECT_EQ(released, uint64_t{4} << 20);
+  ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
+  EXPECT_EQ(b->state(), Mapping::State::kLost);
   EXPECT_TRUE(b->chunks().empty());
   absl::MutexLock lock(&eb.mu);
+  EXPECT_EQ(eb.pauses, 1);  // paused before anything went away, and never resumed
+  EXPECT_EQ(eb.resumes, 0);
   EXPECT_THAT(eb.why, StatusIs(absl::StatusCode::kNotFound, HasSubstr("deleted")));
 }
 
@@ -488,7 +525,8 @@ TEST_F(ClientTest, MappingsLeaveNoFileDescriptorsBehind) {
   for (int round = 0; round < 3; ++round) {
     Events eb;
     KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
-    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector")));
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                             connector->Attach("kv", eb.Options("connector", /*pausable=*/true)));
     ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());
     ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));
     ASSERT_THAT(engine->Shrink("kv", 512, /*wait=*/true).status(), IsOk());
@@ -510,8 +548,10 @@ TEST_F(ClientTest, ConcurrentResizesKeepMappingsInStep) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv"));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv"));
+  // Each Mapping is paused for the other Client's shrinks (docs/api.md, "Releases and running engines").
+  Events ea, eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", eb.Options("connector", true)));
   auto resize = [](Client* c, uint64_t big) {
     for (int i = 0; i < 10; ++i) {
       // Either client may find the pool already at (or past) the size it asks for: INVALID_ARGUMENT.

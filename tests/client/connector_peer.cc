@@ -129,6 +129,9 @@ int main(int argc, char** argv) {
       Say("added " + std::to_string(r.segment) + " " + std::to_string(r.offset) + " " + std::to_string(r.bytes));
     }
   };
+  // Pausable: the engine's shrinks and sleeps pause it first (docs/api.md, "Releases and running engines").
+  // A connector's pause is its deregistration: on_ranges_released runs just before on_pause.
+  options.on_pause = [](const std::vector<kvd::ByteRange>&) {};
   options.on_ranges_released = [](const std::vector<kvd::ByteRange>& ranges) {
     absl::MutexLock lock(&mu);
     for (const kvd::ByteRange& r : ranges) {

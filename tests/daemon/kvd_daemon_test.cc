@@ -921,6 +921,7 @@ class KvdDaemonTest : public ::testing::Test {
       request.set_pool(pool);
       request.set_target_blocks(blocks);
       request.set_wait_for_release(true);
+      request.set_force(true);  // past the test's clients, which are not pausable: they get CHUNKS_RELEASED
       v1::PoolUpdate response;
       grpc::Status s = stub().Shrink(Ctx(admin()).get(), request, &response);
       return std::make_pair(s, response);
@@ -1208,6 +1209,7 @@ TEST_F(KvdDaemonTest, SleepReleasesEverythingAndWakeRecommitsForEveryClient) {
     v1::SleepRequest request;
     request.set_pool("kv");
     request.set_wait_for_release(true);
+    request.set_force(true);  // past the clients, which are not pausable (docs/api.md, "Releases and running engines")
     v1::PoolUpdates response;
     grpc::Status s = stub().Sleep(Ctx(admin()).get(), request, &response);
     return std::make_pair(s, response);
@@ -1746,6 +1748,7 @@ TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrIts
     v1::ShrinkRequest request;
     request.set_pool("kv");
     request.set_target_blocks(blocks);
+    request.set_force(true);  // past the detached clients' session's other clients
     v1::PoolUpdate response;
     return stub().Shrink(Ctx(admin()).get(), request, &response);
   };

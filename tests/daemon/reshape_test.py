@@ -277,7 +277,8 @@ class ReshapeTest(KvdDaemonCase):
         self.assert_follows(engines, u.pool)
         self.assert_intact(engines, kept(u.pool.committed_blocks))
         for e in engines:
-            self.assertEqual(e("state")["resumed"], [True, True], e.name)
+            # The sleep paused them too (docs/api.md, "Releases and running engines"), then the two shrinks.
+            self.assertEqual(e("state")["resumed"], [True, True, True], e.name)
 
     def test_shrink_with_no_client_attached_copies_without_a_pause(self):
         self.create(256)
@@ -508,19 +509,28 @@ class ReshapeTest(KvdDaemonCase):
             self.assertIn(plain.client_id, e.exception.message)
             self.assertEqual(table(self.c.pool("kv")), table(before))
 
+        # Whole chunks from another session: the plain engine refuses that too, unless forced (docs/api.md,
+        # "Releases and running engines"); nothing changed.
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.shrink("kv", 100, whole_chunks_only=True)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION", e.exception)
+        self.assertIn(plain.client_id, e.exception.message)
+        self.assertEqual(table(self.c.pool("kv")), table(before))
+        self.assertEqual(pausable("state")["pauses"], 0)
+        plain.close()  # the plain engine lets go; the pausable one is paused for what follows
+
         u = self.c.shrink("kv", 100, whole_chunks_only=True)  # releases what lies past 128 only
         self.assertFalse(u.reshape.target_reached)
         self.assertEqual(u.pool.committed_blocks, 128)
         self.assertEqual(u.pool.committed_bytes, self.prefix_bytes(128))
-        self.assert_follows([plain, pausable], u.pool)
-        self.assert_intact([plain, pausable], kept(128))
+        self.assert_follows([pausable], u.pool)
+        self.assert_intact([pausable], kept(128))
 
-        u = self.c.shrink("kv", 64)  # on a chunk boundary: nothing to replace, nothing pauses
+        u = self.c.shrink("kv", 64)  # on a chunk boundary: nothing to replace; the whole chunks go paused
         self.assert_exact(u, 64)
-        self.assertEqual(u.reshape.paused_clients, 0)
-        self.assert_follows([plain, pausable], u.pool)
-        self.assert_intact([plain, pausable], kept(64))
-        self.assertEqual(pausable("state")["pauses"], 0)
+        self.assert_follows([pausable], u.pool)
+        self.assert_intact([pausable], kept(64))
+        self.assertEqual(pausable("state")["pauses"], 2)
 
     def test_pause_timeout_is_checked(self):
         self.create(256)

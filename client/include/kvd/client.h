@@ -331,6 +331,16 @@ struct ShrinkOptions {
   // into free blocks below it first (PoolChange::reshape->moved_blocks). nullopt: no compaction.
   std::optional<std::vector<uint64_t>> live_blocks;
   PauseOptions pause;
+  // Whole chunks only: go on past attached clients of other sessions that are not pausable (they keep
+  // what they map until they detach; docs/api.md, "Releases and running engines"); pausable ones that do
+  // not acknowledge in time are detached.
+  bool force = false;
+};
+
+struct SleepOptions {
+  bool wait = false;   // reply once every attached client acknowledged the release
+  bool force = false;  // as ShrinkOptions::force
+  PauseOptions pause;  // for the pausable clients of other sessions, which pause first
 };
 
 struct CompactOptions {
@@ -457,15 +467,21 @@ struct AttachOptions {
   // deregister every registration overlapping them and close their FDs. The daemon's release (and a
   // Shrink/Sleep with wait) waits until this returns.
   std::function<void(const std::vector<ByteRange>& ranges)> on_ranges_released;
-  // Pauses (docs/api.md, "Pauses and reshaping"). Setting on_pause makes this Mapping pausable
-  // (AttachRequest.pausable): the daemon may then move the pool's bytes into new chunks at the same
-  // addresses (an exact Shrink, Compact). On a PAUSE the follower imports the new chunks, calls
-  // on_pause(ranges: the bytes that move) — stop every access to the pool (synchronise the streams
-  // that use it) and return — and acknowledges. On the RESUME it unmaps the replaced chunks, maps the
-  // new ones at the same addresses and calls on_resume(applied); applied is false when the change was
-  // called off and nothing moved. Connectors: on_ranges_released is called for the moving bytes before
-  // on_pause and on_ranges_added after the remap. Without on_pause the Mapping is not pausable, and
-  // such changes of its pool fail with FAILED_PRECONDITION while it is attached.
+  // Pauses (docs/api.md, "Pauses and reshaping" and "Releases and running engines"). Setting on_pause
+  // makes this Mapping pausable (AttachRequest.pausable): the daemon may then move the pool's bytes into
+  // new chunks at the same addresses (an exact Shrink, Compact), and pauses it before another session's
+  // Shrink, Sleep or forced delete takes memory away. On a PAUSE the follower imports the new chunks,
+  // calls on_pause(ranges: the bytes that move or go) — stop every access to the pool (synchronise the
+  // streams that use it) and return — and acknowledges. On the RESUME it unmaps the replaced and released
+  // chunks, maps the new ones at the same addresses and calls on_resume(applied); applied is false when
+  // the change was called off and nothing moved. After a sleep's RESUME the Mapping is kSleeping (touch
+  // nothing until on_grow); after a delete's pause on_lost follows instead. The follower never unmaps
+  // what the engine may be touching: before it unmaps for any other reason (the daemon stopping, chunks a
+  // restart lost, an error) it calls on_pause itself. Connectors: on_ranges_released is called for the
+  // moving bytes before on_pause and on_ranges_added after the remap. Without on_pause the Mapping is not
+  // pausable: a change that moves its pool's bytes fails with FAILED_PRECONDITION while it is attached,
+  // as does a release by another session unless forced; a forced release leaves the Mapping kLost with
+  // every chunk still mapped until it is destroyed.
   std::function<void(const std::vector<ByteRange>& ranges)> on_pause;
   std::function<void(bool applied)> on_resume;
 };
@@ -547,9 +563,14 @@ class Client {
   [[nodiscard]] absl::StatusOr<PoolChange> Compact(absl::string_view pool, const CompactOptions& options = {});
   // An empty `pool` means every pool (awake ones for Sleep, sleeping ones for Wake).
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, bool wait);
+  // Attached clients of other sessions pause first, or refuse the sleep when not pausable, unless forced
+  // (docs/api.md, "Releases and running engines").
+  [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, const SleepOptions& options);
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool);
   // Returns the released bytes.
-  [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(absl::string_view name, bool force);
+  // `force`: even with clients attached; those of other sessions are released as SleepOptions::force says,
+  // the pausable ones paused (within `pause`) before the delete.
+  [[nodiscard]] absl::StatusOr<uint64_t> DeletePool(absl::string_view name, bool force, const PauseOptions& pause = {});
   // Attaches the pool and maps its committed chunks. One Mapping per pool per Client:
   // ALREADY_EXISTS for a second one.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<Mapping>> Attach(absl::string_view pool, AttachOptions options = {});
@@ -577,8 +598,10 @@ class Client {
 
   // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.
+  // `force`: a shrink or sleep goes on past attached clients of other sessions that are not pausable
+  // (SleepOptions::force); the pausable ones are paused until the Commit or Abort.
   [[nodiscard]] absl::StatusOr<PreparedChange> Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
-                                                       absl::Duration ttl);
+                                                       absl::Duration ttl, bool force = false);
   // Commit maps this client's new chunks into its Mapping of the pool, as Grow does.
   [[nodiscard]] absl::StatusOr<PoolChange> Commit(absl::string_view transaction, bool wait);
   // Returns the prepared bytes given back.

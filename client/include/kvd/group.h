@@ -74,9 +74,11 @@ class Group {
   [[nodiscard]] absl::StatusOr<std::vector<GroupRank>> Refresh();
 
   // All ranks or none. `wait` is Shrink's/Sleep's: reply once every attached client acknowledged.
+  // Shrink and Sleep pause the ranks' pausable clients of other sessions from the prepare to the commit;
+  // one that is not pausable refuses them unless `force` (docs/api.md, "Releases and running engines").
   [[nodiscard]] absl::StatusOr<GroupChange> Grow(uint64_t target_blocks);
-  [[nodiscard]] absl::StatusOr<GroupChange> Shrink(uint64_t target_blocks, bool wait);
-  [[nodiscard]] absl::StatusOr<GroupChange> Sleep(bool wait);
+  [[nodiscard]] absl::StatusOr<GroupChange> Shrink(uint64_t target_blocks, bool wait, bool force = false);
+  [[nodiscard]] absl::StatusOr<GroupChange> Sleep(bool wait, bool force = false);
   [[nodiscard]] absl::StatusOr<GroupChange> Wake();
 
  private:
@@ -86,7 +88,7 @@ class Group {
   };
   Group(std::string name, GroupOptions options, std::vector<Member> members)
       : name_(std::move(name)), options_(std::move(options)), members_(std::move(members)) {}
-  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait);
+  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false);
 
   const std::string name_;
   const GroupOptions options_;

@@ -99,6 +99,13 @@ class Rank:
             self.usable = committed_blocks
             self.cond.notify_all()
 
+    def on_pause(self, ranges):
+        # The coordinator's shrinks and sleeps pause this rank before its memory goes (docs/api.md,
+        # "Releases and running engines"). This rank touches the pool only inside its commands, which are
+        # done by then; an engine with kernels in flight would also wait for them here.
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+
     def wait_usable(self, blocks, what):
         with self.cond:
             if not self.cond.wait_for(lambda: self.usable == blocks, timeout=self.a.timeout):
@@ -146,7 +153,8 @@ class Rank:
                      f"{p.geometry.layout}, {p.committed_blocks} blocks, {mib(p.committed_bytes)}, in {ms(t0)}")
 
         t0 = time.perf_counter()
-        self.m = self.client.attach(self.pool, on_grow=self.on_grow, on_release=self.on_release)
+        self.m = self.client.attach(self.pool, on_grow=self.on_grow, on_release=self.on_release,
+                                    on_pause=self.on_pause)
         with self.cond:
             self.usable = self.m.committed_blocks
         if info.backend == kvd.v1_pb2.BACKEND_CUDA:

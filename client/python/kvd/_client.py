@@ -161,6 +161,19 @@ class DaemonRestart:
 ByteRange = collections.namedtuple("ByteRange", "segment offset bytes")
 
 
+def _merged(ranges):
+    """ByteRanges (any order) as the fewest contiguous ranges per segment, as the daemon's events have them."""
+    out = []
+    for r in sorted(ranges):
+        if out and out[-1].segment == r.segment and out[-1].offset + out[-1].bytes >= r.offset:
+            last = out[-1]
+            end = max(last.offset + last.bytes, r.offset + r.bytes)
+            out[-1] = ByteRange(last.segment, last.offset, end - last.offset)
+        else:
+            out.append(r)
+    return out
+
+
 def _pause_options(pause_timeout, detach_unresponsive):
     """-> kvd.v1.PauseOptions; pause_timeout in seconds (None or 0: the daemon's --pause-timeout)."""
     ms = 0
@@ -371,9 +384,14 @@ class Client:
             req.dims.CopyFrom(pb.PoolDims(**dims))
         return self._call("ResolveLayout", req, session=False)
 
-    def delete(self, name, force=False):
-        """DeletePool -> released bytes."""
-        return self._call("DeletePool", pb.DeletePoolRequest(name=name, force=force)).released_bytes
+    def delete(self, name, force=False, pause_timeout=None):
+        """DeletePool -> released bytes. force: even with clients attached; those of other sessions are
+        paused first when pausable (within pause_timeout seconds, None: the daemon's --pause-timeout; one
+        that does not acknowledge is detached), or keep what they map until they close when not
+        (docs/api.md, "Releases and running engines")."""
+        req = pb.DeletePoolRequest(name=name, force=force, pause=_pause_options(pause_timeout, False))
+        return self._call("DeletePool", req,
+                          timeout=_reshape_call_timeout(self.timeout, pause_timeout) if force else None).released_bytes
 
     def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None,
                on_restart=None, on_pause=None, on_resume=None):
@@ -454,7 +472,7 @@ class Client:
         return update
 
     def shrink(self, name, blocks, wait=False, whole_chunks_only=False, live_blocks=None, pause_timeout=None,
-               detach_unresponsive=False):
+               detach_unresponsive=False, force=False):
         """Shrink to `blocks` -> kvd.v1.PoolUpdate (its `reshape` says what it did). Exact: every segment's
         committed prefix ends at `blocks` rounded up to the granularity; a chunk straddling it is replaced
         by a smaller one, copied on the device while the attached clients pause (docs/api.md, "Pauses and
@@ -466,17 +484,17 @@ class Client:
         ([BlockCopy(src, dst)]) says where each went. None: no compaction.
         pause_timeout: seconds each client has to acknowledge the PAUSE (None: the daemon's
         --pause-timeout); detach_unresponsive: detach a client that does not instead of failing with
-        DEADLINE_EXCEEDED. This Client's own Mapping of the pool has remapped when it returns."""
+        DEADLINE_EXCEEDED. Whole chunks also go only once the pausable clients of other sessions paused; one
+        that is not pausable refuses the shrink (FAILED_PRECONDITION naming it) unless force, which leaves
+        it what it maps until it closes (docs/api.md, "Releases and running engines"). This Client's own
+        Mapping of the pool has remapped when it returns."""
         req = pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait,
                                whole_chunks_only=whole_chunks_only,
-                               pause=_pause_options(pause_timeout, detach_unresponsive))
+                               pause=_pause_options(pause_timeout, detach_unresponsive), force=force)
         if live_blocks is not None:
             req.live.SetInParent()  # set, even empty: a compaction shrink with no live block
             req.live.blocks.extend(int(b) for b in live_blocks)
-        if whole_chunks_only:
-            timeout = max(self.timeout, 65.0) if wait else self.timeout
-        else:
-            timeout = _reshape_call_timeout(self.timeout, pause_timeout)
+        timeout = _reshape_call_timeout(self.timeout, pause_timeout)  # every shrink may pause other sessions
         update = self._call("Shrink", req, timeout=timeout)
         self._await_remap(update, timeout)
         return update
@@ -521,15 +539,18 @@ class Client:
         raise KvdError("DEADLINE_EXCEEDED", f"pool {update.pool.name} changed but this client's Mapping of it did "
                        f"not remap within {timeout:g}s")
 
-    def sleep(self, name=None, wait=False):
+    def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False):
         """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
-        learn of it from their release events (with wait: before this returns)."""
-        req = pb.SleepRequest(wait_for_release=wait)
+        learn of it from their release events (with wait: before this returns). The pausable Mappings of
+        other sessions are paused first (pause_timeout and detach_unresponsive as shrink's); one that is not
+        pausable refuses the sleep unless force (docs/api.md, "Releases and running engines")."""
+        req = pb.SleepRequest(wait_for_release=wait, force=force,
+                              pause=_pause_options(pause_timeout, detach_unresponsive))
         if not name:
             req.all = True
         else:
             req.pool = name
-        return list(self._call("Sleep", req, timeout=max(self.timeout, 70.0) if wait else None).updates)
+        return list(self._call("Sleep", req, timeout=_reshape_call_timeout(self.timeout, pause_timeout)).updates)
 
     def wake(self, name=None):
         """Wake one pool, or every sleeping pool (name None or "") -> [kvd.v1.PoolUpdate]; this Client's
@@ -571,15 +592,18 @@ class Client:
         return self._call("GrantPeerAccess", pb.GrantPeerAccessRequest(pool=name, device_uuid=device_uuid,
                                                                         revoke=revoke))
 
-    def prepare(self, name, op, target_blocks=0, ttl=30.0):
+    def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False):
         """Phase one of a group operation on this daemon -> kvd.v1.PrepareResponse (transaction,
         pool as it is now, prepared_bytes, expires_at_unix_ms). op: "grow", "shrink", "sleep", "wake"
         (or a kvd.v1 Operation); target_blocks for grow and shrink. The daemon does everything that
         can fail and holds the pool (other resizes get ABORTED) until commit() or abort() from this
-        Client, `ttl` seconds, or the end of this Client's session. kvd.Group drives it on every rank."""
+        Client, `ttl` seconds, or the end of this Client's session. kvd.Group drives it on every rank.
+        A shrink or sleep pauses the pausable Mappings of other sessions until the commit or abort; one that
+        is not pausable refuses it unless force (docs/api.md, "Releases and running engines")."""
         req = pb.PrepareRequest(pool=name, operation=_operation(op), target_blocks=target_blocks,
-                                ttl_ms=max(int(round(ttl * 1000)), 1))
-        return self._call("Prepare", req)
+                                ttl_ms=max(int(round(ttl * 1000)), 1), force=force)
+        releases = req.operation in (pb.OPERATION_SHRINK, pb.OPERATION_SLEEP)
+        return self._call("Prepare", req, timeout=_reshape_call_timeout(self.timeout, None) if releases else None)
 
     def commit(self, transaction, wait=False):
         """Phase two: makes a prepared change visible -> kvd.v1.PoolUpdate. As grow() and wake(), this
@@ -696,7 +720,8 @@ class Mapping:
         self.pauses = self.resumes = 0  # PAUSE events acted on; RESUMEs (applied or not)
         self._client_name, self._peer_uuid = client_name, peer_uuid
         self.closed = False
-        self.gone = None  # once the Mapping is lost: the KvdError on_lost got (everything is unmapped then)
+        self.gone = None  # once the Mapping is lost: the KvdError on_lost got
+        self._paused_for_restart = False  # on_pause ran for chunks a restarted daemon lacks
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # notified after each event the follower acted on
         self._closing = threading.Event()
@@ -846,6 +871,8 @@ class Mapping:
             finally:
                 self._drop_imported(imported)  # what did not map
             self.committed_blocks = ev.committed_blocks
+            if ev.state == pb.POOL_STATE_SLEEPING:
+                self.state = ev.state  # a sleep's pause
 
     def _map_lease_unless_released(self, lease, chunks):
         """_map_lease, except that a lease refused because its chunks were released meanwhile (a
@@ -899,6 +926,8 @@ class Mapping:
         restarted), or None once the Mapping is lost or closing."""
         name = self.pool_name
         why = None
+        engine_done = False  # why's loss needs no pause: the engine asked for it or is paused
+        forced = False  # why's loss was forced on this Mapping: if not pausable, it keeps its chunks
         restarting = False
         ended = None  # the stream's own end: None (it ended), or the KvdError it broke with
         try:
@@ -919,6 +948,12 @@ class Mapping:
                             self.committed_blocks, self.state = ev.committed_blocks, pb.POOL_STATE_AWAKE
                     if mapped is not None and self.on_grow:
                         self._callback(self.on_grow, ev.committed_blocks)
+                elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED and ev.forced:
+                    why = KvdError("FAILED_PRECONDITION", f"pool {name}: {len(ev.chunks)} chunks were released by "
+                                   "force while this Mapping, which is not pausable, mapped them: it keeps every "
+                                   "chunk mapped (their bytes no longer the pool's) until it is closed")
+                    forced = True
+                    break
                 elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED:
                     with self._lock:
                         if self.closed or self.gone is not None:
@@ -1003,7 +1038,13 @@ class Mapping:
                     if ev.applied and ev.committed_blocks < before and self.on_release:
                         self._callback(self.on_release, ev.committed_blocks)
                 elif ev.type == pb.EVENT_TYPE_POOL_DELETED:
-                    why = KvdError("NOT_FOUND", f"pool {name} was deleted")
+                    # Not forced: this Mapping's own session deleted it, or a pause holds the engine.
+                    why = KvdError("NOT_FOUND", f"pool {name} was deleted" + (
+                        " by force: this Mapping, not pausable, keeps its chunks mapped until it is closed"
+                        if ev.forced else ""))
+                    with self._lock:
+                        engine_done = not ev.forced or bool(self._paused)
+                    forced = ev.forced
                     break
                 elif ev.type == pb.EVENT_TYPE_DAEMON_STOPPING:
                     why = KvdError("UNAVAILABLE", "kvd is stopping")
@@ -1034,7 +1075,7 @@ class Mapping:
                 why = KvdError(ended.code, f"the event stream of pool {name} broke: {ended.message}")
             else:
                 why = KvdError("UNAVAILABLE", f"the event stream of pool {name} ended")
-        self._lose(why)
+        self._lose(why, engine_done, forced)
         return None
 
     def _reattach(self, why):
@@ -1127,12 +1168,23 @@ class Mapping:
             # name since.
             restored = resp.pool.epoch > 1
             watch = c.stub.Watch(pb.WatchRequest(client_id=resp.client_id), metadata=c.md)
+            # Keep what the daemon still has exactly as it was; unmap what it lost; map what it added. A
+            # pausable Mapping unmaps what the daemon lost only with the engine paused for it
+            # (docs/architecture.md, Note [Releases pause first]; on_resume once it follows again); one that
+            # is not pausable unmaps it as it is (the daemon no longer counts that memory).
+            theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks} if restored else {}
+            with self._lock:
+                gone = [cid for cid, m in self._chunks.items() if theirs.get(cid) != (m.segment, m.offset, m.bytes)]
+                ranges = [ByteRange(self._chunks[cid].segment, self._chunks[cid].offset, self._chunks[cid].bytes)
+                          for cid in gone]
+                pause_now = bool(gone) and not self._paused and not self._paused_for_restart and self.pausable
+            if pause_now:
+                self._callback(self.on_pause, _merged(ranges))
+                with self._lock:
+                    self._paused_for_restart = True
             with self._lock:
                 if self.closed or self.gone is not None:
                     raise _Fatal(KvdError("CANCELLED", "closing"))
-                # Keep what the daemon still has exactly as it was; unmap what it lost; map what it added.
-                theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks} if restored else {}
-                gone = [cid for cid, m in self._chunks.items() if theirs.get(cid) != (m.segment, m.offset, m.bytes)]
                 for cid in gone:
                     restart.lost_chunk_ids.append(cid)
                     restart.lost_bytes += self._chunks[cid].bytes
@@ -1149,6 +1201,9 @@ class Mapping:
                 except KvdError as e:
                     raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
                 resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in paused.values()]
+                if self._paused_for_restart:
+                    resumed.append(True)
+                    self._paused_for_restart = False
                 self.committed_blocks = resp.pool.committed_blocks
                 self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
                     pb.POOL_STATE_AWAKE
@@ -1168,14 +1223,27 @@ class Mapping:
                     pass
             raise
 
-    def _lose(self, why):
-        """Unmaps everything, marks the Mapping lost and calls on_lost(why), once; nothing after close().
-        The watch is cancelled, so the daemon detaches this client: a lost Mapping never holds up a
-        shrink or sleep that waits for acknowledgements."""
+    def _lose(self, why, engine_done=False, forced=False):
+        """Marks the Mapping lost and calls on_lost(why), once; nothing after close(). The watch is
+        cancelled, so the daemon detaches this client: a lost Mapping never holds up a shrink or sleep that
+        waits for acknowledgements. Nothing is unmapped while the engine may touch it (docs/architecture.md,
+        Note [Releases pause first]): engine_done (its own session's delete, or a pause holds it) unmaps
+        everything now; otherwise a pausable Mapping calls on_pause first, and one that is not pausable keeps
+        every chunk mapped until close() when the loss was forced on it (a forced release, chunks a restart
+        lost), the daemon counting them as its until then."""
         with self._lock:
             if self.closed or self.gone is not None:
                 return
-            self._unmap_all()
+            pause_first = not engine_done and not self._paused and self.on_pause is not None
+            mapped = [ByteRange(m.segment, m.offset, m.bytes) for m in self._chunks.values()]
+        if pause_first:
+            self._callback(self.on_pause, _merged(mapped))
+        with self._lock:
+            if self.closed or self.gone is not None:
+                return
+            released = engine_done or self.on_pause is not None or not forced or not self._chunks
+            if released:
+                self._unmap_all()
             self.committed_blocks = 0
             self.gone = why
             watch = self._watch
@@ -1183,8 +1251,11 @@ class Mapping:
             self._changed.notify_all()
         watch.cancel()
         # Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping
-        # held (a deleted pool's memory stays counted until its clients let go), as libkvd does.
+        # held (a deleted pool's memory stays counted until its clients let go), as libkvd does. One that
+        # keeps its chunks says so at close().
         try:
+            if not released:
+                raise KvdError("FAILED_PRECONDITION", "still mapped")
             self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id, released=True),
                                conn=conn, timeout=min(self._client.timeout, 5.0))
         except KvdError:

@@ -249,17 +249,20 @@ class Group:
         """Grows every rank to `blocks` committed blocks -> GroupChange; the engines' Mappings follow."""
         return self._run("grow", blocks, False)
 
-    def shrink(self, blocks, wait=False):
-        """Shrinks every rank to `blocks`; wait: reply once every attached client acknowledged."""
-        return self._run("shrink", blocks, wait)
+    def shrink(self, blocks, wait=False, force=False):
+        """Shrinks every rank to `blocks`; wait: reply once every attached client acknowledged. The ranks'
+        pausable Mappings of other sessions pause from the prepare to the commit; one that is not pausable
+        refuses it unless force (docs/api.md, "Releases and running engines")."""
+        return self._run("shrink", blocks, wait, force)
 
-    def sleep(self, wait=False):
-        return self._run("sleep", 0, wait)
+    def sleep(self, wait=False, force=False):
+        """Sleeps every rank; wait and force as shrink's."""
+        return self._run("sleep", 0, wait, force)
 
     def wake(self):
         return self._run("wake", 0, False)
 
-    def _run(self, op, target_blocks, wait):
+    def _run(self, op, target_blocks, wait, force=False):
         with self._lock:
             members = self._members
             if not members:
@@ -271,7 +274,7 @@ class Group:
 
             # Phase 1: every daemon does what can fail and holds its pool.
             prepared = _each(n, lambda i: members[i][1].prepare(members[i][0].pool.name, op, target_blocks,
-                                                                  self._ttl))
+                                                                  self._ttl, force))
             prepared_at = time.monotonic()
             failed = next((i for i, (_, err) in enumerate(prepared) if err is not None), None)
             if failed is not None:

@@ -40,7 +40,9 @@ def memfd_maps():
 
 def peer_main(socket_path, pool, device=None):
     c = kvd.connect(socket_path, client_name="peer")
-    m = c.attach(pool, device=device)
+    # Pausable: the test's shrinks and sleeps come from another session (docs/api.md, "Releases and running
+    # engines"); between commands the peer touches nothing, so its hook has nothing to stop.
+    m = c.attach(pool, device=device, on_pause=lambda ranges: None)
     out = sys.stdout
     print(json.dumps({"ok": True, "result": "attached"}), file=out, flush=True)
     for line in sys.stdin:
@@ -262,7 +264,7 @@ class KvdPythonTest(unittest.TestCase):
             raise RuntimeError("a failing callback must not stop the follower")
 
         with self.c.attach("other", on_grow=lambda committed_blocks: seen.append(("grow", committed_blocks)),
-                           on_release=on_release) as m:
+                           on_release=on_release, on_pause=lambda ranges: None) as m:
             with kvd.connect(self.daemon.socket, client_name="operator") as op:
                 op.grow("other", 64)
                 poll(lambda: m.committed_blocks == 64 and len(m.mapped_chunks) == 2, "the follower maps the grow")
@@ -364,9 +366,28 @@ class KvdPythonTest(unittest.TestCase):
         with kvd.connect(self.daemon.socket, client_name="operator") as op:
             op.delete("gone", force=True)
         poll(lambda: len(lost) == 1, "on_lost")
-        self.assertEqual((lost[0].code, lost[0].message), ("NOT_FOUND", "pool gone was deleted"))
+        # Not pausable and of another session: a forced delete leaves it what it maps until it closes
+        # (docs/api.md, "Releases and running engines"), still counted by the daemon.
+        self.assertEqual(lost[0].code, "NOT_FOUND")
+        self.assertIn("pool gone was deleted by force", lost[0].message)
         self.assertIs(m.gone, lost[0])
         self.assertEqual(m.committed_blocks, 0)
+        self.assertEqual(len(m.mapped_chunks), 1)
+        self.assertEqual(float(m.layer(0)[0].max()), 0.0)  # still readable
+        self.assertEqual(self.c.device_info().committed_bytes, 16 * 8 * 16 * 128 * 2 * 4)
+        m.close()
+        self.assertEqual(m.mapped_chunks, [])
+        poll(lambda: self.c.device_info().committed_bytes == 0, "the memory given back once it closed")
+
+    def test_pool_deleted_pauses_a_pausable_mapping_and_unmaps(self):
+        self.create("gone")
+        lost, paused = [], []
+        m = self.c.attach("gone", on_lost=lost.append, on_pause=paused.append)
+        with kvd.connect(self.daemon.socket, client_name="operator") as op:
+            op.delete("gone", force=True)
+        poll(lambda: len(lost) == 1, "on_lost")
+        self.assertEqual((lost[0].code, lost[0].message), ("NOT_FOUND", "pool gone was deleted"))
+        self.assertEqual(len(paused), 1)
         self.assertEqual(m.mapped_chunks, [])
         m.close()
 

@@ -25,6 +25,8 @@ using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
+// A whole-chunk shrink forced past clients that are not pausable (Note [Releases pause first]).
+const PoolManager::ShrinkOptions kForced{.force = true};
 
 // L=2, B=256, H=2, N=16, C=1024, bf16 under LBNHC: 2 segments, 64 KiB blocks, 16 MiB segments.
 PoolSpec Spec(std::string name, uint64_t initial_blocks = 0) {
@@ -238,7 +240,8 @@ TEST_F(PoolManagerTest, ShrinkCompletesWhenEveryHolderAcknowledges) {
   KVD_ASSERT_OK_AND_ASSIGN(AttachResult bq, manager_->Attach(bob, "q", "connector"));
   KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> qevents, manager_->Watch(bob, bq.client_id));
   const uint64_t before = Committed();
-  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "q", 64, false, absl::Now()));
+  // Forced past bob's client, which is not pausable (Note [Releases pause first]).
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "q", 64, kForced));
   EXPECT_EQ(q.pool.committed_blocks, 64u);
   EXPECT_THAT(q.released_chunk_ids, SizeIs(2));
   EXPECT_EQ(q.pool.pending_release_bytes, 24 * kMiB);
@@ -270,7 +273,9 @@ TEST_F(PoolManagerTest, ShrinkWithWaitReturnsOnceAcknowledged) {
     if (e && e->type == EventType::kChunksReleased)
       manager_->Acknowledge(bob, b.client_id, e->release_id).IgnoreError();
   });
-  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate shrunk, manager_->Shrink(alice_, "p", 64, true, absl::Now() + absl::Seconds(30)));
+  KVD_ASSERT_OK_AND_ASSIGN(
+      PoolUpdate shrunk,
+      manager_->Shrink(alice_, "p", 64, {.wait = true, .deadline = absl::Now() + absl::Seconds(30), .force = true}));
   follower.join();
   EXPECT_EQ(shrunk.pool.pending_release_bytes, 0u);
   EXPECT_EQ(Committed(), 8 * kMiB);
@@ -281,7 +286,7 @@ TEST_F(PoolManagerTest, ADeadClientsAcknowledgementsAreDropped) {
   ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
   Caller bob = Session(1000, "bob");
   KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", ""));
-  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "p", 64, false, absl::Now()));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate q, manager_->Shrink(alice_, "p", 64, kForced));
   EXPECT_GT(q.pool.pending_release_bytes, 0u);
   manager_->CloseSession(bob.session);  // the handle channel saw bob's connection close
   KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
@@ -306,7 +311,8 @@ TEST_F(PoolManagerTest, SleepReleasesEverythingAndWakeRecommitsOneChunkPerSegmen
   KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
   EXPECT_THAT(before.chunks, SizeIs(6));
 
-  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> slept, manager_->Sleep(alice_, "p", false, absl::Now()));
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> slept,
+                           manager_->Sleep(alice_, "p", false, absl::Now(), {.force = true}));
   ASSERT_THAT(slept, SizeIs(1));
   EXPECT_EQ(slept[0].pool.state, PoolState::kSleeping);
   EXPECT_EQ(slept[0].pool.committed_blocks, 0u);
@@ -834,8 +840,10 @@ class PausingEngine {
     std::optional<PoolEvent> pause = events_->Pop(wait);
     while (pause.has_value() && pause->type == EventType::kChunksAdded) pause = events_->Pop(wait);
     if (!pause.has_value() || pause->type != EventType::kPause) return std::nullopt;
-    absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds =
-        manager_->RedeemLease(who_.session, pause->lease->token, who_.uid);
+    last_pause_ = *pause;
+    // A release's pause brings no new chunks, and no lease.
+    absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds = std::vector<PoolManager::LeasedFd>{};
+    if (pause->lease.has_value()) fds = manager_->RedeemLease(who_.session, pause->lease->token, who_.uid);
     EXPECT_THAT(fds, IsOk());
     EXPECT_THAT(manager_->AcknowledgePause(who_, id(), pause->pause_id), IsOk());
     std::optional<PoolEvent> resume = events_->Pop(absl::Seconds(10));
@@ -856,8 +864,11 @@ class PausingEngine {
     for (const PoolManager::LeasedFd& f : *fds) close(f.fd);
     return resume;
   }
+  // The PAUSE FollowPause handled last.
+  const PoolEvent& last_pause() const { return last_pause_; }
 
  private:
+  PoolEvent last_pause_;
   PoolManager* manager_;
   Caller who_;
   AttachResult attached_;
@@ -970,6 +981,138 @@ PoolView GrowInSteps(PoolManager* manager, const Caller& who, const std::string&
   EXPECT_THAT(pool, IsOk());
   EXPECT_THAT(pool->chunks, SizeIs(16));
   return *pool;
+}
+
+// Note [Releases pause first]: a shrink or sleep by another session pauses a pausable client before the
+// chunks go, and tells it of them in its RESUME; one that is not pausable refuses it unless forced.
+TEST_F(PoolManagerTest, AReleasePausesThePausableClientsOfOtherSessionsFirst) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  PausingEngine engine(this, manager_.get(), Session(alice_.uid, "engine"), "p", /*pausable=*/true);
+
+  absl::StatusOr<PoolUpdate> shrunk;
+  std::thread shrink([&] { shrunk = manager_->Shrink(alice_, "p", 64, {.wait = true, .whole_chunks_only = true}); });
+  std::optional<PoolEvent> resume = engine.FollowPause();
+  shrink.join();
+  ASSERT_THAT(shrunk, IsOk());
+  ASSERT_TRUE(resume.has_value() && resume->applied);
+  EXPECT_THAT(engine.last_pause().chunks, ::testing::IsEmpty()) << "a release brings no new chunks";
+  EXPECT_FALSE(engine.last_pause().ranges.empty()) << "but says which bytes go";
+  EXPECT_THAT(resume->chunks, SizeIs(2));
+  EXPECT_EQ(resume->committed_blocks, 64u);
+  EXPECT_NE(resume->release_id, 0u);
+  EXPECT_EQ(shrunk->pool.pending_release_bytes, 0u);
+
+  absl::StatusOr<std::vector<PoolUpdate>> slept;
+  std::thread sleep([&] { slept = manager_->Sleep(alice_, "p", /*wait=*/true, absl::Now() + absl::Seconds(30)); });
+  resume = engine.FollowPause();
+  sleep.join();
+  ASSERT_THAT(slept, IsOk());
+  ASSERT_TRUE(resume.has_value() && resume->applied);
+  EXPECT_EQ(resume->state, PoolState::kSleeping);
+  EXPECT_EQ((*slept)[0].pool.pending_release_bytes, 0u);
+  EXPECT_EQ(Committed(), 0u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+}
+
+TEST_F(PoolManagerTest, AReleaseIsRefusedForAClientThatIsNotPausableUnlessForcedAndNeverForItsOwnSession) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  const Caller bob = Session(alice_.uid, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "plain"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+  const uint64_t before = Committed();
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 64, PoolManager::ShrinkOptions{.whole_chunks_only = true}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(b.client_id)));
+  EXPECT_THAT(manager_->Sleep(alice_, "p", false, absl::Now()),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not pausable")));
+  EXPECT_THAT(manager_->Prepare(alice_, "p", GroupOp::kSleep, 0, absl::Seconds(30)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(b.client_id)));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView unchanged, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(unchanged.committed_blocks, 256u);
+  EXPECT_EQ(unchanged.state, PoolState::kAwake);
+  EXPECT_EQ(Committed(), before);
+  EXPECT_FALSE(events->Pop(absl::ZeroDuration()).has_value()) << "nobody was told of a change that did not happen";
+
+  // bob's own session shrinks: bob asked for it, so it is told as ever.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate own, manager_->Shrink(bob, "p", 64, PoolManager::ShrinkOptions{}));
+  std::optional<PoolEvent> e = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kChunksReleased);
+  EXPECT_FALSE(e->forced);
+  ASSERT_THAT(manager_->Acknowledge(bob, b.client_id, e->release_id), IsOk());
+
+  // Forced by alice: bob is told so, and what it maps stays counted until it lets go.
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolUpdate> slept,
+                           manager_->Sleep(alice_, "p", false, absl::Now(), {.force = true}));
+  e = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, EventType::kChunksReleased);
+  EXPECT_TRUE(e->forced);
+  EXPECT_GT(slept[0].pool.pending_release_bytes, 0u);
+  ASSERT_THAT(manager_->Detach(bob, b.client_id, /*released=*/true), IsOk());
+  EXPECT_EQ(Committed(), 0u);
+}
+
+TEST_F(PoolManagerTest, AReleaseWhosePauseIsNotAcknowledgedChangesNothing) {
+  ManagerOptions options;
+  options.pause_timeout = absl::Milliseconds(50);
+  Start(options);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  const Caller bob = Session(alice_.uid, "bob");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "stuck", {}, /*pausable=*/true));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> events, manager_->Watch(bob, b.client_id));
+  const uint64_t before = Committed();
+  EXPECT_THAT(manager_->Sleep(alice_, "p", false, absl::Now()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(b.client_id)));
+  std::optional<PoolEvent> pause = events->Pop(absl::Seconds(5));
+  std::optional<PoolEvent> resume = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(pause.has_value() && resume.has_value());
+  EXPECT_EQ(pause->type, EventType::kPause);
+  EXPECT_EQ(resume->type, EventType::kResume);
+  EXPECT_FALSE(resume->applied);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView unchanged, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(unchanged.state, PoolState::kAwake);
+  EXPECT_EQ(Committed(), before);
+
+  // A group's prepared sleep keeps the pause until it aborts (or commits).
+  absl::StatusOr<PreparedOp> prepared;
+  std::thread prepare([&] { prepared = manager_->Prepare(alice_, "p", GroupOp::kSleep, 0, absl::Seconds(30)); });
+  pause = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(pause.has_value() && pause->type == EventType::kPause);
+  ASSERT_THAT(manager_->AcknowledgePause(bob, b.client_id, pause->pause_id), IsOk());
+  prepare.join();
+  ASSERT_THAT(prepared, IsOk());
+  EXPECT_FALSE(events->Pop(absl::Milliseconds(20)).has_value()) << "paused until the commit or abort";
+  ASSERT_THAT(manager_->Abort(alice_, prepared->transaction), IsOk());
+  resume = events->Pop(absl::Seconds(5));
+  ASSERT_TRUE(resume.has_value() && resume->type == EventType::kResume);
+  EXPECT_FALSE(resume->applied);
+  EXPECT_EQ(Committed(), before);
+}
+
+TEST_F(PoolManagerTest, AForcedDeletePausesThePausableClientsAndForcesPastTheOthers) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  const Caller bob = Session(alice_.uid, "bob"), carol = Session(alice_.uid, "carol");
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult b, manager_->Attach(bob, "p", "pausable", {}, /*pausable=*/true));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> be, manager_->Watch(bob, b.client_id));
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult c, manager_->Attach(carol, "p", "plain"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::shared_ptr<EventQueue> ce, manager_->Watch(carol, c.client_id));
+  absl::StatusOr<uint64_t> deleted;
+  std::thread del([&] { deleted = manager_->DeletePool(alice_, "p", /*force=*/true); });
+  std::optional<PoolEvent> pause = be->Pop(absl::Seconds(5));
+  ASSERT_TRUE(pause.has_value() && pause->type == EventType::kPause);
+  EXPECT_FALSE(ce->Pop(absl::Milliseconds(20)).has_value()) << "nothing goes before bob paused";
+  ASSERT_THAT(manager_->AcknowledgePause(bob, b.client_id, pause->pause_id), IsOk());
+  del.join();
+  ASSERT_THAT(deleted, IsOk());
+  std::optional<PoolEvent> gone = be->Pop(absl::Seconds(5));
+  ASSERT_TRUE(gone.has_value() && gone->type == EventType::kPoolDeleted);
+  EXPECT_FALSE(gone->forced) << "bob is paused";
+  gone = ce->Pop(absl::Seconds(5));
+  ASSERT_TRUE(gone.has_value() && gone->type == EventType::kPoolDeleted);
+  EXPECT_TRUE(gone->forced) << "carol is not pausable: it keeps what it maps until it lets go";
 }
 
 TEST_F(PoolManagerTest, CompactWithClientsGoesInStepsOfAtMostMaxChunksPerPause) {
