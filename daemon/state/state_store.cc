@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "daemon/rpc/convert.h"
+#include "daemon/codec/codec.h"
 #include "kvd/state.pb.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
