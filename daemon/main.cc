@@ -51,6 +51,7 @@
 #include "daemon/core/layout.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/limits.h"
+#include "daemon/core/memory_state_store.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/rpc/control_socket.h"
@@ -533,9 +534,14 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--pause-timeout: \"", f.pause_timeout, "\" is not a duration between 1ms and 10m (e.g. 5s)"));
   }
-  std::unique_ptr<FileStateStore> store;
+  // The manager always has a store: the state directory's, or (--state-dir=none) one in memory that
+  // nothing outlives.
+  std::unique_ptr<StateStore> store;
   SavedState saved;
-  if (f.state_dir != "none") {
+  const bool saved_state = f.state_dir != "none";
+  if (!saved_state) {
+    store = std::make_unique<MemoryStateStore>();
+  } else {
     FileStateStore::Options options{.dir = f.state_dir, .fd_store_max = f.fdstore_max};
     if (options.dir == "auto") {
       absl::string_view stem = socket_path;
@@ -551,7 +557,8 @@ absl::Status Run(const Flags& f) {
       return absl::FailedPreconditionError("--fdstore=yes: $NOTIFY_SOCKET is not set (no service manager)");
     }
     if (fdstore_env != nullptr && unit_max > 0) options.fd_store_max = std::min(options.fd_store_max, unit_max);
-    KVD_ASSIGN_OR_RETURN(store, FileStateStore::Open(options, info, &saved));
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<FileStateStore> file, FileStateStore::Open(options, info, &saved));
+    store = std::move(file);
     for (const std::string& line : saved.problems) spdlog::warn("saved state: {}", line);
     spdlog::info("saved state in {}: epoch {}, {} pools, {} chunk FDs from the service manager; chunk FDs go to {}",
                  options.dir, saved.epoch, saved.pools.size(), saved.fds.size(),
@@ -575,7 +582,7 @@ absl::Status Run(const Flags& f) {
                                                    .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
-  if (store != nullptr) {
+  if (saved_state) {
     const absl::Time restore_start = absl::Now();
     const size_t saved_pools = saved.pools.size();
     const RestoreReport report = manager.Restore(std::move(saved));
@@ -696,7 +703,7 @@ absl::Status Run(const Flags& f) {
     if (errno != EINTR) return ErrnoStatus(errno, "sigwaitinfo");
   }
   spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
-  const bool keep_pools = store != nullptr && !f.drain_on_stop;
+  const bool keep_pools = saved_state && !f.drain_on_stop;
   sd_notify(0, keep_pools ? "STOPPING=1\nSTATUS=stopping: keeping every pool for the next start"
                           : "STOPPING=1\nSTATUS=stopping: releasing all memory");
 
