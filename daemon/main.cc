@@ -1,5 +1,5 @@
-// kvd: the per-device KV-cache memory daemon (DESIGN.md, docs/api.md). Flags -> configuration ->
-// device -> PoolManager -> gRPC server and handle channel -> wait for SIGTERM/SIGINT -> orderly stop.
+// kvd: the per-device KV-cache memory daemon (docs/architecture.md, docs/api.md, docs/operations.md). Flags ->
+// configuration -> device -> PoolManager -> gRPC server and handle channel -> wait for SIGTERM/SIGINT -> orderly stop.
 //
 // Start-up refuses, with a one-line reason and a non-zero exit, anything it cannot serve correctly:
 // bad flags, an invalid KVD_KV_CACHE_LAYOUT, no device, a live daemon on the socket, a socket path that
@@ -77,6 +77,9 @@ namespace kvd::daemon {
 namespace {
 
 using wire::kLayoutEnv;
+
+// The health service's name for the saved state (docs/operations.md, "When saving the state fails").
+constexpr char kStateHealthService[] = "kvd.state";
 
 struct Flags {
   std::string backend = "auto";
@@ -604,16 +607,7 @@ absl::Status Run(const Flags& f) {
                                                            .uuid = info.uuid},
                                                  f.metrics_clients));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
-    Metrics* m = metrics.get();
-    manager.Observe({.reshape_step =
-                         [m](const ReshapeReport& r) {
-                           m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
-                         },
-                     .background_compaction = [m](absl::Duration elapsed,
-                                                  bool ok) { m->ObserveOperation(Operation::kCompact, elapsed, ok); }});
   }
-  // The manager's threads stop reporting before metrics goes.
-  absl::Cleanup forget_metrics = [&] { manager.Observe({}); };
   // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
   // (SO_PEERCRED) a session token is checked against: ControlSocket.
   KVD_ASSIGN_OR_RETURN(
@@ -647,6 +641,24 @@ absl::Status Run(const Flags& f) {
   KVD_RETURN_IF_ERROR(control->Serve(server.get()));
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
+
+  // What the manager reports on its own: metrics, and whether the saved state is current, as the health
+  // service's "kvd.state" (NOT_SERVING while degraded; "" and kvd.v1.Kvd stay SERVING: the daemon serves
+  // as before, and a probe that restarted it would make the stale records count). docs/operations.md.
+  PoolManager::Observers observers{.state_degraded = [health = server->GetHealthCheckService()](bool degraded) {
+    health->SetServingStatus(kStateHealthService, !degraded);
+  }};
+  if (Metrics* m = metrics.get(); m != nullptr) {
+    observers.reshape_step = [m](const ReshapeReport& r) {
+      m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
+    };
+    observers.background_compaction = [m](absl::Duration elapsed, bool ok) {
+      m->ObserveOperation(Operation::kCompact, elapsed, ok);
+    };
+  }
+  manager.Observe(std::move(observers));
+  // The manager's threads stop reporting before the server and metrics go.
+  absl::Cleanup forget_observers = [&] { manager.Observe({}); };
 
   KVD_ASSIGN_OR_RETURN(
       std::unique_ptr<HandleChannel> channel,

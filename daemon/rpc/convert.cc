@@ -226,6 +226,9 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_epoch(status.epoch);
   p.set_started_at_unix_ms(UnixMillis(status.started_at));
   p.set_durability(ToProto(status.durability));
+  p.set_state_degraded(status.state.degraded());
+  p.set_state_error(status.state.error);
+  p.set_state_save_failures(status.state.save_failures);
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);
