@@ -188,7 +188,7 @@ void PoolManager::ErasePoolLocked(const Pool& pool) {
   reserved_total_ -= std::min(reserved_total_, reserved);
 }
 
-bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view client_id) {
+bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view client_id, uint64_t* freed) {
   bool found = false;
   for (auto it = orphaned_.begin(); it != orphaned_.end();) {
     std::map<std::string, std::string>& clients = it->held.clients;
@@ -201,7 +201,7 @@ bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view clien
       }
     }
     if (clients.empty()) {
-      budget_.Give(it->held.bytes);
+      *freed += it->held.bytes;
       it = orphaned_.erase(it);
     } else {
       ++it;
@@ -215,10 +215,12 @@ void PoolManager::CloseSession(absl::string_view session) {
   // under their pool's lock), and everything it installed before is found below.
   if (!sessions_.Close(session)) return;
   leases_.DropSession(session);
+  uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    LetGoLocked(session, {});
+    LetGoLocked(session, {}, &freed);
   }
+  budget_.Give(freed);  // after mu_: the budget's lock is a leaf too (Note [Lock order])
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
@@ -575,9 +577,14 @@ absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_
   absl::StatusOr<std::shared_ptr<Pool>> found = FindClient(client_id);
   if (!found.ok()) {
     // A client of a deleted pool declaring that it let go of the pool's memory.
-    absl::MutexLock lock(&mu_);
-    if (released && LetGoLocked(caller.session, client_id)) return absl::OkStatus();
-    return found.status();
+    uint64_t freed = 0;
+    bool let_go = false;
+    {
+      absl::MutexLock lock(&mu_);
+      let_go = released && LetGoLocked(caller.session, client_id, &freed);
+    }
+    budget_.Give(freed);
+    return let_go ? absl::OkStatus() : found.status();
   }
   std::shared_ptr<Pool> pool = *std::move(found);
   KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id, released));

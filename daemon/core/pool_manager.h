@@ -1,6 +1,6 @@
-// PoolManager: the daemon's domain model (DESIGN.md sections 5-7). It owns every pool of one device:
-// their VA reservations, chunks (created, mapped into the daemon's own address space, exported once),
-// attached clients, leases for the handle channel, release acknowledgements and the budget.
+// PoolManager: the daemon's domain model (docs/architecture.md, "Layers"; the API it serves: docs/api.md). It owns
+// every pool of one device: their VA reservations, chunks (created, mapped into the daemon's own address space,
+// exported once), attached clients, leases for the handle channel, release acknowledgements and the budget.
 //
 // Rooms. The manager finds pools and makes and releases their memory on the device; the state lives
 // in rooms with their own locks: each Pool (pool.h: its table, clients, releases and held transaction,
@@ -459,9 +459,11 @@ class PoolManager {
     Pool::Held held;
   };
   std::vector<Orphaned> orphaned_ ABSL_GUARDED_BY(mu_);
-  // Settles `client_id` (every client of `session` when empty) in orphaned_; gives back what no one holds.
+  // Settles `client_id` (every client of `session` when empty) in orphaned_; adds to `*freed` the bytes no
+  // one holds any more, for the caller to give to the budget once mu_ is released (Note [Lock order]).
   // Returns whether it found the client.
-  bool LetGoLocked(absl::string_view session, absl::string_view client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool LetGoLocked(absl::string_view session, absl::string_view client_id, uint64_t* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
   std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
   std::thread compactor_;
