@@ -1,5 +1,5 @@
-// The client side of a kvd daemon's handle channel (DESIGN.md sections 6 and 7; the protocol is at the
-// bottom of proto/kvd/v1/kvd.proto): opening a session, whose token authenticates the client's gRPC
+// The client side of a kvd daemon's handle channel (docs/api.md, "The handle channel protocol"; its
+// messages are at the bottom of proto/kvd/v1/kvd.proto): opening a session, whose token authenticates the client's gRPC
 // calls, and redeeming leases for chunk FDs. Used by the client library and the daemon's tests.
 //
 // Errors are absl::Status: the daemon's HandleChannelError arrives with its code and message unchanged;

@@ -1,5 +1,5 @@
-// kvd: the per-device KV-cache memory daemon (DESIGN.md, docs/api.md). Flags -> configuration ->
-// device -> PoolManager -> gRPC server and handle channel -> wait for SIGTERM/SIGINT -> orderly stop.
+// kvd: the per-device KV-cache memory daemon (docs/architecture.md, docs/api.md, docs/operations.md). Flags ->
+// configuration -> device -> PoolManager -> gRPC server and handle channel -> wait for SIGTERM/SIGINT -> orderly stop.
 //
 // Start-up refuses, with a one-line reason and a non-zero exit, anything it cannot serve correctly:
 // bad flags, an invalid KVD_KV_CACHE_LAYOUT, no device, a live daemon on the socket, a socket path that
@@ -51,6 +51,7 @@
 #include "daemon/core/layout.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/limits.h"
+#include "daemon/core/memory_state_store.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/rpc/control_socket.h"
@@ -76,6 +77,9 @@ namespace kvd::daemon {
 namespace {
 
 using wire::kLayoutEnv;
+
+// The health service's name for the saved state (docs/operations.md, "When saving the state fails").
+constexpr char kStateHealthService[] = "kvd.state";
 
 struct Flags {
   std::string backend = "auto";
@@ -533,9 +537,14 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--pause-timeout: \"", f.pause_timeout, "\" is not a duration between 1ms and 10m (e.g. 5s)"));
   }
-  std::unique_ptr<FileStateStore> store;
+  // The manager always has a store: the state directory's, or (--state-dir=none) one in memory that
+  // nothing outlives.
+  std::unique_ptr<StateStore> store;
   SavedState saved;
-  if (f.state_dir != "none") {
+  const bool saved_state = f.state_dir != "none";
+  if (!saved_state) {
+    store = std::make_unique<MemoryStateStore>();
+  } else {
     FileStateStore::Options options{.dir = f.state_dir, .fd_store_max = f.fdstore_max};
     if (options.dir == "auto") {
       absl::string_view stem = socket_path;
@@ -551,7 +560,8 @@ absl::Status Run(const Flags& f) {
       return absl::FailedPreconditionError("--fdstore=yes: $NOTIFY_SOCKET is not set (no service manager)");
     }
     if (fdstore_env != nullptr && unit_max > 0) options.fd_store_max = std::min(options.fd_store_max, unit_max);
-    KVD_ASSIGN_OR_RETURN(store, FileStateStore::Open(options, info, &saved));
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<FileStateStore> file, FileStateStore::Open(options, info, &saved));
+    store = std::move(file);
     for (const std::string& line : saved.problems) spdlog::warn("saved state: {}", line);
     spdlog::info("saved state in {}: epoch {}, {} pools, {} chunk FDs from the service manager; chunk FDs go to {}",
                  options.dir, saved.epoch, saved.pools.size(), saved.fds.size(),
@@ -575,7 +585,7 @@ absl::Status Run(const Flags& f) {
                                                    .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
-  if (store != nullptr) {
+  if (saved_state) {
     const absl::Time restore_start = absl::Now();
     const size_t saved_pools = saved.pools.size();
     const RestoreReport report = manager.Restore(std::move(saved));
@@ -597,16 +607,7 @@ absl::Status Run(const Flags& f) {
                                                            .uuid = info.uuid},
                                                  f.metrics_clients));
     spdlog::info("metrics on http://{}/metrics", f.metrics_address);
-    Metrics* m = metrics.get();
-    manager.Observe({.reshape_step =
-                         [m](const ReshapeReport& r) {
-                           m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
-                         },
-                     .background_compaction = [m](absl::Duration elapsed,
-                                                  bool ok) { m->ObserveOperation(Operation::kCompact, elapsed, ok); }});
   }
-  // The manager's threads stop reporting before metrics goes.
-  absl::Cleanup forget_metrics = [&] { manager.Observe({}); };
   // kvd accepts the control socket's connections itself, so that every RPC's connection has a peer
   // (SO_PEERCRED) a session token is checked against: ControlSocket.
   KVD_ASSIGN_OR_RETURN(
@@ -640,6 +641,24 @@ absl::Status Run(const Flags& f) {
   KVD_RETURN_IF_ERROR(control->Serve(server.get()));
   server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
   server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
+
+  // What the manager reports on its own: metrics, and whether the saved state is current, as the health
+  // service's "kvd.state" (NOT_SERVING while degraded; "" and kvd.v1.Kvd stay SERVING: the daemon serves
+  // as before, and a probe that restarted it would make the stale records count). docs/operations.md.
+  PoolManager::Observers observers{.state_degraded = [health = server->GetHealthCheckService()](bool degraded) {
+    health->SetServingStatus(kStateHealthService, !degraded);
+  }};
+  if (Metrics* m = metrics.get(); m != nullptr) {
+    observers.reshape_step = [m](const ReshapeReport& r) {
+      m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
+    };
+    observers.background_compaction = [m](absl::Duration elapsed, bool ok) {
+      m->ObserveOperation(Operation::kCompact, elapsed, ok);
+    };
+  }
+  manager.Observe(std::move(observers));
+  // The manager's threads stop reporting before the server and metrics go.
+  absl::Cleanup forget_observers = [&] { manager.Observe({}); };
 
   KVD_ASSIGN_OR_RETURN(
       std::unique_ptr<HandleChannel> channel,
@@ -696,7 +715,7 @@ absl::Status Run(const Flags& f) {
     if (errno != EINTR) return ErrnoStatus(errno, "sigwaitinfo");
   }
   spdlog::info("{} from pid {}: stopping", sigabbrev_np(signal_info.si_signo), signal_info.si_pid);
-  const bool keep_pools = store != nullptr && !f.drain_on_stop;
+  const bool keep_pools = saved_state && !f.drain_on_stop;
   sd_notify(0, keep_pools ? "STOPPING=1\nSTATUS=stopping: keeping every pool for the next start"
                           : "STOPPING=1\nSTATUS=stopping: releasing all memory");
 

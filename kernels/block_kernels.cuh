@@ -1,6 +1,6 @@
-// The block kernels (DESIGN.md section 10): zero, copy, pack and unpack over a BlockSpan, as runs of
-// bytes (Note [Block runs] in block_kernels.h). The one source for both GPU backends, written in the
-// CUDA dialect that HIP also speaks (uint4, make_uint4, __funnelshift_r, __launch_bounds__):
+// The block kernels (docs/backends.md, "One source for the block kernels"): zero, copy, pack and unpack over a
+// BlockSpan, as runs of bytes (Note [Block runs] in block_kernels.h). The one source for both GPU backends, written in
+// the CUDA dialect that HIP also speaks (uint4, make_uint4, __funnelshift_r, __launch_bounds__):
 //   cuda/block_kernels.cu   includes it; nvcc --fatbin, embedded, loaded with cuModuleLoadData
 //   hip/block_kernels.hip   includes it after <hip/hip_runtime.h>; hipcc --genco, embedded, loaded
 //                           with hipModuleLoadData

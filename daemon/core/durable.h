@@ -2,6 +2,10 @@
 // each pool (SavedPool) written on every change, and each chunk's exported FD, held by the service
 // manager's file-descriptor store where there is one. The PoolManager calls a StateStore with the pool's
 // op_mu held, so the records of one pool are written in order; different pools share nothing here.
+//
+// The StateStore interface is the seam: FileStateStore (daemon/state/state_store.h) is the daemon's with
+// --state-dir, MemoryStateStore (memory_state_store.h) the complete in-memory one that tests run on and
+// that the daemon uses when nothing must outlive it. A PoolManager always has one.
 #pragma once
 
 #include <cstdint>
@@ -41,18 +45,23 @@ struct SavedPool {
   PoolMetadata metadata;
 };
 
+// Thread-safe: the PoolManager calls it from many threads (one pool's calls in order, under its op_mu).
 class StateStore {
  public:
   virtual ~StateStore() = default;
 
+  // What keeps the pools' memory across a restart with this store (DeviceInfo.durability).
   virtual Durability durability() const = 0;
-  // Writes (replaces) the record of `pool.name`, atomically.
+  // Writes (replaces) the record of `pool.name`, atomically: a successor reads the old record or the new
+  // one, never a mix. A failure leaves the old record (or none) in place.
   [[nodiscard]] virtual absl::Status SavePool(const SavedPool& pool) = 0;
+  // Removes the record of `name` (OK when there is none).
   [[nodiscard]] virtual absl::Status ForgetPool(absl::string_view name) = 0;
   // Hands a copy of chunk `id`'s FD to the file-descriptor store (OK and nothing without one).
   // RESOURCE_EXHAUSTED naming the limit when the store is full: the chunk must not be made.
   [[nodiscard]] virtual absl::Status KeepChunkFd(uint64_t id, int fd) = 0;
-  // Takes chunk `id`'s FD out of the store (nothing without one, or when it is not there).
+  // Takes chunk `id`'s FD out of the store (nothing without one, or when it is not there). Cannot fail
+  // the caller: a store that could not take it out reports that itself (the next start releases it).
   virtual void DropChunkFd(uint64_t id) = 0;
 };
 

@@ -1,4 +1,4 @@
-// Geometry: where every byte of a pool lives (DESIGN.md section 4, docs/layouts.md).
+// Geometry: where every byte of a pool lives (docs/layouts.md, "The placement formula").
 //
 // Strides are dense and computed innermost-out over the layout's order, in bytes (innermost = e).
 // The dims before B in the order split the pool into segments, each one contiguous run of

@@ -1,4 +1,4 @@
-// The KV-cache layout vocabulary (DESIGN.md section 3): the logical dims [L, B, H, N, C] and the six
+// The KV-cache layout vocabulary (docs/layouts.md, "The vocabulary"): the logical dims [L, B, H, N, C] and the six
 // physical orders kvd supports. A Layout is a small value type, cheap to copy, thread-compatible.
 #pragma once
 
@@ -19,7 +19,7 @@ char DimName(Dim dim);  // 'L', 'B', 'H', 'N', 'C'
 
 class Layout {
  public:
-  // In canonical order (the order DESIGN.md lists them and "first allowed" refers to).
+  // In canonical order (the order docs/layouts.md's table lists them and "first allowed" refers to).
   enum class Id : uint8_t { kLBHNC = 0, kLBNHC, kLHBNC, kBLHNC, kBLNHC, kBHLNC };
   static constexpr int kCount = 6;
 

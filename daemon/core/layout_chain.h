@@ -1,4 +1,4 @@
-// The layout precedence chain (DESIGN.md section 3, docs/layouts.md): the daemon is its single
+// The layout precedence chain (docs/layouts.md, "The precedence chain"): the daemon is its single
 // writer. Resolution is a pure function of the request and the daemon's policy, so the same inputs
 // always give the same layout; the result says which rule won and what was ignored, and why.
 //

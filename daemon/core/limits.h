@@ -1,5 +1,5 @@
 // Limits: how much of the daemon one tenant (a uid) and all tenants together may hold, so that no user
-// of the sockets can starve or out-budget the others (DESIGN.md section 7, docs/operations.md "Limits").
+// of the sockets can starve or out-budget the others (docs/operations.md "Limits").
 //
 // Every limit is a daemon flag. A total limit keeps a share for the operator: root and the daemon's own
 // uid ("operator uids") may use all of it, every other uid only the ordinary share, the total less

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "daemon/core/memory_state_store.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
 
@@ -118,6 +119,8 @@ DeviceInfo ReadInfo(Device* device) {
 PoolManager::PoolManager(Device* device, ManagerOptions options)
     : device_(device),
       options_(WithDaemonUid(std::move(options))),
+      own_store_(options_.store == nullptr ? std::make_unique<MemoryStateStore>() : nullptr),
+      store_(options_.store != nullptr ? options_.store : own_store_.get()),
       device_info_(ReadInfo(device)),
       capabilities_(device->Capabilities()),
       budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
@@ -185,7 +188,7 @@ void PoolManager::ErasePoolLocked(const Pool& pool) {
   reserved_total_ -= std::min(reserved_total_, reserved);
 }
 
-bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view client_id) {
+bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view client_id, uint64_t* freed) {
   bool found = false;
   for (auto it = orphaned_.begin(); it != orphaned_.end();) {
     std::map<std::string, std::string>& clients = it->held.clients;
@@ -198,7 +201,7 @@ bool PoolManager::LetGoLocked(absl::string_view session, absl::string_view clien
       }
     }
     if (clients.empty()) {
-      budget_.Give(it->held.bytes);
+      *freed += it->held.bytes;
       it = orphaned_.erase(it);
     } else {
       ++it;
@@ -212,10 +215,12 @@ void PoolManager::CloseSession(absl::string_view session) {
   // under their pool's lock), and everything it installed before is found below.
   if (!sessions_.Close(session)) return;
   leases_.DropSession(session);
+  uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    LetGoLocked(session, {});
+    LetGoLocked(session, {}, &freed);
   }
+  budget_.Give(freed);  // after mu_: the budget's lock is a leaf too (Note [Lock order])
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
@@ -246,7 +251,8 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   s.capabilities = capabilities_;
   s.epoch = options_.epoch;
   s.started_at = options_.started_at;
-  s.durability = options_.store != nullptr ? options_.store->durability() : Durability::kNone;
+  s.durability = store_->durability();
+  s.state = state_health();
   return s;
 }
 
@@ -370,16 +376,10 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   }
   staged.chunks = *std::move(made);
   // Into the FD store before any client can see them: a restart after the commit finds them there.
-  if (options_.store != nullptr) {
-    for (size_t i = 0; i < staged.chunks.size(); ++i) {
-      if (absl::Status kept = options_.store->KeepChunkFd(staged.chunks[i].info.id, staged.chunks[i].fd.get());
-          !kept.ok()) {
-        for (size_t j = 0; j < i; ++j) options_.store->DropChunkFd(staged.chunks[j].info.id);
-        for (ChunkRecord& r : staged.chunks) DiscardChunk(pool.base(), r);
-        budget_.Give(staged.bytes);
-        return kept;
-      }
-    }
+  if (absl::Status kept = KeepFds(staged.chunks); !kept.ok()) {
+    for (ChunkRecord& r : staged.chunks) DiscardChunk(pool.base(), r);
+    budget_.Give(staged.bytes);
+    return kept;
   }
   return staged;
 }
@@ -387,7 +387,7 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
 void PoolManager::Unstage(Pool& pool, Staged& staged) {
   pool.CancelPause();  // a prepared shrink's or sleep's pause, called off
   for (ChunkRecord& r : staged.chunks) {
-    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+    store_->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
   }
   staged.chunks.clear();
@@ -577,8 +577,8 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   if (const std::string held = pool.View(ViewClients::kCounted).transaction; !held.empty()) {
     transactions_.Remove(held, why == EventType::kPoolDeleted ? "its pool was deleted" : "kvd is shutting down");
   }
-  const bool forget = why != EventType::kDaemonRestarting && options_.store != nullptr;
-  if (forget) options_.store->ForgetPool(pool.name()).IgnoreError();  // the store logs its failures
+  const bool forget = why != EventType::kDaemonRestarting;
+  if (forget) Forget(pool);
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
@@ -588,7 +588,7 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
     orphaned_.push_back({.pool = pool.name(), .held = std::move(held)});
   }
   for (ChunkRecord& r : chunks) {
-    if (forget) options_.store->DropChunkFd(r.info.id);
+    if (forget) store_->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
   }
   if (pool.base() != 0) device_->Free(pool.base(), pool.geometry().reserved_bytes()).IgnoreError();
@@ -619,9 +619,14 @@ absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_
   absl::StatusOr<std::shared_ptr<Pool>> found = FindClient(client_id);
   if (!found.ok()) {
     // A client of a deleted pool declaring that it let go of the pool's memory.
-    absl::MutexLock lock(&mu_);
-    if (released && LetGoLocked(caller.session, client_id)) return absl::OkStatus();
-    return found.status();
+    uint64_t freed = 0;
+    bool let_go = false;
+    {
+      absl::MutexLock lock(&mu_);
+      let_go = released && LetGoLocked(caller.session, client_id, &freed);
+    }
+    budget_.Give(freed);
+    return let_go ? absl::OkStatus() : found.status();
   }
   std::shared_ptr<Pool> pool = *std::move(found);
   KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id, released));
@@ -682,7 +687,7 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
   Save(pool);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
   for (ChunkRecord& r : released) {
-    if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+    store_->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
   }
   update.elapsed = absl::Now() - start;
@@ -921,6 +926,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
 void PoolManager::Observe(Observers observers) {
   absl::MutexLock lock(&observer_mu_);
   observers_ = std::move(observers);
+  if (observers_.state_degraded) observers_.state_degraded(state_degraded_.load(std::memory_order_acquire));
 }
 
 void PoolManager::ObserveStep(const ReshapeReport& step) {
@@ -1004,19 +1010,16 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
     }
     added = *std::move(made);
   }
-  size_t kept_fds = 0;
+  bool fds_kept = false;
   // Until applied, the new chunks are the daemon's alone: a failure unmaps and releases them.
   absl::Cleanup discard = [&] {
-    for (size_t i = 0; i < added.size(); ++i) {
-      if (i < kept_fds) options_.store->DropChunkFd(added[i].info.id);
-      DiscardChunk(next, added[i]);
+    for (ChunkRecord& r : added) {
+      if (fds_kept) store_->DropChunkFd(r.info.id);
+      DiscardChunk(next, r);
     }
   };
-  if (options_.store != nullptr) {
-    for (; kept_fds < added.size(); ++kept_fds) {
-      KVD_RETURN_IF_ERROR(options_.store->KeepChunkFd(added[kept_fds].info.id, added[kept_fds].fd.get()));
-    }
-  }
+  KVD_RETURN_IF_ERROR(KeepFds(added));
+  fds_kept = true;
   const std::vector<ChunkRecord*> staying = pool.ChunksById(staying_ids);
   size_t remapped = 0;
   absl::Cleanup unmap_staying = [&] {
@@ -1081,9 +1084,7 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   PoolUpdate update = pool.ApplyReshape(plan, std::move(added), &teardown->chunks);
   Save(pool);
   // The record no longer names them (Note [Durable pools]); their memory goes with the old view.
-  if (options_.store != nullptr) {
-    for (const ChunkRecord& r : teardown->chunks) options_.store->DropChunkFd(r.info.id);
-  }
+  for (const ChunkRecord& r : teardown->chunks) store_->DropChunkFd(r.info.id);
   teardown->base = base;
   teardown->bytes = reserved;
   teardown->mapped = std::move(mapped);
@@ -1481,8 +1482,57 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
 // ---------------------------------------------------------------------------------------------
 // Durability: see Note [Durable pools] in docs/architecture.md.
 
-void PoolManager::Save(Pool& pool) {
-  if (options_.store != nullptr) options_.store->SavePool(pool.Saved()).IgnoreError();  // the store logs failures
+void PoolManager::Save(Pool& pool) { NoteSaved(pool.name(), store_->SavePool(pool.Saved()), "written"); }
+
+void PoolManager::Forget(Pool& pool) { NoteSaved(pool.name(), store_->ForgetPool(pool.name()), "removed"); }
+
+void PoolManager::NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what) {
+  bool degraded = false;
+  {
+    absl::MutexLock lock(&state_mu_);
+    const bool was = !stale_.empty();
+    if (written.ok()) {
+      if (auto it = stale_.find(pool); it != stale_.end()) stale_.erase(it);
+    } else {
+      ++save_failures_;
+      stale_[std::string(pool)] = {
+          .error = absl::StrCat("pool ", pool, ": its saved record could not be ", what, ": ", written.message()),
+          .sequence = save_failures_};
+    }
+    degraded = !stale_.empty();
+    if (degraded == was && written.ok()) return;
+    state_degraded_.store(degraded, std::memory_order_release);
+  }
+  if (!written.ok()) {
+    Warn(absl::StrCat("pool ", pool, ": its saved record could not be ", what, " (", written.message(),
+                      "): a restart now would restore it as its last saved record says; kvd reports the state as "
+                      "degraded until a later save of the pool succeeds"));
+  }
+  absl::MutexLock lock(&observer_mu_);
+  if (observers_.state_degraded) observers_.state_degraded(state_degraded_.load(std::memory_order_acquire));
+}
+
+StateHealth PoolManager::state_health() const {
+  absl::MutexLock lock(&state_mu_);
+  StateHealth health{.save_failures = save_failures_, .stale_pools = static_cast<uint32_t>(stale_.size())};
+  uint64_t latest = 0;
+  for (const auto& [name, stale] : stale_) {
+    if (stale.sequence > latest) {
+      latest = stale.sequence;
+      health.error = stale.error;
+    }
+  }
+  return health;
+}
+
+absl::Status PoolManager::KeepFds(absl::Span<const ChunkRecord> chunks) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (absl::Status kept = store_->KeepChunkFd(chunks[i].info.id, chunks[i].fd.get()); !kept.ok()) {
+      for (size_t j = 0; j < i; ++j) store_->DropChunkFd(chunks[j].info.id);
+      return kept;
+    }
+  }
+  return absl::OkStatus();
 }
 
 RestoreReport PoolManager::Restore(SavedState saved) {
@@ -1504,7 +1554,7 @@ RestoreReport PoolManager::Restore(SavedState saved) {
     report.lines.push_back(absl::StrCat("chunk ", id,
                                         ": its FD was in the store but no saved pool has it "
                                         "(an uncommitted grow or prepare): released"));
-    if (options_.store != nullptr) options_.store->DropChunkFd(id);
+    store_->DropChunkFd(id);
     ++report.fds_released;
   }
   for (const std::string& line : report.lines) Warn(line);
@@ -1538,7 +1588,7 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
     auto fd = fds.extract(info.id);
     absl::Status adopted =
         !fd.empty() ? absl::OkStatus()
-        : options_.store != nullptr && options_.store->durability() == Durability::kFdStore
+        : store_->durability() == Durability::kFdStore
             ? absl::NotFoundError("no FD for it in the service manager's store")
             : absl::NotFoundError("no FD store: waiting for the clients that map it to give it back");
     if (adopted.ok()) adopted = CheckChunkFd(device_->kind(), fd.mapped().get(), info.bytes);
@@ -1555,7 +1605,7 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
       }
     }
     // An FD that is not the chunk leaves the store: a client may give the real one back.
-    if (!adopted.ok() && !fd.empty() && options_.store != nullptr) options_.store->DropChunkFd(info.id);
+    if (!adopted.ok() && !fd.empty()) store_->DropChunkFd(info.id);
     if (adopted.ok()) {
       ++report.chunks_adopted;
       report.bytes_adopted += info.bytes;
@@ -1602,7 +1652,7 @@ void PoolManager::ExpireRecovery(absl::Time deadline) {
                         ") was not given back within the recovery grace: lost; the pool sleeps"));
     }
     for (ChunkRecord& r : present) {
-      if (options_.store != nullptr) options_.store->DropChunkFd(r.info.id);
+      store_->DropChunkFd(r.info.id);
       DiscardChunk(pool->base(), r);
     }
     if (!lost.empty()) Save(*pool);
@@ -1654,14 +1704,7 @@ absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_vi
     }
     adopted.push_back({.info = info, .chunk = *chunk, .fd = std::move(fds[i].second)});
   }
-  if (options_.store != nullptr) {
-    for (size_t i = 0; i < adopted.size(); ++i) {
-      if (absl::Status kept = options_.store->KeepChunkFd(adopted[i].info.id, adopted[i].fd.get()); !kept.ok()) {
-        for (size_t j = 0; j < i; ++j) options_.store->DropChunkFd(adopted[j].info.id);
-        return kept;
-      }
-    }
-  }
+  KVD_RETURN_IF_ERROR(KeepFds(adopted));  // on failure `undo` releases what was adopted
   std::move(undo).Cancel();
   Returned out;
   for (const ChunkRecord& r : adopted) out.adopted.push_back(r.info.id);

@@ -1,6 +1,6 @@
-// PoolManager: the daemon's domain model (DESIGN.md sections 5-7). It owns every pool of one device:
-// their VA reservations, chunks (created, mapped into the daemon's own address space, exported once),
-// attached clients, leases for the handle channel, release acknowledgements and the budget.
+// PoolManager: the daemon's domain model (docs/architecture.md, "Layers"; the API it serves: docs/api.md). It owns
+// every pool of one device: their VA reservations, chunks (created, mapped into the daemon's own address space,
+// exported once), attached clients, leases for the handle channel, release acknowledgements and the budget.
 //
 // Rooms. The manager finds pools and makes and releases their memory on the device; the state lives
 // in rooms with their own locks: each Pool (pool.h: its table, clients, releases and held transaction,
@@ -58,6 +58,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/core/budget.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
@@ -92,7 +93,9 @@ struct ManagerOptions {
   uint32_t daemon_uid = 0;
   uint64_t max_metadata_bytes = uint64_t{1} << 20;  // PoolMetadata.data
   // Durability (Note [Durable pools]). `store` (not owned, outlives the manager) is told of every change;
-  // null: nothing outlives the daemon. `epoch` is this daemon's (1 + the restored state's).
+  // null: the manager makes and owns a MemoryStateStore of durability kNone (nothing outlives the
+  // daemon). Either way the manager always has a store (PoolManager::store()). `epoch` is this daemon's
+  // (1 + the restored state's).
   StateStore* store = nullptr;
   uint64_t epoch = 1;
   absl::Time started_at = absl::Now();
@@ -157,6 +160,10 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<DeviceStatus> GetDeviceStatus() const;
   [[nodiscard]] absl::StatusOr<LayoutResolution> ResolveLayout(const LayoutRequest& request) const;
   const ManagerOptions& options() const { return options_; }
+  // The store every change is saved to: options().store, or the manager's own MemoryStateStore.
+  StateStore& store() const { return *store_; }
+  // Whether the saved state is current (durable.h); also in GetDeviceStatus().
+  StateHealth state_health() const ABSL_LOCKS_EXCLUDED(state_mu_);
   // Whether one range FD of ExportRanges may span several chunks (the device's capability).
   bool range_spans_chunks() const { return capabilities_.range_spans_chunks; }
 
@@ -179,6 +186,9 @@ class PoolManager {
     std::function<void(const ReshapeReport&)> reshape_step;
     // A compaction the manager ran on its own (ManagerOptions::compact_above_chunks).
     std::function<void(absl::Duration elapsed, bool ok)> background_compaction;
+    // Whether the saved state is degraded (StateHealth::degraded): called once when installed and then at
+    // every change, in order.
+    std::function<void(bool degraded)> state_degraded;
   };
   // Replaces the observers before (empty: none) and returns once no call to those runs.
   void Observe(Observers observers) ABSL_LOCKS_EXCLUDED(observer_mu_);
@@ -422,8 +432,17 @@ class PoolManager {
                                             size_t total) const ABSL_LOCKS_EXCLUDED(mu_);
   // Entries per slice of a block operation on `span` (at least one).
   size_t SliceEntries(const BlockSpan& span) const;
-  // Writes the pool's record (op_mu held, so one pool's records are written in order).
+  // Writes the pool's record (op_mu held, so one pool's records are written in order). A failure is
+  // sticky: the pool is stale (StateHealth) until a later save of it succeeds.
   void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Removes the pool's record (op_mu held); a failure leaves the pool stale as a failed Save does.
+  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Notes the outcome of writing or removing `pool`'s record; tells the observer when degraded changes.
+  void NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what)
+      ABSL_LOCKS_EXCLUDED(state_mu_, observer_mu_);
+  // Hands each chunk's FD to the store before any client can see the chunk; on a failure takes back the
+  // ones it handed and returns why (the chunks stay the caller's to discard). Note [Durable pools].
+  [[nodiscard]] absl::Status KeepFds(absl::Span<const ChunkRecord> chunks);
   // Rebuilds one saved pool; nullptr (with the reasons in `report`) when it cannot be.
   std::shared_ptr<Pool> RestorePool(const SavedPool& saved, std::map<uint64_t, UniqueFd>& fds, RestoreReport& report);
   // The recovery grace: at `deadline` (or the daemon's stop) pools still recovering lose their missing chunks.
@@ -432,6 +451,8 @@ class PoolManager {
 
   Device* const device_;
   const ManagerOptions options_;
+  const std::unique_ptr<StateStore> own_store_;  // when options_.store is null
+  StateStore* const store_;                      // never null
   DeviceInfo device_info_;
   DeviceCapabilities capabilities_;  // probed when the device opened
   Budget budget_;
@@ -462,12 +483,23 @@ class PoolManager {
     Pool::Held held;
   };
   std::vector<Orphaned> orphaned_ ABSL_GUARDED_BY(mu_);
-  // Settles `client_id` (every client of `session` when empty) in orphaned_; gives back what no one holds.
+  // Settles `client_id` (every client of `session` when empty) in orphaned_; adds to `*freed` the bytes no
+  // one holds any more, for the caller to give to the budget once mu_ is released (Note [Lock order]).
   // Returns whether it found the client.
-  bool LetGoLocked(absl::string_view session, absl::string_view client_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool LetGoLocked(absl::string_view session, absl::string_view client_id, uint64_t* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
   std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
   std::thread compactor_;
+  // Whether the saved state is current (StateHealth). A leaf.
+  mutable absl::Mutex state_mu_;
+  struct Stale {
+    std::string error;
+    uint64_t sequence = 0;  // of the failure, for the latest
+  };
+  std::map<std::string, Stale, std::less<>> stale_ ABSL_GUARDED_BY(state_mu_);  // by pool
+  uint64_t save_failures_ ABSL_GUARDED_BY(state_mu_) = 0;
+  std::atomic<bool> state_degraded_{false};  // !stale_.empty(), read without state_mu_ by the observer
   // A leaf: held only while calling an observer.
   absl::Mutex observer_mu_;
   Observers observers_ ABSL_GUARDED_BY(observer_mu_);

@@ -1,6 +1,6 @@
-// Validation of what a request asks a pool to be (DESIGN.md section 7: every field validated, every
-// product overflow-checked, every message naming its field), and the plan a valid spec resolves to:
-// the layout chain's result and the geometry on this device.
+// Validation of what a request asks a pool to be (docs/reliability.md "Bad input", docs/layouts.md on
+// overflow: every field validated, every product overflow-checked, every message naming its field), and the plan a
+// valid spec resolves to: the layout chain's result and the geometry on this device.
 #pragma once
 
 #include <cstdint>

@@ -60,6 +60,17 @@ enum class PoolState { kAwake, kSleeping, kRecovering };
 // What keeps the pools' memory across a restart of the daemon (proto Durability).
 enum class Durability { kNone, kClients, kFdStore };
 
+// Whether the saved state is current, for DeviceInfo, metrics and the health service (docs/operations.md, "When saving
+// the state fails"). A record that could not be written (or removed) makes its pool *stale*:
+// a restart now would restore it as its last written record says. Sticky per pool until a later save (or
+// removal) of that pool's record succeeds; a restart clears it (the new daemon starts from what was written).
+struct StateHealth {
+  uint64_t save_failures = 0;  // records not written or not removed since the daemon started
+  uint32_t stale_pools = 0;    // pools whose saved record is not their current state
+  std::string error;           // the latest failure among the stale pools; empty when none is stale
+  bool degraded() const { return stale_pools > 0; }
+};
+
 // Engine-defined bytes kept with a pool across restarts (proto PoolMetadata).
 struct PoolMetadata {
   uint64_t version = 0;  // 0 until the first set
@@ -225,6 +236,7 @@ struct DeviceStatus {
   uint64_t epoch = 0;
   absl::Time started_at;
   Durability durability = Durability::kNone;
+  StateHealth state;
 };
 
 }  // namespace kvd::daemon

@@ -2,8 +2,8 @@
 // chunk FDs on the handle channel.
 //
 // A session is opened on the handle channel, whose SO_PEERCRED gives its uid and pid; its token is
-// then sent as metadata on RPCs (DESIGN.md section 7). A lease names chunks of one pool for one
-// session and is redeemed at most once, before it expires.
+// then sent as metadata on RPCs (docs/api.md, "Identity: sessions and the kvd-session metadata"). A lease names chunks
+// of one pool for one session and is redeemed at most once, before it expires.
 //
 // Threads. Both tables are thread-safe and their locks are leaves: a pool may consult them while
 // holding its own lock (see Note [Lock order] in docs/architecture.md).

@@ -96,6 +96,27 @@ class SnapshotCollector final : public prometheus::Collectable {
       for (auto* f : {&total, &free, &committed, &budget, &epoch, &started}) out.push_back(std::move(*f));
     }
 
+    // The saved state (docs/operations.md, "When saving the state fails"): present even when the device
+    // cannot be read.
+    const StateHealth saved_state = manager_->state_health();
+    prometheus::MetricFamily degraded =
+        Gauge("kvd_state_degraded",
+              "1 while some pool's saved record could not be written (a restart now would restore it as last "
+              "written); 0 once every such pool was saved again.");
+    Add(degraded, {{"device", build_.device}}, saved_state.degraded() ? 1 : 0);
+    out.push_back(std::move(degraded));
+    prometheus::MetricFamily save_failures;
+    save_failures.name = "kvd_state_save_failures_total";
+    save_failures.help = "Pool records under --state-dir that could not be written or removed.";
+    save_failures.type = prometheus::MetricType::Counter;
+    {
+      prometheus::ClientMetric m;
+      m.label = {{"device", build_.device}};
+      m.counter.value = static_cast<double>(saved_state.save_failures);
+      save_failures.metric.push_back(std::move(m));
+    }
+    out.push_back(std::move(save_failures));
+
     // Root sees every pool.
     const std::vector<PoolView> pools =
         manager_->ListPools(Caller{.uid = 0, .pid = 0, .session = "", .name = "metrics"});

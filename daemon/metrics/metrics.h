@@ -1,4 +1,4 @@
-// Metrics: kvd's Prometheus endpoint (DESIGN.md section 8, docs/metrics.md) behind a narrow interface.
+// Metrics: kvd's Prometheus endpoint (docs/metrics.md) behind a narrow interface.
 // prometheus-cpp stays inside metrics.cc; callers see only this header.
 //
 // What is exported. Pool, client and device gauges are built at scrape time from PoolManager

@@ -1,6 +1,6 @@
 // ControlSocket: the gRPC control socket, accepted by kvd itself so that every RPC has a known peer
-// (DESIGN.md section 7; docs/api.md "Identity"). gRPC's own Unix listener does not tell a handler who
-// is calling; this one binds and listens on the socket path, and its accept loop (PeerAcceptor, shared
+// (Note [Every RPC has a peer] in docs/architecture.md; docs/api.md "Identity"). gRPC's own Unix listener does not tell
+// a handler who is calling; this one binds and listens on the socket path, and its accept loop (PeerAcceptor, shared
 // with the handle channel) reads each connection's SO_PEERCRED (uid, gid, pid) and checks the connection
 // limits before handing the connection to the gRPC server with grpc::AddInsecureChannelFromFd. gRPC then
 // names the connection's peer "fd:<N>" (ServerContext::peer()), which PeerOf maps back to the credentials

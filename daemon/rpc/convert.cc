@@ -11,11 +11,6 @@
 namespace kvd::daemon {
 namespace {
 
-uint64_t UnixMillis(absl::Time t) {
-  const int64_t ms = absl::ToUnixMillis(t);
-  return ms > 0 ? static_cast<uint64_t>(ms) : 0;
-}
-
 uint64_t Micros(absl::Duration d) {
   const int64_t us = absl::ToInt64Microseconds(d);
   return us > 0 ? static_cast<uint64_t>(us) : 0;
@@ -34,56 +29,6 @@ LayoutRequest FromProto(const v1::LayoutRequest& proto) {
     r.connector_preferences.push_back({c.connector(), c.layout()});
   }
   return r;
-}
-
-PoolDims FromProto(const v1::PoolDims& proto) {
-  return {.layers = proto.layers(),
-          .capacity_blocks = proto.capacity_blocks(),
-          .heads = proto.heads(),
-          .block_tokens = proto.block_tokens(),
-          .channels = proto.channels(),
-          .element_bytes = proto.element_bytes()};
-}
-
-v1::LayoutRule ToProto(LayoutRule rule) {
-  switch (rule) {
-    case LayoutRule::kRequestOverride:
-      return v1::LAYOUT_RULE_REQUEST_OVERRIDE;
-    case LayoutRule::kOperatorOverride:
-      return v1::LAYOUT_RULE_OPERATOR_OVERRIDE;
-    case LayoutRule::kBackendRequirement:
-      return v1::LAYOUT_RULE_BACKEND_REQUIREMENT;
-    case LayoutRule::kClientEnv:
-      return v1::LAYOUT_RULE_CLIENT_ENV;
-    case LayoutRule::kDaemonEnv:
-      return v1::LAYOUT_RULE_DAEMON_ENV;
-    case LayoutRule::kConnectorPreference:
-      return v1::LAYOUT_RULE_CONNECTOR_PREFERENCE;
-    case LayoutRule::kDefault:
-      return v1::LAYOUT_RULE_DEFAULT;
-  }
-  return v1::LAYOUT_RULE_UNSPECIFIED;
-}
-
-v1::LayoutResolution ToProto(const LayoutResolution& resolution) {
-  v1::LayoutResolution p;
-  p.set_layout(std::string(resolution.layout.name()));
-  p.set_rule(ToProto(resolution.rule));
-  p.set_rule_detail(resolution.rule_detail);
-  for (Layout l : resolution.allowed.layouts()) p.add_allowed_layouts(std::string(l.name()));
-  for (const std::string& w : resolution.warnings) p.add_warnings(w);
-  return p;
-}
-
-v1::PoolDims ToProto(const PoolDims& dims) {
-  v1::PoolDims p;
-  p.set_layers(dims.layers);
-  p.set_capacity_blocks(dims.capacity_blocks);
-  p.set_heads(dims.heads);
-  p.set_block_tokens(dims.block_tokens);
-  p.set_channels(dims.channels);
-  p.set_element_bytes(dims.element_bytes);
-  return p;
 }
 
 v1::Geometry ToProto(const Geometry& g) {
@@ -122,30 +67,6 @@ std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::Bl
   return copies;
 }
 
-v1::Backend ToProto(BackendKind backend) {
-  switch (backend) {
-    case BackendKind::kHost:
-      return v1::BACKEND_HOST;
-    case BackendKind::kCuda:
-      return v1::BACKEND_CUDA;
-    case BackendKind::kHip:
-      return v1::BACKEND_HIP;
-  }
-  return v1::BACKEND_UNSPECIFIED;
-}
-
-v1::PoolState ToProto(PoolState state) {
-  switch (state) {
-    case PoolState::kAwake:
-      return v1::POOL_STATE_AWAKE;
-    case PoolState::kSleeping:
-      return v1::POOL_STATE_SLEEPING;
-    case PoolState::kRecovering:
-      return v1::POOL_STATE_RECOVERING;
-  }
-  return v1::POOL_STATE_UNSPECIFIED;
-}
-
 v1::Durability ToProto(Durability durability) {
   switch (durability) {
     case Durability::kNone:
@@ -156,53 +77,6 @@ v1::Durability ToProto(Durability durability) {
       return v1::DURABILITY_FD_STORE;
   }
   return v1::DURABILITY_UNSPECIFIED;
-}
-
-v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata) {
-  v1::PoolMetadata p;
-  p.set_pool(std::string(pool));
-  p.set_version(metadata.version);
-  p.set_data(metadata.data);
-  if (metadata.version > 0) p.set_updated_at_unix_ms(UnixMillis(metadata.updated_at));
-  return p;
-}
-
-PoolMetadata FromProto(const v1::PoolMetadata& proto) {
-  return {.version = proto.version(),
-          .data = proto.data(),
-          .updated_at = absl::FromUnixMillis(static_cast<int64_t>(proto.updated_at_unix_ms()))};
-}
-
-absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto) {
-  LayoutResolution r;
-  KVD_ASSIGN_OR_RETURN(r.layout, Layout::Parse(proto.layout(), "layout.layout"));
-  bool known = false;
-  for (LayoutRule rule :
-       {LayoutRule::kRequestOverride, LayoutRule::kOperatorOverride, LayoutRule::kBackendRequirement,
-        LayoutRule::kClientEnv, LayoutRule::kDaemonEnv, LayoutRule::kConnectorPreference, LayoutRule::kDefault}) {
-    if (ToProto(rule) == proto.rule()) {
-      r.rule = rule;
-      known = true;
-    }
-  }
-  if (!known) return absl::InvalidArgumentError(absl::StrCat("layout.rule: ", proto.rule(), " is not a known rule"));
-  r.rule_detail = proto.rule_detail();
-  r.allowed = LayoutSet::None();
-  for (int i = 0; i < proto.allowed_layouts_size(); ++i) {
-    KVD_ASSIGN_OR_RETURN(LayoutSet one,
-                         LayoutSet::Parse(proto.allowed_layouts(i), absl::StrCat("layout.allowed_layouts[", i, "]")));
-    r.allowed = r.allowed.Union(one);
-  }
-  r.warnings = {proto.warnings().begin(), proto.warnings().end()};
-  return r;
-}
-
-ChunkInfo FromProto(const v1::Chunk& proto) {
-  return {.id = proto.id(),
-          .segment = proto.segment(),
-          .offset = proto.offset(),
-          .bytes = proto.bytes(),
-          .fabric_handle = proto.fabric_handle()};
 }
 
 absl::StatusOr<PauseOptions> FromProto(const v1::PauseOptions& proto, absl::string_view field) {
@@ -233,16 +107,6 @@ v1::EventType ToProto(EventType type) {
       return v1::EVENT_TYPE_RESUME;
   }
   return v1::EVENT_TYPE_UNSPECIFIED;
-}
-
-v1::Chunk ToProto(const ChunkInfo& chunk) {
-  v1::Chunk p;
-  p.set_id(chunk.id);
-  p.set_segment(chunk.segment);
-  p.set_offset(chunk.offset);
-  p.set_bytes(chunk.bytes);
-  if (!chunk.fabric_handle.empty()) p.set_fabric_handle(chunk.fabric_handle);
-  return p;
 }
 
 v1::Lease ToProto(const Lease& lease) {
@@ -365,6 +229,9 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_epoch(status.epoch);
   p.set_started_at_unix_ms(UnixMillis(status.started_at));
   p.set_durability(ToProto(status.durability));
+  p.set_state_degraded(status.state.degraded());
+  p.set_state_error(status.state.error);
+  p.set_state_save_failures(status.state.save_failures);
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);

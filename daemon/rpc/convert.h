@@ -1,9 +1,12 @@
 // Translation between the v1 API's messages and the core's domain types. Pure functions, no I/O;
-// FromProto validates nothing beyond shape (the core validates values and names the fields).
+// FromProto validates nothing beyond shape (the core validates values and names the fields). The value
+// types the saved state shares (dims, layout resolution, chunks, pool state, metadata, backend) are in
+// daemon/codec/codec.h, included here.
 #pragma once
 
 #include <vector>
 
+#include "daemon/codec/codec.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/pool_manager.h"
@@ -14,30 +17,17 @@
 namespace kvd::daemon {
 
 LayoutRequest FromProto(const v1::LayoutRequest& proto);
-PoolDims FromProto(const v1::PoolDims& proto);
 
-v1::LayoutRule ToProto(LayoutRule rule);
-v1::LayoutResolution ToProto(const LayoutResolution& resolution);
-v1::PoolDims ToProto(const PoolDims& dims);
 v1::Geometry ToProto(const Geometry& geometry);
 
 // Pools, chunks, leases and events (the PoolManager's views). Times become Unix milliseconds.
 PoolSpec FromProto(const v1::CreatePoolRequest& proto);
 std::vector<BlockCopy> FromProto(const google::protobuf::RepeatedPtrField<v1::BlockCopy>& proto);
 
-v1::Backend ToProto(BackendKind backend);
-v1::PoolState ToProto(PoolState state);
 v1::Durability ToProto(Durability durability);
-v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
-PoolMetadata FromProto(const v1::PoolMetadata& proto);
-// The saved state's (kvd/state.proto) layout and chunks: INVALID_ARGUMENT for a layout or rule this
-// build does not know.
-absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto);
-ChunkInfo FromProto(const v1::Chunk& proto);
 // INVALID_ARGUMENT "<field>.timeout_ms: ..." past 600000.
 absl::StatusOr<PauseOptions> FromProto(const v1::PauseOptions& proto, absl::string_view field);
 v1::EventType ToProto(EventType type);
-v1::Chunk ToProto(const ChunkInfo& chunk);
 v1::Lease ToProto(const Lease& lease);
 v1::ClientInfo ToProto(const ClientView& client);
 v1::Pool ToProto(const PoolView& pool);

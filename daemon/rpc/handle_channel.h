@@ -1,5 +1,5 @@
-// The handle channel server (DESIGN.md sections 6 and 7; the protocol is at the bottom of
-// proto/kvd/v1/kvd.proto). A SOCK_SEQPACKET Unix socket beside the gRPC one, on which a client
+// The handle channel server (docs/api.md, "The handle channel protocol" and "Identity"; its messages are
+// at the bottom of proto/kvd/v1/kvd.proto). A SOCK_SEQPACKET Unix socket beside the gRPC one, on which a client
 //   - opens a session (OpenSession): the daemon learns the peer's uid and pid from SO_PEERCRED, asks the
 //     backend for a session token and keeps the connection open as the session's liveness; when the
 //     connection reaches EOF (the client closed it or died) the backend's CloseSession is called;

@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "daemon/rpc/convert.h"
+#include "daemon/codec/codec.h"
 #include "kvd/state.pb.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
@@ -218,21 +218,22 @@ std::string FileStateStore::PoolPath(absl::string_view name) const {
   return absl::StrCat(options_.dir, "/pools/", name);
 }
 
-absl::Status FileStateStore::Failed(absl::Status status) {
+absl::Status FileStateStore::Failed(absl::Status status, bool log) {
   write_errors_.fetch_add(1, std::memory_order_relaxed);
-  spdlog::error("saved state: {} (a restart may not restore this change)", std::string(status.message()));
+  if (log) spdlog::error("saved state: {} (a restart may not restore this change)", std::string(status.message()));
   return status;
 }
 
+// A record that is not written is the manager's to report (it makes the pool stale: PoolManager::Save).
 absl::Status FileStateStore::SavePool(const SavedPool& pool) {
   absl::Status written = WriteAtomically(options_.dir + "/pools", pool.name, ToRecord(pool).SerializeAsString());
-  return written.ok() ? written : Failed(written);
+  return written.ok() ? written : Failed(written, /*log=*/false);
 }
 
 absl::Status FileStateStore::ForgetPool(absl::string_view name) {
   const std::string path = PoolPath(name);
   if (unlink(path.c_str()) == 0 || errno == ENOENT) return absl::OkStatus();
-  return Failed(ErrnoStatus(errno, absl::StrCat("unlink ", path)));
+  return Failed(ErrnoStatus(errno, absl::StrCat("unlink ", path)), /*log=*/false);
 }
 
 absl::Status FileStateStore::KeepChunkFd(uint64_t id, int fd) {

@@ -7,7 +7,9 @@
 //   daemon         kvd.state.DaemonRecord: the device and the epoch
 //   pools/<name>   kvd.state.PoolRecord, one per pool, replaced atomically (write, rename)
 //
-// Thread-safe. Failures to write are logged and counted (write_errors) here; the caller goes on.
+// Thread-safe. Every failure to write is counted (write_errors); a record that is not written or removed
+// is returned to the PoolManager, which reports it and keeps the pool stale (StateHealth in
+// daemon/core/pool_types.h); a chunk FD that cannot be handed over or taken back is logged here.
 #pragma once
 
 #include <atomic>
@@ -54,7 +56,7 @@ class FileStateStore final : public StateStore {
  private:
   explicit FileStateStore(Options options) : options_(std::move(options)) {}
   std::string PoolPath(absl::string_view name) const;
-  absl::Status Failed(absl::Status status);
+  absl::Status Failed(absl::Status status, bool log = true);
 
   const Options options_;
   std::atomic<uint64_t> write_errors_{0};

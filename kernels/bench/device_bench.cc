@@ -457,7 +457,8 @@ absl::StatusOr<std::string> ImporterRound(Path& path, int socket, uint64_t chunk
   for (; closed < n; ++closed) {
     KVD_ASSIGN_OR_RETURN(uint64_t handle, path.Import(fds[closed], chunk));
     handles.push_back(handle);
-    close(fds[closed]);  // DESIGN.md section 6: the importer closes each FD right after importing it
+    close(fds[closed]);  // Note [FD hygiene] in docs/architecture.md: the importer closes each FD right after importing
+                         // it
   }
   t["importer.import"] = MsSince(start);
   start = Clock::now();

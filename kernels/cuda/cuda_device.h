@@ -1,4 +1,4 @@
-// The CUDA backend (DESIGN.md section 9): device memory through CUDA virtual memory management, with
+// The CUDA backend (docs/backends.md, "cuda"): device memory through CUDA virtual memory management, with
 // the driver API loaded at run time (cuda_driver.h), so nothing here links libcuda:
 //
 //   Reserve  cuMemAddressReserve (aligned to the granularity); Free: cuMemAddressFree.

@@ -1,4 +1,4 @@
-// The hip backend (DESIGN.md section 9): kvd::Device over HIP's virtual memory management calls
+// The hip backend (docs/backends.md, "hip"): kvd::Device over HIP's virtual memory management calls
 // (hipMemAddressReserve / hipMemCreate / hipMemMap / hipMemSetAccess / hipMemExportToShareableHandle
 // / hipMemImportFromShareableHandle), with the block kernels of ../block_kernels.cuh (shared with CUDA). The runtime is
 // loaded at run time through hip_runtime_table.h; nothing links libamdhip64.

@@ -9,8 +9,8 @@
 // Threads. LoadHipRuntime() is safe to call from any thread; the table's function pointers are the
 // runtime's own entry points and carry the runtime's thread-safety guarantees.
 //
-// Errors. HipStatus() is the one place a hipError_t becomes an absl::Status (DESIGN.md section 9,
-// STYLE.md "Errors"): hipErrorOutOfMemory -> RESOURCE_EXHAUSTED, hipErrorInvalidValue ->
+// Errors. HipStatus() is the one place a hipError_t becomes an absl::Status (docs/backends.md,
+// the errors paragraph at its top): hipErrorOutOfMemory -> RESOURCE_EXHAUSTED, hipErrorInvalidValue ->
 // INVALID_ARGUMENT, hipErrorNoDevice / hipErrorInvalidDevice / hipErrorInsufficientDriver ->
 // UNAVAILABLE, anything else INTERNAL; the message keeps the call, the error's name (from the
 // runtime's hipGetErrorName) and its number.

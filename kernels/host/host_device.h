@@ -1,4 +1,4 @@
-// The host backend (DESIGN.md section 9): kvd's embedded default and the backend CI runs on. Device
+// The host backend (docs/backends.md, "host"): kvd's embedded default and the backend CI runs on. Device
 // memory is ordinary host memory held in memfds, so every lifecycle step of a GPU backend has a real,
 // observable counterpart here:
 //

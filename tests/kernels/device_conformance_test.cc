@@ -1,6 +1,7 @@
-// The device conformance suite (DESIGN.md section 9: "each backend passes the same conformance test
-// suite"). Every test runs once per backend; an instance whose backend was not built or has no
-// device is reported as skipped. GPU instances carry the ctest label `gpu` (tests/kernels/CMakeLists.txt).
+// The device conformance suite (docs/backends.md: every backend passes one conformance suite, and Note
+// [One device contract, one book] in docs/architecture.md). Every test runs once per backend; an instance whose backend
+// was not built or has no device is reported as skipped. GPU instances carry the ctest label `gpu`
+// (tests/kernels/CMakeLists.txt).
 //
 // What each backend must show:
 //  - reserve / map / unmap / remap at the same VA, fresh memory reading back as zeros;

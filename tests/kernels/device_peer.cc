@@ -91,7 +91,7 @@ class Peer {
     }
     if (fds.size() != 1) return absl::InvalidArgumentError(absl::StrCat("IMPORT: ", fds.size(), " FDs, expected 1"));
     if (chunk_) return absl::FailedPreconditionError("IMPORT: a chunk is already imported");
-    // The importer closes the FD right after importing it (DESIGN.md section 6, FD hygiene).
+    // The importer closes the FD right after importing it (Note [FD hygiene] in docs/architecture.md).
     absl::StatusOr<Chunk> chunk = device_->Import(fds[0], bytes);
     close(fds[0]);
     fds[0] = -1;

@@ -3,7 +3,8 @@
 // rollback: after a failed operation the live counts must be what they were before.
 //
 // The fallible calls are the ones that acquire something or can fail for want of it: Info, Reserve,
-// Create, Map, Export, ExportFabricHandle and ExportRange. The calls that give things back (Free,
+// Create, Import, Map, Export, ExportFabricHandle and ExportRange. An imported chunk counts as live as a
+// created one does. The calls that give things back (Free,
 // Release, Unmap) and the block operations are forwarded and counted, never failed.
 #pragma once
 
@@ -19,7 +20,7 @@ namespace kvd::testing {
 
 class FaultDevice final : public Device {
  public:
-  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange, kCopyRange };
+  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange, kCopyRange, kImport };
 
   explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
 
@@ -92,7 +93,12 @@ class FaultDevice final : public Device {
     if (absl::Status s = Fault(Op::kExport); !s.ok()) return s;
     return inner_->Export(chunk);
   }
-  absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override { return inner_->Import(fd, bytes); }
+  absl::StatusOr<Chunk> Import(int fd, uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kImport); !s.ok()) return s;
+    absl::StatusOr<Chunk> c = inner_->Import(fd, bytes);
+    if (c.ok()) ++live_chunks_;
+    return c;
+  }
   absl::Status CheckPeerAccess(absl::string_view owner_uuid) override { return inner_->CheckPeerAccess(owner_uuid); }
   DeviceCapabilities Capabilities() const override {
     DeviceCapabilities caps = inner_->Capabilities();

@@ -185,9 +185,9 @@ class Device {
   // chunk's bytes into its replacement with it (Note [Chunks are replaced, not cut] in docs/architecture.md).
   [[nodiscard]] virtual absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) = 0;
 
-  // Block operations (DESIGN.md section 10). Block ids must be < span.blocks; in CopyBlocks no dst
-  // may repeat or also be a src. Pack writes blocks.size() packed blocks to device memory at `dst`;
-  // Unpack reads them from `src`. Each returns once the device has finished. Every run the call reads
+  // Block operations (Note [Block operations see runs, not dims] in docs/architecture.md). Block ids must be <
+  // span.blocks; in CopyBlocks no dst may repeat or also be a src. Pack writes blocks.size() packed blocks to device
+  // memory at `dst`; Unpack reads them from `src`. Each returns once the device has finished. Every run the call reads
   // must be mapped, and every run it writes mapped read-write (codes: "Misuse" above); an empty
   // list of blocks or copies is a no-op.
   [[nodiscard]] virtual absl::Status ZeroBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) = 0;

@@ -1,5 +1,5 @@
-// Passing FDs between processes over a connected Unix socket with SCM_RIGHTS (DESIGN.md section 6).
-// Each message carries a payload (at least one byte) and up to kMaxFdsPerMessage FDs. Thread
+// Passing FDs between processes over a connected Unix socket with SCM_RIGHTS (Note [FD hygiene] in
+// docs/architecture.md). Each message carries a payload (at least one byte) and up to kMaxFdsPerMessage FDs. Thread
 // compatible: one sender and one receiver per socket at a time.
 #pragma once
 

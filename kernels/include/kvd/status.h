@@ -10,8 +10,8 @@
 
 namespace kvd {
 
-// The one translation of an errno value into a Status, used wherever a system call fails (STYLE.md,
-// Errors). The message is "<call>: <strerror> (<errno name>)", e.g.
+// The one translation of an errno value into a Status, used wherever a system call fails (docs/backends.md,
+// the errors paragraph at its top). The message is "<call>: <strerror> (<errno name>)", e.g.
 // "mmap(PROT_NONE, 4194304 bytes): Cannot allocate memory (ENOMEM)"; `call` should name the system
 // call and what it was asked. The code:
 //   ENOMEM, ENOSPC, ENOBUFS, ETOOMANYREFS      RESOURCE_EXHAUSTED

@@ -11,10 +11,12 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/core/memory_state_store.h"
 #include "daemon/core/pool_manager.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvd/device.h"
+#include "tests/testing/fault_store.h"
 #include "tests/testing/status_matchers.h"
 
 namespace kvd::daemon {
@@ -101,6 +103,9 @@ TEST_F(MetricsTest, ScrapeHasCountersHistogramsAndDeviceGaugesButNoPoolsWhenTher
   EXPECT_THAT(body,
               HasSubstr(absl::StrCat(R"(kvd_daemon_epoch{device="0",backend="host",uuid=")", info.uuid, R"("} 1)")));
   EXPECT_THAT(body, HasSubstr("kvd_daemon_start_time_seconds{"));
+  // The saved state (an in-memory store here) is current, and no write of it failed.
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_degraded{device="0"} 0)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_save_failures_total{device="0"} 0)"));
   EXPECT_THAT(body, Not(HasSubstr("kvd_pool_committed_bytes{")));
 }
 
@@ -131,6 +136,33 @@ TEST_F(MetricsTest, APoolHeldByAGroupTransactionAndItsGroupAreScraped) {
   ASSERT_TRUE(manager_->Abort(caller, held.transaction).ok());
   body = Scrape((*m)->port());
   EXPECT_THAT(body, HasSubstr(R"(kvd_pool_held{device="0",pool="llama-r1"} 0)"));
+}
+
+// A pool record that could not be written: kvd_state_degraded is 1 until the pool is saved again; the
+// failure stays counted.
+TEST_F(MetricsTest, AFailedSaveShowsAsDegradedUntilThePoolIsSavedAgain) {
+  MemoryStateStore memory;
+  testing::FaultStore faulty(&memory);
+  manager_ = std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 128 * kMiB, .store = &faulty});
+  absl::StatusOr<std::unique_ptr<Metrics>> m = Metrics::Serve("127.0.0.1:0", manager_.get(), {"9.9.9", "host", "0"});
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Caller root = *manager_->Authenticate(*manager_->OpenSession(0, 1, "root"));
+  PoolSpec spec{
+      .name = "p",
+      .dims =
+          {.layers = 2, .capacity_blocks = 64, .heads = 2, .block_tokens = 16, .channels = 1024, .element_bytes = 2},
+      .initial_blocks = 32};
+  faulty.FailNth(testing::FaultStore::Op::kSave, 1, absl::ResourceExhaustedError("write: No space left on device"));
+  ASSERT_TRUE(manager_->CreatePool(root, spec).ok());
+  std::string body = Scrape((*m)->port());
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_degraded{device="0"} 1)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_save_failures_total{device="0"} 1)"));
+  ASSERT_TRUE(manager_->Grow(root, "p", 64).ok());
+  body = Scrape((*m)->port());
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_degraded{device="0"} 0)"));
+  EXPECT_THAT(body, HasSubstr(R"(kvd_state_save_failures_total{device="0"} 1)"));
+  m->reset();
+  manager_.reset();
 }
 
 }  // namespace

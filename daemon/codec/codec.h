@@ -1,0 +1,36 @@
+// The core's value types <-> their kvd.v1 messages: the pieces that both the API (daemon/rpc/convert.h)
+// and the saved state (daemon/state/, kvd/state.proto) are made of. Pure functions, no I/O; FromProto
+// validates nothing beyond shape. Depends on the core and the generated messages only, so `rpc -> codec`
+// and `state -> codec` with no edge between rpc and state (docs/architecture.md, "Layers").
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "daemon/core/layout_chain.h"
+#include "daemon/core/pool_spec.h"
+#include "daemon/core/pool_types.h"
+#include "kvd/device.h"
+#include "kvd/v1/kvd.pb.h"
+
+namespace kvd::daemon {
+
+// Unix milliseconds; 0 for a time before the epoch.
+uint64_t UnixMillis(absl::Time t);
+
+PoolDims FromProto(const v1::PoolDims& proto);
+v1::PoolDims ToProto(const PoolDims& dims);
+v1::LayoutRule ToProto(LayoutRule rule);
+v1::LayoutResolution ToProto(const LayoutResolution& resolution);
+// INVALID_ARGUMENT for a layout or rule this build does not know.
+absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto);
+v1::Backend ToProto(BackendKind backend);
+v1::PoolState ToProto(PoolState state);
+v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
+PoolMetadata FromProto(const v1::PoolMetadata& proto);
+v1::Chunk ToProto(const ChunkInfo& chunk);
+ChunkInfo FromProto(const v1::Chunk& proto);
+
+}  // namespace kvd::daemon

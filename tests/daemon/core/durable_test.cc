@@ -1,0 +1,470 @@
+// Durability (Note [Durable pools] in docs/architecture.md) on the in-memory store: a restart rebuilds
+// the pools from their records and FDs, clients give back what the store did not keep, the recovery grace
+// loses the rest, a failed save is sticky and visible, and an FD the store refuses leaves nothing behind.
+// A restart here is what it is for a daemon: Shutdown(keep_pools), then a new PoolManager (epoch + 1) on
+// what the store kept (MemoryStateStore::Reopen), restored before anything else. FaultDevice counts the
+// handles across restarts; FaultStore fails the store's calls.
+#include "daemon/core/durable.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/core/memory_state_store.h"
+#include "daemon/core/pool_manager.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/fault_device.h"
+#include "tests/testing/fault_store.h"
+#include "tests/testing/status_matchers.h"
+
+namespace kvd::daemon {
+namespace {
+
+using ::kvd::testing::FaultDevice;
+using ::kvd::testing::FaultStore;
+using ::kvd::testing::IsOk;
+using ::kvd::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::SizeIs;
+using ::testing::UnorderedElementsAreArray;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// L=2, B=256, H=2, N=16, C=1024, bf16 under LBNHC: 2 segments, 64 KiB blocks, 16 MiB segments; with a
+// 2 MiB granularity 32 blocks are one 2 MiB chunk per segment.
+PoolSpec Spec(std::string name, uint64_t initial_blocks) {
+  return {
+      .name = std::move(name),
+      .dims =
+          {.layers = 2, .capacity_blocks = 256, .heads = 2, .block_tokens = 16, .channels = 1024, .element_bytes = 2},
+      .initial_blocks = initial_blocks};
+}
+
+std::vector<uint64_t> Ids(const std::vector<ChunkInfo>& chunks) {
+  std::vector<uint64_t> ids;
+  for (const ChunkInfo& c : chunks) ids.push_back(c.id);
+  return ids;
+}
+
+// A memfd of `bytes`: the host backend's chunk memory, as a client or a stray FD would hold it.
+UniqueFd Memfd(uint64_t bytes) {
+  UniqueFd fd(memfd_create("durable_test", MFD_CLOEXEC));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(ftruncate(fd.get(), static_cast<off_t>(bytes)), 0);
+  return fd;
+}
+
+// Writes (or, with `check`, compares) a pattern naming chunk `id` at the start of the chunk's memory.
+bool Pattern(int fd, uint64_t id, bool check) {
+  const std::string text = absl::StrCat("chunk ", id);
+  void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return false;
+  bool same = true;
+  if (check) {
+    same = std::memcmp(p, text.data(), text.size()) == 0;
+  } else {
+    std::memcpy(p, text.data(), text.size());
+  }
+  munmap(p, 4096);
+  return same;
+}
+
+class DurableTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> host =
+        OpenDevice({.backend = "host", .host_capacity = 512 * kMiB, .host_granularity = 2 * kMiB});
+    ASSERT_THAT(host, IsOk());
+    device_ = std::make_unique<FaultDevice>(*std::move(host));
+  }
+  void TearDown() override {
+    manager_.reset();
+    EXPECT_EQ(device_->live_chunks(), 0);
+    EXPECT_EQ(device_->live_mappings(), 0);
+    EXPECT_EQ(device_->live_reservations(), 0);
+  }
+
+  // A daemon's first start on `store` (whose predecessor state is `memory`'s).
+  void Start(StateStore* store, MemoryStateStore* memory, absl::Duration grace = absl::Seconds(60)) {
+    store_ = store;
+    memory_ = memory;
+    grace_ = grace;
+    SavedState saved = memory_->Reopen();
+    Launch(saved.epoch + 1);
+    alice_ = Session(1000, "alice");
+  }
+  // Stops the daemon keeping its pools and starts the next one on what the store kept.
+  RestoreReport Restart() {
+    manager_->Shutdown(/*keep_pools=*/true);
+    manager_.reset();
+    EXPECT_EQ(device_->live_chunks(), 0) << "the stopped daemon keeps no handle";
+    SavedState saved = memory_->Reopen();
+    Launch(saved.epoch + 1);
+    RestoreReport report = manager_->Restore(std::move(saved));
+    alice_ = Session(1000, "alice");
+    return report;
+  }
+  void Launch(uint64_t epoch) {
+    manager_ = std::make_unique<PoolManager>(
+        device_.get(),
+        ManagerOptions{
+            .budget_bytes = 256 * kMiB, .daemon_uid = 4242, .store = store_, .epoch = epoch, .recovery_grace = grace_});
+  }
+
+  Caller Session(uint32_t uid, std::string name) {
+    const std::string token = *manager_->OpenSession(uid, 100 + uid, std::move(name));
+    return *manager_->Authenticate(token);
+  }
+  uint64_t Committed() { return manager_->GetDeviceStatus()->committed_bytes; }
+
+  // Attaches a client to `pool` and fetches its chunks' FDs, as an engine does; by chunk id.
+  std::map<uint64_t, UniqueFd> Fetch(const std::string& pool) {
+    std::map<uint64_t, UniqueFd> out;
+    absl::StatusOr<AttachResult> attached = manager_->Attach(alice_, pool, "engine");
+    EXPECT_THAT(attached, IsOk());
+    if (!attached.ok()) return out;
+    absl::StatusOr<std::vector<PoolManager::LeasedFd>> fds =
+        manager_->RedeemLease(alice_.session, attached->lease.token, alice_.uid);
+    EXPECT_THAT(fds, IsOk());
+    if (!fds.ok()) return out;
+    for (const PoolManager::LeasedFd& f : *fds) out[f.chunk_id] = UniqueFd(f.fd);
+    return out;
+  }
+
+  // Stores that outlive the manager (declared before it).
+  MemoryStateStore& MakeMemory(MemoryStateStore::Options options) {
+    memories_.push_back(std::make_unique<MemoryStateStore>(options));
+    return *memories_.back();
+  }
+  FaultStore& MakeFaulty(StateStore* inner) {
+    faulties_.push_back(std::make_unique<FaultStore>(inner));
+    return *faulties_.back();
+  }
+
+  std::unique_ptr<FaultDevice> device_;
+  std::vector<std::unique_ptr<MemoryStateStore>> memories_;
+  std::vector<std::unique_ptr<FaultStore>> faulties_;
+  StateStore* store_ = nullptr;
+  MemoryStateStore* memory_ = nullptr;
+  absl::Duration grace_;
+  std::unique_ptr<PoolManager> manager_;
+  Caller alice_;
+};
+
+TEST_F(DurableTest, AManagerWithoutAStoreHasItsOwnInMemoryOne) {
+  manager_ = std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 256 * kMiB});
+  EXPECT_EQ(manager_->store().durability(), Durability::kNone);
+  EXPECT_EQ(manager_->GetDeviceStatus()->durability, Durability::kNone);
+  alice_ = Session(1000, "alice");
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  auto* memory = dynamic_cast<MemoryStateStore*>(&manager_->store());
+  ASSERT_NE(memory, nullptr);
+  std::optional<SavedPool> record = memory->record("p");
+  ASSERT_TRUE(record.has_value());
+  EXPECT_THAT(record->chunks, SizeIs(4));
+  EXPECT_FALSE(manager_->GetDeviceStatus()->state.degraded());
+}
+
+TEST_F(DurableTest, ARestartRebuildsEveryPoolFromItsRecordAndItsFds) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+  ASSERT_THAT(manager_->Sleep(alice_, "q", false, absl::InfiniteFuture()), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(4));
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    for (const auto& [id, fd] : fds) ASSERT_TRUE(Pattern(fd.get(), id, /*check=*/false));
+  }  // the client closed every FD and unmapped: only the store keeps the memory now
+  EXPECT_THAT(memory.kept_chunk_ids(), UnorderedElementsAreArray(Ids(before.chunks)));
+
+  const RestoreReport report = Restart();
+  EXPECT_EQ(report.pools_restored, 2u);
+  EXPECT_EQ(report.pools_recovering, 0u);
+  EXPECT_EQ(report.chunks_adopted, 4u);
+  EXPECT_EQ(report.bytes_adopted, 8 * kMiB);
+  EXPECT_EQ(report.fds_released, 0u);
+  EXPECT_THAT(report.lines, IsEmpty());
+  EXPECT_EQ(manager_->GetDeviceStatus()->epoch, 2u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(after.state, PoolState::kAwake);
+  EXPECT_EQ(after.committed_blocks, before.committed_blocks);
+  EXPECT_EQ(after.generation, before.generation);
+  EXPECT_EQ(Ids(after.chunks), Ids(before.chunks));
+  for (size_t i = 0; i < after.chunks.size(); ++i) EXPECT_EQ(after.chunks[i].offset, before.chunks[i].offset);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView q, manager_->GetPool(alice_, "q"));
+  EXPECT_EQ(q.state, PoolState::kSleeping);
+  EXPECT_EQ(Committed(), 8 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 4);
+  for (const auto& [id, fd] : Fetch("p")) EXPECT_TRUE(Pattern(fd.get(), id, /*check=*/true)) << "chunk " << id;
+
+  // The restored pool is an ordinary one: it grows with chunks of the new epoch, and is saved again.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "p", 96));
+  ASSERT_THAT(grown.added, SizeIs(2));
+  EXPECT_GT(grown.added[0].id, uint64_t{1} << 40);
+  EXPECT_THAT(memory.record("p")->chunks, SizeIs(6));
+}
+
+TEST_F(DurableTest, ARecordWithoutItsFdRecoversAndAnFdWithoutARecordIsReleased) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(2));
+  const uint64_t lost = before.chunks[1].id;
+  manager_->Shutdown(/*keep_pools=*/true);
+  // The crash windows of Note [Durable pools]: a chunk whose FD the store lost, and an FD of a grow that
+  // never committed (no record names it).
+  memory.DropChunkFd(lost);
+  constexpr uint64_t kStray = 77;
+  ASSERT_THAT(memory.KeepChunkFd(kStray, Memfd(4 * kMiB).get()), IsOk());
+
+  const RestoreReport report = Restart();
+  EXPECT_EQ(report.pools_restored, 0u);
+  EXPECT_EQ(report.pools_recovering, 1u);
+  EXPECT_EQ(report.chunks_adopted, 1u);
+  EXPECT_EQ(report.chunks_missing, 1u);
+  EXPECT_EQ(report.fds_released, 1u);
+  EXPECT_THAT(report.lines, ::testing::Contains(HasSubstr(absl::StrCat("chunk ", kStray))));
+  EXPECT_FALSE(memory.kept_chunk_ids().contains(kStray)) << "the stray FD left the store";
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.state, PoolState::kRecovering);
+  EXPECT_THAT(pool.missing_chunk_ids, ElementsAre(lost));
+  // The missing bytes stay counted: a client may still map them.
+  EXPECT_EQ(Committed(), 8 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 1);
+}
+
+TEST_F(DurableTest, ReturnHandlesAdoptsMissingChunksAndRefusesAWrongFdAllOrNothing) {
+  // No FD store: the memory survives in the client that maps it.
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kClients});
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  std::map<uint64_t, UniqueFd> held = Fetch("p");
+  ASSERT_THAT(held, SizeIs(2));
+  for (const auto& [id, fd] : held) ASSERT_TRUE(Pattern(fd.get(), id, /*check=*/false));
+  const uint64_t a = held.begin()->first;
+  const uint64_t b = std::next(held.begin())->first;
+
+  const RestoreReport report = Restart();
+  EXPECT_EQ(report.pools_recovering, 1u);
+  EXPECT_EQ(report.chunks_missing, 2u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  auto give = [&](std::vector<std::pair<uint64_t, int>> what) {
+    std::vector<std::pair<uint64_t, UniqueFd>> fds;
+    for (auto [id, fd] : what) fds.emplace_back(id, UniqueFd(dup(fd)));
+    return manager_->ReturnHandles(alice_.session, alice_.uid, "p", std::move(fds));
+  };
+
+  // An FD that is not chunk memory of the chunk's size: refused, and the good one beside it not adopted.
+  UniqueFd small = Memfd(2 * kMiB - 4096);
+  EXPECT_THAT(give({{a, held[a].get()}, {b, small.get()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("chunk_ids[1]: the FD given for chunk ", b))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.state, PoolState::kRecovering);
+  EXPECT_THAT(pool.missing_chunk_ids, SizeIs(2));
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_mappings(), 0);
+
+  // One chunk back: adopted, the other still missing.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolManager::Returned one, give({{a, held[a].get()}}));
+  EXPECT_THAT(one.adopted, ElementsAre(a));
+  EXPECT_THAT(one.missing, ElementsAre(b));
+  EXPECT_EQ(one.state, PoolState::kRecovering);
+  EXPECT_EQ(device_->live_chunks(), 1);
+  EXPECT_TRUE(memory.kept_chunk_ids().contains(a));
+
+  // A chunk the daemon has, given with another chunk's FD: not that chunk's memory.
+  EXPECT_THAT(give({{a, held[b].get()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("is not that chunk's memory")));
+  // A chunk not in the table.
+  EXPECT_THAT(give({{12345, held[b].get()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not in pool p's chunk table")));
+
+  // The rest: the pool is as it was saved, every byte in place, the budget as before the restart.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolManager::Returned rest, give({{a, held[a].get()}, {b, held[b].get()}}));
+  EXPECT_THAT(rest.adopted, ElementsAre(b));
+  EXPECT_THAT(rest.missing, IsEmpty());
+  EXPECT_EQ(rest.state, PoolState::kAwake);
+  held.clear();  // the client lets go: the daemon's handles keep the memory
+  EXPECT_EQ(Committed(), 8 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+  for (const auto& [id, fd] : Fetch("p")) EXPECT_TRUE(Pattern(fd.get(), id, /*check=*/true)) << "chunk " << id;
+}
+
+TEST_F(DurableTest, TheRecoveryGraceLosesWhatWasNotGivenBackAndTheBudgetStaysExact) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kClients});
+  Start(&memory, &memory, /*grace=*/absl::Milliseconds(300));
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("whole", 32)), IsOk());
+  std::map<uint64_t, UniqueFd> held = Fetch("p");
+  std::map<uint64_t, UniqueFd> whole = Fetch("whole");
+  ASSERT_THAT(held, SizeIs(2));
+  const uint64_t a = held.begin()->first;
+
+  Restart();
+  EXPECT_EQ(Committed(), 12 * kMiB);
+  std::vector<std::pair<uint64_t, UniqueFd>> back;
+  back.emplace_back(a, std::move(held[a]));
+  ASSERT_THAT(manager_->ReturnHandles(alice_.session, alice_.uid, "p", std::move(back)), IsOk());
+  std::vector<std::pair<uint64_t, UniqueFd>> all;
+  for (auto& [id, fd] : whole) all.emplace_back(id, std::move(fd));
+  ASSERT_THAT(manager_->ReturnHandles(alice_.session, alice_.uid, "whole", std::move(all)), IsOk());
+  EXPECT_EQ(device_->live_chunks(), 3);
+
+  // Past the grace: p's missing chunk is lost, its present one released, and p sleeps with its size.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  PoolView pool;
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    KVD_ASSERT_OK_AND_ASSIGN(pool, manager_->GetPool(alice_, "p"));
+  } while (pool.state == PoolState::kRecovering && absl::Now() < deadline);
+  EXPECT_EQ(pool.state, PoolState::kSleeping);
+  EXPECT_EQ(pool.committed_bytes, 0u);
+  EXPECT_THAT(pool.chunks, IsEmpty());
+  EXPECT_EQ(pool.wake_blocks, 64u);
+  EXPECT_EQ(memory.record("p")->state, PoolState::kSleeping) << "the loss is saved";
+  EXPECT_EQ(memory.kept_chunk_ids().count(a), 0u);
+  // The whole pool is untouched; the budget counts exactly its bytes, and then p's as it wakes.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView other, manager_->GetPool(alice_, "whole"));
+  EXPECT_EQ(other.state, PoolState::kAwake);
+  EXPECT_EQ(Committed(), 4 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 2);
+  held.clear();
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+  EXPECT_EQ(Committed(), 12 * kMiB);
+  KVD_ASSERT_OK_AND_ASSIGN(pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.committed_blocks, 64u);
+}
+
+TEST_F(DurableTest, AFailedSaveIsStickyAndVisibleUntilThatPoolIsSavedAgain) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  FaultStore& faulty = MakeFaulty(&memory);
+  Start(&faulty, &memory);
+  absl::Mutex mu;
+  std::vector<bool> told;
+  manager_->Observe({.state_degraded = [&](bool degraded) {
+    absl::MutexLock lock(&mu);
+    told.push_back(degraded);
+  }});
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+
+  // The grow itself succeeds (the memory is there and in the store); its record is not written.
+  faulty.FailNth(FaultStore::Op::kSave, 1, absl::PermissionDeniedError("open pools/.p.tmp: Permission denied"));
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  StateHealth health = manager_->state_health();
+  EXPECT_TRUE(health.degraded());
+  EXPECT_EQ(health.save_failures, 1u);
+  EXPECT_EQ(health.stale_pools, 1u);
+  EXPECT_THAT(health.error, HasSubstr("pool p: its saved record could not be written: open pools/.p.tmp"));
+  const DeviceStatus status = *manager_->GetDeviceStatus();
+  EXPECT_TRUE(status.state.degraded());
+  EXPECT_EQ(status.state.error, health.error);
+  EXPECT_THAT(memory.record("p")->chunks, SizeIs(2)) << "the store still has the record before the grow";
+
+  // Sticky: another pool's save does not clear it.
+  ASSERT_THAT(manager_->Grow(alice_, "q", 64), IsOk());
+  EXPECT_TRUE(manager_->state_health().degraded());
+  // The next save of p does, and the count of failures stays.
+  ASSERT_THAT(manager_->SetPoolMetadata(alice_, "p", 0, "engine state"), IsOk());
+  health = manager_->state_health();
+  EXPECT_FALSE(health.degraded());
+  EXPECT_EQ(health.error, "");
+  EXPECT_EQ(health.save_failures, 1u);
+  EXPECT_THAT(memory.record("p")->chunks, SizeIs(4));
+
+  // A record a delete could not remove is stale too, until the name is saved (or removed) again.
+  faulty.FailNth(FaultStore::Op::kForget, 1, absl::PermissionDeniedError("unlink pools/q: Permission denied"));
+  ASSERT_THAT(manager_->DeletePool(alice_, "q", false), IsOk());
+  health = manager_->state_health();
+  EXPECT_TRUE(health.degraded());
+  EXPECT_EQ(health.save_failures, 2u);
+  EXPECT_THAT(health.error, HasSubstr("pool q: its saved record could not be removed: unlink pools/q"));
+  EXPECT_TRUE(memory.record("q").has_value());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+  EXPECT_FALSE(manager_->state_health().degraded());
+
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(told, ElementsAre(false, true, false, true, false));
+}
+
+TEST_F(DurableTest, AnFdTheStoreRefusesLeavesNothingBehindWhereverAChunkIsMade) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  FaultStore& faulty = MakeFaulty(&memory);
+  Start(&faulty, &memory);
+  const absl::Status full = absl::ResourceExhaustedError("chunks: the FD store is full");
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 96), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(6));
+  const std::set<uint64_t> kept = memory.kept_chunk_ids();
+  const uint64_t committed = Committed();
+  auto unchanged = [&](absl::string_view where) {
+    SCOPED_TRACE(where);
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView now, manager_->GetPool(alice_, "p"));
+    EXPECT_EQ(Ids(now.chunks), Ids(before.chunks));
+    EXPECT_EQ(now.state, before.state);
+    EXPECT_EQ(memory.kept_chunk_ids(), kept);
+    EXPECT_EQ(Committed(), committed);
+    EXPECT_EQ(device_->live_chunks(), static_cast<int>(before.chunks.size()));
+    EXPECT_EQ(device_->live_mappings(), static_cast<int>(before.chunks.size()));
+    EXPECT_EQ(device_->live_reservations(), 1);
+  };
+
+  // A grow (Stage): the second of its two chunks is refused.
+  faulty.FailNth(FaultStore::Op::kKeep, 2, full);
+  EXPECT_THAT(manager_->Grow(alice_, "p", 128),
+              StatusIs(absl::StatusCode::kResourceExhausted, "chunks: the FD store is full"));
+  unchanged("grow");
+  // A compaction (ReshapeLocked): its new chunks, one per segment.
+  faulty.FailNth(FaultStore::Op::kKeep, 2, full);
+  EXPECT_THAT(manager_->Compact(alice_, "p", {}), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("full")));
+  unchanged("compact");
+  EXPECT_FALSE(manager_->state_health().degraded()) << "a refused FD fails the change, it is not a stale record";
+
+  // ReturnHandles: a client gives back both chunks of a recovering pool; the store refuses the second.
+  std::map<uint64_t, UniqueFd> held = Fetch("p");
+  const RestoreReport report = [&] {
+    manager_->Shutdown(true);
+    for (uint64_t id : kept) memory.DropChunkFd(id);  // the store lost them all: the client has them
+    manager_.reset();
+    SavedState saved = memory.Reopen();
+    Launch(saved.epoch + 1);
+    return manager_->Restore(std::move(saved));
+  }();
+  alice_ = Session(1000, "alice");
+  ASSERT_EQ(report.chunks_missing, 6u);
+  std::vector<std::pair<uint64_t, UniqueFd>> back;
+  for (const auto& [id, fd] : held) back.emplace_back(id, UniqueFd(dup(fd.get())));
+  faulty.FailNth(FaultStore::Op::kKeep, 2, full);
+  EXPECT_THAT(manager_->ReturnHandles(alice_.session, alice_.uid, "p", std::move(back)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("full")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(pool.state, PoolState::kRecovering);
+  EXPECT_THAT(pool.missing_chunk_ids, SizeIs(6));
+  EXPECT_THAT(memory.kept_chunk_ids(), IsEmpty());
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_mappings(), 0);
+}
+
+}  // namespace
+}  // namespace kvd::daemon
