@@ -182,10 +182,10 @@ absl::StatusOr<Change> Pool::CheckLocked(GroupOp op, uint64_t target_blocks, boo
   // until the tails are replaced (see the invariants in pool.h).
   if (awake && !tails_ok && (op == GroupOp::kGrow || op == GroupOp::kShrink)) {
     if (const uint64_t tails = TailBytesLocked(); tails > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "pool ", name_, ": an exact shrink stopped between its steps, and ", tails, " bytes (", FormatBytes(tails),
-          ") of chunks still run past its ", committed,
-          " committed blocks: Compact the pool (or shrink it exactly) to replace them first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("pool ", name_, ": an exact shrink stopped between its steps, and ", tails, " bytes (",
+                       FormatBytes(tails), ") of chunks still run past its ", committed,
+                       " committed blocks: Compact the pool (or shrink it exactly) to replace them first"));
     }
   }
   Change change{.op = op, .target_blocks = target_blocks};

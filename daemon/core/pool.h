@@ -246,8 +246,8 @@ class Pool {
   // false). FAILED_PRECONDITION unless awake, ABORTED while held.
   [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced,
                                                         std::optional<uint64_t> max_added_bytes = std::nullopt,
-                                                        bool smaller = false) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+                                                        bool smaller = false) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
   // needed the pause.
   [[nodiscard]] absl::Status CheckPausable(absl::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -733,17 +733,17 @@ absl::StatusOr<PoolManager::StepRoom> PoolManager::Room() const {
   return room;
 }
 
-absl::Status PoolManager::NoRoom(const Pool& pool, absl::string_view what, uint64_t needed,
-                                 absl::string_view for_what, const StepRoom& room, uint64_t freed_first) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "pool ", pool.name(), ": ", what, " needs ", needed, " bytes (", FormatBytes(needed), ") free for ", for_what,
-      " while the chunks it replaces still hold theirs, but only ", room.budget_free, " bytes (",
-      FormatBytes(room.budget_free), ") of the daemon's budget of ", FormatBytes(budget_.limit()),
-      " are free and the device has ", room.device_free, " bytes (", FormatBytes(room.device_free), ") free, less ",
-      room.margin, " bytes (", FormatBytes(room.margin), ") kept for its own use",
-      freed_first > 0 ? absl::StrCat(", even with the ", freed_first, " bytes (", FormatBytes(freed_first),
-                                     ") of the whole chunks past the target released first")
-                      : ""));
+absl::Status PoolManager::NoRoom(const Pool& pool, absl::string_view what, uint64_t needed, absl::string_view for_what,
+                                 const StepRoom& room, uint64_t freed_first) const {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("pool ", pool.name(), ": ", what, " needs ", needed, " bytes (", FormatBytes(needed), ") free for ",
+                   for_what, " while the chunks it replaces still hold theirs, but only ", room.budget_free, " bytes (",
+                   FormatBytes(room.budget_free), ") of the daemon's budget of ", FormatBytes(budget_.limit()),
+                   " are free and the device has ", room.device_free, " bytes (", FormatBytes(room.device_free),
+                   ") free, less ", room.margin, " bytes (", FormatBytes(room.margin), ") kept for its own use",
+                   freed_first > 0 ? absl::StrCat(", even with the ", freed_first, " bytes (", FormatBytes(freed_first),
+                                                  ") of the whole chunks past the target released first")
+                                   : ""));
 }
 
 namespace {
@@ -816,8 +816,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
       if (bytes > room.bytes) {
         // Not in one step: see Note [Chunks are replaced, not cut] in docs/architecture.md.
         stepped.emplace();
-        KVD_ASSIGN_OR_RETURN(update,
-                             ShrinkInStepsLocked(*pool, target_blocks, options, plan, room, start, &*stepped));
+        KVD_ASSIGN_OR_RETURN(update, ShrinkInStepsLocked(*pool, target_blocks, options, plan, room, start, &*stepped));
       } else {
         KVD_ASSIGN_OR_RETURN(
             update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
@@ -903,13 +902,13 @@ absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, uint64_t
     absl::StatusOr<StepRoom> now = failed.ok() ? Room() : absl::StatusOr<StepRoom>(failed);
     failed = now.status();
     if (failed.ok()) {
-      absl::StatusOr<ReshapePlan> plan = first ? pool.PlanShrink(target_blocks, false, options.live, now->bytes)
-                                               : pool.PlanTails(now->bytes);
+      absl::StatusOr<ReshapePlan> plan =
+          first ? pool.PlanShrink(target_blocks, false, options.live, now->bytes) : pool.PlanTails(now->bytes);
       failed = plan.status();
       if (failed.ok() && plan->added.empty()) {
         // Memory not given back yet (a client slow to acknowledge), or taken by others meanwhile.
-        failed = NoRoom(pool, what, rest->added.empty() ? 0 : rest->added.front().bytes,
-                        "the new chunk of one segment", *now, 0);
+        failed = NoRoom(pool, what, rest->added.empty() ? 0 : rest->added.front().bytes, "the new chunk of one segment",
+                        *now, 0);
       }
       if (failed.ok()) {
         made = ReshapeLocked(pool, *plan, options.pause, what, &paused_at, &paused, &old, &spare);
