@@ -849,6 +849,11 @@ absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, uint64_t
   const std::string what = absl::StrCat("shrinking to ", target_blocks, " blocks");
   const absl::Duration timeout =
       options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return Stopping();
+  }
+  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
   // Nothing changed yet: refuse unless the largest replacement (one segment's) fits once the whole chunks
   // past the target are released. Free memory only grows from step to step (each gives back at least
   // what it takes), so every later step fits one too unless someone else takes the memory meanwhile.
@@ -862,7 +867,6 @@ absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, uint64_t
                   absl::StrCat("the new chunk of one segment (", all, " bytes for all ", whole.added.size(), ")"), room,
                   whole.release_first_bytes);
   }
-  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
 
   // First the whole chunks at or past a boundary every segment shares: a plain release (CHUNKS_RELEASED,
   // no pause), whose memory is free for the steps once the clients that map it acknowledged.
@@ -921,9 +925,9 @@ absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, uint64_t
       return StepsStayDone(
           failed, "shrink", total.has_value() ? total->reshape->steps : 0, whole.chunks_before, chunks_now,
           total.has_value()
-              ? absl::StrCat("the pool has the target's blocks committed, but the chunks of the segments not yet "
-                             "replaced still run past them: Compact the pool to replace them")
-              : absl::StrCat("whole chunks past the target were released first; shrink again to go on"));
+              ? "the pool has the target's blocks committed, but the chunks of the segments not yet replaced still "
+                "run past them: Compact the pool (or shrink it exactly again) to replace them"
+              : "whole chunks past the target were released first; shrink again to go on");
     }
     PoolUpdate update = *std::move(made);
     FinishReshape(pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);

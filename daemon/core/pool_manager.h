@@ -205,7 +205,9 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   bool wait, absl::Time deadline);
   // Shrink as the proto's ShrinkRequest says: exact unless `whole_chunks_only` (Pool::PlanShrink), pausing
-  // the attached clients when bytes move (see Reshape below), all or nothing.
+  // the attached clients when bytes move (see Reshape below), all or nothing when the replacements fit the
+  // free memory (Room) at once; otherwise whole chunks past the target first, then steps of as many
+  // replacements as fit (ShrinkInStepsLocked), each all or nothing, the steps before a failed one done.
   struct ShrinkOptions {
     bool wait = false;
     absl::Time deadline = absl::InfiniteFuture();
@@ -215,11 +217,13 @@ class PoolManager {
   };
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
-  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). With clients
-  // attached, in steps that each replace at most `max_chunks_per_pause` chunks (0: the manager's
-  // compact_chunks_per_pause) under a pause of their own, the clients running between them. Each step is
-  // all or nothing; a step that fails leaves the steps before it done and says so in its error; so does a
-  // caller that gives up between steps (`interrupt`).
+  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). In steps that
+  // each make no more new chunks than the free memory holds (Room), and with clients attached replace at
+  // most `max_chunks_per_pause` chunks (0: the manager's compact_chunks_per_pause) under a pause of their
+  // own, the clients running between them. RESOURCE_EXHAUSTED when not even one new chunk fits, but with
+  // no client attached, when runs of old chunks merged into smaller ones that fit (target_reached false).
+  // Each step is all or nothing; a step that fails leaves the steps before it done and says so in its
+  // error; so does a caller that gives up between steps (`interrupt`).
   struct CompactOptions {
     PauseOptions pause;
     uint32_t max_chunks_per_pause = 0;
