@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvd/status.h"
+#include "kvd/units.h"
 
 namespace kvd::daemon {
 namespace {
@@ -96,6 +97,16 @@ uint64_t Pool::PendingBytesLocked() const {
   return sum;
 }
 
+uint64_t Pool::TailBytesLocked() const {
+  uint64_t sum = 0;
+  for (const ChunkRecord& r : chunks_) {
+    const uint64_t start = r.info.offset - plan_.geometry.SegmentOffset(r.info.segment);
+    const uint64_t end = start + r.info.bytes;
+    if (end > prefix_bytes_) sum += end - std::max(start, prefix_bytes_);
+  }
+  return sum;
+}
+
 PoolView Pool::ViewLocked(ViewClients clients) const {
   PoolView v{.name = name_,
              .state = state_,
@@ -158,11 +169,25 @@ absl::Status Pool::CheckNotHeldLocked() const {
 
 absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
   absl::MutexLock lock(&mu_);
+  return CheckLocked(op, target_blocks, /*tails_ok=*/false);
+}
+
+absl::StatusOr<Change> Pool::CheckLocked(GroupOp op, uint64_t target_blocks, bool tails_ok) const {
   if (deleted_) return PoolGone(name_);
   if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
   KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
   const uint64_t committed = committed_blocks();
   const bool awake = state_ == PoolState::kAwake;
+  // A grow would plan new chunks over the tails, a release of whole chunks would keep them: both wait
+  // until the tails are replaced (see the invariants in pool.h).
+  if (awake && !tails_ok && (op == GroupOp::kGrow || op == GroupOp::kShrink)) {
+    if (const uint64_t tails = TailBytesLocked(); tails > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("pool ", name_, ": an exact shrink stopped between its steps, and ", tails, " bytes (",
+                       FormatBytes(tails), ") of chunks still run past its ", committed,
+                       " committed blocks: Compact the pool (or shrink it exactly) to replace them first"));
+    }
+  }
   Change change{.op = op, .target_blocks = target_blocks};
   switch (op) {
     case GroupOp::kGrow:
@@ -270,21 +295,27 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
 PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session,
                                bool forced) {
   PoolUpdate update;
-  // Whole chunks only: a chunk that straddles the new prefix stays, and the prefix ends after it.
+  // Whole chunks only: a chunk that straddles the new prefix stays, and the prefix ends after it — after
+  // the one that ends first, where segments' chunks end at different places (a partial compaction), so that
+  // every segment still covers the prefix; a longer one keeps a tail past it (TailBytesLocked).
   std::vector<ChunkRecord> kept;
   const size_t first_released = released->size();
-  uint64_t kept_prefix = 0;
+  std::map<uint64_t, uint64_t> kept_end;  // segment -> the end of its last kept chunk
+  for (uint64_t segment = 0; segment < plan_.geometry.segments(); ++segment) kept_end[segment] = 0;
   for (ChunkRecord& r : chunks_) {
     const uint64_t start_in_segment = r.info.offset - plan_.geometry.SegmentOffset(r.info.segment);
     if (start_in_segment >= prefix_bytes) {
       released->push_back(std::move(r));
     } else {
-      kept_prefix = std::max(kept_prefix, start_in_segment + r.info.bytes);
+      uint64_t& end = kept_end[r.info.segment];
+      end = std::max(end, start_in_segment + r.info.bytes);
       kept.push_back(std::move(r));
     }
   }
   chunks_.swap(kept);
-  prefix_bytes_ = kept_prefix;
+  uint64_t kept_prefix = UINT64_MAX;
+  for (const auto& [segment, end] : kept_end) kept_prefix = std::min(kept_prefix, end);
+  prefix_bytes_ = kept_prefix == UINT64_MAX ? 0 : kept_prefix;
   Release release;
   if (released->size() > first_released) {
     ++generation_;
@@ -378,15 +409,16 @@ size_t Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
 // Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
 
 absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
-                                             const std::optional<std::vector<uint64_t>>& live) const {
-  KVD_ASSIGN_OR_RETURN(Change change, Check(GroupOp::kShrink, target_blocks));
+                                             const std::optional<std::vector<uint64_t>>& live,
+                                             std::optional<uint64_t> max_added_bytes) const {
+  const Geometry& g = plan_.geometry;
+  const uint64_t to = g.PrefixBytes(target_blocks);
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Change change, CheckLocked(GroupOp::kShrink, target_blocks, /*tails_ok=*/!whole_chunks_only));
   (void)change;
   if (whole_chunks_only && live.has_value()) {
     return absl::InvalidArgumentError("live: a compaction shrink moves bytes and cannot be whole_chunks_only");
   }
-  const Geometry& g = plan_.geometry;
-  const uint64_t to = g.PrefixBytes(target_blocks);
-  absl::MutexLock lock(&mu_);
   ReshapePlan plan{.prefix_bytes = to, .chunks_before = static_cast<uint32_t>(chunks_.size())};
   if (live.has_value()) {
     const uint64_t committed = committed_blocks();
@@ -412,8 +444,13 @@ absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_
       plan.moves.push_back({.src = *it, .dst = free++});
     }
   }
+  uint64_t added_bytes = 0;
+  bool full = false;  // a replacement did not fit in max_added_bytes: the later ones wait for a later step
+  // Chunk ends at or past the target, by place in a segment: how many segments have each.
+  std::map<uint64_t, uint32_t> ends;
   for (const ChunkRecord& r : chunks_) {
     const uint64_t start = r.info.offset - g.SegmentOffset(r.info.segment);
+    if (start + r.info.bytes >= to) ++ends[start + r.info.bytes];
     if (start >= to) {
       plan.released.push_back(r.info.id);
     } else if (start + r.info.bytes > to) {
@@ -423,14 +460,62 @@ absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_
         continue;
       }
       // The kept bytes of a chunk that straddles the new prefix move into a chunk of just their size.
+      const uint64_t kept = to - start;
+      if (max_added_bytes.has_value() && (full || added_bytes + kept > *max_added_bytes)) {
+        full = true;
+        continue;
+      }
+      added_bytes += kept;
       plan.replaced.push_back(r.info.id);
-      plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = to - start});
+      plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = kept});
+    }
+  }
+  // The first end every segment has (the prefix's end at the latest) is at or past every straddling chunk's.
+  plan.release_first_from = prefix_bytes_;
+  for (const auto& [end, segments] : ends) {
+    if (segments == g.segments()) {
+      plan.release_first_from = end;
+      break;
+    }
+  }
+  for (const ChunkRecord& r : chunks_) {
+    if (r.info.offset - g.SegmentOffset(r.info.segment) >= plan.release_first_from) {
+      plan.release_first_bytes += r.info.bytes;
     }
   }
   return plan;
 }
 
-absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced) const {
+absl::StatusOr<ReshapePlan> Pool::PlanTails(std::optional<uint64_t> max_added_bytes) const {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return PoolGone(name_);
+  if (state_ != PoolState::kAwake) return Sleeping(name_);
+  const Geometry& g = plan_.geometry;
+  ReshapePlan plan{.prefix_bytes = prefix_bytes_, .chunks_before = static_cast<uint32_t>(chunks_.size())};
+  uint64_t added_bytes = 0;
+  for (const ChunkRecord& r : chunks_) {
+    const uint64_t start = r.info.offset - g.SegmentOffset(r.info.segment);
+    if (start + r.info.bytes <= prefix_bytes_) continue;
+    if (start >= prefix_bytes_) {  // not left by a shrink's steps, but released all the same
+      plan.released.push_back(r.info.id);
+      continue;
+    }
+    const uint64_t kept = prefix_bytes_ - start;
+    if (max_added_bytes.has_value() && added_bytes + kept > *max_added_bytes) break;
+    added_bytes += kept;
+    plan.replaced.push_back(r.info.id);
+    plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = kept});
+  }
+  return plan;
+}
+
+PoolUpdate Pool::ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session) {
+  absl::MutexLock lock(&mu_);
+  return ReleaseLocked(prefix_bytes, released, session, /*forced=*/false);
+}
+
+absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced,
+                                              std::optional<uint64_t> max_added_bytes, bool smaller) const {
   absl::MutexLock lock(&mu_);
   if (deleted_) return PoolGone(name_);
   if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
@@ -441,8 +526,10 @@ absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::opt
   KVD_ASSIGN_OR_RETURN(std::vector<PlannedChunk> shape, g.PlanRange(0, prefix_bytes_, max_chunk_bytes));
   // A planned chunk that is already one chunk stays; every other one replaces the chunks it overlaps.
   // Those overlap no chunk that stays (chunks that stay match a planned chunk exactly), so the
-  // replacements cover the replaced chunks exactly.
+  // replacements cover the replaced chunks exactly, but for the tail of a chunk past the prefix (left by
+  // an exact shrink that stopped between its steps), which goes with it.
   std::set<uint64_t> replaced;
+  uint64_t room = max_added_bytes.value_or(UINT64_MAX);
   for (const PlannedChunk& p : shape) {
     auto first = std::lower_bound(chunks_.begin(), chunks_.end(), p.offset,
                                   [](const ChunkRecord& r, uint64_t at) { return r.info.offset + r.info.bytes <= at; });
@@ -451,8 +538,31 @@ absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::opt
     while (last != chunks_.end() && last->info.offset < p.offset + p.bytes) ++last;
     const size_t overlapped = static_cast<size_t>(last - first);
     if (max_replaced.has_value() && !plan.added.empty() && replaced.size() + overlapped > *max_replaced) break;
-    for (auto it = first; it != last; ++it) replaced.insert(it->info.id);
-    plan.added.push_back(p);
+    if (p.bytes <= room) {
+      room -= p.bytes;
+      for (auto it = first; it != last; ++it) replaced.insert(it->info.id);
+      plan.added.push_back(p);
+      continue;
+    }
+    if (!smaller) break;
+    // Runs of consecutive old chunks of this planned chunk, each as one new chunk that fits the room left.
+    const uint64_t p_end = p.offset + p.bytes;
+    auto kept = [&](decltype(first) it) { return std::min(it->info.offset + it->info.bytes, p_end) - it->info.offset; };
+    for (auto it = first; it != last;) {
+      uint64_t bytes = 0;
+      auto end = it;
+      while (end != last && bytes + kept(end) <= room) bytes += kept(end++);
+      const size_t run = static_cast<size_t>(end - it);
+      // Two chunks or more become one; a lone chunk only sheds a tail past the prefix.
+      if (run >= 2 || (run == 1 && kept(it) < it->info.bytes)) {
+        room -= bytes;
+        plan.added.push_back({.segment = p.segment, .offset = it->info.offset, .bytes = bytes});
+        for (; it != end; ++it) replaced.insert(it->info.id);
+        plan.target_reached = false;
+      } else {
+        ++it;
+      }
+    }
   }
   plan.replaced.assign(replaced.begin(), replaced.end());
   return plan;
@@ -1035,7 +1145,7 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
   const std::set<std::string> paused = pause_.has_value() ? pause_->asked : std::set<std::string>{};
   pause_.reset();
   deleted_ = true;
-  uint64_t bytes = committed_bytes() + PendingBytesLocked();
+  uint64_t bytes = committed_bytes() + TailBytesLocked() + PendingBytesLocked();
   if (held != nullptr) {
     // Each chunk some client fetched (and may map still) is counted once, until every such client let go.
     std::map<uint64_t, uint64_t> fetched;

@@ -12,8 +12,13 @@
 // manager's maps). No lock is taken while a leaf lock is held.
 //
 // Invariants, under the state lock:
-// - chunks_ are sorted by (segment, offset) and cover [0, prefix_bytes_) of every segment exactly;
-// - the budget holds committed_bytes() + pending_bytes() + the held transaction's staged bytes;
+// - chunks_ are sorted by (segment, offset) and cover [0, prefix_bytes_) of every segment exactly, but
+//   for tails: from the first step of an exact shrink in steps on, the prefix is the target's while a
+//   segment's last chunk may still run past it until a later step replaces it (Note [Chunks are replaced,
+//   not cut] in docs/architecture.md); only a step that failed leaves tails behind its op_mu, and then
+//   Grow and whole-chunk shrinks refuse until a Compact or an exact Shrink has replaced them;
+// - the budget holds committed_bytes() + TailBytesLocked() + pending_bytes() + the held transaction's
+//   staged bytes;
 // - a sleeping pool has no chunks and remembers the blocks it wakes to;
 // - every chunk id in a client's `handed` is in chunks_ or in an unsettled release;
 // - a detached client's Holder has a non-empty `handed`, and its session is open.
@@ -88,7 +93,14 @@ struct ReshapePlan {
   uint64_t prefix_bytes = 0;        // every segment's committed prefix after
   std::vector<BlockCopy> moves;     // compaction shrink: live blocks copied below the target first
   uint32_t chunks_before = 0;
-  bool target_reached = true;  // shrink: the prefix is the target's (false only for whole chunks)
+  // Shrink: the prefix is the target's (false only for whole chunks). Compact: every new chunk has the
+  // shape's size (false when free memory allowed only smaller ones).
+  bool target_reached = true;
+  // Exact shrink: the lowest place (in every segment) at or past every straddling chunk's end where every
+  // segment has a chunk boundary, and the bytes of the chunks at or past it: whole chunks that a plain
+  // release can give back first, leaving every segment's prefix there.
+  uint64_t release_first_from = 0;
+  uint64_t release_first_bytes = 0;
   // Whether clients must pause: bytes move between chunks or blocks while they could touch them.
   bool moves_bytes() const { return !added.empty() || !moves.empty(); }
 };
@@ -225,16 +237,36 @@ class Pool {
   // prefix, unless `whole_chunks_only`. `live` (compaction shrink): the blocks still used; those at or
   // past the target move to free blocks below it, in increasing order of both. INVALID_ARGUMENT naming
   // live.blocks[i] for an id not committed or given twice, or for more live blocks than the target.
+  // With `max_added_bytes` (one step of an exact shrink in steps): only the straddling chunks, by place,
+  // whose replacements fit in it together (maybe none); the chunks past the target are all released and
+  // the prefix is the target's either way, so the straddling chunks left out keep tails past it.
   [[nodiscard]] absl::StatusOr<ReshapePlan> PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
-                                                       const std::optional<std::vector<uint64_t>>& live) const
+                                                       const std::optional<std::vector<uint64_t>>& live,
+                                                       std::optional<uint64_t> max_added_bytes = std::nullopt) const
       ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // The next step of an exact shrink in steps: the chunks that run past the prefix (tails), by place, each
+  // replaced by a chunk of its bytes below the prefix, as many as fit in `max_added_bytes` together (all
+  // without it). Empty when no chunk has a tail. FAILED_PRECONDITION unless awake, NOT_FOUND once deleted.
+  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanTails(std::optional<uint64_t> max_added_bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // A plain release of every chunk at or past `prefix_bytes` in its segment, which must be a chunk
+  // boundary of every segment (ReshapePlan::release_first_from): the chunks go to `*released` for the
+  // caller to unmap and release, clients holding them are told (a RESUME to those a pause holds,
+  // CHUNKS_RELEASED to the others: see Apply) and the prefix is there.
+  PoolUpdate ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Every segment's prefix as one chunk per `max_chunk_bytes` (as a single grow makes it); chunks already
-  // in place stay. With `max_replaced`, only the first new chunks (by place) that replace at most that
-  // many old ones, but at least one: one step of a compaction in steps. FAILED_PRECONDITION unless awake,
-  // ABORTED while held.
-  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes,
-                                                        std::optional<size_t> max_replaced) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // in place stay, and a chunk with a tail past the prefix is replaced. With `max_replaced`, only the first
+  // new chunks (by place) that replace at most that many old ones, but at least one: one step of a
+  // compaction in steps. With `max_added_bytes`, only the first new chunks (by place) that fit in it
+  // together (maybe none); with `smaller` too, a new chunk that does not fit is replaced instead by new
+  // chunks of runs of its old ones that do, each merging at least two (the plan's target_reached is then
+  // false). FAILED_PRECONDITION unless awake, ABORTED while held.
+  [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced,
+                                                        std::optional<uint64_t> max_added_bytes = std::nullopt,
+                                                        bool smaller = false) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
   // needed the pause.
   [[nodiscard]] absl::Status CheckPausable(absl::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -409,6 +441,12 @@ class Pool {
     return plan_.geometry.CommittedBytes(prefix_bytes_);
   }
   uint64_t PendingBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The bytes of chunks past the prefix (see the invariants at the top of this file); 0 but between the
+  // steps of an exact shrink, or after one of them failed.
+  uint64_t TailBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Check's checks; `tails_ok`: an exact shrink, which replaces tails past the prefix.
+  [[nodiscard]] absl::StatusOr<Change> CheckLocked(GroupOp op, uint64_t target_blocks, bool tails_ok) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolView ViewLocked(ViewClients clients = ViewClients::kListed) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolEvent EventLocked(EventType type) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckNotHeldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -781,6 +781,71 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
 // ---------------------------------------------------------------------------------------------
 // Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
 
+absl::StatusOr<PoolManager::StepRoom> PoolManager::Room() const {
+  KVD_ASSIGN_OR_RETURN(DeviceInfo info, device_->Info());
+  const uint64_t committed = budget_.committed();
+  StepRoom room{.budget_free = committed < budget_.limit() ? budget_.limit() - committed : 0,
+                .device_free = info.free_bytes,
+                .margin = std::max<uint64_t>(kReshapeDeviceMargin, device_->granularity())};
+  room.bytes = std::min(room.budget_free, room.device_free > room.margin ? room.device_free - room.margin : 0);
+  return room;
+}
+
+absl::Status PoolManager::NoRoom(const Pool& pool, absl::string_view what, uint64_t needed, absl::string_view for_what,
+                                 const StepRoom& room, uint64_t freed_first) const {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("pool ", pool.name(), ": ", what, " needs ", needed, " bytes (", FormatBytes(needed), ") free for ",
+                   for_what, " while the chunks it replaces still hold theirs, but only ", room.budget_free, " bytes (",
+                   FormatBytes(room.budget_free), ") of the daemon's budget of ", FormatBytes(budget_.limit()),
+                   " are free and the device has ", room.device_free, " bytes (", FormatBytes(room.device_free),
+                   ") free, less ", room.margin, " bytes (", FormatBytes(room.margin), ") kept for its own use",
+                   freed_first > 0 ? absl::StrCat(", even with the ", freed_first, " bytes (", FormatBytes(freed_first),
+                                                  ") of the whole chunks past the target released first")
+                                   : ""));
+}
+
+namespace {
+
+// Adds one step of a reshape in steps to the sum of those before: chunks_before is the first step's,
+// chunks_after, the clients and the release the last one's, the rest summed (max_pause the longest).
+void AddStep(std::optional<PoolUpdate>& total, PoolUpdate step) {
+  if (!total.has_value()) {
+    total = std::move(step);
+    return;
+  }
+  ReshapeReport& sum = *total->reshape;
+  const ReshapeReport& r = *step.reshape;
+  sum.chunks_after = r.chunks_after;
+  sum.chunks_replaced += r.chunks_replaced;
+  sum.chunks_added += r.chunks_added;
+  sum.copied_bytes += r.copied_bytes;
+  sum.copy += r.copy;
+  sum.paused_clients = r.paused_clients;
+  sum.pause += r.pause;
+  sum.max_pause = std::max(sum.max_pause, r.max_pause);
+  sum.resumed_clients = r.resumed_clients;
+  sum.detached_client_ids.insert(sum.detached_client_ids.end(), r.detached_client_ids.begin(),
+                                 r.detached_client_ids.end());
+  sum.moved_blocks.insert(sum.moved_blocks.end(), r.moved_blocks.begin(), r.moved_blocks.end());
+  sum.target_reached = sum.target_reached && r.target_reached;
+  sum.steps += r.steps;
+  total->pool = std::move(step.pool);
+  total->added.insert(total->added.end(), step.added.begin(), step.added.end());
+  total->released_chunk_ids.insert(total->released_chunk_ids.end(), step.released_chunk_ids.begin(),
+                                   step.released_chunk_ids.end());
+  total->release_id = step.release_id;
+}
+
+// A step's error once steps before it changed the pool: they stay done, and the error says so.
+absl::Status StepsStayDone(const absl::Status& failed, absl::string_view kind, uint32_t steps, size_t chunks_before,
+                           size_t chunks_now, absl::string_view go_on) {
+  return absl::Status(failed.code(),
+                      absl::StrCat(failed.message(), "; what the ", kind, " steps before it did stays done (", steps,
+                                   " of them: ", chunks_before, " -> ", chunks_now, " chunks): ", go_on));
+}
+
+}  // namespace
+
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                const ShrinkOptions& options) {
   if (options.live.has_value()) {
@@ -794,6 +859,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
   absl::Time paused_at = absl::InfinitePast();
   std::set<std::string> paused;
   OldView old;
+  std::optional<std::vector<uint64_t>> stepped;  // an exact shrink in steps: the releases of its steps
   {
     absl::MutexLock lock(&pool->op_mu);
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
@@ -804,10 +870,29 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
                                          ReleaseOptions{.force = options.force, .pause = options.pause}));
       update = CommitLocked(*pool, std::move(change), caller.session, start);
     } else {
-      KVD_ASSIGN_OR_RETURN(
-          update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
-                                &paused_at, &paused, &old, nullptr));
+      KVD_ASSIGN_OR_RETURN(StepRoom room, Room());
+      uint64_t bytes = 0;
+      for (const PlannedChunk& p : plan.added) bytes += p.bytes;
+      if (bytes > room.bytes) {
+        // Not in one step: see Note [Chunks are replaced, not cut] in docs/architecture.md.
+        stepped.emplace();
+        KVD_ASSIGN_OR_RETURN(update, ShrinkInStepsLocked(*pool, caller.session, target_blocks, options, plan, room,
+                                                         start, &*stepped));
+      } else {
+        KVD_ASSIGN_OR_RETURN(
+            update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
+                                  &paused_at, &paused, &old, nullptr));
+      }
     }
+  }
+  if (stepped.has_value()) {
+    // Each step was finished under op_mu; with wait, every step's release is awaited.
+    if (options.wait) {
+      for (uint64_t id : *stepped) pool->AwaitRelease(id, options.deadline);
+      if (!stepped->empty()) update.pool = pool->View(ViewClients::kCounted);
+    }
+    update.elapsed = absl::Now() - start;
+    return update;
   }
   // Replied once the paused clients resumed (so that the caller's own Mapping has remapped), at most a
   // pause timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
@@ -818,6 +903,121 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
   return update;
 }
 
+absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, absl::string_view session,
+                                                            uint64_t target_blocks,
+                                                            const ShrinkOptions& options, const ReshapePlan& whole,
+                                                            const StepRoom& room, absl::Time start,
+                                                            std::vector<uint64_t>* releases) {
+  const std::string what = absl::StrCat("shrinking to ", target_blocks, " blocks");
+  const absl::Duration timeout =
+      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return Stopping();
+  }
+  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
+  // Nothing changed yet: refuse unless the largest replacement (one segment's) fits once the whole chunks
+  // past the target are released. Free memory only grows from step to step (each gives back at least
+  // what it takes), so every later step fits one too unless someone else takes the memory meanwhile.
+  uint64_t largest = 0, all = 0;
+  for (const PlannedChunk& p : whole.added) {
+    largest = std::max(largest, p.bytes);
+    all += p.bytes;
+  }
+  if (largest > room.bytes + whole.release_first_bytes) {
+    return NoRoom(pool, what, largest,
+                  absl::StrCat("the new chunk of one segment (", all, " bytes for all ", whole.added.size(), ")"), room,
+                  whole.release_first_bytes);
+  }
+
+  // First the whole chunks at or past a boundary every segment shares: a plain release (the clients of other
+  // sessions paused for it first: Note [Releases pause first]), whose memory is free for the steps once the
+  // clients that map it acknowledged.
+  std::vector<uint64_t> released_first;
+  if (whole.release_first_bytes > 0) {
+    KVD_RETURN_IF_ERROR(QuiesceLocked(pool, session, what, pool.Leaving(whole.release_first_from),
+                                      ReleaseOptions{.pause = options.pause}));
+    std::vector<ChunkRecord> released;
+    PoolUpdate freed = pool.ReleaseFrom(whole.release_first_from, &released, session);
+    Save(pool);
+    for (ChunkRecord& r : released) {
+      store_->DropChunkFd(r.info.id);
+      DiscardChunk(pool.base(), r);
+    }
+    if (freed.release_id != 0) {
+      releases->push_back(freed.release_id);
+      pool.AwaitRelease(freed.release_id, absl::Now() + timeout);
+    }
+    released_first = std::move(freed.released_chunk_ids);
+  }
+
+  // Then the straddling chunks, as many segments' a step as the free memory holds. The first step also
+  // releases every chunk past the target and moves the live blocks; from it on the prefix is the target's
+  // and the segments not yet replaced keep tails past it (the invariants in pool.h) until a later step.
+  std::optional<PoolUpdate> total;
+  OldView spare;  // the view the step before left, to be the next one (ReshapeLocked)
+  absl::Cleanup take_down_spare = [&] { TakeDown(spare); };
+  for (bool first = true;; first = false) {
+    absl::Time paused_at = absl::InfinitePast();
+    std::set<std::string> paused;
+    OldView old;
+    const absl::Time step_start = absl::Now();
+    absl::StatusOr<PoolUpdate> made;
+    // What is left first (after the first step: no tail left, done), then what of it fits now.
+    absl::StatusOr<ReshapePlan> rest =
+        first ? pool.PlanShrink(target_blocks, false, options.live) : pool.PlanTails(std::nullopt);
+    absl::Status failed = rest.status();
+    if (failed.ok() && !first && !rest->moves_bytes()) break;
+    absl::StatusOr<StepRoom> now = failed.ok() ? Room() : absl::StatusOr<StepRoom>(failed);
+    failed = now.status();
+    if (failed.ok()) {
+      absl::StatusOr<ReshapePlan> plan =
+          first ? pool.PlanShrink(target_blocks, false, options.live, now->bytes) : pool.PlanTails(now->bytes);
+      failed = plan.status();
+      if (failed.ok() && plan->added.empty()) {
+        // Memory not given back yet (a client slow to acknowledge), or taken by others meanwhile.
+        failed = NoRoom(pool, what, rest->added.empty() ? 0 : rest->added.front().bytes, "the new chunk of one segment",
+                        *now, 0);
+      }
+      if (failed.ok()) {
+        made = ReshapeLocked(pool, *plan, options.pause, what, &paused_at, &paused, &old, &spare);
+        failed = made.status();
+      }
+    }
+    if (!failed.ok()) {
+      if (!total.has_value() && released_first.empty()) return failed;
+      const size_t chunks_now = pool.View(ViewClients::kCounted).chunks.size();
+      return StepsStayDone(
+          failed, "shrink", total.has_value() ? total->reshape->steps : 0, whole.chunks_before, chunks_now,
+          total.has_value()
+              ? "the pool has the target's blocks committed, but the chunks of the segments not yet replaced still "
+                "run past them: Compact the pool (or shrink it exactly again) to replace them"
+              : "whole chunks past the target were released first; shrink again to go on");
+    }
+    PoolUpdate update = *std::move(made);
+    FinishReshape(pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
+    if (update.release_id != 0) releases->push_back(update.release_id);
+    // The chunks that left the table are released now, so that their memory is free for the next step.
+    std::set<uint64_t> table;
+    for (const ChunkInfo& c : update.pool.chunks) table.insert(c.id);
+    if (Recycle(old, table)) {
+      old.generation = update.pool.generation;
+      spare = std::move(old);
+    } else {
+      TakeDown(old);
+    }
+    ObserveStep(*update.reshape);
+    AddStep(total, std::move(update));
+  }
+  total->reshape->chunks_before = whole.chunks_before;
+  total->released_chunk_ids.insert(total->released_chunk_ids.begin(), released_first.begin(), released_first.end());
+  std::set<uint64_t> now;
+  for (const ChunkInfo& c : total->pool.chunks) now.insert(c.id);
+  std::erase_if(total->added, [&](const ChunkInfo& c) { return !now.contains(c.id); });
+  total->elapsed = absl::Now() - start;
+  return *std::move(total);
+}
+
 absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::string_view name,
                                                 const CompactOptions& options) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
@@ -826,9 +1026,9 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
   const size_t per_pause =
       options.max_chunks_per_pause > 0 ? options.max_chunks_per_pause : options_.compact_chunks_per_pause;
-  // Each step: plan the next new chunks (at most per_pause old ones replaced, all of them with nobody to
-  // pause), reshape under op_mu, let the clients resume without it. Planned afresh each time, so that a
-  // grow between steps is compacted too.
+  // Each step: plan the next new chunks (at most per_pause old ones replaced with clients to pause, and
+  // no more bytes than are free), reshape under op_mu, let the clients resume without it. Planned afresh
+  // each time, from the memory the step before gave back, so that a grow between steps is compacted too.
   std::optional<PoolUpdate> total;
   OldView spare;  // the view the step before left, to be the next one (ReshapeLocked)
   absl::Cleanup take_down_spare = [&] { TakeDown(spare); };
@@ -840,18 +1040,36 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
     const absl::Time step_start = absl::Now();
     {
       absl::MutexLock lock(&pool->op_mu);
-      absl::StatusOr<ReshapePlan> plan = pool->PlanCompact(
-          options_.max_chunk_bytes,
-          pool->View(ViewClients::kCounted).client_count > 0 ? std::optional<size_t>(per_pause) : std::nullopt);
-      absl::Status failed = plan.status();
-      if (failed.ok() && !plan->moves_bytes()) {
+      // With nobody attached the daemon is the only mapper: a new chunk that does not fit may be made of
+      // runs of the old ones that do (fewer chunks, if not one a segment).
+      const bool alone = pool->View(ViewClients::kCounted).client_count == 0;
+      // What is left to do first (nothing: in shape), then what of it fits now: no look at the device
+      // once the work is done.
+      absl::StatusOr<ReshapePlan> rest = pool->PlanCompact(options_.max_chunk_bytes, std::nullopt);
+      absl::Status failed = rest.status();
+      if (failed.ok() && !rest->moves_bytes()) {
         if (!total.has_value()) {  // already in shape
           total.emplace();
           total->pool = pool->View(ViewClients::kCounted);
-          total->reshape = ReshapeReport{.chunks_before = plan->chunks_before,
-                                         .chunks_after = static_cast<uint32_t>(total->pool.chunks.size())};
+          total->reshape = ReshapeReport{.chunks_before = rest->chunks_before,
+                                         .chunks_after = static_cast<uint32_t>(total->pool.chunks.size()),
+                                         .target_reached = true};
         }
         break;
+      }
+      absl::StatusOr<StepRoom> room = failed.ok() ? Room() : absl::StatusOr<StepRoom>(failed);
+      failed = room.status();
+      absl::StatusOr<ReshapePlan> plan = ReshapePlan{};
+      if (failed.ok()) {
+        plan = pool->PlanCompact(options_.max_chunk_bytes, alone ? std::nullopt : std::optional<size_t>(per_pause),
+                                 room->bytes, /*smaller=*/alone);
+        failed = plan.status();
+      }
+      if (failed.ok() && !plan->moves_bytes()) {
+        // The next new chunk does not fit; after smaller ones, that is as far as the free memory goes.
+        if (total.has_value() && !total->reshape->target_reached) break;
+        failed = NoRoom(*pool, "compacting", rest->added.front().bytes,
+                        alone ? "a new chunk of at least two old ones" : "its next new chunk", *room, 0);
       }
       if (failed.ok() && total.has_value()) {
         if (absl::Now() >= options.interrupt.deadline) {
@@ -869,12 +1087,8 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       if (!failed.ok()) {
         if (!total.has_value()) return failed;
         // The steps before stay done: the pool is whole, only less fragmented than asked.
-        const ReshapeReport& done = *total->reshape;
-        return absl::Status(
-            failed.code(),
-            absl::StrCat(failed.message(), "; what the compaction steps before it did stays done (", done.steps,
-                         " of them: ", done.chunks_before, " -> ", pool->View(ViewClients::kCounted).chunks.size(),
-                         " chunks): Compact again to go on"));
+        return StepsStayDone(failed, "compaction", total->reshape->steps, total->reshape->chunks_before,
+                             pool->View(ViewClients::kCounted).chunks.size(), "Compact again to go on");
       }
     }
     FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
@@ -889,30 +1103,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       TakeDown(old);
     }
     ObserveStep(*update.reshape);
-    if (!total.has_value()) {
-      total = std::move(update);
-      continue;
-    }
-    // Summed over the steps, but for the last step's clients and release; `added` is filled in below.
-    ReshapeReport& sum = *total->reshape;
-    const ReshapeReport& r = *update.reshape;
-    sum.chunks_after = r.chunks_after;
-    sum.chunks_replaced += r.chunks_replaced;
-    sum.chunks_added += r.chunks_added;
-    sum.copied_bytes += r.copied_bytes;
-    sum.copy += r.copy;
-    sum.paused_clients = r.paused_clients;
-    sum.pause += r.pause;
-    sum.max_pause = std::max(sum.max_pause, r.max_pause);
-    sum.resumed_clients = r.resumed_clients;
-    sum.detached_client_ids.insert(sum.detached_client_ids.end(), r.detached_client_ids.begin(),
-                                   r.detached_client_ids.end());
-    sum.steps += r.steps;
-    total->pool = std::move(update.pool);
-    total->added.insert(total->added.end(), update.added.begin(), update.added.end());
-    total->released_chunk_ids.insert(total->released_chunk_ids.end(), update.released_chunk_ids.begin(),
-                                     update.released_chunk_ids.end());
-    total->release_id = update.release_id;
+    AddStep(total, std::move(update));
   }
   // A later step may have replaced a chunk an earlier one added (a grow between them moved the last
   // chunk's end): `added` names only the new chunks in the table.

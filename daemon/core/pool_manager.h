@@ -81,6 +81,13 @@ struct Interrupt {
   std::function<bool()> cancelled;  // may be empty: never cancelled
 };
 
+// Device memory a reshape step leaves free beside its new chunks (or the granularity, if larger): the
+// driver's page tables for mapping them and the staying chunks into the next view, the copy's launch,
+// and what other processes on the device (the engines) allocate between the look at the free bytes and
+// the creation. Page tables take 8 bytes per 2 MiB page, so mapping a 140 GiB device twice needs under
+// 1.2 MiB of them; the rest is headroom for the others, and 64 MiB is under 0.05% of an H200.
+inline constexpr uint64_t kReshapeDeviceMargin = uint64_t{64} << 20;
+
 struct ManagerOptions {
   uint64_t budget_bytes = 0;                             // 0: the device's total memory
   uint64_t max_chunk_bytes = uint64_t{4} << 30;          // grows split into chunks of at most this
@@ -218,7 +225,9 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   bool wait, absl::Time deadline);
   // Shrink as the proto's ShrinkRequest says: exact unless `whole_chunks_only` (Pool::PlanShrink), pausing
-  // the attached clients when bytes move (see Reshape below), all or nothing.
+  // the attached clients when bytes move (see Reshape below), all or nothing when the replacements fit the
+  // free memory (Room) at once; otherwise whole chunks past the target first, then steps of as many
+  // replacements as fit (ShrinkInStepsLocked), each all or nothing, the steps before a failed one done.
   struct ShrinkOptions {
     bool wait = false;
     absl::Time deadline = absl::InfiniteFuture();
@@ -229,11 +238,13 @@ class PoolManager {
   };
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
-  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). With clients
-  // attached, in steps that each replace at most `max_chunks_per_pause` chunks (0: the manager's
-  // compact_chunks_per_pause) under a pause of their own, the clients running between them. Each step is
-  // all or nothing; a step that fails leaves the steps before it done and says so in its error; so does a
-  // caller that gives up between steps (`interrupt`).
+  // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). In steps that
+  // each make no more new chunks than the free memory holds (Room), and with clients attached replace at
+  // most `max_chunks_per_pause` chunks (0: the manager's compact_chunks_per_pause) under a pause of their
+  // own, the clients running between them. RESOURCE_EXHAUSTED when not even one new chunk fits, but with
+  // no client attached, when runs of old chunks merged into smaller ones that fit (target_reached false).
+  // Each step is all or nothing; a step that fails leaves the steps before it done and says so in its
+  // error; so does a caller that gives up between steps (`interrupt`).
   struct CompactOptions {
     PauseOptions pause;
     uint32_t max_chunks_per_pause = 0;
@@ -393,6 +404,33 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                          absl::string_view what, absl::Time* paused_at,
                                                          std::set<std::string>* paused, OldView* old, OldView* spare)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // What one step of a reshape may make (Note [Chunks are replaced, not cut] in docs/architecture.md):
+  // `bytes` is the lower of the budget's free bytes and the device's free bytes less `margin`, the device
+  // memory a step needs beside its chunks and that others may take meanwhile (kReshapeDeviceMargin).
+  struct StepRoom {
+    uint64_t budget_free = 0;
+    uint64_t device_free = 0;
+    uint64_t margin = 0;
+    uint64_t bytes = 0;
+  };
+  // The device's errors (Info) as they are.
+  [[nodiscard]] absl::StatusOr<StepRoom> Room() const;
+  // RESOURCE_EXHAUSTED: `what` needs `needed` bytes for `for_what` and `room` has less; `freed_first`: the
+  // bytes a shrink would release before its steps.
+  absl::Status NoRoom(const Pool& pool, absl::string_view what, uint64_t needed, absl::string_view for_what,
+                      const StepRoom& room, uint64_t freed_first) const;
+  // An exact shrink whose replacements (`whole`, planned for the whole change) do not fit in `room` at
+  // once: whole chunks released first, then steps of as many replacements as fit, each a reshape under a
+  // pause of its own that is finished (the clients resumed, the old chunks released) before the next is
+  // planned, all under op_mu. Refuses, changing nothing, when even the largest one replacement cannot
+  // fit. `*releases` gets the release of each step, for the caller to await without op_mu.
+  // `session` is the caller's: its own clients are not paused for the whole chunks that go first.
+  [[nodiscard]] absl::StatusOr<PoolUpdate> ShrinkInStepsLocked(Pool& pool, absl::string_view session,
+                                                               uint64_t target_blocks,
+                                                               const ShrinkOptions& options, const ReshapePlan& whole,
+                                                               const StepRoom& room, absl::Time start,
+                                                               std::vector<uint64_t>* releases)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
   // else refers to them).

@@ -147,6 +147,9 @@ class ReshapeTest(KvdDaemonCase):
             args.append("--budget=70MiB")
         if self._testMethodName == "test_the_daemon_compacts_a_fragmented_pool_on_its_own_when_every_client_pauses":
             args.append("--compact-above-chunks=6")
+        if self._testMethodName == "test_a_full_budget_compacts_and_shrinks_in_steps_that_fit_what_is_free":
+            # 896 MiB of the 1 GiB budget: 128 MiB free. The host device has more, so the budget binds.
+            args += ["--budget=1GiB", "--host-capacity=2GiB"]
         if self._testMethodName == "test_metrics_count_pauses_copies_and_compactions":
             self.metrics_port = free_port()
             args += [f"--metrics-address=127.0.0.1:{self.metrics_port}", "--compact-above-chunks=6"]
@@ -552,7 +555,9 @@ class ReshapeTest(KvdDaemonCase):
         with self.assertRaises(kvd.KvdError) as e:
             self.c.shrink("kv", 200)  # replacements of 25 MiB per segment
         self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED", e.exception)
-        self.assertIn(f"needs {self.prefix_bytes(200)} bytes", e.exception.message)  # both replacements
+        # One segment's replacement (the least a step makes) and both.
+        self.assertIn(f"needs {self.prefix_bytes(200) // 2} bytes", e.exception.message)
+        self.assertIn(f"({self.prefix_bytes(200)} bytes for all 2)", e.exception.message)
         self.assertIn(f"only {6 * MiB} bytes", e.exception.message)  # free
         self.assertEqual(table(self.c.pool("kv")), table(before))
         self.assertEqual(self.c.device_info().committed_bytes, before.committed_bytes)
@@ -563,6 +568,57 @@ class ReshapeTest(KvdDaemonCase):
         u = self.c.shrink("kv", 200, whole_chunks_only=True)
         self.assertFalse(u.reshape.target_reached)
         self.assertEqual(table(u.pool), table(before))
+
+    def test_a_full_budget_compacts_and_shrinks_in_steps_that_fit_what_is_free(self):
+        """Issue 22: an 896 MiB pool under --budget=1GiB, grown in 56 steps of 2 MiB a segment (8 segments,
+        448 chunks). Compact needs 896 MiB of new chunks at once, an exact shrink to half 448 MiB: neither
+        fits the 128 MiB free, so both go in steps of what is free, the engines pausing for each."""
+        dims = dict(DIMS, layers=8)  # 8 segments of 128 KiB blocks: 112 MiB a segment at 896 blocks
+        self.c.create_pool("kv", initial_blocks=0, **dims)
+        for step in range(1, 57):
+            self.c.grow("kv", step * GRANULE_BLOCKS)
+        pool = self.c.pool("kv")
+        self.g = pool.geometry
+        self.assertEqual((len(pool.chunks), pool.committed_blocks, pool.committed_bytes), (448, 896, 896 * MiB))
+        engines = self.engines()
+        self.assert_follows(engines, pool)
+        self.write_all(engines, 896)
+        free = (1 << 30) - 896 * MiB
+
+        u = self.c.compact("kv")
+        r = u.reshape
+        self.assertGreater(r.steps, 1, r)
+        self.assertEqual(r.steps, 8, r)  # one segment's 112 MiB chunk at a time
+        self.assertEqual((r.chunks_before, r.chunks_after, r.chunks_replaced, r.chunks_added), (448, 8, 448, 8), r)
+        self.assertLessEqual(r.copied_bytes // r.steps, free, r)
+        self.assertEqual(r.copied_bytes, 896 * MiB, r)
+        self.assertTrue(r.target_reached, r)
+        self.assertEqual((r.paused_clients, r.resumed_clients), (2, 2), r)
+        self.assertGreater(r.max_pause_us, 0, r)
+        self.assertLessEqual(r.max_pause_us, r.pause_us, r)
+        self.assertEqual(len(u.pool.chunks), 8)
+        self.assert_follows(engines, u.pool)
+        for e in engines:
+            self.assertEqual(e("state")["resumed"], [True] * 8, e.name)
+        self.assert_intact(engines, kept(896))
+        poll(lambda: self.c.device_info().committed_bytes == 896 * MiB, "the daemon to count only the pool's bytes")
+
+        u = self.c.shrink("kv", 448)  # 56 MiB a segment: 2 segments' replacements in the 128 MiB free first
+        r = u.reshape
+        self.assertGreater(r.steps, 1, r)
+        self.assertEqual((r.chunks_before, r.chunks_after, r.chunks_replaced, r.chunks_added), (8, 8, 8, 8), r)
+        self.assertEqual(r.copied_bytes, 448 * MiB, r)
+        self.assertEqual((r.paused_clients, r.resumed_clients), (2, 2), r)
+        self.assert_exact(u, 448)
+        self.assert_follows(engines, u.pool)
+        for e in engines:
+            self.assertEqual(e("state")["resumed"], [True] * (8 + r.steps), e.name)
+        self.assert_intact(engines, kept(448))
+        # The memory given back is the engines' to grow into again.
+        u = self.c.grow("kv", 896)
+        self.assert_follows(engines, u.pool)
+        self.write_all(engines, 896)
+        self.assert_intact(engines, kept(896))
 
     # -- metrics ----------------------------------------------------------------------------------
     def test_metrics_count_pauses_copies_and_compactions(self):

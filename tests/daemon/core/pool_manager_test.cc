@@ -838,7 +838,19 @@ class PausingEngine {
   // returns the RESUME (nullopt when no PAUSE came within `wait`).
   std::optional<PoolEvent> FollowPause(absl::Duration wait = absl::Seconds(10)) {
     std::optional<PoolEvent> pause = events_->Pop(wait);
-    while (pause.has_value() && pause->type == EventType::kChunksAdded) pause = events_->Pop(wait);
+    while (pause.has_value() && (pause->type == EventType::kChunksAdded || pause->type == EventType::kChunksReleased)) {
+      if (pause->type == EventType::kChunksReleased) {
+        // A plain release (whole chunks an exact shrink in steps gives back first): unmap and acknowledge.
+        released_events_.push_back(*pause);
+        for (const ChunkInfo& c : pause->chunks) {
+          mmap(at(c.offset), c.bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        }
+        if (pause->release_id != 0) {
+          EXPECT_THAT(manager_->Acknowledge(who_, id(), pause->release_id), IsOk());
+        }
+      }
+      pause = events_->Pop(wait);
+    }
     if (!pause.has_value() || pause->type != EventType::kPause) return std::nullopt;
     last_pause_ = *pause;
     // A release's pause brings no new chunks, and no lease.
@@ -864,11 +876,19 @@ class PausingEngine {
     for (const PoolManager::LeasedFd& f : *fds) close(f.fd);
     return resume;
   }
+  // Follows every pause until `done` (the call that pauses returned).
+  void FollowUntil(const std::atomic<bool>& done) {
+    while (!done) FollowPause(absl::Milliseconds(20));
+  }
+  // The plain releases FollowPause acknowledged on the way.
+  const std::vector<PoolEvent>& released_events() const { return released_events_; }
+
   // The PAUSE FollowPause handled last.
   const PoolEvent& last_pause() const { return last_pause_; }
 
  private:
   PoolEvent last_pause_;
+  std::vector<PoolEvent> released_events_;
   PoolManager* manager_;
   Caller who_;
   AttachResult attached_;
@@ -1408,6 +1428,371 @@ TEST_F(PoolManagerTest, AGrowPastTheChunkThresholdCompactsOnItsOwnWhenEveryClien
   }));
   EXPECT_EQ(chunks("q"), 10u);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reshapes in steps bounded by the free memory (Note [Chunks are replaced, not cut])
+
+// L=8 (8 segments), 64 KiB blocks, 16 MiB segments: 128 MiB at capacity.
+PoolSpec WideSpec(std::string name, uint64_t initial_blocks) {
+  PoolSpec spec = Spec(std::move(name), initial_blocks);
+  spec.dims.layers = 8;
+  return spec;
+}
+
+// Runs `call` on a thread while `engine` (if any) follows every pause it makes.
+template <typename Call>
+auto WhileFollowing(PausingEngine* engine, Call call) {
+  std::atomic<bool> done{false};
+  decltype(call()) result = absl::UnknownError("not run");
+  std::thread t([&] {
+    result = call();
+    done = true;
+  });
+  if (engine != nullptr) engine->FollowUntil(done);
+  t.join();
+  return result;
+}
+
+class SteppedReshapeTest : public PoolManagerTest, public ::testing::WithParamInterface<bool> {
+ protected:
+  bool attached() const { return GetParam(); }
+
+  // 14 MiB a segment (224 blocks) in 7 grows of 2 MiB: 56 chunks, 112 MiB of a 128 MiB budget (7/8), so
+  // 16 MiB are free: one segment's 14 MiB new chunk at a time for a compaction. The pattern is written
+  // through an engine, which stays attached (pausable) or detaches having let go of everything.
+  PoolView Fill7Of8() {
+    Start({.budget_bytes = 128 * kMiB});
+    EXPECT_THAT(manager_->CreatePool(alice_, WideSpec("p", 32)), IsOk());
+    for (uint64_t b = 64; b <= 224; b += 32) EXPECT_THAT(manager_->Grow(alice_, "p", b), IsOk());
+    absl::StatusOr<PoolView> pool = manager_->GetPool(alice_, "p");
+    EXPECT_THAT(pool, IsOk());
+    EXPECT_THAT(pool->chunks, SizeIs(56));
+    engine_ = std::make_unique<PausingEngine>(this, manager_.get(), alice_, "p", /*pausable=*/true);
+    Fill(*engine_, *pool, 14 * kMiB);
+    if (!attached()) {
+      EXPECT_THAT(manager_->Detach(alice_, engine_->id(), /*released=*/true), IsOk());
+      DropEngineMappings(*pool);
+      engine_.reset();
+    }
+    return *pool;
+  }
+  void DropEngineMappings(const PoolView& pool) {
+    for (auto [base, bytes] : reservations_) {
+      mmap(reinterpret_cast<void*>(base), bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
+           0);
+    }
+    (void)pool;
+  }
+  // The first byte of the first `bytes` of every segment that differs from the pattern, through the
+  // attached engine, or through a fresh mapping of the pool's current chunks.
+  int64_t Check(const PoolView& pool, uint64_t bytes) {
+    if (engine_ != nullptr) return FirstDifference(*engine_, pool, bytes);
+    PausingEngine reader(this, manager_.get(), alice_, "p", /*pausable=*/true);
+    const int64_t diff = FirstDifference(reader, pool, bytes);
+    EXPECT_THAT(manager_->Detach(alice_, reader.id(), /*released=*/true), IsOk());
+    DropEngineMappings(pool);
+    return diff;
+  }
+
+  std::unique_ptr<PausingEngine> engine_;
+};
+
+TEST_P(SteppedReshapeTest, CompactAndExactShrinkGoInStepsThatFitTheFreeMemory) {
+  const PoolView pool = Fill7Of8();
+  std::vector<ReshapeReport> steps;
+  manager_->Observe({.reshape_step = [&](const ReshapeReport& r) { steps.push_back(r); }});
+
+  // 112 MiB of new chunks at once would not fit in 16 MiB; one segment's 14 MiB does.
+  absl::StatusOr<PoolUpdate> compacted =
+      WhileFollowing(engine_.get(), [&] { return manager_->Compact(alice_, "p", {}); });
+  ASSERT_THAT(compacted, IsOk());
+  const ReshapeReport& c = *compacted->reshape;
+  EXPECT_EQ(c.steps, 8u);
+  EXPECT_EQ(c.chunks_before, 56u);
+  EXPECT_EQ(c.chunks_after, 8u);
+  EXPECT_EQ(c.chunks_replaced, 56u);
+  EXPECT_EQ(c.chunks_added, 8u);
+  EXPECT_EQ(c.copied_bytes, 112 * kMiB);
+  EXPECT_TRUE(c.target_reached);
+  EXPECT_EQ(c.paused_clients, attached() ? 1u : 0u);
+  ASSERT_THAT(steps, SizeIs(8));
+  for (const ReshapeReport& r : steps) EXPECT_EQ(r.copied_bytes, 14 * kMiB) << "one segment a step";
+  EXPECT_THAT(compacted->pool.chunks, SizeIs(8));
+  EXPECT_THAT(compacted->added, SizeIs(8));
+  EXPECT_EQ(compacted->pool.committed_blocks, 224u);
+  EXPECT_EQ(Check(pool, 14 * kMiB), -1) << "every byte of every segment";
+  EXPECT_EQ(Committed(), 112 * kMiB);
+  EXPECT_EQ(manager_->GetDeviceStatus()->pending_release_bytes, 0u);
+  EXPECT_EQ(device_->live_chunks(), 8);
+  EXPECT_EQ(device_->live_reservations(), 1) << "the steps' views were taken down";
+
+  // Exact shrink to half: 112 blocks = 7 MiB, 8 MiB a segment; 64 MiB of replacements at once would not
+  // fit, two segments' 16 MiB do; each step gives back 14 MiB a segment for the next: 2, 3, 3 segments.
+  steps.clear();
+  absl::StatusOr<PoolUpdate> shrunk =
+      WhileFollowing(engine_.get(), [&] { return manager_->Shrink(alice_, "p", 112, {.wait = true}); });
+  manager_->Observe({});
+  ASSERT_THAT(shrunk, IsOk());
+  const ReshapeReport& s = *shrunk->reshape;
+  EXPECT_EQ(s.steps, 3u);
+  EXPECT_EQ(s.chunks_before, 8u);
+  EXPECT_EQ(s.chunks_after, 8u);
+  EXPECT_EQ(s.chunks_replaced, 8u);
+  EXPECT_EQ(s.chunks_added, 8u);
+  EXPECT_EQ(s.copied_bytes, 64 * kMiB);
+  EXPECT_TRUE(s.target_reached);
+  EXPECT_EQ(s.paused_clients, attached() ? 1u : 0u);
+  ASSERT_THAT(steps, SizeIs(3));
+  EXPECT_EQ(s.pause, steps[0].pause + steps[1].pause + steps[2].pause);
+  EXPECT_EQ(s.max_pause, std::max({steps[0].pause, steps[1].pause, steps[2].pause}));
+  if (!attached()) {
+    EXPECT_EQ(s.pause, absl::ZeroDuration());
+  }
+  EXPECT_EQ(steps[0].copied_bytes, 16 * kMiB);
+  EXPECT_EQ(steps[1].copied_bytes, 24 * kMiB);
+  EXPECT_EQ(steps[2].copied_bytes, 24 * kMiB);
+  EXPECT_THAT(shrunk->released_chunk_ids, SizeIs(8));
+  EXPECT_THAT(shrunk->added, SizeIs(8));
+  EXPECT_EQ(shrunk->pool.committed_blocks, 128u);
+  EXPECT_EQ(shrunk->pool.committed_bytes, 64 * kMiB);
+  for (const ChunkInfo& chunk : shrunk->pool.chunks) EXPECT_EQ(chunk.bytes, 8 * kMiB);
+  EXPECT_EQ(Check(pool, 8 * kMiB), -1) << "every kept byte of every segment";
+  EXPECT_EQ(Committed(), 64 * kMiB);
+  EXPECT_EQ(manager_->GetDeviceStatus()->pending_release_bytes, 0u);
+  EXPECT_EQ(device_->live_chunks(), 8);
+  EXPECT_EQ(device_->live_reservations(), 1);
+  // The pool grows again as any other.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "p", 224));
+  EXPECT_EQ(grown.pool.committed_blocks, 224u);
+  EXPECT_EQ(Committed(), 112 * kMiB);
+}
+
+// An exact shrink of a fragmented pool releases the whole chunks past the target first (no pause), and
+// the straddling ones are then replaced with the memory that gave back.
+TEST_P(SteppedReshapeTest, AnExactShrinkReleasesWholeChunksFirst) {
+  Start({.budget_bytes = 120 * kMiB});
+  ASSERT_THAT(manager_->CreatePool(alice_, WideSpec("p", 64)), IsOk());
+  for (uint64_t b : {128, 192, 224}) ASSERT_THAT(manager_->Grow(alice_, "p", b), IsOk());  // 4+4+4+2 MiB
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(pool.chunks, SizeIs(32));
+  engine_ = std::make_unique<PausingEngine>(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(*engine_, pool, 14 * kMiB);
+  if (!attached()) {
+    ASSERT_THAT(manager_->Detach(alice_, engine_->id(), /*released=*/true), IsOk());
+    DropEngineMappings(pool);
+    engine_.reset();
+  }
+  // 80 blocks = 5 MiB -> 6 MiB: [4, 8) MiB straddles; 8 x 2 MiB of replacements do not fit in 8 MiB free.
+  absl::StatusOr<PoolUpdate> shrunk =
+      WhileFollowing(engine_.get(), [&] { return manager_->Shrink(alice_, "p", 80, {.wait = true}); });
+  ASSERT_THAT(shrunk, IsOk());
+  EXPECT_EQ(shrunk->reshape->steps, 1u) << "the 48 MiB released first hold every replacement";
+  EXPECT_EQ(shrunk->reshape->chunks_before, 32u);
+  EXPECT_EQ(shrunk->reshape->chunks_replaced, 8u);
+  EXPECT_EQ(shrunk->reshape->copied_bytes, 16 * kMiB);
+  EXPECT_THAT(shrunk->released_chunk_ids, SizeIs(24));
+  EXPECT_EQ(shrunk->pool.committed_bytes, 48 * kMiB);
+  EXPECT_THAT(shrunk->pool.chunks, SizeIs(16));
+  if (engine_ != nullptr) {
+    ASSERT_THAT(engine_->released_events(), SizeIs(1));
+    EXPECT_THAT(engine_->released_events()[0].chunks, SizeIs(16)) << "[8, 14) MiB of every segment";
+    EXPECT_EQ(engine_->released_events()[0].committed_blocks, 128u);
+  }
+  EXPECT_EQ(Check(pool, 6 * kMiB), -1);
+  EXPECT_EQ(Committed(), 48 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 16);
+  EXPECT_EQ(device_->live_reservations(), 1);
+}
+
+// Where not even one segment's new chunk fits: refused with the bytes, nothing changed. Only a compaction
+// with nobody attached goes on, into smaller new chunks.
+TEST_P(SteppedReshapeTest, WhatCannotFitIsRefusedWithTheBytesAndNothingChanges) {
+  Start({.budget_bytes = 32 * kMiB});
+  std::optional<PausingEngine> engine;
+  PoolView before;
+  auto unchanged = [&](size_t chunks) {
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+    EXPECT_EQ(after.generation, before.generation);
+    EXPECT_EQ(after.committed_blocks, before.committed_blocks);
+    ASSERT_EQ(after.chunks.size(), before.chunks.size());
+    for (size_t i = 0; i < after.chunks.size(); ++i) EXPECT_EQ(after.chunks[i].id, before.chunks[i].id);
+    EXPECT_EQ(Committed(), 28 * kMiB);
+    EXPECT_EQ(device_->live_chunks(), static_cast<int>(chunks));
+    EXPECT_EQ(device_->live_reservations(), 1);
+    if (engine.has_value()) {
+      EXPECT_FALSE(engine->events().Pop(absl::ZeroDuration()).has_value()) << "no pause";
+    }
+  };
+
+  // 28 MiB in 7 grows of 2 MiB a segment: 4 MiB free, and a segment's 14 MiB new chunk does not fit.
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  for (uint64_t b = 64; b <= 224; b += 32) ASSERT_THAT(manager_->Grow(alice_, "p", b), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(14));
+  if (attached()) {
+    engine.emplace(this, manager_.get(), alice_, "p", /*pausable=*/true);
+    EXPECT_THAT(manager_->Compact(alice_, "p", {}),
+                StatusIs(absl::StatusCode::kResourceExhausted,
+                         AllOf(HasSubstr("compacting needs 14680064 bytes"), HasSubstr("only 4194304 bytes"),
+                               HasSubstr("the device has"))));
+    unchanged(14);
+    EXPECT_THAT(manager_->Detach(alice_, engine->id(), /*released=*/true), IsOk());
+    engine.reset();
+  } else {
+    // The daemon maps the pool alone: runs of two 2 MiB chunks into 4 MiB ones, as far as that goes.
+    KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate compacted, manager_->Compact(alice_, "p", {}));
+    EXPECT_FALSE(compacted.reshape->target_reached);
+    EXPECT_EQ(compacted.reshape->chunks_before, 14u);
+    EXPECT_EQ(compacted.reshape->chunks_after, 8u) << "4+4+4+2 MiB a segment";
+    EXPECT_GT(compacted.reshape->steps, 1u);
+    EXPECT_EQ(Committed(), 28 * kMiB);
+    EXPECT_EQ(device_->live_chunks(), 8);
+    EXPECT_EQ(device_->live_reservations(), 1);
+  }
+  ASSERT_THAT(manager_->DeletePool(alice_, "p", false), IsOk());
+  EXPECT_EQ(Committed(), 0u);
+
+  // One chunk a segment: the exact shrink's 8 MiB replacement of one segment does not fit in 4 MiB.
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 224)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(before, manager_->GetPool(alice_, "p"));
+  if (attached()) engine.emplace(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 112, false, absl::Now()),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("shrinking to 112 blocks needs 8388608 bytes"),
+                             HasSubstr("(16777216 bytes for all 2)"), HasSubstr("only 4194304 bytes"))));
+  unchanged(2);
+  // A compaction has nothing to do, and says so without a device call.
+  KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate compacted, manager_->Compact(alice_, "p", {}));
+  EXPECT_EQ(compacted.reshape->chunks_added, 0u);
+  unchanged(2);
+}
+
+// A step of an exact shrink that fails (its PAUSE never acknowledged) leaves the steps before it done:
+// the prefix is the target's, the segments not yet replaced keep tails past it, a grow waits until a
+// compaction replaced them, and the budget counts them until then.
+TEST_F(PoolManagerTest, AnExactShrinkStoppedBetweenStepsLeavesTailsACompactionReplaces) {
+  Start({.budget_bytes = 128 * kMiB});
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, WideSpec("p", 224)));  // 8 x 14 MiB
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  Fill(engine, pool, 14 * kMiB);
+  absl::StatusOr<PoolUpdate> shrunk;
+  std::thread shrink(
+      [&] { shrunk = manager_->Shrink(alice_, "p", 112, {.pause = {.timeout = absl::Milliseconds(200)}}); });
+  ASSERT_TRUE(engine.FollowPause().has_value());  // only the first PAUSE is acknowledged
+  shrink.join();
+  EXPECT_THAT(shrunk, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                               AllOf(HasSubstr("did not acknowledge the pause"),
+                                     HasSubstr("shrink steps before it did stays done (1 of them: 8 -> 8 chunks)"),
+                                     HasSubstr("Compact the pool"))));
+  std::optional<PoolEvent> pause = engine.events().Pop(absl::Seconds(1));
+  ASSERT_TRUE(pause.has_value() && pause->type == EventType::kPause);
+  std::optional<PoolEvent> resume = engine.events().Pop(absl::Seconds(1));
+  ASSERT_TRUE(resume.has_value() && resume->type == EventType::kResume && !resume->applied);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(after.committed_blocks, 128u);
+  EXPECT_EQ(after.committed_bytes, 64 * kMiB);
+  uint64_t held = 0;
+  for (const ChunkInfo& c : after.chunks) held += c.bytes;
+  EXPECT_EQ(held, 2 * 8 * kMiB + 6 * 14 * kMiB) << "two segments replaced, six with their 14 MiB chunk";
+  EXPECT_EQ(Committed(), held) << "the tails still count";
+  EXPECT_EQ(FirstDifference(engine, pool, 8 * kMiB), -1);
+  EXPECT_THAT(manager_->Grow(alice_, "p", 224),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("exact shrink stopped between its steps")));
+  EXPECT_THAT(manager_->Shrink(alice_, "p", 64, {.whole_chunks_only = true}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("Compact the pool")));
+
+  absl::StatusOr<PoolUpdate> compacted = WhileFollowing(&engine, [&] { return manager_->Compact(alice_, "p", {}); });
+  ASSERT_THAT(compacted, IsOk());
+  EXPECT_THAT(compacted->pool.chunks, SizeIs(8));
+  for (const ChunkInfo& c : compacted->pool.chunks) EXPECT_EQ(c.bytes, 8 * kMiB);
+  EXPECT_EQ(FirstDifference(engine, pool, 8 * kMiB), -1);
+  EXPECT_EQ(Committed(), 64 * kMiB);
+  ASSERT_THAT(manager_->Grow(alice_, "p", 224), IsOk());
+  EXPECT_EQ(Committed(), 112 * kMiB);
+  EXPECT_EQ(device_->live_chunks(), 16);
+}
+
+// The same with the daemon's deletion of a pool with tails: every byte goes back.
+TEST_F(PoolManagerTest, DeletingAPoolWithTailsGivesEveryByteBack) {
+  Start({.budget_bytes = 128 * kMiB});
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, WideSpec("p", 224)));
+  PausingEngine engine(this, manager_.get(), alice_, "p", /*pausable=*/true);
+  absl::StatusOr<PoolUpdate> shrunk;
+  std::thread shrink(
+      [&] { shrunk = manager_->Shrink(alice_, "p", 112, {.pause = {.timeout = absl::Milliseconds(200)}}); });
+  ASSERT_TRUE(engine.FollowPause().has_value());
+  shrink.join();
+  ASSERT_THAT(shrunk, StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("stays done")));
+  EXPECT_THAT(manager_->Detach(alice_, engine.id(), /*released=*/true), IsOk());
+  ASSERT_THAT(manager_->DeletePool(alice_, "p", false), IsOk());
+  EXPECT_EQ(Committed(), 0u);
+  EXPECT_EQ(manager_->GetDeviceStatus()->pending_release_bytes, 0u);
+  EXPECT_EQ(device_->live_chunks(), 0);
+}
+
+// Every fallible backend call of an exact shrink in steps (2 segments, one replacement a step), failed
+// once: a failure in the first step changes nothing, one in the second leaves the first done (a tail in
+// the other segment); nothing leaks, the bytes read the same, and a compaction finishes the job.
+TEST_F(PoolManagerTest, EveryFailedCallOfAnExactShrinkInStepsLeavesTheStepsBeforeItAndNothingElse) {
+  Start({.budget_bytes = 36 * kMiB});
+  int in_second_step = 0, faults = 0;
+  for (int n = 1;; ++n) {
+    faults = n - 1;
+    const std::string name = absl::StrCat("p", n);
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec(name, 224)));  // 2 x 14 MiB
+    PausingEngine engine(this, manager_.get(), alice_, name, /*pausable=*/true);
+    Fill(engine, pool, 14 * kMiB);
+    const int mappings0 = device_->live_mappings();
+    device_->FailNthCall(n, absl::ResourceExhaustedError(absl::StrCat("injected fault #", n)));
+    absl::StatusOr<PoolUpdate> shrunk =
+        WhileFollowing(&engine, [&] { return manager_->Shrink(alice_, name, 112, false, absl::Now()); });
+    const bool walked_all = device_->fault_pending();
+    device_->FailNthCall(0, absl::OkStatus());
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, name));
+    EXPECT_EQ(FirstDifference(engine, pool, 8 * kMiB), -1) << "fault #" << n;
+    uint64_t held = 0;
+    for (const ChunkInfo& c : after.chunks) held += c.bytes;
+    EXPECT_EQ(Committed(), held) << "fault #" << n << ": the budget as the table says";
+    EXPECT_EQ(device_->live_chunks(), 2) << "fault #" << n;
+    EXPECT_EQ(device_->live_mappings(), mappings0) << "fault #" << n;
+    EXPECT_EQ(device_->live_reservations(), 1) << "fault #" << n;
+    if (walked_all) {
+      EXPECT_THAT(shrunk, IsOk());
+      EXPECT_EQ(shrunk->reshape->steps, 2u);
+      EXPECT_EQ(held, 16 * kMiB);
+    } else {
+      EXPECT_THAT(shrunk, StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("injected fault")));
+      if (held == 22 * kMiB) {
+        ++in_second_step;
+        EXPECT_THAT(shrunk.status().message(), HasSubstr("stays done (1 of them: 2 -> 2 chunks)"));
+        EXPECT_EQ(after.committed_blocks, 128u);
+        absl::StatusOr<PoolUpdate> compacted =
+            WhileFollowing(&engine, [&] { return manager_->Compact(alice_, name, {}); });
+        ASSERT_THAT(compacted, IsOk()) << "fault #" << n;
+        EXPECT_EQ(FirstDifference(engine, pool, 8 * kMiB), -1) << "fault #" << n << ", compacted";
+        EXPECT_EQ(Committed(), 16 * kMiB);
+      } else {
+        EXPECT_EQ(held, 28 * kMiB) << "fault #" << n << ": the first step failed and changed nothing";
+        EXPECT_EQ(after.generation, pool.generation) << "fault #" << n;
+      }
+    }
+    EXPECT_THAT(manager_->Detach(alice_, engine.id(), /*released=*/true), IsOk());
+    EXPECT_THAT(manager_->DeletePool(alice_, name, /*force=*/false), IsOk());
+    EXPECT_EQ(Committed(), 0u) << "fault #" << n;
+    EXPECT_EQ(device_->live_chunks(), 0) << "fault #" << n;
+    EXPECT_EQ(device_->live_reservations(), 0) << "fault #" << n;
+    TearDownMappings();
+    if (HasFailure() || walked_all) break;
+  }
+  EXPECT_GT(in_second_step, 0) << "some fault must have hit the second step";
+  std::printf(
+      "[ sweep    ] exact shrink in 2 steps: %d fallible backend calls, each failed once (%d in the second step)\n",
+      faults, in_second_step);
+}
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithoutAClient, SteppedReshapeTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Attached" : "Alone"; });
 
 }  // namespace
 }  // namespace kvd::daemon
