@@ -1,12 +1,18 @@
 """Issue 14 on the H200 (tests/gpu/run_gpu.sh, step "reshape"): a Llama-70B-like pool grown in steps of 1 GiB
 up to POOL_SIZE (one chunk per segment per grow: fragmented), mapped by two torch processes that keep
 writing it and pause when kvd asks (on_pause stops the writer and synchronises; on_resume restarts it).
-Then Compact, and an exact Shrink to half that ends inside the chunks. Prints each reply's Reshape
-(chunks before/after, bytes copied, copy and pause times) and, after each change, how many bytes of the
-committed blocks differ from what each engine wrote.
+The engines then allocate memory of their own (as weights and activations would) until the pool and they
+fill FILL (97.5%) of the GPU, as engines run. Then an exact Shrink to half that ends inside the chunks, and
+Compact. (In this order: at 97% an exact shrink of a compacted pool would need the kept half of every
+segment's chunk beside it, which is not there; the fragmented pool's shrink replaces only the small chunks
+that straddle the target, and it frees the room the compaction copies into.) Prints each reply's Reshape
+(chunks before/after, bytes copied, copy and pause times, pauses and the longest) and, after each change,
+how many bytes of the committed blocks differ from what each engine wrote.
 
     python3 reshape_torch.py BIN_DIR OUT_DIR POOL_SIZE
     python3 reshape_torch.py --engine SOCKET POOL PARITY     (one engine; driven over stdin/stdout)
+
+tests/gpu/release_torch.py uses its pattern, sizing and reporting helpers.
 """
 import os
 import subprocess
@@ -18,6 +24,72 @@ import time
 # Llama-70B-like: 80 layers, 8 KV heads, 16 tokens a block, 128 channels, bf16 -> 2.5 MiB a block.
 DIMS = dict(layers=80, capacity_blocks=49152, heads=8, block_tokens=16, channels=128, element_bytes=2)
 BLOCK_BYTES = 80 * 8 * 16 * 128 * 2
+FILL = 0.975  # the share of the GPU the pool and the engines' own allocations take: what engines run at
+SLICE_BLOCKS = 2048  # blocks of one layer a pattern is made for at once (bounds the engines' scratch)
+
+
+def expected(xp, l, first, n, shape, **kw):
+    """The pattern of blocks [first, first + n) of layer l, as int32 in 1..251: byte k of token t of head h
+    of block b is a sum of b, h, t and k, each times its own factor, mod 251, plus 1 (never 0: fresh memory
+    never matches). xp is torch (kw: device=...) or numpy; shape is the layer view's (B, H, N, C bytes)."""
+    _, heads, tokens, row = shape
+
+    def axis(start, count, mul, dim):
+        s = [1, 1, 1, 1]
+        s[dim] = count
+        return (xp.arange(start, start + count, dtype=xp.int32, **kw) * mul % 251).reshape(s)
+
+    parts = axis(first, n, 29, 0) + axis(0, heads, 17, 1) + axis(0, tokens, 3, 2) + axis(0, row, 1, 3)
+    return (parts + (13 * l) % 251) % 251 + 1
+
+
+def slices(first, end, step=SLICE_BLOCKS):
+    """[(start, count)] covering blocks [first, end) in runs of at most `step`."""
+    return [(b, min(step, end - b)) for b in range(first, end, step)]
+
+
+def parse_size(text):
+    """'100GiB', '512MiB', '1.5TiB' -> bytes."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    return int(float(text[:-3]) * units[text[-3:]]) if text[-3:] in units else int(text)
+
+
+def gpu_mib():
+    """(used, total) MiB of GPU 0 by nvidia-smi; (0, 0) where it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+        used, total = (int(x) for x in out.split(","))
+        return used, total
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0, 0
+
+
+def ballast_each(engines, fill=FILL):
+    """Bytes each of `engines` engines allocates so that the GPU is `fill` used (0 when it is already)."""
+    used, total = gpu_mib()
+    return max(0, int((fill * total - used) * (1 << 20)) // engines)
+
+
+def grow_in_steps(c, pool, size, step_bytes, block_bytes):
+    """Grows `pool` (created empty) in steps of about `step_bytes` until the next would pass `size`: one new
+    chunk per segment per grow (a fragmented pool). -> (blocks, blocks a step, grows)."""
+    step = step_bytes // block_bytes + 1
+    blocks = grows = 0
+    while (blocks + step) * block_bytes <= size:
+        blocks += step
+        grows += 1
+        c.grow(pool, blocks)
+    return blocks, step, grows
+
+
+def chunks_per_pause(c, pool):
+    """A compaction step's chunks, so that its new chunks fit beside the old ones in what the device and
+    the budget have free (1024, the daemon's default, at most)."""
+    info, p = c.device_info(), c.pool(pool)
+    room = min(info.free_bytes, info.budget_bytes - info.committed_bytes)
+    average = p.committed_bytes // max(len(p.chunks), 1)
+    return max(1, min(1024, int(room * 0.8) // max(average, 1)))
 
 
 def engine(sock, pool, parity):
@@ -32,17 +104,7 @@ def engine(sock, pool, parity):
     idle = threading.Event()
     idle.set()
     pauses = []
-
-    def expected(l, blocks, shape):  # byte k of token n of head h of block b of layer l
-        _, heads, tokens, row = shape
-
-        def axis(n, mul, dim):
-            s = [1, 1, 1, 1]
-            s[dim] = n
-            return (torch.arange(n, device="cuda", dtype=torch.int16) * mul % 251).reshape(s)
-
-        parts = axis(blocks, 29, 0) + axis(heads, 17, 1) + axis(tokens, 3, 2) + axis(row, 1, 3)
-        return ((parts + (13 * l) % 251) % 251 + 1).to(torch.uint8)
+    ballast = []
 
     def rebuild(m):
         blocks = m.committed_blocks
@@ -51,8 +113,16 @@ def engine(sock, pool, parity):
 
     def write_all():
         for l, v in state["views"].items():
-            v.copy_(expected(l, state["blocks"], v.shape))
+            for b, n in slices(0, state["blocks"]):
+                v[b:b + n].copy_(expected(torch, l, b, n, v.shape, device="cuda").to(torch.uint8))
         torch.cuda.synchronize()
+
+    def differ():
+        bad = 0
+        for l, v in state["views"].items():
+            for b, n in slices(0, state["blocks"]):
+                bad += int(torch.count_nonzero(v[b:b + n] != expected(torch, l, b, n, v.shape, device="cuda")))
+        return bad
 
     def on_pause(ranges):  # stop touching the pool: the writer finishes its pass and the stream drains
         t0 = time.monotonic()
@@ -95,11 +165,17 @@ def engine(sock, pool, parity):
             idle.wait()
             torch.cuda.synchronize()
             views, blocks = state["views"], state["blocks"]
-            bad = sum(int(torch.count_nonzero(v != expected(l, blocks, v.shape))) for l, v in views.items())
+            bad = differ()
             print(f"checked {sum(v.numel() for v in views.values())} bytes of {blocks} blocks in "
                   f"{len(m.mapped_chunks)} chunks, {bad} differ; {passes[0]} writer passes; pauses "
                   f"{len(pauses)} (hook {max(pauses) * 1000 if pauses else 0:.1f} ms at most)", flush=True)
             writing.set()
+        elif command.startswith("ballast "):  # the engine's own memory (weights, activations), kept to the end
+            n = int(command.split()[1])
+            ballast.append(torch.empty(n, dtype=torch.uint8, device="cuda") if n else None)
+            torch.cuda.synchronize()
+            print(f"allocated {n / (1 << 30):.2f} GiB; torch reserves {torch.cuda.memory_reserved() / (1 << 30):.2f} GiB",
+                  flush=True)
         elif command == "quit":
             break
     stop.set()
@@ -133,17 +209,12 @@ def main():
             break
         time.sleep(0.1)
     c = kvd.connect(sock, client_name="driver")
-    units = {"GiB": 1 << 30, "TiB": 1 << 40}
-    size = int(float(pool_size[:-3]) * units[pool_size[-3:]])
-    step = (1 << 30) // BLOCK_BYTES + 1
+    size = parse_size(pool_size)
     c.create_pool("kv", initial_blocks=0, **DIMS)
     t0 = time.monotonic()
-    blocks = 0
-    while (blocks + step) * BLOCK_BYTES <= size:
-        blocks += step
-        c.grow("kv", blocks)
+    _, step, grows = grow_in_steps(c, "kv", size, 1 << 30, BLOCK_BYTES)
     pool = c.pool("kv")
-    print(f"pool kv: grown in {blocks // step} steps of 1 GiB in {time.monotonic() - t0:.1f} s: "
+    print(f"pool kv: grown in {grows} steps of 1 GiB in {time.monotonic() - t0:.1f} s: "
           f"{pool.committed_blocks} blocks, {pool.committed_bytes / (1 << 30):.1f} GiB in {len(pool.chunks)} chunks",
           flush=True)
 
@@ -167,16 +238,29 @@ def main():
 
     for line in ask():
         print("engine:", line, flush=True)
+    share = ballast_each(len(engines))
+    for line in ask(f"ballast {share}"):
+        print("engine:", line, flush=True)
+    used, total = gpu_mib()
+    print(f"GPU {used} of {total} MiB used ({100 * used / max(total, 1):.1f}%): the pool "
+          f"{pool.committed_bytes / (1 << 30):.1f} GiB, the engines' own {2 * share / (1 << 30):.1f} GiB and their "
+          f"scratch, the CUDA contexts", flush=True)
+    if used < 0.97 * total:
+        print(f"!!! the GPU is {100 * used / max(total, 1):.1f}% used, not 97%", flush=True)
+        failures += 1
     time.sleep(1)
     check("attach")
-    u = c.compact("kv")
-    report("compact", u)
-    check("compact")
-    time.sleep(1)
-    half = c.pool("kv").committed_blocks // 2
+    committed = c.pool("kv").committed_blocks
+    # Inside a chunk: each grow's chunks end at a multiple of `step` blocks.
+    half = committed // 2 // step * step + step // 2
     u = c.shrink("kv", half)
-    report(f"shrink to {half} blocks", u)
+    report(f"exact shrink to {half} blocks", u)
     check("shrink")
+    time.sleep(1)
+    per_pause = chunks_per_pause(c, "kv")
+    u = c.compact("kv", max_chunks_per_pause=per_pause)
+    report(f"compact, at most {per_pause} chunks a pause", u)
+    check("compact")
     for e in engines:
         e.stdin.write("quit\n")
         e.stdin.flush()

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # The GPU run: everything that needs a GPU, in one go, on a machine that has the programs of a CUDA
-# build bundled by ../shared/tools/device-bundle (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
+# build bundled by tests/gpu/bundle.sh (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
-# STEPS="device daemon durable restart reshape group python bench connectors" (the default: all) picks steps.
+# STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
+# "bench" (kvd_bench, 5 minutes and more) runs only when named: STEPS=bench.
+#
+# Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
+# STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
+# When the step ends -- passed, failed or timed out -- every process left in its session and every process
+# of this run that escaped it (they carry KVD_GPU_RUN=<this run's id> in their environment) gets SIGTERM,
+# then SIGKILL 10 s later. Before each step the GPU must be back at the memory it used when the run began
+# (within GPU_SLACK_MIB, default 1024): the run waits for it up to 20 s, then names what holds memory
+# (nvidia-smi --query-compute-apps), kills what this run started and waits again. One failing step
+# therefore leaves nothing behind for the next.
 set -uo pipefail
 bundle=${1:?usage: run_gpu.sh BUNDLE_DIR [POOL_SIZE]}
 pool_size=${2:-100GiB}
@@ -19,16 +29,18 @@ run() {  # run NAME CMD...: log to $out/NAME.log, echo the tail, remember failur
   tail -n "${TAIL:-25}" "$out/$name.log"
   ((rc == 0)) || { echo "!!! $name exited $rc"; status=1; }
 }
-want() { [[ -z ${STEPS:-} || " $STEPS " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+left() {  # seconds this step has left, less 15 s for its cleanup: the limit of one command of the step
+  local s=$((${RUN_GPU_DEADLINE:-0} - $(date +%s) - 15))
+  echo $((s > 10 ? s : 10))
+}
 
-if want device; then
+step_device() {
 run conformance device_conformance_test --gtest_filter='*/cuda:*/host' --gtest_color=no
 run cuda_device cuda_device_test --gtest_color=no
 TAIL=45 run device_bench bash -c "kvd_device_bench --backend=cuda --json >$out/bench.json"
-fi
+}
 
-if want daemon; then
+step_daemon() {
 step "kvd on CUDA: a ${pool_size} pool attached by two more processes"
 dir=$(mktemp -d)
 kvd --backend=auto --socket="$dir/gpu0.sock" --log-level=info >"$out/kvd.log" 2>&1 &
@@ -52,26 +64,32 @@ echo "kvd exited $?"
 tail -n 8 "$out/kvd.log"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 rm -rf "$dir"
-fi
+}
 
-if want durable; then
+step_durable() {
 step "durable pools on CUDA: a ${pool_size} pool across a SIGTERM and a SIGKILL restart under a played systemd"
-PYTHONPATH=$bundle TAIL=40 run durable timeout 600 python3 "$bundle/durable_gpu.py" "$bundle/bin" "$out" "$pool_size"
-fi
+PYTHONPATH=$bundle TAIL=40 run durable timeout "$(left)" python3 "$bundle/durable_gpu.py" "$bundle/bin" "$out" "$pool_size"
+}
 
-if want restart && [[ -d $bundle/python ]]; then
+step_restart() {
 step "durable pools on CUDA: a ${pool_size} pool mapped by two torch engines that keep writing across a SIGTERM and a kill -9 of kvd"
-PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart timeout 600 python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size"
+PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart timeout "$(($(left) / 2))" python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size"
 step "the same without the FD store: the engines hand their chunks back after each restart"
-PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart_clients timeout 600 python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size" --fdstore=no
-fi
+PYTHONPATH=$bundle/python:$bundle TAIL=40 run restart_clients timeout "$(left)" python3 "$bundle/restart_torch.py" "$bundle/bin" "$out" "$pool_size" --fdstore=no
+}
 
-if want reshape && [[ -d $bundle/python ]]; then
+step_reshape() {
 step "elastic shape on CUDA: a pool grown in 1 GiB steps up to ${pool_size}, two pausing torch engines, compact, then an exact shrink to half"
-PYTHONPATH=$bundle/python:$bundle TAIL=40 run reshape timeout 600 python3 "$bundle/reshape_torch.py" "$bundle/bin" "$out" "$pool_size"
-fi
+PYTHONPATH=$bundle/python:$bundle TAIL=40 run reshape timeout "$(left)" python3 "$bundle/reshape_torch.py" "$bundle/bin" "$out" "$pool_size"
+}
 
-if want group; then
+step_release() {
+step "releases under running engines on CUDA: a ${pool_size} pool, two torch engines looping kernels over it (pausable, then not),
+    the GPU filled to 97%; kvctl shrink --whole-chunks, exact shrink, compact, sleep --wait, wake, delete --force; refused and forced"
+PYTHONPATH=$bundle/python:$bundle TAIL=60 run release timeout "$(left)" python3 "$bundle/release_torch.py" "$bundle/bin" "$out" "$pool_size"
+}
+
+step_group() {
 step "one kvd per device: --list-devices, --device by UUID, an engine group over two daemons"
 # This node may have one GPU: both daemons then serve GPU 0, which exercises the group protocol on
 # CUDA memory (the multi-GPU case differs only in which device each daemon opens).
@@ -121,9 +139,9 @@ wait "$d0"; echo "kvd (group rank 0) exited $?"
 wait "$d1"; echo "kvd (group rank 1) exited $?"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 rm -rf "$dir"
-fi
+}
 
-if want python && [[ -d $bundle/python ]]; then
+step_python() {
   step "Python package on CUDA: torch views shared by two processes, grow, sleep/wake; kvctl"
   dir=$(mktemp -d)
   kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB --metrics-address=127.0.0.1:9500 \
@@ -132,8 +150,8 @@ if want python && [[ -d $bundle/python ]]; then
   for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
   export KVD_SOCKET=$dir/gpu0.sock PYTHONPATH=$bundle/python
   python3 -c 'import sys, grpc, torch; print("python", sys.version.split()[0], "grpc", grpc.__version__, "torch", torch.__version__)'
-  run engine_worker timeout 180 python3 "$bundle/python/examples/engine_worker.py" --layers 32
-  run cuda_check timeout 180 python3 "$bundle/kvd_cuda_check.py"
+  run engine_worker timeout "$(left)" python3 "$bundle/python/examples/engine_worker.py" --layers 32
+  run cuda_check timeout "$(left)" python3 "$bundle/kvd_cuda_check.py"
   # Tensor-parallel ranks as one group, torch views on CUDA: two more kvds (both on GPU 0 on a
   # one-GPU node), the second with a small budget for the demonstrated all-or-nothing failure.
   tp=$(mktemp -d)
@@ -143,7 +161,7 @@ if want python && [[ -d $bundle/python ]]; then
   kvd --backend=cuda --device="$second" --socket="$tp/gpu1.sock" --budget=2GiB >"$out/kvd-tp1.log" 2>&1 &
   tp1=$!
   for _ in $(seq 300); do [[ -S $tp/gpu0.handles && -S $tp/gpu1.handles ]] && break; sleep 0.1; done
-  TAIL=40 run tp_group timeout 300 python3 "$bundle/python/examples/tp_group.py" --socket-dir "$tp" --ranks 2 --demo-failure
+  TAIL=40 run tp_group timeout "$(left)" python3 "$bundle/python/examples/tp_group.py" --socket-dir "$tp" --ranks 2 --demo-failure
   kill -TERM "$tp0" "$tp1"
   wait "$tp0" "$tp1"
   rm -rf "$tp"
@@ -163,14 +181,16 @@ if want python && [[ -d $bundle/python ]]; then
   wait "$daemon"
   echo "kvd exited $?"
   rm -rf "$dir"
-fi
-if want bench; then
+}
+
+step_bench() {
   # The whole path against the bare driver calls (docs/benchmarks.md): kvd_bench starts its own kvd on
   # CUDA (128 GiB as 80 segments by default; KVD_BENCH_ARGS adds flags). About 5 minutes; the table goes to
   # the log, the JSON to kvd_bench.json.
   TAIL=40 run kvd_bench bash -c "kvd_bench --backend=cuda --json ${KVD_BENCH_ARGS:-} >$out/kvd_bench.json"
-fi
-if want connectors; then
+}
+
+step_connectors() {
 step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"
 dir=$(mktemp -d)
 sock=$dir/gpu0.sock
@@ -244,7 +264,142 @@ kill -TERM "$daemon"
 wait "$daemon"
 echo "kvd exited $?"
 rm -rf "$dir"
+}
+
+# -- one step, in its own session: run_gpu.sh re-runs itself with RUN_GPU_STEP set ----------------------
+if [[ -n ${RUN_GPU_STEP:-} ]]; then
+  "step_$RUN_GPU_STEP"
+  exit $status
 fi
 
-step "gpu run: $([[ $status == 0 ]] && echo PASSED || echo FAILED)"
+# -- the driver ----------------------------------------------------------------------------------------
+self=$(readlink -f "${BASH_SOURCE[0]}")
+all_steps=(device daemon durable restart reshape release group python bench connectors)
+default_steps="device daemon durable restart reshape release group python connectors"
+needs_python=" restart reshape release python "
+# Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
+declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=120 [release]=240 [group]=90
+                  [python]=180 [bench]=540 [connectors]=90)
+run_budget=${RUN_BUDGET_S:-560}
+run_started=$(date +%s)
+export KVD_GPU_RUN="$run_started-$$"  # every process this run starts inherits it
+want() { [[ " ${STEPS:-$default_steps} " == *" $1 "* ]]; }
+
+used_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' '; }
+driver_sid=$(ps -o sid= -p $$ | tr -d ' ')
+ours() {  # the live processes of this run: in session $1 (if given), or marked and outside this shell's session
+  # (each step and the watchdog run in sessions of their own; what is in this one is this shell's helpers)
+  local p sid
+  { [[ -n ${1:-} ]] && ps -o pid= -s "$1" 2>/dev/null
+    grep -lsz "^KVD_GPU_RUN=$KVD_GPU_RUN\$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3
+  } | tr -d ' ' | sort -un | while read -r p; do
+    sid=$(ps -o sid= -p "$p" 2>/dev/null | tr -d ' ')
+    [[ -n $sid && $sid != "$driver_sid" ]] && echo "$p"
+  done
+}
+describe() {
+  local cmd
+  cmd=$({ tr '\0' ' ' <"/proc/$1/cmdline"; } 2>/dev/null | cut -c1-160)
+  printf 'pid %s (%s)' "$1" "${cmd:-exited, or not visible here}"
+}
+stop_ours() {  # stop_ours [SID]: SIGTERM what is left of this run, SIGKILL after 10 s; says what it stopped
+  local pids p
+  mapfile -t pids < <(ours "${1:-}")
+  ((${#pids[@]})) || return 0
+  for p in "${pids[@]}"; do echo "--- stopping $(describe "$p")"; done
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for _ in $(seq 100); do
+    mapfile -t pids < <(ours "${1:-}")
+    ((${#pids[@]})) || return 0
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do echo "--- killing $(describe "$p") (still there 10 s after SIGTERM)"; done
+  kill -KILL "${pids[@]}" 2>/dev/null
+  for _ in $(seq 50); do
+    mapfile -t pids < <(ours "${1:-}")
+    ((${#pids[@]})) || return 0
+    sleep 0.1
+  done
+  echo "!!! still running after SIGKILL: ${pids[*]}"
+}
+holders() {  # what holds GPU memory, each marked when it is this run's
+  local pid mem
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+    while IFS=', ' read -r pid mem; do
+      [[ -n $pid ]] || continue
+      printf '  %s MiB: %s%s\n' "$mem" "$(describe "$pid")" \
+        "$(grep -qsz "^KVD_GPU_RUN=$KVD_GPU_RUN\$" "/proc/$pid/environ" && echo ' -- started by this run')"
+    done
+}
+settle() {  # until the GPU is back at the run's baseline (20 s); else name the holders, stop ours, 20 s more
+  local used
+  for _ in $(seq 40); do
+    used=$(used_mib)
+    ((${used:-0} <= baseline + ${GPU_SLACK_MIB:-1024})) && return 0
+    sleep 0.5
+  done
+  echo "!!! before $1: the GPU uses $used MiB, $((used - baseline)) MiB above the run's start; held by:"
+  holders
+  stop_ours
+  for _ in $(seq 40); do
+    used=$(used_mib)
+    ((${used:-0} <= baseline + ${GPU_SLACK_MIB:-1024})) && { echo "--- back at $used MiB"; return 0; }
+    sleep 0.5
+  done
+  echo "!!! still $used MiB used: $1 runs with less memory than it expects; held by:"
+  holders
+  return 1
+}
+run_step() {  # run_step NAME: the step in a session of its own, under its limit, then everything it left stopped
+  local name=$1 now started lim sid rc watchdog
+  now=$(date +%s)
+  lim=${STEP_LIMIT_S:-${limit[$name]}}
+  if ((now + lim > run_started + run_budget)); then
+    lim=$((run_started + run_budget - now))
+    if ((lim < 30)); then
+      echo "!!! $name not run: the run's budget (RUN_BUDGET_S=$run_budget s) is spent"
+      results+=("$name NOT-RUN")
+      status=1
+      return
+    fi
+  fi
+  settle "$name" || status=1
+  started=$(date +%s)
+  RUN_GPU_STEP=$name RUN_GPU_DEADLINE=$((started + lim)) setsid bash "$self" "$bundle" "$pool_size" </dev/null &
+  sid=$!
+  # The watchdog, in a session of its own too, so that stopping it stops its sleep.
+  # shellcheck disable=SC2016  # expanded by the watchdog's shell
+  setsid bash -c 'sleep "$1"; echo "!!! $3: past its limit of $1 s: stopping it"; kill -TERM -- "-$2" 2>/dev/null
+    sleep 10; kill -KILL -- "-$2" 2>/dev/null' watchdog "$lim" "$sid" "$name" &
+  watchdog=$!
+  wait "$sid"
+  rc=$?
+  kill -- "-$watchdog" 2>/dev/null
+  wait "$watchdog" 2>/dev/null
+  stop_ours "$sid"
+  local took=$(($(date +%s) - started)) verdict=PASSED
+  ((rc == 0)) || { verdict="FAILED (rc $rc)"; status=1; }
+  echo "=== $name: $verdict in $took s; GPU $(used_mib) MiB used"
+  results+=("$name $verdict ${took}s")
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+baseline=$(used_mib)
+baseline=${baseline:-0}
+echo "run $KVD_GPU_RUN: GPU at $baseline MiB to begin with; steps: ${STEPS:-$default_steps}"
+[[ $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && { echo "!!! GPU memory held before the run:"; holders; }
+results=()
+for s in "${all_steps[@]}"; do
+  want "$s" || continue
+  if [[ $needs_python == *" $s "* && ! -d $bundle/python ]]; then
+    echo "!!! $s not run: the bundle has no python/ (build the kvd_python target before bundling)"
+    results+=("$s NOT-RUN")
+    status=1
+    continue
+  fi
+  run_step "$s"
+done
+stop_ours
+step "gpu run: $([[ $status == 0 ]] && echo PASSED || echo FAILED) in $(($(date +%s) - run_started)) s"
+printf '  %s\n' "${results[@]}"
 exit $status

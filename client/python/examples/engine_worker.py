@@ -9,11 +9,19 @@ fixed address); build per-layer views (numpy on the host backend, torch tensors 
 imports); warm up (write some blocks); grow to what fits (device free memory and the daemon's budget);
 sleep (memory back to the device, e.g. for RL weight updates); wake (fresh, zeroed memory at the same
 addresses: the views stay valid); clean up.
+
+The Mapping is pausable (docs/integrating.md, "What the pause hook must do"): when another session
+releases or moves the pool's memory (an operator's kvctl sleep/shrink/compact/delete, kvd compacting on
+its own), on_pause stops the engine launching work on the pool and synchronises the device before it
+returns; on_resume lets it go on with the new committed size, except after a sleep (0 blocks: it waits for
+the wake's on_grow); on_lost (the pool was deleted, kvd stopped) stops it for good. Changes this process
+makes itself (its own grow, sleep, wake) do not pause it.
 """
 
 import argparse
 import os
 import sys
+import threading
 import time
 
 try:
@@ -29,6 +37,37 @@ def ms(t0):
 
 def mib(n):
     return f"{n / (1 << 20):.1f} MiB"
+
+
+class KvGate:
+    """What the engine's scheduler asks before it launches work on the KV cache: may it, and over how many
+    blocks. The Mapping's hooks drive it, on the follower thread."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.usable = threading.Event()  # set: the engine may launch kernels that touch the pool
+        self.blocks = 0                  # the committed blocks it may touch
+        self.lost = None
+
+    def on_pause(self, ranges):  # the pool's memory is about to change under these bytes
+        self.usable.clear()      # the scheduler launches nothing more on the pool (a real engine also waits
+                                 # for the step in flight to finish launching)
+        if self.torch is not None:
+            self.torch.cuda.synchronize()  # every stream that reads or writes it has finished
+
+    def on_resume(self, applied, mapping):
+        self.blocks = mapping.committed_blocks
+        if self.blocks:          # 0 after a sleep: nothing to touch until on_grow (the views stay valid)
+            self.usable.set()
+
+    def on_grow(self, committed_blocks):  # a grow, or the wake after a sleep (fresh, zeroed memory)
+        self.blocks = committed_blocks
+        if self.lost is None:
+            self.usable.set()
+
+    def on_lost(self, why):  # deleted, or kvd stopped: the cache is gone; stop using it and close the Mapping
+        self.lost = why
+        self.usable.clear()
 
 
 def main():
@@ -65,17 +104,21 @@ def main():
           f"{mib(pool.reserved_bytes)} VA, in {ms(t0)}")
 
     try:
-        grown = []
-        t0 = time.perf_counter()
-        m = c.attach(a.pool, on_grow=grown.append)  # on_grow(committed_blocks)
-        print(f"attached and mapped {len(m.mapped_chunks)} chunk(s) at {m.base:#x} in {ms(t0)}")
-
         torch = None
         if info.backend == kvd.v1_pb2.BACKEND_CUDA:
             try:
                 import torch
             except ImportError:
                 print("torch is not importable: the views stay raw __cuda_array_interface__ objects")
+
+        gate = KvGate(torch)
+        m = None
+        t0 = time.perf_counter()
+        m = c.attach(a.pool, on_grow=gate.on_grow, on_lost=gate.on_lost, on_pause=gate.on_pause,
+                     on_resume=lambda applied: gate.on_resume(applied, m))
+        gate.blocks = m.committed_blocks
+        gate.usable.set()
+        print(f"attached (pausable) and mapped {len(m.mapped_chunks)} chunk(s) at {m.base:#x} in {ms(t0)}")
 
         def views():
             raw = m.layers()
@@ -90,6 +133,8 @@ def main():
               f"{type(kv[0]).__name__}, in {ms(t0)}")
 
         def fill(blocks, value):
+            if not gate.usable.wait(30):  # paused by another session's change, asleep, or lost
+                raise RuntimeError(f"the KV cache is not usable: {gate.lost or 'paused for 30 s'}")
             for v in kv:
                 v[blocks] = value
             if torch is not None:
@@ -120,11 +165,13 @@ def main():
             print("no room to grow")
 
         t0 = time.perf_counter()
+        gate.usable.clear()  # this process's own sleep does not pause it: it stops using the pool itself
         [s] = c.sleep(a.pool, wait=True)
         print(f"slept: {mib(s.pool.committed_bytes)} committed, {len(s.released_chunk_ids)} chunk(s) released, "
               f"pending {s.pool.pending_release_bytes} B, in {ms(t0)}")
         t0 = time.perf_counter()
         [w] = c.wake(a.pool)
+        gate.on_grow(m.committed_blocks)  # its own wake calls no on_grow: the chunks are mapped on return
         print(f"woke {w.pool.committed_blocks} blocks in {ms(t0)} (daemon {w.elapsed_us / 1e3:.1f} ms); "
               f"same addresses, block 0 now reads {probe(0)} (fresh memory)")
         fill(0, 3.0)
