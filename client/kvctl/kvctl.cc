@@ -539,10 +539,10 @@ void PrintReshape(const Reshape& r) {
   } else {
     std::printf("pause        %s: %u clients paused, %u resumed before the reply\n", Ms(r.pause_us / 1000.0).c_str(),
                 r.paused_clients, r.resumed_clients);
-    if (r.steps > 1) {
-      std::printf("steps        %u pauses, the longest %s (--chunks-per-pause)\n", r.steps,
-                  Ms(r.max_pause_us / 1000.0).c_str());
-    }
+  }
+  if (r.steps > 1) {
+    // Steps are bounded by --chunks-per-pause and by the memory free beside the chunks they replace.
+    std::printf("steps        %u, the longest pause %s\n", r.steps, Ms(r.max_pause_us / 1000.0).c_str());
   }
   if (!r.detached_client_ids.empty()) {
     std::printf("detached     %s (did not acknowledge the pause)\n",
