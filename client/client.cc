@@ -1561,6 +1561,12 @@ absl::Duration WaitTimeout(absl::Duration timeout, bool wait) {
 absl::Duration PauseTimeout(absl::Duration timeout, const PauseOptions& pause) {
   return std::max(WaitTimeout(timeout, true), 2 * pause.timeout + absl::Seconds(65));
 }
+
+// A Compact or an exact Shrink goes in as many steps as the chunks per pause and the free memory make, a
+// pause each: 10 minutes at least.
+absl::Duration StepsTimeout(absl::Duration timeout, const PauseOptions& pause) {
+  return std::max(PauseTimeout(timeout, pause), absl::Minutes(10));
+}
 }  // namespace
 
 absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t target_blocks, bool wait) {
@@ -1579,8 +1585,10 @@ absl::StatusOr<PoolChange> Client::Shrink(absl::string_view pool, uint64_t targe
   }
   ToProto(options.pause, req.mutable_pause());
   req.set_force(options.force);
-  // Every shrink may pause the clients of other sessions (docs/api.md, "Releases and running engines").
-  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, options.pause);
+  // Every shrink may pause the clients of other sessions (docs/api.md, "Releases and running engines"); one
+  // that moves bytes may go in steps.
+  const absl::Duration timeout = options.whole_chunks_only ? PauseTimeout(impl_->options.timeout, options.pause)
+                                                           : StepsTimeout(impl_->options.timeout, options.pause);
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Shrink, req, &update, timeout));
   impl_->Observe(update);
@@ -1593,7 +1601,7 @@ absl::StatusOr<PoolChange> Client::Compact(absl::string_view pool, const Compact
   req.set_pool(std::string(pool));
   ToProto(options.pause, req.mutable_pause());
   req.set_max_chunks_per_pause(options.max_chunks_per_pause);
-  const absl::Duration timeout = PauseTimeout(impl_->options.timeout, options.pause);
+  const absl::Duration timeout = StepsTimeout(impl_->options.timeout, options.pause);
   v1::PoolUpdate update;
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Compact, req, &update, timeout));
   impl_->Observe(update);

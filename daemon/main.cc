@@ -101,7 +101,7 @@ struct Flags {
   std::string recovery_grace = "60s";
   std::string pause_timeout = "5s";
   uint64_t compact_above_chunks = 0;
-  uint32_t compact_chunks_per_pause = 1024;
+  uint32_t compact_chunks_per_pause = 512;
   bool drain_on_stop = false;
   std::string max_metadata = "1MiB";
   // Limits (docs/operations.md, "Limits"; daemon/core/limits.h).

@@ -117,7 +117,7 @@ struct ManagerOptions {
   size_t compact_above_chunks = 0;
   // How many chunks a compaction replaces under one pause, at most (CompactRequest.max_chunks_per_pause):
   // a client unmaps each old chunk before it maps the new ones, ~17 us a chunk on an H200.
-  uint32_t compact_chunks_per_pause = 1024;
+  uint32_t compact_chunks_per_pause = 512;
   // Where the manager reports what it did on its own that is not a problem (background compactions).
   std::function<void(const std::string&)> info;
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.

@@ -764,11 +764,12 @@ class Run:
             rc, text = self.kvctl("wake", pool)
             return ([] if rc == 0 else [f"kvctl wake exited {rc}: {text}"]) + reattach(engines)
 
-        forced("sleep --force, then wake and attach again", ["sleep", pool, "--force"], woken)
         # A shrink that moves bytes needs every client pausable even forced: force releases whole chunks only.
+        # It runs first, while the pool still has its many chunks (a wake makes one per segment).
         forced("shrink --whole-chunks --force, then attach again",
                ["shrink", pool, f"--blocks={whole}", "--whole-chunks", "--force"],
                lambda engines: reattach(engines, whole))
+        forced("sleep --force, then wake and attach again", ["sleep", pool, "--force"], woken)
         forced("delete --force", ["delete", pool, "--force"], None)
         for e in self.cur["engines"]:
             self.end_engine(e)

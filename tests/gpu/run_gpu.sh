@@ -278,7 +278,7 @@ all_steps=(device daemon durable restart reshape release group python bench conn
 default_steps="device daemon durable restart reshape release group python connectors"
 needs_python=" restart reshape release python "
 # Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
-declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=120 [release]=240 [group]=90
+declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=300 [release]=240 [group]=90
                   [python]=180 [bench]=540 [connectors]=90)
 run_budget=${RUN_BUDGET_S:-560}
 run_started=$(date +%s)

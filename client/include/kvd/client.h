@@ -63,9 +63,10 @@ struct ConnectOptions {
   int device = 0;
   // The session's name ([A-Za-z0-9._-]{0,64}); shown by kvctl. Empty: "libkvd".
   std::string client_name;
-  // The deadline of each call (RPCs and handle-channel fetches). Shrink/Sleep with wait use the
-  // larger of this and 65 s; a Shrink that may pause (not whole_chunks_only) and Compact the larger of
-  // that and 2 x PauseOptions::timeout + 65 s.
+  // The deadline of each call (RPCs and handle-channel fetches). Shrink, Sleep, a forced DeletePool and a
+  // shrink's or sleep's Prepare, which may pause other sessions' clients, use the larger of this, 65 s and
+  // 2 x PauseOptions::timeout + 65 s; Compact and a Shrink that is not whole_chunks_only, which may go in
+  // steps, 10 minutes at least.
   absl::Duration timeout = absl::Seconds(30);
   // How long a Mapping's follower keeps trying to reach a daemon that restarted (its event stream
   // said DAEMON_RESTARTING or broke with UNAVAILABLE), retrying after 50 ms, doubling up to 2 s.

@@ -191,6 +191,12 @@ def _reshape_call_timeout(client_timeout, pause_timeout):
     return max(client_timeout, 65.0, 2 * (pause_timeout or 0) + 65.0)
 
 
+def _steps_call_timeout(client_timeout, pause_timeout):
+    """The deadline of a Compact or an exact Shrink (as libkvd's): they go in as many steps as the chunks per
+    pause and the free memory make, a pause each, so they get 10 minutes at least."""
+    return max(_reshape_call_timeout(client_timeout, pause_timeout), 600.0)
+
+
 _raised_open_file_limit = False
 
 
@@ -494,7 +500,8 @@ class Client:
         if live_blocks is not None:
             req.live.SetInParent()  # set, even empty: a compaction shrink with no live block
             req.live.blocks.extend(int(b) for b in live_blocks)
-        timeout = _reshape_call_timeout(self.timeout, pause_timeout)  # every shrink may pause other sessions
+        # Every shrink may pause other sessions; one that moves bytes may go in steps.
+        timeout = (_reshape_call_timeout if whole_chunks_only else _steps_call_timeout)(self.timeout, pause_timeout)
         update = self._call("Shrink", req, timeout=timeout)
         self._await_remap(update, timeout)
         return update
@@ -508,7 +515,7 @@ class Client:
         nothing, and a step that fails leaves the steps before it done (the error says so). pause_timeout
         and detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
         returns."""
-        timeout = _reshape_call_timeout(self.timeout, pause_timeout)
+        timeout = _steps_call_timeout(self.timeout, pause_timeout)
         req = pb.CompactRequest(pool=name, pause=_pause_options(pause_timeout, detach_unresponsive),
                                 max_chunks_per_pause=max_chunks_per_pause)
         update = self._call("Compact", req, timeout=timeout)

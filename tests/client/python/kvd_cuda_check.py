@@ -54,7 +54,9 @@ def wrong_blocks(kv, n):
     return bad
 
 
-def peer(pool, pausable=False):
+def peer(pool, pausable=True):
+    # Pausable unless asked not to be: the check's shrinks and sleeps come from another process, which pauses
+    # it first (docs/api.md, "Releases and running engines").
     c = kvd.connect(client_name="peer")
     resumed = []
     if pausable:
@@ -108,7 +110,9 @@ def check_devices_and_group(c, info):
     pool = f"cuda-group-{os.getpid()}"
     c.create_pool(pool, initial_blocks=64, group=kvd.GroupMembership(pool, 0, 1), override="LBNHC", **DIMS)
     try:
-        m = c.attach(pool)
+        # Pausable: the Group's sleep below comes from its own sessions (docs/api.md, "Releases and running
+        # engines").
+        m = c.attach(pool, on_pause=lambda ranges: torch.cuda.synchronize())
         assert (m.cuda_device, m.device_uuid) == (own.index, own.uuid), (m.cuda_device, m.device_uuid)
         kv = tensors(m)
         kv[1][3] = 3.0
