@@ -254,8 +254,7 @@ class Pool {
   // caller to unmap and release, clients holding them are told (a RESUME to those a pause holds,
   // CHUNKS_RELEASED to the others: see Apply) and the prefix is there.
   PoolUpdate ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
   // Every segment's prefix as one chunk per `max_chunk_bytes` (as a single grow makes it); chunks already
   // in place stay, and a chunk with a tail past the prefix is replaced. With `max_replaced`, only the first
   // new chunks (by place) that replace at most that many old ones, but at least one: one step of a

@@ -876,8 +876,8 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
       if (bytes > room.bytes) {
         // Not in one step: see Note [Chunks are replaced, not cut] in docs/architecture.md.
         stepped.emplace();
-        KVD_ASSIGN_OR_RETURN(update, ShrinkInStepsLocked(*pool, caller.session, target_blocks, options, plan, room,
-                                                         start, &*stepped));
+        KVD_ASSIGN_OR_RETURN(
+            update, ShrinkInStepsLocked(*pool, caller.session, target_blocks, options, plan, room, start, &*stepped));
       } else {
         KVD_ASSIGN_OR_RETURN(
             update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
@@ -904,10 +904,9 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, absl::string_view session,
-                                                            uint64_t target_blocks,
-                                                            const ShrinkOptions& options, const ReshapePlan& whole,
-                                                            const StepRoom& room, absl::Time start,
-                                                            std::vector<uint64_t>* releases) {
+                                                            uint64_t target_blocks, const ShrinkOptions& options,
+                                                            const ReshapePlan& whole, const StepRoom& room,
+                                                            absl::Time start, std::vector<uint64_t>* releases) {
   const std::string what = absl::StrCat("shrinking to ", target_blocks, " blocks");
   const absl::Duration timeout =
       options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;

@@ -427,10 +427,9 @@ class PoolManager {
   // fit. `*releases` gets the release of each step, for the caller to await without op_mu.
   // `session` is the caller's: its own clients are not paused for the whole chunks that go first.
   [[nodiscard]] absl::StatusOr<PoolUpdate> ShrinkInStepsLocked(Pool& pool, absl::string_view session,
-                                                               uint64_t target_blocks,
-                                                               const ShrinkOptions& options, const ReshapePlan& whole,
-                                                               const StepRoom& room, absl::Time start,
-                                                               std::vector<uint64_t>* releases)
+                                                               uint64_t target_blocks, const ShrinkOptions& options,
+                                                               const ReshapePlan& whole, const StepRoom& room,
+                                                               absl::Time start, std::vector<uint64_t>* releases)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
   // else refers to them).
