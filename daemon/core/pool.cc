@@ -706,34 +706,8 @@ PoolUpdate Pool::ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> 
   chunks_.swap(kept);
   prefix_bytes_ = plan.prefix_bytes;
   ++generation_;
-  const uint64_t pause_id = pause_.has_value() ? pause_->id : 0;
-  pause_.reset();
-  const uint64_t id = next_release_id_++;
-  // Every attached client was asked to pause (Attach waits for op_mu) or had nothing to be asked about.
-  for (auto& [client_id, client] : clients_) {
-    const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
-    const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
-                                   [&](const ChunkInfo& c) { return handed.contains(c.id); });
-    if (holds) release.waiting.insert(client_id);
-    PoolEvent e = EventLocked(EventType::kResume);
-    e.pause_id = pause_id;
-    e.applied = true;
-    e.chunks = release.chunks;
-    e.release_id = holds ? id : 0;
-    client.events->Push(std::move(e));
-  }
-  for (const auto& [holder_id, holder] : holders_) {
-    const std::map<uint64_t, uint64_t>& handed = holder.handed;
-    if (std::any_of(release.chunks.begin(), release.chunks.end(),
-                    [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
-      release.waiting.insert(holder_id);
-    }
-  }
-  if (!release.chunks.empty()) {
-    releases_.emplace(id, std::move(release));
-    SettleReleasesLocked();
-    if (releases_.contains(id)) update.release_id = id;
-  }
+  // Every attached client was asked to pause (Attach waits for op_mu): each gets its RESUME.
+  update.release_id = AnnounceReleaseLocked(std::move(release), /*session=*/{}, /*forced=*/false);
   update.pool = ViewLocked(ViewClients::kCounted);
   return update;
 }

@@ -996,15 +996,7 @@ absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, absl::st
     PoolUpdate update = *std::move(made);
     FinishReshape(pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
     if (update.release_id != 0) releases->push_back(update.release_id);
-    // The chunks that left the table are released now, so that their memory is free for the next step.
-    std::set<uint64_t> table;
-    for (const ChunkInfo& c : update.pool.chunks) table.insert(c.id);
-    if (Recycle(old, table)) {
-      old.generation = update.pool.generation;
-      spare = std::move(old);
-    } else {
-      TakeDown(old);
-    }
+    KeepForNextStep(old, update.pool, spare);
     ObserveStep(*update.reshape);
     AddStep(total, std::move(update));
   }
@@ -1091,16 +1083,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
       }
     }
     FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
-    // The old view is kept for the next step, less the chunks that left the table (released now, so that
-    // their memory is free for the next step's new chunks).
-    std::set<uint64_t> table;
-    for (const ChunkInfo& c : update.pool.chunks) table.insert(c.id);
-    if (Recycle(old, table)) {
-      old.generation = update.pool.generation;
-      spare = std::move(old);
-    } else {
-      TakeDown(old);
-    }
+    KeepForNextStep(old, update.pool, spare);
     ObserveStep(*update.reshape);
     AddStep(total, std::move(update));
   }
@@ -1305,6 +1288,17 @@ bool PoolManager::Recycle(OldView& old, const std::set<uint64_t>& staying) {
   }
   old.chunks.clear();
   return true;
+}
+
+void PoolManager::KeepForNextStep(OldView& old, const PoolView& pool, OldView& spare) {
+  std::set<uint64_t> table;
+  for (const ChunkInfo& c : pool.chunks) table.insert(c.id);
+  if (Recycle(old, table)) {
+    old.generation = pool.generation;
+    spare = std::move(old);
+  } else {
+    TakeDown(old);
+  }
 }
 
 void PoolManager::TakeDown(OldView& old) {

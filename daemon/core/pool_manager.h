@@ -434,6 +434,10 @@ class PoolManager {
   // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
   // else refers to them).
   void TakeDown(OldView& old);
+  // After a step whose clients resumed: the old view becomes `spare`, the next step's next view, less the
+  // chunks that left `pool`'s table (released now, so that their memory is free for the next step's new
+  // chunks); taken down instead when that fails.
+  void KeepForNextStep(OldView& old, const PoolView& pool, OldView& spare);
   // Readies an old view to be the next one: unmaps every chunk but `staying` from it and releases the
   // chunks that left the table. False (the view still to be taken down) when an unmap failed.
   bool Recycle(OldView& old, const std::set<uint64_t>& staying);
