@@ -1025,7 +1025,7 @@ int Main(int argc, char** argv) {
   shrink->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
   CLI::Option* whole = shrink->add_flag(
       "--whole-chunks", f.whole_chunks,
-      "Release whole chunks only and never pause: the pool may stay above the target (the output says so)");
+      "Release whole chunks only and move no byte: the pool may stay above the target (the output says so)");
   CLI::Option* live = shrink->add_option(
       "--live-blocks", f.live_blocks,
       "Compaction shrink: the blocks still in use, e.g. 0,4,8-15, or @FILE with such a list (commas, spaces or "

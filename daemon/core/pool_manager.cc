@@ -555,18 +555,29 @@ absl::Status PoolManager::QuiesceLocked(Pool& pool, absl::string_view session, a
       options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
   if (pool.BeginPause({}, &bystanders.pausable, MergeChunkRanges(leaving)) == 0) return absl::OkStatus();
   const Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
-  if (!outcome.late.empty() && !options.force && !options.pause.detach_unresponsive) {
-    pool.CancelPause();
-    const ClientView& c = outcome.late.front();
-    return absl::DeadlineExceededError(absl::StrCat(
-        "pool ", pool.name(), ": ", what, " paused its clients, but client ", c.id, " (\"", c.name, "\", pid ", c.pid,
-        ")", outcome.late.size() > 1 ? absl::StrCat(" and ", outcome.late.size() - 1, " more") : "",
-        " did not acknowledge the pause within ", absl::FormatDuration(timeout),
-        "; nothing changed (PauseOptions.detach_unresponsive, or force, detaches such clients instead)"));
+  std::vector<std::string> detached;
+  absl::Status settled =
+      SettleLatePause(pool, what, outcome, timeout, options.force || options.pause.detach_unresponsive, &detached);
+  if (!settled.ok()) pool.CancelPause();
+  return settled;
+}
+
+absl::Status PoolManager::SettleLatePause(Pool& pool, absl::string_view what, const Pool::PauseOutcome& outcome,
+                                          absl::Duration timeout, bool detach, std::vector<std::string>* detached) {
+  const std::vector<ClientView>& late = outcome.late;
+  if (!late.empty() && !detach) {
+    const ClientView& c = late.front();
+    return absl::DeadlineExceededError(
+        absl::StrCat("pool ", pool.name(), ": ", what, " paused its clients, but client ", c.id, " (\"", c.name,
+                     "\", pid ", c.pid, ")", late.size() > 1 ? absl::StrCat(" and ", late.size() - 1, " more") : "",
+                     " did not acknowledge the pause within ", absl::FormatDuration(timeout),
+                     "; nothing changed (PauseOptions.detach_unresponsive detaches such clients instead; so does force "
+                     "for a release of whole chunks)"));
   }
-  for (const ClientView& c : outcome.late) {
+  for (const ClientView& c : late) {
     pool.DetachUnresponsive(c.id);
     if (!pool.IsHolder(c.id)) ForgetClients({c.id});
+    detached->push_back(c.id);
     Warn(absl::StrCat("pool ", pool.name(), ": ", what, ": detached client ", c.id, " (pid ", c.pid,
                       ") for not acknowledging a pause within ", absl::FormatDuration(timeout)));
   }
@@ -1212,22 +1223,8 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu) { pool.CancelPause(); };
   if (asked > 0) {
     Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
-    const std::vector<ClientView>& late = outcome.late;
-    if (!late.empty() && !pause.detach_unresponsive) {
-      const ClientView& c = late.front();
-      return absl::DeadlineExceededError(
-          absl::StrCat("pool ", pool.name(), ": ", what, " paused its clients, but client ", c.id, " (\"", c.name,
-                       "\", pid ", c.pid, ")", late.size() > 1 ? absl::StrCat(" and ", late.size() - 1, " more") : "",
-                       " did not acknowledge the pause within ", absl::FormatDuration(timeout),
-                       "; nothing changed (PauseOptions.detach_unresponsive detaches such clients instead)"));
-    }
-    for (const ClientView& c : late) {
-      pool.DetachUnresponsive(c.id);
-      if (!pool.IsHolder(c.id)) ForgetClients({c.id});
-      report.detached_client_ids.push_back(c.id);
-      Warn(absl::StrCat("pool ", pool.name(), ": detached client ", c.id, " (pid ", c.pid,
-                        ") for not acknowledging a pause within ", absl::FormatDuration(timeout)));
-    }
+    KVD_RETURN_IF_ERROR(
+        SettleLatePause(pool, what, outcome, timeout, pause.detach_unresponsive, &report.detached_client_ids));
     report.paused_clients = static_cast<uint32_t>(outcome.paused.size());
     *paused = std::move(outcome.paused);
   }

@@ -373,6 +373,12 @@ class PoolManager {
   // another session that is not pausable unless forced, then pauses the pausable ones and waits for their
   // acknowledgements; the pause stays for Pool::Apply, Destroy or GiveUpRecovery to end (or Unstage to
   // call off). On failure nothing changed and no pause is left. `what` names the release in errors.
+  // After a pause's wait: DEADLINE_EXCEEDED naming the first client of `outcome.late`, or with `detach`
+  // each of them detached (it keeps what it fetched, counted, as any holder), logged and added to
+  // `*detached`. The caller calls the pause off on an error.
+  [[nodiscard]] absl::Status SettleLatePause(Pool& pool, absl::string_view what, const Pool::PauseOutcome& outcome,
+                                             absl::Duration timeout, bool detach, std::vector<std::string>* detached)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   [[nodiscard]] absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
                                            const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);

@@ -7,8 +7,9 @@ kept going, and that the bytes below the new size are intact.
 Each engine is this file again (`--engine SOCKET POOL MODE BLOCKS`), driven by JSON lines on stdin/stdout.
 It writes pattern(layer, b) into blocks [0, BLOCKS), then a reader thread reads and checks them, pass after
 pass. MODE "pausable": on_pause waits for the reader to finish its pass and stops it, on_resume lets it go
-on (reading what is still committed; nothing while the pool sleeps or once it is lost). MODE "plain": no
-hooks at all; the reader reads [0, BLOCKS) for ever, knowing nothing of the pool's changes.
+on (reading what is still committed; nothing while the pool sleeps or once it is lost). MODE "stuck": as
+pausable, but on_pause then blocks until the test says "unstick" (an engine that does not pause in time).
+MODE "plain": no hooks at all; the reader reads [0, BLOCKS) for ever, knowing nothing of the pool's changes.
 
 Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl \
      PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python \
@@ -52,11 +53,15 @@ def engine_main(socket_path, pool, mode, blocks):
     st = {"passes": 0, "bad": 0, "paused": False, "reading": False, "pauses": 0, "resumes": 0, "lost": None,
           "error": None}
 
+    unstuck = threading.Event()
+
     def on_pause(ranges):
         with idle:  # the engine's side of a pause: finish the pass, then touch nothing
             st["paused"] = True
             st["pauses"] += 1
             idle.wait_for(lambda: not st["reading"], timeout=30)
+        if mode == "stuck":
+            unstuck.wait()
 
     def on_resume(applied):
         with idle:
@@ -67,7 +72,7 @@ def engine_main(socket_path, pool, mode, blocks):
     def on_lost(why):
         st["lost"] = str(why)
 
-    hooks = dict(on_pause=on_pause, on_resume=on_resume, on_lost=on_lost) if mode == "pausable" else {}
+    hooks = dict(on_pause=on_pause, on_resume=on_resume, on_lost=on_lost) if mode != "plain" else {}
     m = c.attach(pool, client_name=f"engine-{mode}", **hooks)
     d = m.geometry.dims
     shape = (d["heads"], d["block_tokens"], d["channels"])
@@ -112,12 +117,16 @@ def engine_main(socket_path, pool, mode, blocks):
         op = cmd["op"]
         if op == "state":
             r = dict(st, committed=m.committed_blocks, state=int(m.state), gone=str(m.gone) if m.gone else None)
+        elif op == "unstick":
+            unstuck.set()
+            r = True
         elif op == "close":  # the engine lets go of the pool (Mapping.close): a forced release completes
             stop.set()
             t.join()
             m.close()
             r = True
         elif op == "exit":
+            unstuck.set()
             stop.set()
             t.join()
             m.close()
@@ -210,18 +219,33 @@ class ReleaseTest(KvdDaemonCase):
         self.assertEqual(e.assert_alive(self)["bad"], 0)
 
     def test_an_engine_that_does_not_pause_in_time_makes_the_sleep_fail_and_nothing_changes(self):
-        e = self.engine("pausable")
+        stuck = self.engine("stuck")
         other = self.engine("pausable")
-        # A pause that waits for an acknowledgement that never comes within 1 ms: refused, nothing changed.
+        before = self.c.pool("kv")
         with self.assertRaises(kvd.KvdError) as caught:
-            self.c.sleep("kv", pause_timeout=0.001)
-        if caught.exception.code != "DEADLINE_EXCEEDED":
-            raise caught.exception
-        self.assertEqual(self.c.pool("kv").state, AWAKE)
-        for x in (e, other):
-            poll(lambda: (lambda s: s["pauses"] == s["resumes"])(x("state")), lambda: f"resumed: {x('state')}")
-            x.passes_go_on()
-            x.assert_alive(self)
+            self.c.sleep("kv", wait=True, pause_timeout=0.5)
+        self.assertEqual(caught.exception.code, "DEADLINE_EXCEEDED", caught.exception.message)
+        self.assertIn(stuck.client_id, caught.exception.message)
+        self.assertIn("nothing changed", caught.exception.message)
+        after = self.c.pool("kv")
+        self.assertEqual((after.state, after.committed_blocks, after.pending_release_bytes),
+                         (AWAKE, BLOCKS, 0))
+        self.assertEqual(sorted(c.id for c in after.chunks), sorted(c.id for c in before.chunks))
+        # The other engine got its RESUME (nothing applied) and reads on; so does the stuck one once free.
+        poll(lambda: (lambda s: s["pauses"] == s["resumes"] == 1)(other("state")), lambda: f"{other('state')}")
+        other.passes_go_on()
+        other.assert_alive(self)
+        stuck("unstick")
+        poll(lambda: (lambda s: s["pauses"] == s["resumes"] == 1)(stuck("state")), lambda: f"{stuck('state')}")
+        stuck.passes_go_on()
+        stuck.assert_alive(self)
+        # With detach_unresponsive the sleep goes on past an engine that is stuck again.
+        stuck2 = self.engine("stuck")
+        [slept] = self.c.sleep("kv", pause_timeout=0.5, detach_unresponsive=True)
+        self.assertEqual(slept.pool.state, SLEEPING)
+        self.assertGreater(slept.pool.pending_release_bytes, 0, "the detached engine still maps it: counted")
+        stuck2("unstick")
+        stuck2.assert_alive(self)
 
     # --- engines without hooks: refused unless forced, never faulted ---------------------------------
 

@@ -325,7 +325,7 @@ struct PauseOptions {
 
 struct ShrinkOptions {
   bool wait = false;  // reply once every attached client acknowledged the release
-  // Release whole chunks only and never pause (the pool may stay above the target: see
+  // Release whole chunks only and move no byte (the pool may stay above the target: see
   // PoolChange::reshape->target_reached and pool.committed_blocks).
   bool whole_chunks_only = false;
   // Compaction shrink: the blocks the engine still uses. Live blocks at or above the target are moved

@@ -483,7 +483,7 @@ class Client:
         committed prefix ends at `blocks` rounded up to the granularity; a chunk straddling it is replaced
         by a smaller one, copied on the device while the attached clients pause (docs/api.md, "Pauses and
         reshaping"). wait: reply once every client acknowledged the release.
-        whole_chunks_only: release whole chunks only and never pause; the pool may stay above the target
+        whole_chunks_only: release whole chunks only and move no byte; the pool may stay above the target
         (reshape.target_reached False, pool.committed_blocks says where).
         live_blocks: a compaction shrink: the blocks the engine still uses (an iterable; [] for none); live
         blocks at or above `blocks` are first copied into free blocks below it, reshape.moved_blocks
