@@ -51,7 +51,7 @@ def engine_main(socket_path, pool, mode, blocks):
     c = kvd.connect(socket_path, client_name=f"engine-{mode}")
     idle = threading.Condition()
     st = {"passes": 0, "bad": 0, "paused": False, "reading": False, "pauses": 0, "resumes": 0, "lost": None,
-          "error": None}
+          "error": None, "slept": False, "woke_zeroed": None}
 
     unstuck = threading.Event()
 
@@ -67,12 +67,22 @@ def engine_main(socket_path, pool, mode, blocks):
         with idle:
             st["paused"] = False
             st["resumes"] += 1
+            st["slept"] = m.state == SLEEPING  # touch nothing until on_grow brings the memory back
             idle.notify_all()
+
+    def on_grow(committed_blocks):
+        # After a wake: the memory is fresh (zeroed); the engine writes its blocks again before it reads on.
+        with idle:
+            if st["slept"]:
+                st["woke_zeroed"] = all(not v[:blocks].any() for v in views)
+                for layer, v in enumerate(views):
+                    v[:blocks] = expected[layer]
+                st["slept"] = False
 
     def on_lost(why):
         st["lost"] = str(why)
 
-    hooks = dict(on_pause=on_pause, on_resume=on_resume, on_lost=on_lost) if mode != "plain" else {}
+    hooks = dict(on_pause=on_pause, on_resume=on_resume, on_grow=on_grow, on_lost=on_lost) if mode != "plain" else {}
     m = c.attach(pool, client_name=f"engine-{mode}", **hooks)
     d = m.geometry.dims
     shape = (d["heads"], d["block_tokens"], d["channels"])
@@ -84,7 +94,7 @@ def engine_main(socket_path, pool, mode, blocks):
     def readable():
         if mode == "plain":
             return blocks  # knows nothing: reads what it wrote, for ever
-        if st["paused"] or m.gone is not None or m.state != AWAKE:
+        if st["paused"] or st["slept"] or m.gone is not None or m.state != AWAKE:
             return 0
         return min(blocks, m.committed_blocks)
 
@@ -191,7 +201,10 @@ class ReleaseTest(KvdDaemonCase):
         self.assertEqual((s["pauses"], s["resumes"], s["state"], s["committed"]), (1, 1, SLEEPING, 0))
         self.assertEqual(self.pending(), 0)
         self.assertEqual(self.kvctl("wake", "kv").returncode, 0)
-        poll(lambda: e("state")["state"] == AWAKE, lambda: f"the engine to wake: {e('state')}")
+        s = poll(lambda: (lambda s: s if s["state"] == AWAKE and not s["slept"] else None)(e("state")),
+                 lambda: f"the engine to wake and write its blocks again: {e('state')}")
+        self.assertTrue(s["woke_zeroed"], "a woken pool's memory reads back as zero")
+        e.passes_go_on()
         e.assert_alive(self)
 
     def test_forced_delete_pauses_a_reading_engine_first(self):
