@@ -593,11 +593,15 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
-  ForgetClients(pool.Destroy(why, &chunks, deleted ? &held : nullptr, session, /*forced=*/deleted));
+  const std::vector<std::string> gone = pool.Destroy(why, &chunks, deleted ? &held : nullptr, session,
+                                                     /*forced=*/deleted);
+  // Held before the clients stop being findable, so that a Detach with `released` always finds one or the
+  // other (one found in between waits for op_mu: see Detach).
   if (deleted && held.bytes > 0) {
     absl::MutexLock lock(&mu_);
     orphaned_.push_back({.pool = pool.name(), .held = std::move(held)});
   }
+  ForgetClients(gone);
   for (ChunkRecord& r : chunks) {
     if (forget) store_->DropChunkFd(r.info.id);
     DiscardChunk(pool.base(), r);
@@ -627,20 +631,27 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
 }
 
 absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id, bool released) {
-  absl::StatusOr<std::shared_ptr<Pool>> found = FindClient(client_id);
-  if (!found.ok()) {
-    // A client of a deleted pool declaring that it let go of the pool's memory.
+  // A client of a deleted pool declaring that it let go of the pool's memory.
+  auto let_go = [&]() -> bool {
     uint64_t freed = 0;
-    bool let_go = false;
+    bool found = false;
     {
       absl::MutexLock lock(&mu_);
-      let_go = released && LetGoLocked(caller.session, client_id, &freed);
+      found = released && LetGoLocked(caller.session, client_id, &freed);
     }
     budget_.Give(freed);
-    return let_go ? absl::OkStatus() : found.status();
-  }
+    return found;
+  };
+  absl::StatusOr<std::shared_ptr<Pool>> found = FindClient(client_id);
+  if (!found.ok()) return let_go() ? absl::OkStatus() : found.status();
   std::shared_ptr<Pool> pool = *std::move(found);
-  KVD_RETURN_IF_ERROR(pool->Detach(caller, client_id, released));
+  if (absl::Status detached = pool->Detach(caller, client_id, released); !detached.ok()) {
+    // Its pool is being deleted (the client was told before the delete finished): once the delete is done
+    // (it holds op_mu), what the client held is an orphan to let go of.
+    if (!released || !pool->deleted()) return detached;
+    { absl::MutexLock op(&pool->op_mu); }
+    return let_go() ? absl::OkStatus() : detached;
+  }
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
   if (!pool->IsHolder(client_id)) ForgetClients({std::string(client_id)});
   return absl::OkStatus();
