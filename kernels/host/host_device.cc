@@ -119,12 +119,26 @@ absl::StatusOr<std::unique_ptr<HostDevice>> HostDevice::Open(const DeviceOptions
   if (options.index < 0) {
     return absl::InvalidArgumentError(absl::StrCat("index: host device ", options.index, " is negative"));
   }
-  return std::unique_ptr<HostDevice>(
-      new HostDevice(options.index, capacity, granularity, absl::StrCat("host-", HostBootId(), "-", options.index)));
+  if (options.host_used_by_others >= capacity) {
+    return absl::InvalidArgumentError(absl::StrCat("host_used_by_others: ", options.host_used_by_others,
+                                                   " bytes leave nothing of the host capacity of ", capacity));
+  }
+  return std::unique_ptr<HostDevice>(new HostDevice(options.index, capacity, options.host_used_by_others, granularity,
+                                                    absl::StrCat("host-", HostBootId(), "-", options.index)));
 }
 
-HostDevice::HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid)
-    : index_(index), capacity_(capacity), granularity_(granularity), uuid_(std::move(uuid)), book_(granularity) {}
+HostDevice::HostDevice(int index, uint64_t capacity, uint64_t used_by_others, uint64_t granularity, std::string uuid)
+    : index_(index),
+      capacity_(capacity),
+      used_by_others_(used_by_others),
+      granularity_(granularity),
+      uuid_(std::move(uuid)),
+      book_(granularity) {}
+
+uint64_t HostDevice::FreeOf(uint64_t committed) const {
+  const uint64_t used = committed + used_by_others_;
+  return capacity_ > used ? capacity_ - used : 0;
+}
 
 HostDevice::~HostDevice() {
   for (const LiveChunk& live : book_.LiveChunks()) close(static_cast<int>(live.chunk.handle));
@@ -137,7 +151,7 @@ absl::StatusOr<DeviceInfo> HostDevice::Info() {
   info.name = kName;
   info.uuid = uuid_;
   info.total_bytes = capacity_;
-  info.free_bytes = capacity_ - std::min(committed_.load(), capacity_);
+  info.free_bytes = FreeOf(committed_.load());
   if (std::optional<uint64_t> available = MemAvailableBytes()) info.free_bytes = std::min(info.free_bytes, *available);
   info.granularity = granularity_;
   info.fabric_handles = false;
@@ -192,10 +206,11 @@ absl::StatusOr<Chunk> HostDevice::Create(uint64_t bytes) {
   // Claim the bytes against the capacity first, so concurrent Creates cannot overshoot it together.
   uint64_t committed = committed_.load();
   do {
-    const uint64_t free = capacity_ - std::min(committed, capacity_);
+    const uint64_t free = FreeOf(committed);
     if (bytes > free) {
-      return absl::ResourceExhaustedError(absl::StrCat("Create: ", bytes, " bytes asked, ", free,
-                                                       " bytes free of the host capacity of ", capacity_, " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("Create: ", bytes, " bytes asked, ", free, " bytes free of the host capacity of ", capacity_,
+                       " bytes", used_by_others_ > 0 ? absl::StrCat(" (", used_by_others_, " used by others)") : ""));
     }
   } while (!committed_.compare_exchange_weak(committed, committed + bytes));
   absl::Cleanup unclaim = [this, bytes] { committed_.fetch_sub(bytes); };
@@ -220,9 +235,13 @@ absl::StatusOr<Chunk> HostDevice::Create(uint64_t bytes) {
   if (rc != 0) return ErrnoStatus(errno, absl::StrCat("fallocate(", bytes, " bytes asked)"));
 
   const Chunk chunk{.handle = static_cast<uint64_t>(fd.get()), .bytes = bytes};
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat(the new memfd)");
   KVD_RETURN_IF_ERROR(book_.AddChunk(chunk, ChunkOrigin::kCreated));
   (void)fd.release();  // the book's now: Release closes it
   std::move(unclaim).Cancel();
+  absl::MutexLock lock(&imports_mu_);
+  ++created_inodes_[st.st_ino];
   return chunk;
 }
 
@@ -230,10 +249,24 @@ absl::Status HostDevice::Release(const Chunk& chunk) {
   absl::Status closed;
   // Closing the last reference to an unmapped memfd frees its pages, which takes a while for big
   // chunks: the book runs this without its locks. The FD number stays ours until close returns.
+  struct stat st {};
+  const bool known = fstat(static_cast<int>(chunk.handle), &st) == 0;
   KVD_RETURN_IF_ERROR(book_.Release(chunk, [&](ChunkOrigin origin) {
     const int rc = close(static_cast<int>(chunk.handle));
     const int err = errno;
-    if (origin == ChunkOrigin::kCreated) committed_.fetch_sub(chunk.bytes);
+    if (origin == ChunkOrigin::kCreated) {
+      committed_.fetch_sub(chunk.bytes);
+      absl::MutexLock lock(&imports_mu_);
+      if (auto it = created_inodes_.find(st.st_ino); known && it != created_inodes_.end() && --it->second == 0) {
+        created_inodes_.erase(it);
+      }
+    } else {
+      absl::MutexLock lock(&imports_mu_);
+      if (auto it = counted_imports_.find(chunk.handle); it != counted_imports_.end()) {
+        committed_.fetch_sub(it->second);
+        counted_imports_.erase(it);
+      }
+    }
     // Linux releases the FD even when close reports EINTR or EIO, so the chunk is gone either way
     // (the book must not take it back); only EBADF, which means it was not ours, is worth reporting.
     if (rc != 0 && err == EBADF) closed = ErrnoStatus(err, absl::StrCat("close(fd ", chunk.handle, ")"));
@@ -294,6 +327,13 @@ absl::StatusOr<Chunk> HostDevice::Import(int fd, uint64_t bytes) {
   const Chunk chunk{.handle = static_cast<uint64_t>(own.get()), .bytes = bytes};
   KVD_RETURN_IF_ERROR(book_.AddChunk(chunk, ChunkOrigin::kImported));
   (void)own.release();  // the book's now: Release closes it
+  // Memory another process created (a predecessor's pool, a chunk a client gives back) is this process's to
+  // count now; an import of its own chunk is counted once, by its Create.
+  absl::MutexLock lock(&imports_mu_);
+  if (!created_inodes_.contains(st.st_ino)) {
+    committed_.fetch_add(bytes);
+    counted_imports_[chunk.handle] = bytes;
+  }
   return chunk;
 }
 

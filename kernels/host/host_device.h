@@ -109,16 +109,25 @@ class HostDevice final : public Device {
   DeviceCapabilities Capabilities() const override;
 
  private:
-  HostDevice(int index, uint64_t capacity, uint64_t granularity, std::string uuid);
+  HostDevice(int index, uint64_t capacity, uint64_t used_by_others, uint64_t granularity, std::string uuid);
+  // The capacity less the bytes other processes "use" and the live created chunks'.
+  uint64_t FreeOf(uint64_t committed) const;
 
   const int index_;
   const uint64_t capacity_;
+  const uint64_t used_by_others_;  // DeviceOptions::host_used_by_others
   const uint64_t granularity_;
   const std::string uuid_;
 
-  // Bytes of live created chunks. Create reserves its bytes here before allocating (so concurrent
-  // Creates cannot overshoot the capacity together) and gives them back if it fails.
+  // Bytes of live created chunks, and of live imports of memory another process created (a restarted
+  // daemon's pools, chunks clients give back): what this process holds of the host's memory, as a GPU
+  // driver counts device memory. Create reserves its bytes here before allocating (so concurrent Creates
+  // cannot overshoot the capacity together) and gives them back if it fails. An import of this device's
+  // own chunk is not counted again.
   std::atomic<uint64_t> committed_{0};
+  absl::Mutex imports_mu_;
+  std::map<uint64_t, uint64_t> created_inodes_ ABSL_GUARDED_BY(imports_mu_);   // inode -> live created chunks
+  std::map<uint64_t, uint64_t> counted_imports_ ABSL_GUARDED_BY(imports_mu_);  // handle -> bytes counted
 
   // Reservations, mappings and live chunks (memfds), and every misuse check of the contract.
   VaBook book_;

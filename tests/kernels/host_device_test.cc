@@ -217,6 +217,39 @@ TEST_P(HostDeviceTest, ImportsDoNotCountAgainstTheCapacity) {
   EXPECT_EQ(info.free_bytes, 4 * kMiB);
 }
 
+TEST_P(HostDeviceTest, ImportsOfMemoryAnotherDeviceCreatedCountLikeItsOwn) {
+  // As a restarted daemon's pools (their memfds made by its predecessor) and chunks clients give back.
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> maker, OpenHost(8 * kMiB));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenHost(8 * kMiB));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk created, maker->Create(4 * kMiB));
+  KVD_ASSERT_OK_AND_ASSIGN(int fd, maker->Export(created));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk imported, device->Import(fd, 4 * kMiB));
+  close(fd);
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device->Info());
+  EXPECT_EQ(info.free_bytes, 4 * kMiB) << "the memory this device's process holds now";
+  ASSERT_THAT(device->Release(imported), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(info, device->Info());
+  EXPECT_EQ(info.free_bytes, 8 * kMiB);
+  ASSERT_THAT(maker->Release(created), IsOk());
+}
+
+TEST_P(HostDeviceTest, BytesUsedByOthersAreNeverFree) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenDevice(DeviceOptions{.backend = "host",
+                                                                                    .host_capacity = 8 * kMiB,
+                                                                                    .host_granularity = GetParam(),
+                                                                                    .host_used_by_others = 4 * kMiB}));
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceInfo info, device->Info());
+  EXPECT_EQ(info.total_bytes, 8 * kMiB);
+  EXPECT_EQ(info.free_bytes, 4 * kMiB);
+  EXPECT_THAT(device->Create(8 * kMiB),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("(4194304 used by others)")));
+  KVD_ASSERT_OK_AND_ASSIGN(Chunk c, device->Create(4 * kMiB));
+  EXPECT_THAT(device->Release(c), IsOk());
+  EXPECT_THAT(
+      OpenDevice(DeviceOptions{.backend = "host", .host_capacity = 8 * kMiB, .host_used_by_others = 8 * kMiB}).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("host_used_by_others")));
+}
+
 TEST_P(HostDeviceTest, CreateRefusesMoreThanTheMachineHasAvailable) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, OpenHost(uint64_t{1} << 50));  // 1 PiB
   const uint64_t g = device->granularity();

@@ -234,6 +234,10 @@ struct DeviceOptions {
   // its allocation granularity (a multiple of the page size).
   uint64_t host_capacity = 0;
   uint64_t host_granularity = uint64_t{2} << 20;
+  // Host backend only: bytes of the capacity that other processes use, as a GPU's other contexts and
+  // weights would: never free, so that tests can make a device "full" (Info's free_bytes and Create's
+  // refusals count them). Less than the capacity.
+  uint64_t host_used_by_others = 0;
 };
 
 // Opens the backend `options` asks for. UNAVAILABLE when its driver or device is missing,
