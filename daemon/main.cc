@@ -45,6 +45,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
@@ -89,6 +90,7 @@ struct Flags {
   bool metrics_clients = false;
   std::string budget = "90%";
   std::string host_capacity;  // default: physical memory
+  std::string host_used_by_others = "0";
   std::string host_granularity = "2MiB";
   std::string max_chunk = "4GiB";
   std::string lease_ttl = "30s";
@@ -119,6 +121,12 @@ struct Flags {
   uint64_t max_block_ids = 65536;
   std::string max_request_bytes = "4MiB";
   std::string operator_reserve = "5%";
+  // Arbitration (docs/operations.md, "Several engines on one GPU"; daemon/core/arbiter.h).
+  std::string device_headroom = "1%";
+  std::string reclaim_timeout = "5s";
+  uint32_t max_priority_per_uid = 0;
+  std::string max_guaranteed_per_uid = "0";
+  std::vector<std::string> uid_claims;  // UID:priority=P,guaranteed=SIZE
   bool list_devices = false;
   bool json = false;
 };
@@ -229,6 +237,54 @@ absl::StatusOr<uint64_t> ParseBudget(const std::string& text, uint64_t total, ui
   return budget;
 }
 
+// "256MiB" or "2%" of `total` (rounded down to the granularity): device memory no grow may take.
+absl::StatusOr<uint64_t> ParseHeadroom(const std::string& text, uint64_t total, uint64_t granularity) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  if (absl::ConsumeSuffix(&t, "%")) {
+    double pct = 0;
+    if (!absl::SimpleAtod(t, &pct) || !(pct >= 0 && pct < 100)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--device-headroom: \"", text, "\" is not a percentage in [0, 100) (e.g. 2%) or a size (256MiB)"));
+    }
+    const uint64_t bytes = static_cast<uint64_t>(static_cast<long double>(total) * pct / 100.0L);
+    return granularity > 0 ? bytes - bytes % granularity : bytes;
+  }
+  KVD_ASSIGN_OR_RETURN(uint64_t bytes, ParseBytes(t, "--device-headroom"));
+  if (bytes >= total) {
+    return absl::InvalidArgumentError(absl::StrCat("--device-headroom: ", FormatBytes(bytes),
+                                                   " leaves nothing of the device's ", FormatBytes(total)));
+  }
+  return bytes;
+}
+
+// One --uid-claim: "UID:priority=P,guaranteed=SIZE" (either part may be left out: 0).
+absl::Status ParseUidClaim(const std::string& text, Limits* limits) {
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--uid-claim: \"", text, "\": ", why, " (expected UID:priority=P,guaranteed=SIZE)"));
+  };
+  const size_t colon = text.find(':');
+  uint32_t uid = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(text.substr(0, colon), &uid)) return bad("no UID");
+  if (limits->claim_of.contains(uid)) return bad(absl::StrCat("uid ", uid, " has a --uid-claim already"));
+  ClaimGrant grant;
+  for (absl::string_view part : absl::StrSplit(text.substr(colon + 1), ',', absl::SkipEmpty())) {
+    if (absl::ConsumePrefix(&part, "priority=")) {
+      if (!absl::SimpleAtoi(part, &grant.max_priority) || grant.max_priority > kMaxPriority) {
+        return bad(absl::StrCat("priority is not 0..", kMaxPriority));
+      }
+    } else if (absl::ConsumePrefix(&part, "guaranteed=")) {
+      absl::StatusOr<uint64_t> bytes = ParseBytes(part, "guaranteed");
+      if (!bytes.ok()) return bad(bytes.status().message());
+      grant.guaranteed_bytes = *bytes;
+    } else {
+      return bad(absl::StrCat("unknown part \"", part, "\""));
+    }
+  }
+  limits->claim_of[uid] = grant;
+  return absl::OkStatus();
+}
+
 // The limits the flags set, checked: every one > 0, and each total leaving ordinary uids a share.
 absl::StatusOr<Limits> MakeLimits(const Flags& f, uint32_t daemon_uid) {
   Limits limits{.max_pools = f.max_pools,
@@ -270,6 +326,14 @@ absl::StatusOr<Limits> MakeLimits(const Flags& f, uint32_t daemon_uid) {
   for (const auto& [flag, value] : others) {
     if (value == 0) return absl::InvalidArgumentError(absl::StrCat(flag, ": must be > 0"));
   }
+  if (f.max_priority_per_uid > kMaxPriority) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-priority-per-uid: ", f.max_priority_per_uid,
+                                                   " is past the highest priority, ", kMaxPriority));
+  }
+  limits.claim_per_uid.max_priority = f.max_priority_per_uid;
+  KVD_ASSIGN_OR_RETURN(limits.claim_per_uid.guaranteed_bytes,
+                       ParseBytes(f.max_guaranteed_per_uid, "--max-guaranteed-per-uid"));
+  for (const std::string& claim : f.uid_claims) KVD_RETURN_IF_ERROR(ParseUidClaim(claim, &limits));
   return limits;
 }
 
@@ -288,6 +352,8 @@ std::vector<LimitValue> LimitValues(const Flags& f, const Limits& limits, uint64
           {"max-control-connections-per-uid", f.max_control_connections_per_uid},
           {"max-block-ids", limits.max_block_ids},
           {"max-request-bytes", max_request_bytes},
+          {"max-priority-per-uid", limits.claim_per_uid.max_priority},
+          {"max-guaranteed-per-uid", limits.claim_per_uid.guaranteed_bytes},
           {"operator-reserve", limits.operator_reserve_percent}};
 }
 
@@ -344,6 +410,7 @@ absl::Status ParseHostOptions(const Flags& f, DeviceOptions* options) {
     KVD_ASSIGN_OR_RETURN(options->host_capacity, ParseSize(f.host_capacity, "--host-capacity"));
   }
   KVD_ASSIGN_OR_RETURN(options->host_granularity, ParseSize(f.host_granularity, "--host-granularity"));
+  KVD_ASSIGN_OR_RETURN(options->host_used_by_others, ParseSize(f.host_used_by_others, "--host-used-by-others"));
   return absl::OkStatus();
 }
 
@@ -531,6 +598,13 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--recovery-grace: \"", f.recovery_grace, "\" is not a duration (e.g. 60s)"));
   }
+  KVD_ASSIGN_OR_RETURN(const uint64_t headroom, ParseHeadroom(f.device_headroom, info.total_bytes, device->granularity()));
+  absl::Duration reclaim_timeout;
+  if (!absl::ParseDuration(f.reclaim_timeout, &reclaim_timeout) || reclaim_timeout <= absl::ZeroDuration() ||
+      reclaim_timeout > kMaxReclaimTimeout) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reclaim-timeout: \"", f.reclaim_timeout, "\" is not a duration between 1ms and 10m (e.g. 5s)"));
+  }
   absl::Duration pause_timeout;
   if (!absl::ParseDuration(f.pause_timeout, &pause_timeout) || pause_timeout <= absl::ZeroDuration() ||
       pause_timeout > absl::Minutes(10)) {
@@ -584,7 +658,9 @@ absl::Status Run(const Flags& f) {
                                                    .compact_chunks_per_pause = f.compact_chunks_per_pause,
                                                    .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
-                                                   .limits = limits});
+                                                   .limits = limits,
+                                                   .device_headroom_bytes = headroom,
+                                                   .reclaim_timeout = reclaim_timeout});
   if (saved_state) {
     const absl::Time restore_start = absl::Now();
     const size_t saved_pools = saved.pools.size();
@@ -655,6 +731,7 @@ absl::Status Run(const Flags& f) {
     observers.background_compaction = [m](absl::Duration elapsed, bool ok) {
       m->ObserveOperation(Operation::kCompact, elapsed, ok);
     };
+    observers.arbitration = [m](const ArbiterEvent& event) { m->ObserveArbitration(event); };
   }
   manager.Observe(std::move(observers));
   // The manager's threads stop reporting before the server and metrics go.
@@ -690,9 +767,10 @@ absl::Status Run(const Flags& f) {
 
   spdlog::info(
       "kvd {} ready: backend {}, device \"{}\" #{} {}, grpc unix:{}, handles {}, budget {} of {}, max chunk {}, "
-      "granularity {}, pid {}",
+      "granularity {}, device headroom {}, pid {}",
       KVD_VERSION, BackendName(device->kind()), info.name, info.index, info.uuid, socket_path, handles_path,
-      FormatBytes(budget), FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity), getpid());
+      FormatBytes(budget), FormatBytes(info.total_bytes), FormatBytes(max_chunk), FormatBytes(granularity),
+      FormatBytes(headroom), getpid());
   spdlog::info(
       "limits: pools {} ({} per uid), sessions {} ({} per uid), reserved {} ({} per uid), {} clients per pool, "
       "handle-channel connections {} ({} per uid), control-socket connections {} ({} per uid), {} block ids and {} "
@@ -780,6 +858,10 @@ int Main(int argc, char** argv) {
   app.add_option("--host-capacity", f.host_capacity, "Host backend: memory it may commit (default: physical memory)");
   app.add_option("--host-granularity", f.host_granularity, "Host backend: allocation granularity")
       ->capture_default_str();
+  app.add_option("--host-used-by-others", f.host_used_by_others,
+                 "Host backend: bytes of --host-capacity that stand for other processes' use of a GPU (contexts, "
+                 "weights): never free to kvd, as on a shared GPU (for tests of admission and reclaim)")
+      ->capture_default_str();
   app.add_option("--max-chunk", f.max_chunk, "Largest single chunk a grow creates")->capture_default_str();
   app.add_option("--lease-ttl", f.lease_ttl, "How long a handle lease stays redeemable (e.g. 30s, 500ms)")
       ->capture_default_str();
@@ -858,6 +940,25 @@ int Main(int argc, char** argv) {
                  "Share of every total limit (pools, sessions, reserved, clients per pool, handle-channel "
                  "and control-socket connections) only root and kvd's own uid may use")
       ->capture_default_str();
+  // Arbitration (docs/operations.md, "Several engines on one GPU").
+  app.add_option("--device-headroom", f.device_headroom,
+                 "Device memory no grow may take, for other processes (SIZE or PCT% of the device): a grow is "
+                 "admitted only when the device's free memory less this backs it")
+      ->capture_default_str();
+  app.add_option("--reclaim-timeout", f.reclaim_timeout,
+                 "How long an engine has to answer a reclaim when its pool's policy does not say "
+                 "(PoolPolicy.reclaim_timeout_ms)")
+      ->capture_default_str();
+  app.add_option("--max-priority-per-uid", f.max_priority_per_uid,
+                 "The highest priority a uid other than root and kvd's may give its pools (0..1000)")
+      ->capture_default_str();
+  app.add_option("--max-guaranteed-per-uid", f.max_guaranteed_per_uid,
+                 "The bytes a uid other than root and kvd's may have guaranteed (PoolPolicy.min_bytes), over all its "
+                 "pools")
+      ->capture_default_str();
+  app.add_option("--uid-claim", f.uid_claims,
+                 "UID:priority=P,guaranteed=SIZE: what one uid is granted instead of --max-priority-per-uid and "
+                 "--max-guaranteed-per-uid (repeat for more uids)");
   app.footer(absl::StrCat("Environment: ", kLayoutEnv,
                           " sets the daemon's layout preference (rule 3 of the chain); an invalid value stops kvd."));
   try {

@@ -1,5 +1,7 @@
 #include "daemon/codec/codec.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "kvd/status.h"
@@ -92,6 +94,52 @@ v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata) {
   p.set_data(metadata.data);
   if (metadata.version > 0) p.set_updated_at_unix_ms(UnixMillis(metadata.updated_at));
   return p;
+}
+
+v1::ReclaimAction ToProto(ReclaimAction action) {
+  switch (action) {
+    case ReclaimAction::kNone:
+      return v1::RECLAIM_ACTION_NONE;
+    case ReclaimAction::kShrink:
+      return v1::RECLAIM_ACTION_SHRINK;
+    case ReclaimAction::kSleep:
+      return v1::RECLAIM_ACTION_SLEEP;
+  }
+  return v1::RECLAIM_ACTION_NONE;
+}
+
+absl::StatusOr<ReclaimAction> FromProto(v1::ReclaimAction action, absl::string_view field) {
+  switch (action) {
+    case v1::RECLAIM_ACTION_UNSPECIFIED:
+    case v1::RECLAIM_ACTION_NONE:
+      return ReclaimAction::kNone;
+    case v1::RECLAIM_ACTION_SHRINK:
+      return ReclaimAction::kShrink;
+    case v1::RECLAIM_ACTION_SLEEP:
+      return ReclaimAction::kSleep;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", static_cast<int>(action), " is not one of NONE, SHRINK, SLEEP"));
+  }
+}
+
+v1::PoolPolicy ToProto(const PoolPolicy& policy) {
+  v1::PoolPolicy p;
+  p.set_priority(policy.priority);
+  p.set_min_bytes(policy.min_bytes);
+  p.set_max_bytes(policy.max_bytes);
+  p.set_reclaim_timeout_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(policy.reclaim_timeout)));
+  p.set_on_reclaim_timeout(ToProto(policy.on_timeout));
+  return p;
+}
+
+absl::StatusOr<PoolPolicy> FromProto(const v1::PoolPolicy& proto, absl::string_view field) {
+  PoolPolicy policy{.priority = proto.priority(), .min_bytes = proto.min_bytes(), .max_bytes = proto.max_bytes()};
+  // Far past the maximum either way; checked against it by ValidatePolicy.
+  policy.reclaim_timeout = absl::Milliseconds(std::min<uint64_t>(proto.reclaim_timeout_ms(), uint64_t{1} << 40));
+  KVD_ASSIGN_OR_RETURN(policy.on_timeout,
+                       FromProto(proto.on_reclaim_timeout(), absl::StrCat(field, ".on_reclaim_timeout")));
+  return policy;
 }
 
 PoolMetadata FromProto(const v1::PoolMetadata& proto) {

@@ -32,5 +32,13 @@ v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
 PoolMetadata FromProto(const v1::PoolMetadata& proto);
 v1::Chunk ToProto(const ChunkInfo& chunk);
 ChunkInfo FromProto(const v1::Chunk& proto);
+v1::ReclaimAction ToProto(ReclaimAction action);
+// INVALID_ARGUMENT naming `field` for a value this build does not know (UNSPECIFIED is NONE).
+absl::StatusOr<ReclaimAction> FromProto(v1::ReclaimAction action, absl::string_view field);
+// operator_bounds travels beside it (Pool.policy_operator_bounds).
+v1::PoolPolicy ToProto(const PoolPolicy& policy);
+// INVALID_ARGUMENT naming "<field>.<member>" for an unknown on_reclaim_timeout or a timeout past 64 bits of
+// milliseconds; the values are the Arbiter's to check (ValidatePolicy).
+absl::StatusOr<PoolPolicy> FromProto(const v1::PoolPolicy& proto, absl::string_view field);
 
 }  // namespace kvd::daemon

@@ -26,9 +26,12 @@ void Budget::Take(uint64_t bytes) {
 }
 
 void Budget::Give(uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  assert(bytes <= committed_);
-  committed_ -= bytes;
+  {
+    absl::MutexLock lock(&mu_);
+    assert(bytes <= committed_);
+    committed_ -= bytes;
+  }
+  if (on_give_ && bytes > 0) on_give_();
 }
 
 }  // namespace kvd::daemon

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -13,7 +15,9 @@ namespace kvd::daemon {
 
 class Budget {
  public:
-  explicit Budget(uint64_t limit) : limit_(limit) {}
+  // `on_give` (may be empty) is called after every Give, without the budget's lock: waiting grows look
+  // again (arbiter.h).
+  explicit Budget(uint64_t limit, std::function<void()> on_give = {}) : limit_(limit), on_give_(std::move(on_give)) {}
 
   uint64_t limit() const { return limit_; }
   uint64_t committed() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -26,6 +30,7 @@ class Budget {
 
  private:
   const uint64_t limit_;
+  const std::function<void()> on_give_;
   mutable absl::Mutex mu_;
   uint64_t committed_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -43,6 +43,7 @@ struct SavedPool {
   std::vector<ChunkInfo> chunks;       // by (segment, offset)
   uint64_t pending_release_bytes = 0;  // released chunks clients still mapped when saved
   PoolMetadata metadata;
+  PoolPolicy policy;  // the Arbiter's (policy.h)
 };
 
 // Thread-safe: the PoolManager calls it from many threads (one pool's calls in order, under its op_mu).

@@ -14,12 +14,21 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace kvd::daemon {
+
+// What the operator grants one uid's pools in the arbitration of the device's memory (policy.h): the
+// highest priority it may give them and the bytes it may have guaranteed, summed over its pools.
+struct ClaimGrant {
+  uint32_t max_priority = 0;
+  uint64_t guaranteed_bytes = 0;
+  bool operator==(const ClaimGrant&) const = default;
+};
 
 struct Limits {
   uint64_t max_pools = 1024;                                 // --max-pools
@@ -32,6 +41,13 @@ struct Limits {
   uint64_t max_block_ids = 65536;                            // --max-block-ids
   uint32_t operator_reserve_percent = 5;                     // --operator-reserve
   uint32_t daemon_uid = 0;                                   // the daemon's own uid (an operator uid)
+  ClaimGrant claim_per_uid;                                  // --max-priority-per-uid, --max-guaranteed-per-uid
+  std::map<uint32_t, ClaimGrant> claim_of;  // --uid-claim=UID:priority=P,guaranteed=SIZE, replacing the above
+  // What `uid` is granted (operator uids are not bound by it: policy.h).
+  const ClaimGrant& GrantOf(uint32_t uid) const {
+    auto it = claim_of.find(uid);
+    return it == claim_of.end() ? claim_per_uid : it->second;
+  }
 };
 
 // The flags of the limits the core enforces, as their RESOURCE_EXHAUSTED messages name them.

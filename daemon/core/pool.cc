@@ -143,7 +143,21 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
                          .pausable = c.pausable});
   }
   for (const ChunkRecord& r : chunks_) v.chunks.push_back(r.info);
+  if (shared_.arbiter != nullptr) v.claim = shared_.arbiter->Claim(name_);
   return v;
+}
+
+size_t Pool::AskReclaim(uint64_t reclaim_id, uint64_t bytes, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  if (deleted_) return 0;
+  for (auto& [id, c] : clients_) {
+    PoolEvent e = EventLocked(EventType::kReclaim);
+    e.reclaim_id = reclaim_id;
+    e.reclaim_bytes = bytes;
+    e.reclaim_deadline = deadline;
+    c.events->Push(std::move(e));
+  }
+  return clients_.size();
 }
 
 PoolEvent Pool::EventLocked(EventType type) {
@@ -1189,6 +1203,7 @@ SavedPool Pool::Saved() const {
                   .pending_release_bytes = PendingBytesLocked(),
                   .metadata = metadata_};
   for (const ChunkRecord& r : chunks_) saved.chunks.push_back(r.info);
+  if (shared_.arbiter != nullptr) saved.policy = shared_.arbiter->Claim(name_).policy;
   return saved;
 }
 

@@ -39,6 +39,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/core/arbiter.h"
 #include "daemon/core/budget.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
@@ -114,6 +115,7 @@ struct PoolShared {
   std::string device_uuid;         // the daemon's own device: attaching from it needs no grant
   uint64_t epoch = 0;              // the daemon's, shown in every view
   const Limits* limits = nullptr;  // the manager's; null: no limits (max_clients_per_pool)
+  const Arbiter* arbiter = nullptr;  // the pool's policy and claim for its views and record; null: defaults
 };
 
 // What a view says of the attached clients: each of them (GetPool, ListPools), or only their number
@@ -182,6 +184,10 @@ class Pool {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The recovery grace passed: bytes released before the restart stop counting. Returns them.
   uint64_t ForgetRestartPending() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sends a RECLAIM event (reclaim `reclaim_id`: give back `bytes` by `deadline`) to every attached
+  // client; returns how many there are (Arbiter::Hooks::ask).
+  size_t AskReclaim(uint64_t reclaim_id, uint64_t bytes, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Metadata ---
 

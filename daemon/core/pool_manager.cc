@@ -123,7 +123,12 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
       store_(options_.store != nullptr ? options_.store : own_store_.get()),
       device_info_(ReadInfo(device)),
       capabilities_(device->Capabilities()),
-      budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
+      budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes,
+              [this] { arbiter_.Kick(); }),
+      arbiter_(&budget_, device,
+               {.headroom_bytes = options_.device_headroom_bytes,
+                .reshape_margin_bytes = kReshapeDeviceMargin,
+                .reclaim_timeout = options_.reclaim_timeout}),
       sessions_(options_.limits),
       leases_(options_.lease_ttl),
       shared_{.leases = &leases_,
@@ -132,7 +137,9 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
               .daemon_uid = options_.daemon_uid,
               .device_uuid = device_info_.uuid,
               .epoch = options_.epoch,
-              .limits = &options_.limits} {
+              .limits = &options_.limits,
+              .arbiter = &arbiter_} {
+  arbiter_.SetHooks(ArbiterHooks());
   // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
   next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
@@ -253,6 +260,15 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   s.started_at = options_.started_at;
   s.durability = store_->durability();
   s.state = state_health();
+  if (absl::StatusOr<DeviceRoom> room = arbiter_.Room(); room.ok()) {
+    s.headroom_bytes = room->headroom_bytes;
+    s.foreign_bytes = room->foreign_bytes;
+    s.available_bytes = room->available_bytes;
+  }
+  const ArbiterStats stats = arbiter_.Stats();
+  s.waiting_requests = static_cast<uint32_t>(stats.waiting);
+  s.waiting_bytes = stats.waiting_bytes;
+  s.driver_out_of_memory = stats.driver_out_of_memory;
   return s;
 }
 
@@ -306,7 +322,15 @@ absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, 
   for (const PlannedChunk& p : plan) {
     ChunkRecord r;
     r.info = {.id = next_chunk_id_.fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
-    KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
+    absl::StatusOr<Chunk> created = device_->Create(p.bytes);
+    if (!created.ok()) {
+      // Admission should have kept this from happening (Note [Arbitration]): counted, for the operator.
+      if (absl::IsResourceExhausted(created.status()) && !IsOutOfFileDescriptors(created.status())) {
+        arbiter_.NoteDriverOutOfMemory();
+      }
+      return created.status();
+    }
+    r.chunk = *created;
     if (absl::Status s = device_->Map(base + p.offset, r.chunk, Access::kReadWrite); !s.ok()) {
       device_->Release(r.chunk).IgnoreError();
       return s;
@@ -348,13 +372,14 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   // The budget first, from arithmetic alone: a plan is built only for bytes the budget holds, so its
   // size is bounded by the budget (at most budget / max chunk chunks plus one per segment).
   KVD_ASSIGN_OR_RETURN(staged.bytes, pool.GrowBytes(target_blocks));
-  // Taken now, so that concurrent grows of other pools see it.
-  if (uint64_t free = 0; !budget_.TryTake(staged.bytes, &free)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes, " bytes (",
-                     FormatBytes(staged.bytes), ") but only ", free, " bytes (", FormatBytes(free),
-                     ") of the daemon's budget of ", FormatBytes(budget_.limit()), " are free"));
-  }
+  // Taken now, so that concurrent grows of other pools see it: admitted against the budget and what the
+  // device can back, with what other admitted grows are still making (Note [Arbitration]). The admission
+  // ends (those bytes are no longer "being made") when this returns: made, or given back.
+  KVD_ASSIGN_OR_RETURN(Arbiter::Admission admission,
+                       arbiter_.Admit({.pool = pool.name(),
+                                       .committed_bytes = pool.View(ViewClients::kCounted).committed_bytes,
+                                       .bytes = staged.bytes,
+                                       .what = absl::StrCat("growing to ", target_blocks, " blocks")}));
   absl::StatusOr<std::vector<PlannedChunk>> plan = pool.PlanGrow(target_blocks, options_.max_chunk_bytes);
   if (!plan.ok()) {
     budget_.Give(staged.bytes);
@@ -402,6 +427,10 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
   KVD_ASSIGN_OR_RETURN(PoolPlan plan, PlanPool(spec, options_.layout_policy,
                                                {.granularity = device_->granularity(),
                                                 .max_reserved_bytes = options_.max_pool_reserved_bytes}));
+  const uint64_t capacity_bytes =
+      plan.geometry.CommittedBytes(plan.geometry.PrefixBytes(plan.geometry.dims().capacity_blocks));
+  KVD_ASSIGN_OR_RETURN(const PoolPolicy policy, arbiter_.CheckNew(spec.name, spec.policy, caller.uid, caller.uid,
+                                                                  capacity_bytes, options_.limits));
   auto pool = std::make_shared<Pool>(spec, std::move(plan), caller.uid, shared_);
   absl::MutexLock op(&pool->op_mu);
   {
@@ -447,10 +476,13 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     reserved_by_uid_[uid] += reserved;
     reserved_total_ += reserved;
   }
+  // The name is this pool's now: so is the arbiter's entry (its priority and cap admit the first grow).
+  arbiter_.Add(spec.name, caller.uid, policy);
   // On failure the pool leaves the map again; requests that found it meanwhile find it deleted.
   auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu) {
     std::vector<ChunkRecord> none;
     pool->Destroy(EventType::kPoolDeleted, &none);
+    arbiter_.Remove(spec.name);
     absl::MutexLock lock(&mu_);
     ErasePoolLocked(*pool);
     return why;
@@ -529,6 +561,8 @@ absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::str
                                       ReleaseOptions{.force = true, .pause = pause}));
   }
   const uint64_t bytes = pool->View(ViewClients::kCounted).committed_bytes;
+  // While the name is still this pool's (a pool created with it later adds its own entry).
+  arbiter_.Remove(pool->name());
   {
     absl::MutexLock lock(&mu_);
     ErasePoolLocked(*pool);
@@ -733,12 +767,31 @@ absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::
   return update;
 }
 
-absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_view name, uint64_t target_blocks) {
+absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_view name, uint64_t target_blocks,
+                                             const WaitOptions& wait) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  KVD_ASSIGN_OR_RETURN(PoolUpdate update,
-                       Resize(caller, pool, GroupOp::kGrow, target_blocks, false, absl::InfinitePast()));
+  KVD_ASSIGN_OR_RETURN(PoolUpdate update, ResizeWaiting(caller, pool, GroupOp::kGrow, target_blocks, wait));
   CompactLaterIfFragmented(update.pool);
   return update;
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::ResizeWaiting(const Caller& caller, const std::shared_ptr<Pool>& pool,
+                                                      GroupOp op, uint64_t target_blocks, const WaitOptions& wait) {
+  if (!wait.wait) return Resize(caller, pool, op, target_blocks, false, absl::InfinitePast());
+  // In the queue from the start, so that its place is its arrival's; it waits holding no lock of the pool's.
+  const Arbiter::Ticket ticket = arbiter_.Join(
+      pool->name(), caller.uid,
+      op == GroupOp::kGrow ? absl::StrCat("growing to ", target_blocks, " blocks") : std::string("waking"));
+  while (true) {
+    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, op, target_blocks, false, absl::InfinitePast());
+    if (update.ok() || !Arbiter::IsShortOfMemory(update.status())) return update;
+    absl::Status waited = arbiter_.AwaitRoom(ticket, wait.deadline, wait.cancelled);
+    if (absl::IsUnavailable(waited)) return waited;
+    if (!waited.ok()) {
+      return arbiter_.WaitFailed(ticket, update.status(),
+                                 [&](const std::string& other) { return Find(caller, other).ok(); });
+    }
+  }
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
@@ -779,11 +832,15 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller,
   return updates;
 }
 
-absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, absl::string_view name) {
+absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, absl::string_view name,
+                                                          const WaitOptions& wait) {
   std::vector<PoolUpdate> updates;
+  if (wait.wait && name.empty()) {
+    return absl::InvalidArgumentError("wait: a wake waits for one pool only (set pool, not all)");
+  }
   if (!name.empty()) {
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kWake, 0, false, absl::InfinitePast()));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, ResizeWaiting(caller, pool, GroupOp::kWake, 0, wait));
     updates.push_back(std::move(update));
     return updates;
   }
@@ -804,10 +861,11 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
 // Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
 
 absl::StatusOr<PoolManager::StepRoom> PoolManager::Room() const {
-  KVD_ASSIGN_OR_RETURN(DeviceInfo info, device_->Info());
+  // The device's free bytes less what other admitted commits are still making (Note [Arbitration]).
+  KVD_ASSIGN_OR_RETURN(DeviceRoom device, arbiter_.Room());
   const uint64_t committed = budget_.committed();
   StepRoom room{.budget_free = committed < budget_.limit() ? budget_.limit() - committed : 0,
-                .device_free = info.free_bytes,
+                .device_free = device.free_bytes > device.making_bytes ? device.free_bytes - device.making_bytes : 0,
                 .margin = std::max<uint64_t>(kReshapeDeviceMargin, device_->granularity())};
   room.bytes = std::min(room.budget_free, room.device_free > room.margin ? room.device_free - room.margin : 0);
   return room;
@@ -1149,12 +1207,9 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   // The new chunks hold their bytes before the old ones give theirs back.
   uint64_t bytes = 0;
   for (const PlannedChunk& p : plan.added) bytes += p.bytes;
-  if (uint64_t free = 0; !budget_.TryTake(bytes, &free)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (", FormatBytes(bytes),
-                     ") for new chunks while the chunks they replace still hold theirs, but only ", free, " bytes (",
-                     FormatBytes(free), ") of the daemon's budget of ", FormatBytes(budget_.limit()), " are free"));
-  }
+  absl::StatusOr<Arbiter::Admission> admission =
+      arbiter_.Admit({.pool = pool.name(), .bytes = bytes, .what = std::string(what), .reshape = true});
+  if (!admission.ok()) return absl::Status(admission.status().code(), admission.status().message());
   absl::Cleanup give_back = [&] { budget_.Give(bytes); };
 
   std::set<uint64_t> leaving(plan.replaced.begin(), plan.replaced.end());
@@ -1193,6 +1248,7 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
   std::vector<ChunkRecord> added;
   {
     absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(next, plan.added);
+    *admission = Arbiter::Admission();  // made, or given up: no longer being made
     if (!made.ok()) {
       if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
         absl::StatusOr<DeviceInfo> info = device_->Info();
@@ -1732,6 +1788,7 @@ RestoreReport PoolManager::Restore(SavedState saved) {
   for (const SavedPool& record : saved.pools) {
     std::shared_ptr<Pool> pool = RestorePool(record, saved.fds, report);
     if (pool == nullptr) continue;
+    arbiter_.Add(record.name, record.owner_uid, record.policy);
     // Counted against the owner's limits like a pool it creates, but never refused: it exists already.
     const uint64_t reserved = pool->geometry().reserved_bytes();
     absl::MutexLock lock(&mu_);
@@ -1923,6 +1980,91 @@ absl::StatusOr<PoolMetadata> PoolManager::SetPoolMetadata(const Caller& caller, 
   return metadata;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Arbitration: policies, usage reports, reclaims (arbiter.h; Note [Arbitration] in docs/architecture.md)
+
+Caller PoolManager::DaemonCaller() const {
+  return Caller{.uid = options_.daemon_uid, .pid = getpid(), .session = "", .name = "kvd"};
+}
+
+absl::StatusOr<PoolView> PoolManager::SetPoolPolicy(const Caller& caller, absl::string_view name,
+                                                    const PolicyChange& change) {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  absl::MutexLock op(&pool->op_mu);  // one pool's records are written in order (Note [Durable pools])
+  if (pool->deleted()) return PoolGone(name);
+  const Geometry& g = pool->geometry();
+  KVD_RETURN_IF_ERROR(arbiter_
+                          .Change(pool->name(), change, caller.uid,
+                                  g.CommittedBytes(g.PrefixBytes(g.dims().capacity_blocks)), options_.limits)
+                          .status());
+  Save(*pool);
+  return pool->View();
+}
+
+absl::Status PoolManager::ReportUsage(const Caller& caller, absl::string_view name, UsageReport usage) {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  usage.reported_at = absl::Now();
+  return arbiter_.Report(pool->name(), usage, pool->View(ViewClients::kCounted).committed_blocks);
+}
+
+absl::Status PoolManager::DeclineReclaim(const Caller& caller, absl::string_view name, uint64_t reclaim_id,
+                                         std::string reason) {
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
+  return arbiter_.Decline(pool->name(), reclaim_id, std::move(reason));
+}
+
+Arbiter::Hooks PoolManager::ArbiterHooks() {
+  Arbiter::Hooks hooks;
+  hooks.loads = [this] {
+    std::vector<PoolLoad> loads;
+    for (const std::shared_ptr<Pool>& pool : Snapshot()) {
+      const PoolView v = pool->View(ViewClients::kCounted);
+      loads.push_back({.name = v.name,
+                       .owner_uid = v.owner_uid,
+                       .state = v.state,
+                       .committed_blocks = v.committed_blocks,
+                       .committed_bytes = v.committed_bytes,
+                       .clients = v.client_count,
+                       .geometry = v.geometry});
+    }
+    return loads;
+  };
+  hooks.ask = [this](const std::string& name, uint64_t id, uint64_t bytes, absl::Time deadline) -> size_t {
+    absl::StatusOr<std::shared_ptr<Pool>> pool = Find(DaemonCaller(), name);
+    return pool.ok() ? (*pool)->AskReclaim(id, bytes, deadline) : 0;
+  };
+  // The deadline actions are the daemon's own releases: every attached client is paused first, or the
+  // release is refused for one that is not pausable (Note [Releases pause first]).
+  hooks.shrink = [this](const std::string& name, uint64_t used_blocks, uint64_t min_bytes) -> absl::Status {
+    const Caller daemon = DaemonCaller();
+    KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(daemon, name));
+    const PoolView v = pool->View(ViewClients::kCounted);
+    const Geometry& g = v.geometry;
+    // The fewest blocks that hold min_bytes: the guarantee is never shrunk away.
+    uint64_t lo = 0;
+    uint64_t hi = v.committed_blocks;
+    while (lo < hi) {
+      const uint64_t mid = lo + (hi - lo) / 2;
+      if (g.CommittedBytes(g.PrefixBytes(mid)) >= min_bytes) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const uint64_t target = std::max(used_blocks, lo);
+    if (target >= v.committed_blocks) return absl::OkStatus();
+    return Shrink(daemon, name, target, ShrinkOptions{}).status();
+  };
+  hooks.sleep = [this](const std::string& name) -> absl::Status {
+    return Sleep(DaemonCaller(), name, false, absl::InfinitePast()).status();
+  };
+  hooks.observe = [this](const ArbiterEvent& event) {
+    absl::MutexLock lock(&observer_mu_);
+    if (observers_.arbitration) observers_.arbitration(event);
+  };
+  return hooks;
+}
+
 void PoolManager::Shutdown(bool keep_pools) {
   std::vector<std::shared_ptr<Pool>> pools;
   {
@@ -1935,6 +2077,7 @@ void PoolManager::Shutdown(bool keep_pools) {
     reserved_total_ = 0;
   }
   transactions_.Stop();
+  arbiter_.Stop();  // waiting grows fail UNAVAILABLE
   if (reaper_.joinable()) reaper_.join();
   if (compactor_.joinable()) compactor_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {

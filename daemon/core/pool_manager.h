@@ -59,6 +59,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "daemon/core/arbiter.h"
 #include "daemon/core/budget.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
@@ -124,6 +125,18 @@ struct ManagerOptions {
   std::function<void(const std::string&)> warn;
   // What tenants may hold (limits.h); its daemon_uid is set from daemon_uid above.
   Limits limits;
+  // Admission and reclaims (arbiter.h): the device memory no grow may take (--device-headroom), and how long
+  // an engine has to answer a reclaim when its pool's policy does not say (--reclaim-timeout).
+  uint64_t device_headroom_bytes = 0;
+  absl::Duration reclaim_timeout = absl::Seconds(5);
+};
+
+// Whether a grow or wake short of memory waits for it (GrowRequest.wait, WakeRequest.wait): in the arbiter's
+// queue, until `deadline` or `cancelled`, instead of failing at once.
+struct WaitOptions {
+  bool wait = false;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty
 };
 
 // How a release treats the attached clients of other sessions (Note [Releases pause first] in
@@ -196,6 +209,8 @@ class PoolManager {
     // Whether the saved state is degraded (StateHealth::degraded): called once when installed and then at
     // every change, in order.
     std::function<void(bool degraded)> state_degraded;
+    // An ended reclaim or wait (arbiter.h), from the waiting request's thread.
+    std::function<void(const ArbiterEvent&)> arbitration;
   };
   // Replaces the observers before (empty: none) and returns once no call to those runs.
   void Observe(Observers observers) ABSL_LOCKS_EXCLUDED(observer_mu_);
@@ -219,7 +234,11 @@ class PoolManager {
 
   // All-or-nothing: on failure every chunk this call made is released and the pool is as before.
   // The budget is checked against the bytes asked before any chunk is planned.
-  [[nodiscard]] absl::StatusOr<PoolUpdate> Grow(const Caller& caller, absl::string_view pool, uint64_t target_blocks);
+  // With `wait`, a grow short of memory waits in the arbiter's queue (its pool's priority, then arrival) and
+  // may have memory reclaimed from pools of lower priority; at its deadline it fails RESOURCE_EXHAUSTED
+  // saying what it asked of whom (Arbiter::WaitFailed).
+  [[nodiscard]] absl::StatusOr<PoolUpdate> Grow(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
+                                                const WaitOptions& wait = {});
   // With `wait`, returns once every client acknowledged or `deadline` passed (then with bytes still
   // pending in the view).
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
@@ -255,7 +274,20 @@ class PoolManager {
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
                                                               absl::Time deadline, const ReleaseOptions& release = {});
-  [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool);
+  // `wait` as Grow's, for one pool only (INVALID_ARGUMENT naming `wait` with every pool).
+  [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool,
+                                                             const WaitOptions& wait = {});
+
+  // Arbitration (arbiter.h, policy.h). The fields `change` sets replace the pool's policy's, checked and
+  // authorised as Arbiter::Change says; the record is saved. Returns the pool.
+  [[nodiscard]] absl::StatusOr<PoolView> SetPoolPolicy(const Caller& caller, absl::string_view pool,
+                                                       const PolicyChange& change);
+  // The engine's report of what it uses of the pool (Arbiter::Report).
+  [[nodiscard]] absl::Status ReportUsage(const Caller& caller, absl::string_view pool, UsageReport usage);
+  // The engine declines reclaim `reclaim_id` of the pool (Arbiter::Decline).
+  [[nodiscard]] absl::Status DeclineReclaim(const Caller& caller, absl::string_view pool, uint64_t reclaim_id,
+                                            std::string reason);
+  ArbiterStats ArbitrationStats() const { return arbiter_.Stats(); }
 
   // Two-phase resizes for engine groups (see the top of this file). `target_blocks` is for kGrow and
   // kShrink and must be 0 otherwise; `ttl` is how long the pool stays held before the daemon aborts.
@@ -495,6 +527,14 @@ class PoolManager {
   // The recovery grace: at `deadline` (or the daemon's stop) pools still recovering lose their missing chunks.
   void ExpireRecovery(absl::Time deadline);
   void Warn(const std::string& line) const;
+  // The daemon itself, for the arbiter's deadline actions (Note [Releases pause first]: every client is
+  // another session's).
+  Caller DaemonCaller() const;
+  // Resize, waiting for memory in the arbiter's queue when `wait` asks it (Grow, Wake).
+  [[nodiscard]] absl::StatusOr<PoolUpdate> ResizeWaiting(const Caller& caller, const std::shared_ptr<Pool>& pool,
+                                                         GroupOp op, uint64_t target_blocks, const WaitOptions& wait);
+  // What the arbiter asks of the manager (Arbiter::Hooks).
+  Arbiter::Hooks ArbiterHooks();
 
   Device* const device_;
   const ManagerOptions options_;
@@ -503,6 +543,7 @@ class PoolManager {
   DeviceInfo device_info_;
   DeviceCapabilities capabilities_;  // probed when the device opened
   Budget budget_;
+  Arbiter arbiter_;
   SessionTable sessions_;
   LeaseTable leases_;
   TransactionTable transactions_;

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/policy.h"
 
 namespace kvd::daemon {
 
@@ -40,6 +41,7 @@ struct PoolSpec {
   std::vector<uint32_t> allowed_uids;
   GroupMembership group;
   std::vector<std::string> peer_devices;  // device UUIDs granted peer access; "*": every device
+  PoolPolicy policy;                      // checked by the Arbiter (policy.h), not by PlanPool
 };
 
 // A group name, 1 <= size <= kMaxGroupSize and rank < size; or nothing set at all.

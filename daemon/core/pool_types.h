@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "daemon/core/geometry.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/policy.h"
 #include "daemon/core/pool_spec.h"
 #include "kvd/device.h"
 
@@ -114,6 +115,7 @@ struct PoolView {
   uint64_t metadata_bytes = 0;
   std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has given back yet
   uint64_t client_count = 0;                // attached clients, whether or not `clients` lists them
+  PoolClaim claim;                          // policy, usage report, reclaim and waiters (arbiter.h)
 };
 
 // A range export's handles and the lease that turns them into FDs on the handle channel (the lease's
@@ -193,7 +195,8 @@ enum class EventType {
   kDaemonStopping,
   kDaemonRestarting,
   kPause,
-  kResume
+  kResume,
+  kReclaim
 };
 
 // One contiguous byte range of a pool, from its base address.
@@ -221,6 +224,10 @@ struct PoolEvent {
   // kChunksReleased and kPoolDeleted: forced past this client, which is not pausable and did not ask for
   // it (Note [Releases pause first] in docs/architecture.md).
   bool forced = false;
+  // kReclaim: give back `reclaim_bytes` by `reclaim_deadline`, or DeclineReclaim(reclaim_id).
+  uint64_t reclaim_id = 0;
+  uint64_t reclaim_bytes = 0;
+  absl::Time reclaim_deadline;
 };
 
 struct DeviceStatus {
@@ -237,6 +244,14 @@ struct DeviceStatus {
   absl::Time started_at;
   Durability durability = Durability::kNone;
   StateHealth state;
+  // Admission (arbiter.h): --device-headroom, the device memory other processes use, what a grow could be
+  // admitted for now, and the requests waiting for memory.
+  uint64_t headroom_bytes = 0;
+  uint64_t foreign_bytes = 0;
+  uint64_t available_bytes = 0;
+  uint32_t waiting_requests = 0;
+  uint64_t waiting_bytes = 0;
+  uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission
 };
 
 }  // namespace kvd::daemon

@@ -50,6 +50,21 @@ void Add(prometheus::MetricFamily& family, std::vector<prometheus::ClientMetric:
   family.metric.push_back(std::move(m));
 }
 
+prometheus::MetricFamily Counter(std::string name, std::string help) {
+  prometheus::MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = prometheus::MetricType::Counter;
+  return family;
+}
+
+void Count(prometheus::MetricFamily& family, std::vector<prometheus::ClientMetric::Label> labels, double value) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.counter.value = value;
+  family.metric.push_back(std::move(m));
+}
+
 // Pool, client and device gauges and kvd_build_info, built from PoolManager snapshots at every scrape
 // (Note: no stale series: a deleted pool simply is not in the next snapshot).
 class SnapshotCollector final : public prometheus::Collectable {
@@ -94,7 +109,22 @@ class SnapshotCollector final : public prometheus::Collectable {
       Add(epoch, labels, static_cast<double>(device->epoch));
       Add(started, labels, absl::ToDoubleSeconds(device->started_at - absl::UnixEpoch()));
       for (auto* f : {&total, &free, &committed, &budget, &epoch, &started}) out.push_back(std::move(*f));
+      // Admission (docs/api.md, "Policy, waiting and reclaim").
+      prometheus::MetricFamily headroom = Gauge(
+          "kvd_device_headroom_bytes", "Device memory no grow may take, for other processes (--device-headroom).");
+      prometheus::MetricFamily foreign = Gauge(
+          "kvd_device_foreign_bytes",
+          "Device memory kvd does not own: total - free - kvd's own (other processes' contexts, weights, graphs).");
+      prometheus::MetricFamily available =
+          Gauge("kvd_device_available_bytes",
+                "What one grow could be admitted for now: the lower of the budget's free bytes and the device's free "
+                "bytes less the headroom and what admitted grows are still making.");
+      Add(headroom, labels, static_cast<double>(device->headroom_bytes));
+      Add(foreign, labels, static_cast<double>(device->foreign_bytes));
+      Add(available, labels, static_cast<double>(device->available_bytes));
+      for (auto* f : {&headroom, &foreign, &available}) out.push_back(std::move(*f));
     }
+    CollectArbitration(out);
 
     // The saved state (docs/operations.md, "When saving the state fails"): present even when the device
     // cannot be read.
@@ -140,8 +170,21 @@ class SnapshotCollector final : public prometheus::Collectable {
         Gauge("kvd_pool_group_info", "1 for a pool that is one rank of an engine group (labels group, rank, size).");
     prometheus::MetricFamily mapped =
         Gauge("kvd_client_mapped_bytes", "Bytes handed to the client and not yet acknowledged as released.");
+    prometheus::MetricFamily priority = Gauge("kvd_pool_priority", "The pool's policy.priority (0..1000).");
+    prometheus::MetricFamily min_bytes =
+        Gauge("kvd_pool_min_bytes", "The pool's guaranteed bytes (policy.min_bytes): never reclaimed below.");
+    prometheus::MetricFamily max_bytes = Gauge("kvd_pool_max_bytes", "The pool's cap (policy.max_bytes); 0: none.");
+    prometheus::MetricFamily reclaim_asked =
+        Gauge("kvd_pool_reclaim_asked_bytes", "Bytes the reclaim under way asks of the pool; 0: none under way.");
+    prometheus::MetricFamily pool_waiting =
+        Gauge("kvd_pool_waiting_requests", "Grows and wakes of the pool waiting for memory.");
     for (const PoolView& p : pools) {
       const std::vector<prometheus::ClientMetric::Label> pool = {{"device", build_.device}, {"pool", p.name}};
+      Add(priority, pool, static_cast<double>(p.claim.policy.priority));
+      Add(min_bytes, pool, static_cast<double>(p.claim.policy.min_bytes));
+      Add(max_bytes, pool, static_cast<double>(p.claim.policy.max_bytes));
+      Add(reclaim_asked, pool, static_cast<double>(p.claim.reclaim.id != 0 ? p.claim.reclaim.asked_bytes : 0));
+      Add(pool_waiting, pool, static_cast<double>(p.claim.waiting.size()));
       Add(committed_bytes, pool, static_cast<double>(p.committed_bytes));
       Add(reserved_bytes, pool, static_cast<double>(p.reserved_bytes));
       Add(committed_blocks, pool, static_cast<double>(p.committed_blocks));
@@ -177,8 +220,9 @@ class SnapshotCollector final : public prometheus::Collectable {
             static_cast<double>(c.mapped_bytes));
       }
     }
-    for (auto* f : {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &missing, &clients,
-                    &pending, &held, &group, &mapped}) {
+    for (auto* f :
+         {&committed_bytes, &reserved_bytes, &committed_blocks, &capacity_blocks, &state, &missing, &clients, &pending,
+          &held, &group, &mapped, &priority, &min_bytes, &max_bytes, &reclaim_asked, &pool_waiting}) {
       out.push_back(std::move(*f));
     }
     CollectLimits(out);
@@ -186,6 +230,65 @@ class SnapshotCollector final : public prometheus::Collectable {
   }
 
  private:
+  // The arbiter's gauges and counters (docs/metrics.md, "Arbitration").
+  void CollectArbitration(std::vector<prometheus::MetricFamily>& out) const {
+    const ArbiterStats a = manager_->ArbitrationStats();
+    const std::vector<prometheus::ClientMetric::Label> device = {{"device", build_.device}};
+    prometheus::MetricFamily waiting = Gauge("kvd_waiting_requests", "Grows and wakes waiting for memory now.");
+    prometheus::MetricFamily waiting_bytes = Gauge("kvd_waiting_bytes", "The bytes the waiting requests ask for.");
+    prometheus::MetricFamily longest =
+        Gauge("kvd_waiting_longest_seconds", "How long the longest-waiting request has waited; 0: none waits.");
+    prometheus::MetricFamily pressure =
+        Counter("kvd_memory_pressure_seconds_total",
+                "Time during which at least one grow or wake was waiting for memory (cf. Linux PSI).");
+    prometheus::MetricFamily under_way = Gauge("kvd_reclaims_under_way", "Reclaims asked and not yet ended.");
+    prometheus::MetricFamily reclaims =
+        Counter("kvd_reclaims_total",
+                "Ended reclaims by outcome: gave, declined, timed_out, no_answer (nobody attached), gone (the pool was "
+                "deleted), called_off (the waiting grow ended first).");
+    prometheus::MetricFamily actions = Counter(
+        "kvd_reclaim_actions_total",
+        "Deadline actions of the pools' policies (on_reclaim_timeout) by what they did: shrink, sleep, shrink_failed, "
+        "sleep_failed, shrink_unreported (the engine reported no usage to shrink to).");
+    prometheus::MetricFamily asked = Counter("kvd_reclaim_asked_bytes_total", "Bytes reclaims asked pools for.");
+    prometheus::MetricFamily given =
+        Counter("kvd_reclaim_given_bytes_total", "Bytes pools gave back to reclaims (by their engine or the policy).");
+    prometheus::MetricFamily refused = Counter(
+        "kvd_admission_refusals_total",
+        "Grows, wakes and reshape steps refused for want of memory (not counting a waiting request's retries).");
+    prometheus::MetricFamily device_refused =
+        Counter("kvd_admission_device_refusals_total",
+                "Admission refusals because the device could not back the memory (its free bytes less the headroom).");
+    prometheus::MetricFamily oom = Counter(
+        "kvd_driver_out_of_memory_total",
+        "Memory the driver refused after admission let it through (another process took it between the look and the "
+        "creation); the request failed RESOURCE_EXHAUSTED.");
+    Add(waiting, device, static_cast<double>(a.waiting));
+    Add(waiting_bytes, device, static_cast<double>(a.waiting_bytes));
+    Add(longest, device, absl::ToDoubleSeconds(a.longest_wait));
+    Count(pressure, device, absl::ToDoubleSeconds(a.pressure));
+    Add(under_way, device, static_cast<double>(a.reclaims_under_way));
+    for (const char* outcome : {"gave", "declined", "timed_out", "no_answer", "gone", "called_off"}) {
+      auto it = a.reclaims.find(outcome);
+      Count(reclaims, {{"device", build_.device}, {"outcome", outcome}},
+            static_cast<double>(it == a.reclaims.end() ? 0 : it->second));
+    }
+    for (const char* action : {"shrink", "sleep", "shrink_failed", "sleep_failed", "shrink_unreported"}) {
+      auto it = a.actions.find(action);
+      Count(actions, {{"device", build_.device}, {"action", action}},
+            static_cast<double>(it == a.actions.end() ? 0 : it->second));
+    }
+    Count(asked, device, static_cast<double>(a.asked_bytes));
+    Count(given, device, static_cast<double>(a.given_bytes));
+    Count(refused, device, static_cast<double>(a.refused_for_memory));
+    Count(device_refused, device, static_cast<double>(a.device_refusals));
+    Count(oom, device, static_cast<double>(a.driver_out_of_memory));
+    for (auto* f : {&waiting, &waiting_bytes, &longest, &pressure, &under_way, &reclaims, &actions, &asked, &given,
+                    &refused, &device_refused, &oom}) {
+      out.push_back(std::move(*f));
+    }
+  }
+
   // kvd_limit, kvd_tenant_* and kvd_limit_refusals_total (docs/metrics.md, "Limits").
   void CollectLimits(std::vector<prometheus::MetricFamily>& out) const {
     std::vector<LimitValue> limits;
@@ -287,6 +390,8 @@ struct Metrics::Impl {
   prometheus::Histogram* pause = nullptr;
   prometheus::Counter* copied_bytes = nullptr;
   prometheus::Counter* chunks_replaced = nullptr;
+  prometheus::Family<prometheus::Histogram>* reclaim_seconds = nullptr;
+  prometheus::Family<prometheus::Histogram>* wait_seconds = nullptr;
   // Declared last: destroyed first, so no scrape runs while the rest goes away.
   std::unique_ptr<prometheus::Exposer> exposer;
 };
@@ -349,6 +454,18 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Serve(const std::string& addre
                                .Register(*impl->registry)
                                .Add({});
 
+  impl->reclaim_seconds = &prometheus::BuildHistogram()
+                               .Name("kvd_reclaim_seconds")
+                               .Help("From a reclaim's RECLAIM event to its end, by outcome (as kvd_reclaims_total).")
+                               .Labels(device)
+                               .Register(*impl->registry);
+  impl->wait_seconds = &prometheus::BuildHistogram()
+                            .Name("kvd_wait_seconds")
+                            .Help("How long grows and wakes waited for memory, by result: ok (served), failed.")
+                            .Labels(device)
+                            .Register(*impl->registry);
+  for (const char* result : {"ok", "failed"}) impl->wait_seconds->Add({{"result", result}}, DurationBuckets());
+
   // prometheus-cpp reports a failed bind (civetweb) by throwing; this is the one place it is caught.
   try {
     impl->exposer = std::make_unique<prometheus::Exposer>(address, 2);
@@ -377,6 +494,15 @@ void Metrics::ObserveReshape(absl::Duration pause, bool paused, uint64_t copied_
   if (paused) impl_->pause->Observe(absl::ToDoubleSeconds(pause));
   impl_->copied_bytes->Increment(static_cast<double>(copied_bytes));
   impl_->chunks_replaced->Increment(static_cast<double>(chunks_replaced));
+}
+
+void Metrics::ObserveArbitration(const ArbiterEvent& event) {
+  const double seconds = absl::ToDoubleSeconds(event.elapsed);
+  if (event.kind == ArbiterEvent::Kind::kReclaimEnded) {
+    impl_->reclaim_seconds->Add({{"outcome", event.outcome}}, DurationBuckets()).Observe(seconds);
+  } else {
+    impl_->wait_seconds->Add({{"result", event.outcome}}, DurationBuckets()).Observe(seconds);
+  }
 }
 
 void Metrics::ObserveOperation(Operation op, absl::Duration elapsed, bool ok) {

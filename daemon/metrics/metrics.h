@@ -84,6 +84,8 @@ class Metrics {
   // One shrink or compact that moved bytes: kvd_pause_seconds (when clients paused),
   // kvd_reshape_copied_bytes_total and kvd_reshape_chunks_replaced_total.
   void ObserveReshape(absl::Duration pause, bool paused, uint64_t copied_bytes, uint64_t chunks_replaced);
+  // An ended reclaim (kvd_reclaim_seconds{outcome}) or wait for memory (kvd_wait_seconds{result}).
+  void ObserveArbitration(const ArbiterEvent& event);
   // The limits to export (kvd_limit) and the sockets' usage (kvd_tenant_handle_connections,
   // kvd_tenant_control_connections and their kvd_limit_refusals_total); until called, only the core's
   // limits' usage and refusals are exported. `connections` is called at every scrape, from the

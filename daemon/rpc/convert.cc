@@ -105,6 +105,8 @@ v1::EventType ToProto(EventType type) {
       return v1::EVENT_TYPE_PAUSE;
     case EventType::kResume:
       return v1::EVENT_TYPE_RESUME;
+    case EventType::kReclaim:
+      return v1::EVENT_TYPE_RECLAIM;
   }
   return v1::EVENT_TYPE_UNSPECIFIED;
 }
@@ -159,6 +161,33 @@ v1::Pool ToProto(const PoolView& pool) {
   p.set_metadata_bytes(pool.metadata_bytes);
   for (uint64_t id : pool.missing_chunk_ids) p.add_missing_chunk_ids(id);
   p.set_client_count(static_cast<uint32_t>(pool.client_count));
+  const PoolClaim& claim = pool.claim;
+  *p.mutable_policy() = ToProto(claim.policy);
+  p.set_policy_operator_bounds(claim.policy.operator_bounds);
+  if (claim.usage.has_value()) {
+    v1::PoolUsage* u = p.mutable_usage();
+    u->set_live_blocks(claim.usage->live_blocks);
+    u->set_evictable_blocks(claim.usage->evictable_blocks);
+    u->set_used_blocks(claim.usage->used_blocks);
+    u->set_reported_at_unix_ms(UnixMillis(claim.usage->reported_at));
+  }
+  if (claim.reclaim.id != 0 || !claim.reclaim.last_outcome.empty()) {
+    v1::ReclaimState* r = p.mutable_reclaim();
+    r->set_reclaim_id(claim.reclaim.id);
+    r->set_asked_bytes(claim.reclaim.asked_bytes);
+    r->set_given_bytes(claim.reclaim.given_bytes);
+    if (claim.reclaim.id != 0) {
+      r->set_asked_at_unix_ms(UnixMillis(claim.reclaim.asked_at));
+      r->set_deadline_unix_ms(UnixMillis(claim.reclaim.deadline));
+    }
+    r->set_last_outcome(claim.reclaim.last_outcome);
+  }
+  for (const WaitingView& w : claim.waiting) {
+    v1::WaitingRequest* q = p.add_waiting();
+    q->set_asked_bytes(w.asked_bytes);
+    q->set_waiting_since_unix_ms(UnixMillis(w.since));
+    q->set_position(w.position);
+  }
   return p;
 }
 
@@ -211,6 +240,11 @@ v1::PoolEvent ToProto(const PoolEvent& event) {
   p.set_pause_id(event.pause_id);
   p.set_applied(event.applied);
   p.set_forced(event.forced);
+  if (event.type == EventType::kReclaim) {
+    p.set_reclaim_id(event.reclaim_id);
+    p.set_reclaim_bytes(event.reclaim_bytes);
+    p.set_reclaim_deadline_unix_ms(UnixMillis(event.reclaim_deadline));
+  }
   return p;
 }
 
@@ -232,6 +266,12 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_state_degraded(status.state.degraded());
   p.set_state_error(status.state.error);
   p.set_state_save_failures(status.state.save_failures);
+  p.set_headroom_bytes(status.headroom_bytes);
+  p.set_foreign_bytes(status.foreign_bytes);
+  p.set_available_bytes(status.available_bytes);
+  p.set_waiting_requests(status.waiting_requests);
+  p.set_waiting_bytes(status.waiting_bytes);
+  p.set_driver_out_of_memory(status.driver_out_of_memory);
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);

@@ -261,7 +261,9 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
     if (!request->has_dims()) return absl::InvalidArgumentError("dims: required");
-    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->CreatePool(caller, FromProto(*request)));
+    PoolSpec spec = FromProto(*request);
+    KVD_ASSIGN_OR_RETURN(spec.policy, FromProto(request->policy(), "policy"));
+    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->CreatePool(caller, spec));
     *response = ToProto(pool);
     spdlog::info(
         "created pool {} for uid {}: layout {} ({}), {} segments, capacity {} blocks ({} reserved), {} "
@@ -373,8 +375,11 @@ grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowReques
   absl::Status status = Guarded("Grow", [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
     KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
+                             return context->IsCancelled();
+                           }};
     KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kGrow, [&] {
-                           return manager_->Grow(caller, request->pool(), request->target_blocks());
+                           return manager_->Grow(caller, request->pool(), request->target_blocks(), wait);
                          }));
     *response = ToProto(update);
     LogUpdate("grew", update);
@@ -476,9 +481,12 @@ grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeReques
       case v1::WakeRequest::TARGET_NOT_SET:
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
     }
+    const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
+                             return context->IsCancelled();
+                           }};
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
-                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(options_.metrics, Operation::kWake,
-                                                                        [&] { return manager_->Wake(caller, pool); }));
+                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(
+                             options_.metrics, Operation::kWake, [&] { return manager_->Wake(caller, pool, wait); }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
       LogUpdate("woke", u);
@@ -709,6 +717,60 @@ grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1:
     return absl::OkStatus();
   });
   return Finish("SetPoolMetadata", status);
+}
+
+grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::SetPoolPolicyRequest* request,
+                                       v1::Pool* response) {
+  absl::Status status = Guarded("SetPoolPolicy", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    PolicyChange change;
+    if (request->has_priority()) change.priority = request->priority();
+    if (request->has_min_bytes()) change.min_bytes = request->min_bytes();
+    if (request->has_max_bytes()) change.max_bytes = request->max_bytes();
+    if (request->has_reclaim_timeout_ms()) {
+      change.reclaim_timeout = absl::Milliseconds(std::min<uint64_t>(request->reclaim_timeout_ms(), uint64_t{1} << 40));
+    }
+    if (request->has_on_reclaim_timeout()) {
+      KVD_ASSIGN_OR_RETURN(change.on_timeout, FromProto(request->on_reclaim_timeout(), "on_reclaim_timeout"));
+    }
+    if (change.empty()) {
+      return absl::InvalidArgumentError(
+          "policy: set at least one of priority, min_bytes, max_bytes, reclaim_timeout_ms, on_reclaim_timeout");
+    }
+    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->SetPoolPolicy(caller, request->pool(), change));
+    *response = ToProto(pool);
+    spdlog::info("pool {}: policy set by uid {}: {}", request->pool(), caller.uid, DescribePolicy(pool.claim.policy));
+    return absl::OkStatus();
+  });
+  return Finish("SetPoolPolicy", status);
+}
+
+grpc::Status KvdService::ReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
+                                     v1::ReportUsageResponse*) {
+  absl::Status status = Guarded("ReportUsage", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    return manager_->ReportUsage(caller, request->pool(),
+                                 {.live_blocks = request->live_blocks(),
+                                  .evictable_blocks = request->evictable_blocks(),
+                                  .used_blocks = request->used_blocks()});
+  });
+  return Finish("ReportUsage", status);
+}
+
+grpc::Status KvdService::DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
+                                        v1::DeclineReclaimResponse*) {
+  absl::Status status = Guarded("DeclineReclaim", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+    if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
+    KVD_RETURN_IF_ERROR(manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
+    spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,
+                 absl::CEscape(request->reason().substr(0, 256)));
+    return absl::OkStatus();
+  });
+  return Finish("DeclineReclaim", status);
 }
 
 }  // namespace kvd::daemon

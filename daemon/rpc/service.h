@@ -94,6 +94,12 @@ class KvdService final : public v1::Kvd::Service {
                                v1::PoolMetadata* response) override;
   grpc::Status SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
                                v1::PoolMetadata* response) override;
+  grpc::Status SetPoolPolicy(grpc::ServerContext* context, const v1::SetPoolPolicyRequest* request,
+                             v1::Pool* response) override;
+  grpc::Status ReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
+                           v1::ReportUsageResponse* response) override;
+  grpc::Status DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
+                              v1::DeclineReclaimResponse* response) override;
 
  private:
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or

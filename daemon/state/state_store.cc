@@ -82,6 +82,8 @@ state::PoolRecord ToRecord(const SavedPool& pool) {
   for (const ChunkInfo& c : pool.chunks) *r.add_chunks() = ToProto(c);
   r.set_pending_release_bytes(pool.pending_release_bytes);
   *r.mutable_metadata() = ToProto(pool.name, pool.metadata);
+  *r.mutable_policy() = ToProto(pool.policy);
+  r.set_policy_operator_bounds(pool.policy.operator_bounds);
   return r;
 }
 
@@ -103,6 +105,8 @@ absl::StatusOr<SavedPool> FromRecord(const state::PoolRecord& r) {
                  .pending_release_bytes = r.pending_release_bytes(),
                  .metadata = FromProto(r.metadata())};
   KVD_ASSIGN_OR_RETURN(pool.layout, FromProto(r.layout()));
+  KVD_ASSIGN_OR_RETURN(pool.policy, FromProto(r.policy(), "policy"));
+  pool.policy.operator_bounds = r.policy_operator_bounds();
   switch (r.state()) {
     case v1::POOL_STATE_AWAKE:
       pool.state = PoolState::kAwake;
