@@ -132,6 +132,43 @@ PoolState FromProto(v1::PoolState s) {
   }
 }
 
+ReclaimAction FromProto(v1::ReclaimAction a) {
+  switch (a) {
+    case v1::RECLAIM_ACTION_SHRINK:
+      return ReclaimAction::kShrink;
+    case v1::RECLAIM_ACTION_SLEEP:
+      return ReclaimAction::kSleep;
+    default:
+      return ReclaimAction::kNone;
+  }
+}
+
+v1::ReclaimAction ToProto(ReclaimAction a) {
+  switch (a) {
+    case ReclaimAction::kNone:
+      return v1::RECLAIM_ACTION_NONE;
+    case ReclaimAction::kShrink:
+      return v1::RECLAIM_ACTION_SHRINK;
+    case ReclaimAction::kSleep:
+      return v1::RECLAIM_ACTION_SLEEP;
+  }
+  return v1::RECLAIM_ACTION_NONE;
+}
+
+// Whole milliseconds, rounded up: a positive duration never becomes 0 (the daemon's default).
+uint64_t CeilMillis(absl::Duration d) {
+  const int64_t us = absl::ToInt64Microseconds(d);
+  return us > 0 ? static_cast<uint64_t>((us + 999) / 1000) : 0;
+}
+
+PoolPolicy FromProto(const v1::PoolPolicy& p) {
+  return PoolPolicy{.priority = p.priority(),
+                    .min_bytes = p.min_bytes(),
+                    .max_bytes = p.max_bytes(),
+                    .reclaim_timeout = absl::Milliseconds(static_cast<int64_t>(p.reclaim_timeout_ms())),
+                    .on_reclaim_timeout = FromProto(p.on_reclaim_timeout())};
+}
+
 PoolInfo FromProto(const v1::Pool& p) {
   PoolInfo out{.name = p.name(),
                .state = FromProto(p.state()),
@@ -165,6 +202,24 @@ PoolInfo FromProto(const v1::Pool& p) {
   out.metadata_bytes = p.metadata_bytes();
   out.missing_chunk_ids.assign(p.missing_chunk_ids().begin(), p.missing_chunk_ids().end());
   out.client_count = p.client_count();
+  out.policy = FromProto(p.policy());
+  out.policy_operator_bounds = p.policy_operator_bounds();
+  if (p.has_usage()) {
+    out.usage = PoolUsage{.live_blocks = p.usage().live_blocks(),
+                          .evictable_blocks = p.usage().evictable_blocks(),
+                          .used_blocks = p.usage().used_blocks(),
+                          .reported_at_unix_ms = p.usage().reported_at_unix_ms()};
+  }
+  out.reclaim = ReclaimState{.reclaim_id = p.reclaim().reclaim_id(),
+                             .asked_bytes = p.reclaim().asked_bytes(),
+                             .given_bytes = p.reclaim().given_bytes(),
+                             .asked_at_unix_ms = p.reclaim().asked_at_unix_ms(),
+                             .deadline_unix_ms = p.reclaim().deadline_unix_ms(),
+                             .last_outcome = p.reclaim().last_outcome()};
+  for (const v1::WaitingRequest& w : p.waiting()) {
+    out.waiting.push_back(
+        {.asked_bytes = w.asked_bytes(), .waiting_since_unix_ms = w.waiting_since_unix_ms(), .position = w.position()});
+  }
   return out;
 }
 
@@ -532,6 +587,11 @@ struct Mapping::Impl {
   bool paused_for_restart ABSL_GUARDED_BY(mu) = false;
 
   std::thread follower;
+  // Each RECLAIM event's on_reclaim runs on a thread of its own, so that it may shrink the pool (which the
+  // follower must follow meanwhile); joined when the Mapping closes, before the follower stops.
+  std::vector<std::thread> reclaimers ABSL_GUARDED_BY(mu);
+  bool reclaims_closed ABSL_GUARDED_BY(mu) = false;  // closing: no new reclaimers
+  void OnReclaim(const v1::PoolEvent& ev);
   // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
   // its way out and the next one is awaited.
   bool restart_announced = false;
@@ -1051,6 +1111,9 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
       case v1::EVENT_TYPE_DAEMON_RESTARTING:
         restarting = true;
         break;
+      case v1::EVENT_TYPE_RECLAIM:
+        OnReclaim(ev);
+        break;
       default:
         break;
     }
@@ -1307,9 +1370,43 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
   return {.reader = std::move(reader), .resumed = std::move(resumed)};
 }
 
+void Mapping::Impl::OnReclaim(const v1::PoolEvent& ev) {
+  if (!options.on_reclaim) return;  // the pool's policy applies at the deadline
+  ReclaimRequest request{.pool = pool,
+                         .reclaim_id = ev.reclaim_id(),
+                         .bytes = ev.reclaim_bytes(),
+                         .deadline = absl::FromUnixMillis(static_cast<int64_t>(ev.reclaim_deadline_unix_ms())),
+                         .committed_blocks = ev.committed_blocks()};
+  absl::MutexLock lock(&mu);
+  if (closing || reclaims_closed || state == Mapping::State::kLost) return;
+  reclaimers.emplace_back([this, request = std::move(request)] {
+    const absl::Status answered = options.on_reclaim(request);
+    if (answered.ok()) return;
+    Conn c;
+    {
+      absl::MutexLock relock(&mu);
+      c = conn;
+    }
+    v1::DeclineReclaimRequest req;
+    req.set_pool(pool);
+    req.set_reclaim_id(request.reclaim_id);
+    req.set_reason(std::string(answered.message()));
+    v1::DeclineReclaimResponse resp;
+    client->CallOn(*c, &v1::Kvd::Stub::DeclineReclaim, req, &resp).IgnoreError();  // too late: the policy applies
+  });
+}
+
 void Mapping::Impl::Shutdown() {
   Conn c;
   v1::DetachRequest req;
+  // A reclaim hook under way may be shrinking the pool, which needs the follower: it ends first.
+  std::vector<std::thread> hooks;
+  {
+    absl::MutexLock lock(&mu);
+    reclaims_closed = true;
+    hooks.swap(reclaimers);
+  }
+  for (std::thread& t : hooks) t.join();
   {
     absl::MutexLock lock(&mu);
     closing = true;
@@ -1478,6 +1575,12 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   out.capabilities.dma_buf = item(c.dma_buf());
   out.capabilities.gpu_direct_rdma_vmm = item(c.gpu_direct_rdma_vmm());
   out.capabilities.range_spans_chunks = c.range_spans_chunks();
+  out.headroom_bytes = i.headroom_bytes();
+  out.foreign_bytes = i.foreign_bytes();
+  out.available_bytes = i.available_bytes();
+  out.waiting_requests = i.waiting_requests();
+  out.waiting_bytes = i.waiting_bytes();
+  out.driver_out_of_memory = i.driver_out_of_memory();
   for (const v1::PeerAccess& p : c.peers()) {
     out.capabilities.peers.push_back({p.device_index(), p.device_uuid(), p.access(), p.detail()});
   }
@@ -1522,6 +1625,12 @@ absl::StatusOr<PoolInfo> Client::CreatePool(const PoolOptions& options) {
     req.mutable_group()->set_size(options.group.size);
   }
   for (const std::string& d : options.peer_devices) req.add_peer_devices(d);
+  v1::PoolPolicy* policy = req.mutable_policy();
+  policy->set_priority(options.policy.priority);
+  policy->set_min_bytes(options.policy.min_bytes);
+  policy->set_max_bytes(options.policy.max_bytes);
+  policy->set_reclaim_timeout_ms(CeilMillis(options.policy.reclaim_timeout));
+  policy->set_on_reclaim_timeout(ToProto(options.policy.on_reclaim_timeout));
   v1::Pool pool;
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::CreatePool, req, &pool));
   impl_->Observe(pool);
@@ -1541,11 +1650,19 @@ absl::StatusOr<ResolvedLayout> Client::ResolveLayout(const LayoutRequest& reques
 }
 
 absl::StatusOr<PoolChange> Client::Grow(absl::string_view pool, uint64_t target_blocks) {
+  return Grow(pool, target_blocks, WaitOptions{});
+}
+
+absl::StatusOr<PoolChange> Client::Grow(absl::string_view pool, uint64_t target_blocks, const WaitOptions& wait) {
   v1::GrowRequest req;
   req.set_pool(std::string(pool));
   req.set_target_blocks(target_blocks);
+  req.set_wait(wait.wait);
   v1::PoolUpdate update;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Grow, req, &update));
+  // A waiting grow's deadline is how long it waits: the daemon answers a little before it.
+  const absl::Duration timeout =
+      wait.wait && wait.wait_for > absl::ZeroDuration() ? wait.wait_for : impl_->options.timeout;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Grow, req, &update, timeout));
   impl_->Observe(update);
   KVD_RETURN_IF_ERROR(impl_->Route(update));
   return FromProto(update);
@@ -1632,15 +1749,20 @@ absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, co
   return out;
 }
 
-absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) {
+absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool) { return Wake(pool, WaitOptions{}); }
+
+absl::StatusOr<std::vector<PoolChange>> Client::Wake(absl::string_view pool, const WaitOptions& wait) {
   v1::WakeRequest req;
   if (pool.empty()) {
     req.set_all(true);
   } else {
     req.set_pool(std::string(pool));
   }
+  req.set_wait(wait.wait);
   v1::PoolUpdates updates;
-  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Wake, req, &updates));
+  const absl::Duration timeout =
+      wait.wait && wait.wait_for > absl::ZeroDuration() ? wait.wait_for : impl_->options.timeout;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Wake, req, &updates, timeout));
   impl_->Observe(updates);
   std::vector<PoolChange> out;
   absl::Status first_error;
@@ -1800,6 +1922,98 @@ absl::StatusOr<PoolMetadata> Client::SetPoolMetadata(absl::string_view pool, uin
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::SetPoolMetadata, req, &resp));
   impl_->Observe(resp);
   return FromProto(resp);
+}
+
+const char* ReclaimActionName(ReclaimAction action) {
+  switch (action) {
+    case ReclaimAction::kNone:
+      return "none";
+    case ReclaimAction::kShrink:
+      return "shrink";
+    case ReclaimAction::kSleep:
+      return "sleep";
+  }
+  return "none";
+}
+
+absl::StatusOr<PoolInfo> Client::SetPoolPolicy(absl::string_view pool, const PolicyChange& change) {
+  v1::SetPoolPolicyRequest req;
+  req.set_pool(std::string(pool));
+  if (change.priority) req.set_priority(*change.priority);
+  if (change.min_bytes) req.set_min_bytes(*change.min_bytes);
+  if (change.max_bytes) req.set_max_bytes(*change.max_bytes);
+  if (change.reclaim_timeout) req.set_reclaim_timeout_ms(CeilMillis(*change.reclaim_timeout));
+  if (change.on_reclaim_timeout) req.set_on_reclaim_timeout(ToProto(*change.on_reclaim_timeout));
+  v1::Pool resp;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::SetPoolPolicy, req, &resp));
+  impl_->Observe(resp);
+  return FromProto(resp);
+}
+
+absl::Status Client::ReportUsage(absl::string_view pool, uint64_t live_blocks, uint64_t evictable_blocks,
+                                 uint64_t used_blocks) {
+  v1::ReportUsageRequest req;
+  req.set_pool(std::string(pool));
+  req.set_live_blocks(live_blocks);
+  req.set_evictable_blocks(evictable_blocks);
+  req.set_used_blocks(used_blocks);
+  v1::ReportUsageResponse resp;
+  return impl_->Call(&v1::Kvd::Stub::ReportUsage, req, &resp);
+}
+
+absl::Status Client::DeclineReclaim(const ReclaimRequest& request, absl::string_view reason) {
+  v1::DeclineReclaimRequest req;
+  req.set_pool(request.pool);
+  req.set_reclaim_id(request.reclaim_id);
+  req.set_reason(std::string(reason));
+  v1::DeclineReclaimResponse resp;
+  return impl_->Call(&v1::Kvd::Stub::DeclineReclaim, req, &resp);
+}
+
+absl::StatusOr<PoolChange> Client::ShrinkForReclaim(const ReclaimRequest& request,
+                                                    const std::vector<uint64_t>& live_blocks,
+                                                    const PauseOptions& pause) {
+  KVD_ASSIGN_OR_RETURN(const PoolInfo pool, GetPool(request.pool));
+  const Geometry& g = pool.geometry;
+  // The committed bytes of `blocks` blocks: every segment's prefix, rounded up to the granularity.
+  const auto bytes_of = [&g](uint64_t blocks) {
+    const uint64_t gran = std::max<uint64_t>(g.granularity_bytes, 1);
+    return g.segments * ((blocks * g.block_stride + gran - 1) / gran * gran);
+  };
+  const uint64_t now = bytes_of(pool.committed_blocks);
+  const uint64_t goal = now > request.bytes ? now - request.bytes : 0;
+  // The most blocks whose bytes are within the goal (the fewest that give back at least request.bytes).
+  uint64_t lo = 0;
+  uint64_t hi = pool.committed_blocks;
+  while (lo < hi) {
+    const uint64_t mid = hi - (hi - lo) / 2;
+    if (bytes_of(mid) <= goal) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  uint64_t target = std::max<uint64_t>(lo, live_blocks.size());
+  // A target at a boundary every segment's chunks share releases whole chunks: no new chunk to make (it
+  // would need free memory beside the old one, which a full device has not), only the live blocks moved.
+  // The highest such boundary between the live blocks and the target, if there is one.
+  std::map<uint64_t, uint64_t> ends;  // end of a chunk inside its segment -> segments with it
+  for (const ChunkInfo& c : pool.chunks) ++ends[c.offset + c.bytes - g.offset - c.segment * g.segment_stride];
+  for (auto it = ends.rbegin(); it != ends.rend(); ++it) {
+    if (it->second != g.segments || g.block_stride == 0) continue;
+    const uint64_t blocks = it->first / g.block_stride;
+    if (blocks > target || blocks < live_blocks.size()) continue;
+    if (bytes_of(blocks) == g.segments * it->first && blocks >= live_blocks.size()) {
+      target = blocks;
+      break;
+    }
+  }
+  if (target >= pool.committed_blocks) {
+    return absl::FailedPreconditionError(absl::StrCat("pool ", request.pool, ": its ", live_blocks.size(),
+                                                      " live blocks fill its ", pool.committed_blocks,
+                                                      " committed blocks: nothing to give back"));
+  }
+  return Shrink(request.pool, target, ShrinkOptions{.wait = true, .live_blocks = live_blocks, .pause = pause});
 }
 
 absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const std::vector<ByteRange>& ranges) {

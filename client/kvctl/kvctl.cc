@@ -7,6 +7,8 @@
 // JSON] in docs/integrating.md).
 // Exit status: 0 on success; 1 when the daemon (or the connection) fails the request; 2 for a usage
 // error. Every failure prints exactly one line "kvctl: <reason>" on stderr.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -298,7 +300,81 @@ struct Flags {
   std::string pause_timeout;         // shrink, compact: empty for the daemon's --pause-timeout
   bool detach_unresponsive = false;  // shrink, compact
   uint32_t chunks_per_pause = 0;     // compact: 0 for the daemon's --compact-chunks-per-pause
+  // Arbitration: create and policy (empty: not given), grow/wake --wait-for, top.
+  std::string priority;
+  std::string min_bytes;
+  std::string max_bytes;  // a size or "none"
+  std::string reclaim_timeout;
+  std::string on_reclaim_timeout;  // none, shrink, sleep
+  std::string wait_for;
+  std::string interval = "1s";
+  uint32_t count = 0;  // top: refreshes before it exits; 0: until interrupted
 };
+
+// --priority, --min-bytes, --max-bytes, --reclaim-timeout, --on-reclaim-timeout: the fields given.
+absl::StatusOr<PolicyChange> PolicyFlags(const Flags& f) {
+  PolicyChange change;
+  if (!f.priority.empty()) {
+    uint32_t priority = 0;
+    if (!absl::SimpleAtoi(f.priority, &priority)) {
+      return absl::InvalidArgumentError(absl::StrCat("--priority: \"", f.priority, "\" is not a number (0..1000)"));
+    }
+    change.priority = priority;
+  }
+  if (!f.min_bytes.empty()) {
+    KVD_ASSIGN_OR_RETURN(change.min_bytes, ParseBytes(f.min_bytes, "--min-bytes"));
+  }
+  if (!f.max_bytes.empty()) {
+    if (f.max_bytes == "none") {
+      change.max_bytes = 0;
+    } else {
+      KVD_ASSIGN_OR_RETURN(change.max_bytes, ParseBytes(f.max_bytes, "--max-bytes"));
+    }
+  }
+  if (!f.reclaim_timeout.empty()) {
+    absl::Duration d;
+    if (!absl::ParseDuration(f.reclaim_timeout, &d) || d < absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat("--reclaim-timeout: \"", f.reclaim_timeout,
+                                                     "\" is not a duration (e.g. 5s; 0 for the daemon's)"));
+    }
+    change.reclaim_timeout = d;
+  }
+  if (!f.on_reclaim_timeout.empty()) {
+    if (f.on_reclaim_timeout == "none") {
+      change.on_reclaim_timeout = ReclaimAction::kNone;
+    } else if (f.on_reclaim_timeout == "shrink") {
+      change.on_reclaim_timeout = ReclaimAction::kShrink;
+    } else if (f.on_reclaim_timeout == "sleep") {
+      change.on_reclaim_timeout = ReclaimAction::kSleep;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--on-reclaim-timeout: \"", f.on_reclaim_timeout, "\" is not none, shrink or sleep"));
+    }
+  }
+  return change;
+}
+
+// "prio 5, min 2.00 GiB, max none, on timeout shrink (5s)".
+std::string PolicyText(const PoolPolicy& p) {
+  return absl::StrCat("priority ", p.priority, ", min ", FormatBytes(p.min_bytes), ", max ",
+                      p.max_bytes == 0 ? std::string("none") : FormatBytes(p.max_bytes), ", on reclaim timeout ",
+                      ReclaimActionName(p.on_reclaim_timeout),
+                      p.reclaim_timeout > absl::ZeroDuration()
+                          ? absl::StrCat(" after ", absl::FormatDuration(p.reclaim_timeout))
+                          : std::string(" after the daemon's --reclaim-timeout"));
+}
+
+// --wait and --wait-for of grow and wake.
+absl::StatusOr<WaitOptions> Wait(const Flags& f) {
+  WaitOptions wait{.wait = f.wait};
+  if (!f.wait_for.empty() &&
+      (!absl::ParseDuration(f.wait_for, &wait.wait_for) || wait.wait_for <= absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wait-for: \"", f.wait_for, "\" is not a positive duration (e.g. 30s)"));
+  }
+  if (!f.wait_for.empty()) wait.wait = true;
+  return wait;
+}
 
 // --blocks or --bytes -> a target block count for `pool`.
 absl::StatusOr<uint64_t> TargetBlocks(Client& client, const Flags& f, bool round_up) {
@@ -358,6 +434,14 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
   std::printf("granularity  %s (chunks up to %s)\n", FormatBytes(d.granularity_bytes).c_str(),
               FormatBytes(d.max_chunk_bytes).c_str());
   std::printf("pools        %u\n", d.pool_count);
+  std::printf("admission    %s available to a grow now (headroom %s; other processes use %s)\n",
+              FormatBytes(d.available_bytes).c_str(), FormatBytes(d.headroom_bytes).c_str(),
+              FormatBytes(d.foreign_bytes).c_str());
+  std::printf("waiting      %u grows or wakes for %s\n", d.waiting_requests, FormatBytes(d.waiting_bytes).c_str());
+  if (d.driver_out_of_memory > 0) {
+    std::printf("driver OOM   %lu creations refused by the driver after admission (raise --device-headroom)\n",
+                d.driver_out_of_memory);
+  }
   return absl::OkStatus();
 }
 
@@ -395,6 +479,9 @@ std::string Clients(const PoolInfo& p) {
   return pausable == 0 ? absl::StrCat(p.client_count) : absl::StrCat(p.client_count, " (", pausable, " pausable)");
 }
 
+std::vector<std::vector<std::string>> PoolRows(const std::vector<PoolInfo>& pools);
+void PrintTable(const std::vector<std::vector<std::string>>& rows);
+
 absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
   KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
   if (f.json) {
@@ -407,13 +494,48 @@ absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
     PrintJson(json);
     return absl::OkStatus();
   }
-  std::vector<std::vector<std::string>> rows = {
-      {"NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"}};
+  PrintTable(PoolRows(pools));
+  return absl::OkStatus();
+}
+
+// "-", "asked 2.00 GiB, gave 512 MiB, 3.2s left", or the last reclaim's outcome ("last: gave …").
+std::string ReclaimText(const ReclaimState& r) {
+  if (r.reclaim_id != 0) {
+    const int64_t left_ms = static_cast<int64_t>(r.deadline_unix_ms) - absl::ToUnixMillis(absl::Now());
+    return absl::StrCat("#", r.reclaim_id, " asked ", FormatBytes(r.asked_bytes), ", gave ", FormatBytes(r.given_bytes),
+                        ", ", absl::FormatDuration(absl::Milliseconds(std::max<int64_t>(left_ms, 0) / 100 * 100)),
+                        " left");
+  }
+  return r.last_outcome.empty() ? std::string("-") : absl::StrCat("last: ", r.last_outcome);
+}
+
+// "-", or "#1 for 4.00 GiB, 2.3s" per waiting request.
+std::string WaitingText(const std::vector<WaitingRequest>& waiting) {
+  if (waiting.empty()) return "-";
+  std::vector<std::string> parts;
+  for (const WaitingRequest& w : waiting) {
+    const int64_t ms = absl::ToUnixMillis(absl::Now()) - static_cast<int64_t>(w.waiting_since_unix_ms);
+    parts.push_back(absl::StrCat("#", w.position, " for ", FormatBytes(w.asked_bytes), ", ",
+                                 absl::FormatDuration(absl::Milliseconds(std::max<int64_t>(ms, 0) / 100 * 100))));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+std::vector<std::vector<std::string>> PoolRows(const std::vector<PoolInfo>& pools) {
+  std::vector<std::vector<std::string>> rows = {{"NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS",
+                                                 "PRIO", "MIN", "MAX", "WAITING", "RECLAIM"}};
   for (const PoolInfo& p : pools) {
     rows.push_back({p.name, PoolStateName(p.state), p.geometry.layout,
                     absl::StrCat(p.committed_blocks, "/", p.geometry.dims.capacity_blocks),
-                    FormatBytes(p.committed_bytes), FormatBytes(p.pending_release_bytes), Clients(p)});
+                    FormatBytes(p.committed_bytes), FormatBytes(p.pending_release_bytes), Clients(p),
+                    absl::StrCat(p.policy.priority), FormatBytes(p.policy.min_bytes),
+                    p.policy.max_bytes == 0 ? std::string("none") : FormatBytes(p.policy.max_bytes),
+                    WaitingText(p.waiting), ReclaimText(p.reclaim)});
   }
+  return rows;
+}
+
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> width(rows[0].size(), 0);
   for (const auto& r : rows) {
     for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
@@ -424,6 +546,54 @@ absl::Status Pools(Client& client, const Flags& f, const Replies& replies) {
       absl::StrAppend(&line, r[i], i + 1 < r.size() ? std::string(width[i] - r[i].size() + 2, ' ') : "");
     }
     std::printf("%s\n", line.c_str());
+  }
+}
+
+// kvctl policy: set a pool's policy (the fields given) and print it.
+absl::Status Policy(Client& client, const Flags& f, const Replies& replies) {
+  KVD_ASSIGN_OR_RETURN(PolicyChange change, PolicyFlags(f));
+  const bool any =
+      change.priority || change.min_bytes || change.max_bytes || change.reclaim_timeout || change.on_reclaim_timeout;
+  KVD_ASSIGN_OR_RETURN(PoolInfo p, any ? client.SetPoolPolicy(f.pool, change) : client.GetPool(f.pool));
+  if (f.json) return PrintReply<v1::Pool>(replies);
+  std::printf("%s: %s%s\n", p.name.c_str(), PolicyText(p.policy).c_str(),
+              p.policy_operator_bounds ? " (cap and reclaim policy set by an operator)" : "");
+  if (p.usage.has_value()) {
+    std::printf("usage        %lu live, %lu evictable, all below block %lu (reported %s ago)\n", p.usage->live_blocks,
+                p.usage->evictable_blocks, p.usage->used_blocks,
+                absl::FormatDuration(
+                    absl::Trunc(absl::Now() - absl::FromUnixMillis(static_cast<int64_t>(p.usage->reported_at_unix_ms)),
+                                absl::Milliseconds(100)))
+                    .c_str());
+  }
+  std::printf("reclaim      %s\n", ReclaimText(p.reclaim).c_str());
+  std::printf("waiting      %s\n", WaitingText(p.waiting).c_str());
+  return absl::OkStatus();
+}
+
+// kvctl top: the device's memory and every pool's claim, refreshed every --interval (--count times; 0:
+// until interrupted). On a terminal each refresh replaces the one before.
+absl::Status Top(Client& client, const Flags& f, const Replies&) {
+  absl::Duration interval;
+  if (!absl::ParseDuration(f.interval, &interval) || interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--interval: \"", f.interval, "\" is not a positive duration"));
+  }
+  const bool tty = isatty(fileno(stdout)) != 0;
+  for (uint32_t n = 0; f.count == 0 || n < f.count; ++n) {
+    if (n > 0) absl::SleepFor(interval);
+    KVD_ASSIGN_OR_RETURN(DeviceStatus d, client.DeviceInfo());
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolInfo> pools, client.ListPools());
+    if (tty) std::printf("\033[H\033[2J");
+    std::printf("%s  device %u %s: %s total, %s free, other processes %s, headroom %s\n",
+                absl::FormatTime("%H:%M:%S", absl::Now(), absl::LocalTimeZone()).c_str(), d.device_index,
+                d.name.c_str(), FormatBytes(d.total_bytes).c_str(), FormatBytes(d.free_bytes).c_str(),
+                FormatBytes(d.foreign_bytes).c_str(), FormatBytes(d.headroom_bytes).c_str());
+    std::printf("kvd: %s committed of a %s budget, %s available to a grow, %u waiting for %s\n\n",
+                FormatBytes(d.committed_bytes).c_str(), FormatBytes(d.budget_bytes).c_str(),
+                FormatBytes(d.available_bytes).c_str(), d.waiting_requests, FormatBytes(d.waiting_bytes).c_str());
+    PrintTable(PoolRows(pools));
+    std::printf("\n");
+    std::fflush(stdout);
   }
   return absl::OkStatus();
 }
@@ -485,6 +655,12 @@ absl::Status Create(Client& client, const Flags& f, const Replies& replies) {
   options.allowed_uids = f.allowed_uids;
   options.group = f.group;
   options.peer_devices = f.peers;
+  KVD_ASSIGN_OR_RETURN(PolicyChange policy, PolicyFlags(f));
+  options.policy.priority = policy.priority.value_or(0);
+  options.policy.min_bytes = policy.min_bytes.value_or(0);
+  options.policy.max_bytes = policy.max_bytes.value_or(0);
+  options.policy.reclaim_timeout = policy.reclaim_timeout.value_or(absl::ZeroDuration());
+  options.policy.on_reclaim_timeout = policy.on_reclaim_timeout.value_or(ReclaimAction::kNone);
   Timer t;
   KVD_ASSIGN_OR_RETURN(PoolInfo p, client.CreatePool(options));
   if (f.json) return PrintReply<v1::Pool>(replies);
@@ -562,8 +738,9 @@ absl::Status Resize(Client& client, const Flags& f, const Replies& replies, bool
     }
     KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
   }
+  KVD_ASSIGN_OR_RETURN(const WaitOptions wait, Wait(f));
   Timer t;
-  absl::StatusOr<PoolChange> change = grow ? client.Grow(f.pool, target) : client.Shrink(f.pool, target, options);
+  absl::StatusOr<PoolChange> change = grow ? client.Grow(f.pool, target, wait) : client.Shrink(f.pool, target, options);
   KVD_RETURN_IF_ERROR(change.status());
   const double ms = t.ms();
   if (f.json) return PrintReply<v1::PoolUpdate>(replies, {{"round_trip_ms", JsonMs(ms)}});
@@ -612,7 +789,8 @@ absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, b
   if (sleep) {
     KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
   }
-  absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, options) : client.Wake(f.pool);
+  KVD_ASSIGN_OR_RETURN(const WaitOptions wait, Wait(f));
+  absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, options) : client.Wake(f.pool, wait);
   KVD_RETURN_IF_ERROR(changes.status());
   const double ms = t.ms();
   if (f.json) return PrintReply<v1::PoolUpdates>(replies, {{"round_trip_ms", JsonMs(ms)}});
@@ -1010,6 +1188,28 @@ int Main(int argc, char** argv) {
   create->add_option("--group-size", f.group.size, "The number of ranks in --group");
   create->add_option("--peer", f.peers, "Device UUID (or '*') whose clients may attach (repeatable)");
   f.layout.Add(create);
+  CLI::App* policy = app.add_subcommand(
+      "policy",
+      "Show a pool's policy, usage report, reclaim and waiting requests, or set the policy's fields given (a uid "
+      "other than root and kvd's may lower its pool's claim, and raise it only as far as the operator grants it)");
+  policy->add_option("pool", f.pool, "Pool name")->required();
+  for (CLI::App* sub : {create, policy}) {
+    sub->add_option("--priority", f.priority,
+                    "0..1000: waiting grows of higher priority are served first and may reclaim memory from pools of "
+                    "lower priority");
+    sub->add_option("--min-bytes", f.min_bytes, "Guaranteed bytes: never asked for, nor shrunk below, by a reclaim");
+    sub->add_option("--max-bytes", f.max_bytes, "Cap on the pool's committed bytes (a size, or none)");
+    sub->add_option("--reclaim-timeout", f.reclaim_timeout,
+                    "How long its engine has to answer a reclaim (e.g. 5s; 0: the daemon's --reclaim-timeout)");
+    sub->add_option("--on-reclaim-timeout", f.on_reclaim_timeout,
+                    "What kvd does when its engine does not give back in time or declines: none, shrink (to the "
+                    "blocks it reported in use), sleep")
+        ->check(CLI::IsMember({"none", "shrink", "sleep"}));
+  }
+  CLI::App* top = app.add_subcommand(
+      "top", "A live view of the device's memory, every pool's policy and claim, and the requests waiting for memory");
+  top->add_option("--interval", f.interval, "Between refreshes")->capture_default_str();
+  top->add_option("--count", f.count, "Refreshes before exiting (0: until interrupted)")->capture_default_str();
 
   CLI::App* grow = app.add_subcommand("grow", "Grow a pool to --blocks or --bytes (rounded up to whole blocks)");
   CLI::App* shrink = app.add_subcommand(
@@ -1023,6 +1223,10 @@ int Main(int argc, char** argv) {
     b->excludes(s);
   }
   shrink->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+  grow->add_flag("--wait", f.wait,
+                 "When memory is short, wait for it in the daemon's queue (by the pool's priority, then arrival; "
+                 "memory may be reclaimed from pools of lower priority) instead of failing at once");
+  grow->add_option("--wait-for", f.wait_for, "With --wait: wait at most this long (default 30s)");
   CLI::Option* whole = shrink->add_flag(
       "--whole-chunks", f.whole_chunks,
       "Release whole chunks only and move no byte: the pool may stay above the target (the output says so)");
@@ -1051,6 +1255,8 @@ int Main(int argc, char** argv) {
     sub->add_flag("--all", f.all, "Every pool");
   }
   sleep->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+  wake->add_flag("--wait", f.wait, "When memory is short, wait for it (one pool; as grow --wait)");
+  wake->add_option("--wait-for", f.wait_for, "With --wait: wait at most this long (default 30s)");
 
   CLI::App* del = app.add_subcommand("delete", "Delete a pool");
   del->add_option("pool", f.pool, "Pool name")->required();
@@ -1224,6 +1430,10 @@ int Main(int argc, char** argv) {
     s = Transfer(c, f, replies);
   } else if (metadata->parsed()) {
     s = Metadata(c, f, replies);
+  } else if (policy->parsed()) {
+    s = Policy(c, f, replies);
+  } else if (top->parsed()) {
+    s = Top(c, f, replies);
   }
   if (!s.ok()) return Fail(s.ToString(), 1);
   std::fflush(stdout);

@@ -126,6 +126,14 @@ struct DeviceStatus {
   std::string durability;
   std::vector<std::string> handle_types;  // "posix_fd", "fabric", "dma_buf": what the API delivers
   CapabilityReport capabilities;
+  // Admission (docs/api.md, "Policy, waiting and reclaim"): the device memory no grow may take, what other
+  // processes use, what one grow could be admitted for now, and the grows and wakes waiting for memory.
+  uint64_t headroom_bytes = 0;
+  uint64_t foreign_bytes = 0;
+  uint64_t available_bytes = 0;
+  uint32_t waiting_requests = 0;
+  uint64_t waiting_bytes = 0;
+  uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission (should stay 0)
 };
 
 // [L, B, H, N, C] and the element size (proto PoolDims).
@@ -228,6 +236,55 @@ enum class PoolState { kUnknown, kAwake, kSleeping, kRecovering };
 // "awake", "sleeping", "recovering", "unknown".
 const char* PoolStateName(PoolState state);
 
+// Arbitration of the device's memory among its pools (docs/api.md, "Policy, waiting and reclaim").
+// What kvd does to a pool whose engine did not give back what a reclaim asked (proto ReclaimAction).
+enum class ReclaimAction { kNone, kShrink, kSleep };
+// "none", "shrink", "sleep".
+const char* ReclaimActionName(ReclaimAction action);
+
+// A pool's claim on the device's memory (proto PoolPolicy).
+struct PoolPolicy {
+  uint32_t priority = 0;   // 0..1000; waiting grows of higher priority are served first and may reclaim
+  uint64_t min_bytes = 0;  // guaranteed: a reclaim never asks for, nor shrinks the pool below, this
+  uint64_t max_bytes = 0;  // cap on the committed bytes; 0: none
+  absl::Duration reclaim_timeout = absl::ZeroDuration();  // zero: the daemon's --reclaim-timeout
+  ReclaimAction on_reclaim_timeout = ReclaimAction::kNone;
+};
+
+// A change of a pool's policy (SetPoolPolicy): the fields set replace the pool's.
+struct PolicyChange {
+  std::optional<uint32_t> priority;
+  std::optional<uint64_t> min_bytes;
+  std::optional<uint64_t> max_bytes;
+  std::optional<absl::Duration> reclaim_timeout;
+  std::optional<ReclaimAction> on_reclaim_timeout;
+};
+
+// What the engine last reported of its pool (ReportUsage).
+struct PoolUsage {
+  uint64_t live_blocks = 0;
+  uint64_t evictable_blocks = 0;
+  uint64_t used_blocks = 0;
+  uint64_t reported_at_unix_ms = 0;
+};
+
+// The reclaim asked of a pool (id 0: none under way), and how the last one ended (proto ReclaimState).
+struct ReclaimState {
+  uint64_t reclaim_id = 0;
+  uint64_t asked_bytes = 0;
+  uint64_t given_bytes = 0;
+  uint64_t asked_at_unix_ms = 0;
+  uint64_t deadline_unix_ms = 0;
+  std::string last_outcome;
+};
+
+// A grow or wake of the pool waiting for memory (proto WaitingRequest).
+struct WaitingRequest {
+  uint64_t asked_bytes = 0;
+  uint64_t waiting_since_unix_ms = 0;
+  uint32_t position = 0;  // 1: the first of every waiting request of the device
+};
+
 // A pool's snapshot (proto Pool).
 struct PoolInfo {
   std::string name;
@@ -254,6 +311,11 @@ struct PoolInfo {
   uint64_t metadata_bytes = 0;
   std::vector<uint64_t> missing_chunk_ids;  // kRecovering: chunks no client has handed back yet
   uint32_t client_count = 0;                // attached clients, in every reply
+  PoolPolicy policy;
+  bool policy_operator_bounds = false;  // an operator set its cap or reclaim policy: tenants may only tighten them
+  std::optional<PoolUsage> usage;       // unset until the engine reports
+  ReclaimState reclaim;
+  std::vector<WaitingRequest> waiting;
 };
 
 struct PoolOptions {
@@ -264,6 +326,24 @@ struct PoolOptions {
   std::vector<uint32_t> allowed_uids;
   GroupMembership group;
   std::vector<std::string> peer_devices;
+  PoolPolicy policy;  // checked as SetPoolPolicy checks a change from the defaults
+};
+
+// Whether a Grow or Wake short of memory waits for it (GrowRequest.wait): queued by its pool's priority,
+// then by arrival, memory reclaimed from pools of lower priority, for at most `wait_for` (zero: the
+// Client's ConnectOptions::timeout). Then RESOURCE_EXHAUSTED saying what it asked of whom.
+struct WaitOptions {
+  bool wait = false;
+  absl::Duration wait_for = absl::ZeroDuration();
+};
+
+// A RECLAIM event (AttachOptions::on_reclaim): give back `bytes` of the pool by `deadline`.
+struct ReclaimRequest {
+  std::string pool;
+  uint64_t reclaim_id = 0;
+  uint64_t bytes = 0;
+  absl::Time deadline;
+  uint64_t committed_blocks = 0;  // the pool's when asked
 };
 
 // The two-phase operations a group coordinator drives on each daemon (kvd/group.h).
@@ -485,6 +565,13 @@ struct AttachOptions {
   // every chunk still mapped until it is destroyed.
   std::function<void(const std::vector<ByteRange>& ranges)> on_pause;
   std::function<void(bool applied)> on_resume;
+  // Reclaims (docs/integrating.md, "Answering a reclaim"): kvd asks this pool's engine to give memory back
+  // for a waiting grow of higher priority. Called on a thread of its own (not the follower's), so it may
+  // give back right there — drop prefix cache, then Client::ShrinkForReclaim with the live blocks (a
+  // compaction shrink) — and return OK. Any other status declines: the Mapping sends DeclineReclaim with
+  // its message, and the pool's policy applies at once (PoolPolicy::on_reclaim_timeout). Unset: the event
+  // is ignored, and the policy applies at the deadline.
+  std::function<absl::Status(const ReclaimRequest& request)> on_reclaim;
 };
 
 class Client;
@@ -550,6 +637,9 @@ class Client {
   // failure's code and says "pool P changed but mapping its new chunks failed: ..."; the Mapping then
   // keeps its previous committed_blocks().
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
+  // With wait.wait, waits for memory as WaitOptions says instead of failing at once.
+  [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks,
+                                                const WaitOptions& wait);
   [[nodiscard]] absl::StatusOr<PoolChange> Shrink(absl::string_view pool, uint64_t target_blocks, bool wait);
   // Shrink to the exact target (rounded up to the granularity), pausing the attached clients when a chunk
   // straddles it; options as ShrinkOptions says. This client's own Mapping remaps before it returns: when
@@ -568,6 +658,8 @@ class Client {
   // (docs/api.md, "Releases and running engines").
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Sleep(absl::string_view pool, const SleepOptions& options);
   [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool);
+  // One pool, waiting for memory as WaitOptions says.
+  [[nodiscard]] absl::StatusOr<std::vector<PoolChange>> Wake(absl::string_view pool, const WaitOptions& wait);
   // Returns the released bytes.
   // `force`: even with clients attached; those of other sessions are released as SleepOptions::force says,
   // the pausable ones paused (within `pause`) before the delete.
@@ -584,6 +676,24 @@ class Client {
   [[nodiscard]] absl::StatusOr<PoolMetadata> GetPoolMetadata(absl::string_view pool);
   [[nodiscard]] absl::StatusOr<PoolMetadata> SetPoolMetadata(absl::string_view pool, uint64_t expected_version,
                                                              std::string data);
+
+  // Arbitration (docs/api.md, "Policy, waiting and reclaim"). SetPoolPolicy changes the fields `change`
+  // sets: INVALID_ARGUMENT or PERMISSION_DENIED naming the field (a uid other than root and kvd's may lower
+  // its pool's claim, and raise it only within what the operator grants it).
+  [[nodiscard]] absl::StatusOr<PoolInfo> SetPoolPolicy(absl::string_view pool, const PolicyChange& change);
+  // What the engine uses of the pool: `live` blocks it needs, `evictable` blocks it could drop, and `used`,
+  // the bound below which all of them lie (a policy's deadline shrink keeps the blocks below it).
+  [[nodiscard]] absl::Status ReportUsage(absl::string_view pool, uint64_t live_blocks, uint64_t evictable_blocks,
+                                         uint64_t used_blocks);
+  // The engine will not give back what reclaim `request` asks (on_reclaim does this for a non-OK return).
+  [[nodiscard]] absl::Status DeclineReclaim(const ReclaimRequest& request, absl::string_view reason);
+  // The helper from "these blocks are live" to the compaction shrink that answers `request`: shrinks the
+  // pool to the fewest blocks that give back at least request.bytes (its committed bytes less them), but
+  // never below live_blocks.size(), moving the live blocks at or past the target below it. The reply's
+  // reshape->moved_blocks says where each moved block went: apply it to the engine's block table.
+  [[nodiscard]] absl::StatusOr<PoolChange> ShrinkForReclaim(const ReclaimRequest& request,
+                                                            const std::vector<uint64_t>& live_blocks,
+                                                            const PauseOptions& pause = {});
 
   // The strided descriptors covering `block_ids` (empty: every committed block) under the pool's layout.
   // INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id.
