@@ -159,7 +159,8 @@ class KvctlTest(KvctlCase):
         pools = self.proto(self.json("pools"), kvd_pb2.ListPoolsResponse).pools
         self.assertEqual([x.name for x in pools], ["kv"])
         table = self.ok("pools").splitlines()
-        self.assertEqual(table[0].split(), ["NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS"])
+        self.assertEqual(table[0].split(), ["NAME", "STATE", "LAYOUT", "BLOCKS", "COMMITTED", "PENDING", "CLIENTS",
+                                            "PRIO", "MIN", "MAX", "WAITING", "RECLAIM"])
         self.assertEqual(table[1].split()[:4], ["kv", "awake", "LHBNC", "1024/2048"])
 
         d = self.proto(self.json("describe", "kv"), kvd_pb2.Pool)
@@ -341,7 +342,7 @@ class KvctlTest(KvctlCase):
         for verb in [["status"], ["pools"], ["describe"], ["create"], ["grow"], ["shrink"], ["compact"], ["sleep"],
                      ["wake"], ["delete"], ["layout"], ["layout", "resolve"], ["grant"], ["revoke"], ["group"],
                      ["group", "status"], ["group", "grow"], ["group", "shrink"], ["group", "sleep"],
-                     ["group", "wake"], ["transfer"], ["caps"], ["drain"]]:
+                     ["group", "wake"], ["transfer"], ["caps"], ["drain"], ["policy"], ["top"]]:
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)
@@ -441,6 +442,99 @@ class KvctlGroupTest(KvctlCase):
         self.assertEqual(p["peer_devices"], ["*"])
         self.assertIn("NOT_FOUND", self.fails("revoke", "llama-r0", peer))
         self.assertIn("device_uuid", self.fails("grant", "llama-r0", "not a uuid"))
+
+
+class KvctlArbitrationTest(KvctlCase):
+    """kvctl policy, grow --wait, pools, status and top (docs/api.md, "Policy, waiting and reclaim"). Tenants
+    are another uid (setpriv) where the test runs as root; those cases skip otherwise."""
+
+    def kvd_args(self):
+        return ["--max-priority-per-uid=5", "--max-guaranteed-per-uid=16MiB", "--uid-claim=1001:priority=9"]
+
+    def test_policy_is_set_at_create_changed_and_shown(self):
+        p = self.proto(self.json("create", "kv", *DIMS, "--initial-blocks", "64", "--priority", "3",
+                                 "--min-bytes", "8MiB", "--on-reclaim-timeout", "shrink"), kvd_pb2.Pool)
+        self.assertEqual(p.policy.priority, 3)
+        self.assertEqual(p.policy.min_bytes, 8 * MiB)
+        self.assertEqual(p.policy.on_reclaim_timeout, kvd_pb2.RECLAIM_ACTION_SHRINK)
+        p = self.proto(self.json("policy", "kv", "--priority", "7", "--max-bytes", "24MiB"), kvd_pb2.Pool)
+        self.assertEqual((p.policy.priority, p.policy.min_bytes, p.policy.max_bytes), (7, 8 * MiB, 24 * MiB))
+        out = self.ok("policy", "kv")
+        self.assertIn("kv: priority 7, min 8.00 MiB, max 24.0 MiB, on reclaim timeout shrink", out)
+        self.assertIn("reclaim      -", out)
+        self.assertIn("PRIO", self.ok("pools"))
+        self.assertIn("max none", self.ok("policy", "kv", "--max-bytes", "none"))
+        # Every field checked, naming it; nothing changes on a refusal.
+        self.assertIn("policy.priority", self.fails("policy", "kv", "--priority", "1001"))
+        self.assertIn("policy.on_reclaim_timeout", self.fails("policy", "kv", "--on-reclaim-timeout", "sleep"))
+        self.assertIn("policy.min_bytes", self.fails("policy", "kv", "--min-bytes", "1GiB"))
+        self.assertIn("policy.reclaim_timeout_ms", self.fails("policy", "kv", "--reclaim-timeout", "11m"))
+        self.assertEqual(self.json("policy", "kv")["policy"]["priority"], 7)
+        # The record keeps it across a restart.
+        self.kvd.terminate()
+        self.restart_daemon(0)
+        self.assertEqual(self.json("policy", "kv")["policy"]["priority"], 7)
+
+    def test_a_cap_refuses_a_grow_at_once(self):
+        self.json("create", "kv", *DIMS, "--max-bytes", "8MiB")
+        self.assertIn("policy.max_bytes", self.fails("grow", "kv", "--bytes", "16MiB", "--wait"))
+
+    def test_a_waiting_grow_fails_at_its_deadline_saying_what_it_waited_for(self):
+        # Budget 512 MiB: "big" (priority 9, an operator's) takes 500 of it; "small" waits for 16.
+        self.json("create", "big", *DIMS[:2], "--capacity-blocks", "65536", *DIMS[4:], "--priority", "9")
+        self.ok("grow", "big", "--bytes", "500MiB")
+        self.json("create", "small", *DIMS)
+        self.assertIn("of the daemon's budget", self.fails("grow", "small", "--bytes", "15MiB"))
+        line = self.fails("grow", "small", "--bytes", "15MiB", "--wait-for", "1s")
+        self.assertIn("RESOURCE_EXHAUSTED", line)
+        self.assertIn("waited", line)
+        self.assertIn("no pool of lower priority held more than its policy.min_bytes", line)
+        d = self.proto(self.json("status")["reply"], kvd_pb2.DeviceInfo)
+        self.assertEqual(d.waiting_requests, 0)
+        self.assertEqual(d.headroom_bytes, 10 * MiB)  # 1% of 1 GiB, rounded down to the 2 MiB granularity
+        out = self.ok("status")
+        self.assertIn("admission", out)
+        self.assertIn("waiting      0 grows or wakes", out)
+
+    def test_top_shows_the_device_and_every_pools_claim(self):
+        self.json("create", "kv", *DIMS, "--initial-blocks", "64", "--priority", "2")
+        out = self.ok("top", "--count", "2", "--interval", "10ms")
+        self.assertEqual(out.count("available to a grow"), 2, out)
+        self.assertIn("PRIO", out)
+        self.assertIn("kv", out)
+
+    def tenant(self, uid, *args):
+        if os.geteuid() != 0:
+            self.skipTest("needs root: the tenant is another uid (setpriv)")
+        os.chmod(self.dir, 0o755)
+        for path in (self.socket, self.socket[:-5] + ".handles"):
+            os.chmod(path, 0o666)
+        argv = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", KVCTL,
+                "--socket=" + self.socket, *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S)
+
+    def test_a_tenant_lowers_its_claim_and_raises_it_only_within_its_grant(self):
+        r = self.tenant(1000, "create", "t", *DIMS, "--priority", "6")
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("PERMISSION_DENIED: policy.priority: uid 1000 may give the pools of uid 1000 at most priority 5",
+                      r.stderr)
+        big = [*DIMS[:2], "--capacity-blocks", "8192", *DIMS[4:]]  # 64 MiB: room for more than its grant
+        self.assertEqual(self.tenant(1000, "create", "t", *big, "--priority", "5", "--min-bytes", "16MiB").returncode,
+                         0)
+        r = self.tenant(1000, "policy", "t", "--min-bytes", "17MiB")
+        self.assertIn("PERMISSION_DENIED: policy.min_bytes", r.stderr)
+        self.assertEqual(self.tenant(1000, "policy", "t", "--priority", "1", "--min-bytes", "0").returncode, 0)
+        # --uid-claim replaces the per-uid grant for its uid.
+        self.assertEqual(self.tenant(1001, "create", "u", *DIMS, "--priority", "9").returncode, 0)
+        self.assertIn("policy.min_bytes", self.tenant(1001, "policy", "u", "--min-bytes", "2MiB").stderr)
+        # An operator caps the tenant's pool: the tenant may tighten the cap, not loosen it.
+        p = self.proto(self.json("policy", "t", "--max-bytes", "8MiB", "--priority", "40"), kvd_pb2.Pool)
+        self.assertTrue(p.policy_operator_bounds)
+        self.assertIn("PERMISSION_DENIED: policy.max_bytes", self.tenant(1000, "policy", "t", "--max-bytes", "none").stderr)
+        self.assertEqual(self.tenant(1000, "policy", "t", "--max-bytes", "4MiB").returncode, 0)
+        self.assertEqual(self.tenant(1000, "policy", "t", "--priority", "30").returncode, 0, "lowering is allowed")
+        self.assertIn("policy.priority", self.tenant(1000, "policy", "t", "--priority", "31").stderr)
+        self.assertEqual(self.json("policy", "t")["policy"]["max_bytes"], str(4 * MiB))
 
 
 if __name__ == "__main__":
