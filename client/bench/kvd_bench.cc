@@ -864,6 +864,8 @@ class Bench {
   absl::Status ShrinkToHalf();
   absl::Status ControlRpc();
   absl::Status Concurrent();
+  absl::Status Reclaim();
+  absl::Status Saturate();
   absl::Status MeasureBookkeeping();
   absl::Status Granule();
   absl::Status Torch();
@@ -1640,6 +1642,247 @@ absl::Status Bench::ControlRpc() {
   return client_->DeletePool(ctl.name, true).status();
 }
 
+// Arbitration (docs/api.md, "Policy, waiting and reclaim"). Engine A (priority 0) holds --bytes (or what the
+// device can back), grown in ten steps, 20% of its blocks live (every fifth, a pattern sampled in three of
+// its segments); a filler pool of the highest priority takes whatever else the device could back. Engine B
+// (priority 10) asks for 40% of A with GrowRequest.wait: kvd asks A, A's on_reclaim gives back with
+// ShrinkForReclaim and its live blocks (a compaction shrink to a chunk boundary), B is admitted. Against
+// the same moves by hand: an operator's ShrinkForReclaim of A to the same bytes, then B's Grow. Phases of
+// the kvd line: to_ask (B's call -> A's hook called) and give_to_reply (A's compaction shrink until B's
+// reply: B is admitted as soon as A's clients let go of the memory, before A's Shrink call returns; the
+// hook's own time is in the note). A's sampled live bytes are checked after each round, wherever their
+// blocks moved.
+absl::Status Bench::Reclaim() {
+  Line& l = GetLine("reclaim", "a_holds_the_device");
+  l.kvd_what =
+      "B's Grow(+40% of A, wait) with A (priority 0, 20% live) holding the device: kvd asks A, A's on_reclaim "
+      "shrinks with its live blocks, B admitted";
+  l.base_what = "by hand: an operator's ShrinkForReclaim of A to the same bytes, then B's Grow";
+  l.target = "<= 1.2";
+  if (!gpu_ && daemon_.budget_bytes > 4 * bytes_) {
+    l.skipped =
+        absl::StrCat("host: the filler would take the daemon's whole budget (", FormatBytes(daemon_.budget_bytes),
+                     ") of the machine's memory; run with --budget of at most 4 x --bytes");
+    return absl::OkStatus();
+  }
+  const uint64_t gran_blocks = std::max<uint64_t>(daemon_.granularity_bytes / kLayerBlockBytes, 1);
+  KVD_ASSIGN_OR_RETURN(const DeviceStatus now, client_->DeviceInfo());
+  const uint64_t a_bytes = std::min(bytes_, now.available_bytes);
+  const uint64_t step = a_bytes / (segments_ * kLayerBlockBytes) / 10 / gran_blocks * gran_blocks;
+  if (step == 0) {
+    l.skipped =
+        absl::StrCat("the device can back ", FormatBytes(now.available_bytes), ": not ten granules per segment for A");
+    return absl::OkStatus();
+  }
+  const uint64_t a_blocks = 10 * step;
+  const uint64_t b_blocks = 4 * step;  // 40% of A
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader, Reader::Open(backend_, daemon_.device_index));
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> a_client,
+                       Client::Connect({.socket = socket_, .client_name = "engine-a"}));
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> b_client,
+                       Client::Connect({.socket = socket_, .client_name = "engine-b"}));
+  std::vector<uint64_t> live;
+  for (uint64_t b = 0; b < a_blocks; b += 5) live.push_back(b);
+  std::vector<double> hook_ms;  // A's on_reclaim, call to return
+  // A round: fresh pools, A full with its pattern; `by_hand` or kvd moves the memory; the pattern checked.
+  auto round = [&](bool by_hand, bool record) -> absl::Status {
+    const std::string a_name = prefix_ + "reclaim-a", b_name = prefix_ + "reclaim-b", f_name = prefix_ + "filler";
+    PoolOptions a_opts{.name = a_name, .dims = kDims};
+    a_opts.dims.layers = segments_;
+    a_opts.dims.capacity_blocks = a_blocks;
+    a_opts.layout.override_layout = "LBHNC";
+    PoolOptions b_opts = a_opts, f_opts = a_opts;
+    b_opts.name = b_name;
+    b_opts.policy.priority = 10;
+    f_opts.name = f_name;
+    f_opts.policy.priority = 1000;
+    f_opts.dims.capacity_blocks = std::max<uint64_t>(now.available_bytes / (segments_ * kLayerBlockBytes), 1);
+    KVD_RETURN_IF_ERROR(client_->CreatePool(a_opts).status());
+    pools_.push_back(a_name);
+    KVD_RETURN_IF_ERROR(client_->CreatePool(b_opts).status());
+    pools_.push_back(b_name);
+    KVD_RETURN_IF_ERROR(client_->CreatePool(f_opts).status());
+    pools_.push_back(f_name);
+    // Set on libkvd's reclaim thread, read here once `hooked` says the hook is done.
+    absl::Mutex hook_mu;
+    bool hooked = false;
+    int64_t hook_in = -1, hook_out = -1;
+    std::map<uint64_t, uint64_t> moved;
+    absl::Status answered;
+    AttachOptions o{.client_name = "engine-a"};
+    o.on_pause = [](const std::vector<ByteRange>&) {};  // the bench touches A only between rounds
+    o.on_resume = [](bool) {};
+    o.on_reclaim = [&](const ReclaimRequest& r) -> absl::Status {
+      const int64_t in = NowNs();
+      absl::StatusOr<PoolChange> change = a_client->ShrinkForReclaim(r, live);
+      absl::MutexLock lock(&hook_mu);
+      hook_in = in;
+      hook_out = NowNs();
+      answered = change.status();
+      if (change.ok() && change->reshape.has_value()) {
+        for (const BlockMove& m : change->reshape->moved_blocks) moved[m.src] = m.dst;
+      }
+      hooked = true;
+      return change.status();
+    };
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Mapping> a_map, a_client->Attach(a_name, o));
+    for (uint64_t at = step; at <= a_blocks; at += step) KVD_RETURN_IF_ERROR(a_client->Grow(a_name, at).status());
+    // The filler: all the device can back besides A, so that B's whole ask comes from A.
+    KVD_ASSIGN_OR_RETURN(const DeviceStatus before, client_->DeviceInfo());
+    const uint64_t fill =
+        std::min<uint64_t>(before.available_bytes / (segments_ * kLayerBlockBytes) / gran_blocks * gran_blocks,
+                           f_opts.dims.capacity_blocks);
+    if (fill > 0) KVD_RETURN_IF_ERROR(client_->Grow(f_name, fill).status());
+    // The pattern: 4 KiB at the start of sampled live blocks in the first, middle and last segment.
+    const Geometry& g = a_map->geometry();
+    const uint64_t base = reinterpret_cast<uint64_t>(a_map->base());
+    std::vector<std::pair<uint64_t, uint64_t>> samples;  // (segment, block)
+    for (uint64_t s : {uint64_t{0}, segments_ / 2, segments_ - 1}) {
+      for (size_t i = 0; i < live.size(); i += std::max<size_t>(live.size() / 256, 1)) samples.push_back({s, live[i]});
+    }
+    const auto at = [&](uint64_t segment, uint64_t block) {
+      return base + g.offset + segment * g.segment_stride + block * g.block_stride;
+    };
+    for (const auto& [seg, blk] : samples) {
+      const std::vector<uint64_t> words = PatternBytes(seg * 1000003 + blk, 0);
+      KVD_RETURN_IF_ERROR(reader->Write(at(seg, blk), words.data(), kSampleBytes));
+    }
+    Pause();
+    const uint64_t asked = b_blocks * segments_ * kLayerBlockBytes;
+    const int64_t t = NowNs();
+    if (by_hand) {
+      KVD_ASSIGN_OR_RETURN(const PoolChange change,
+                           client_->ShrinkForReclaim(ReclaimRequest{.pool = a_name, .bytes = asked}, live));
+      KVD_RETURN_IF_ERROR(b_client->Grow(b_name, b_blocks).status());
+      if (change.reshape.has_value()) {
+        for (const BlockMove& m : change.reshape->moved_blocks) moved[m.src] = m.dst;
+      }
+    } else {
+      KVD_RETURN_IF_ERROR(
+          b_client->Grow(b_name, b_blocks, WaitOptions{.wait = true, .wait_for = absl::Seconds(60)}).status());
+    }
+    const double ms = MsSince(t);
+    const int64_t done = NowNs();
+    if (!by_hand) {
+      // B may be served a moment before A's hook returns (A's memory is free once it unmapped it).
+      absl::MutexLock lock(&hook_mu);
+      if (!hook_mu.AwaitWithTimeout(absl::Condition(&hooked), absl::Seconds(60))) {
+        return absl::InternalError("B was served without A's on_reclaim having run");
+      }
+      KVD_RETURN_IF_ERROR(answered);
+    }
+    KVD_ASSIGN_OR_RETURN(const PoolInfo a_after, client_->GetPool(a_name));
+    uint64_t checked = 0;
+    for (const auto& [seg, blk] : samples) {
+      auto it = moved.find(blk);
+      const uint64_t now_at = it == moved.end() ? blk : it->second;
+      std::vector<uint64_t> read(kSampleBytes / 8);
+      KVD_RETURN_IF_ERROR(reader->Read(at(seg, now_at), read.data(), kSampleBytes));
+      if (read != PatternBytes(seg * 1000003 + blk, 0)) {
+        return absl::DataLossError(absl::StrCat("reclaim: A's live block ", blk, " (now ", now_at, ") of segment ", seg,
+                                                " does not hold its pattern after the ",
+                                                by_hand ? "shrink by hand" : "reclaim"));
+      }
+      ++checked;
+    }
+    if (record) {
+      (by_hand ? l.base : l.kvd).push_back(ms);
+      if (!by_hand) {
+        AddPhase(l.kvd_phases, "to_ask", (hook_in - t) / 1e6);
+        AddPhase(l.kvd_phases, "give_to_reply", (done - hook_in) / 1e6);
+        hook_ms.push_back((hook_out - hook_in) / 1e6);
+      }
+    } else if (!by_hand) {
+      l.note = absl::StrFormat(
+          "A %s in %d chunks (%d blocks, %d live) -> %s; B asked %s; filler %s; %d live samples checked byte for "
+          "byte after each round",
+          FormatBytes(a_blocks * segments_ * kLayerBlockBytes), static_cast<int>(10 * segments_), a_blocks, live.size(),
+          FormatBytes(a_after.committed_bytes), FormatBytes(asked), FormatBytes(fill * segments_ * kLayerBlockBytes),
+          checked);
+    }
+    a_map.reset();
+    for (const std::string& name : {b_name, f_name, a_name}) {
+      KVD_RETURN_IF_ERROR(client_->DeletePool(name, true).status());
+      pools_.erase(std::remove(pools_.begin(), pools_.end(), name), pools_.end());
+    }
+    return absl::OkStatus();
+  };
+  KVD_RETURN_IF_ERROR(round(false, false));  // warm-up
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    KVD_RETURN_IF_ERROR(round(rep % 2 == 1, true));
+    KVD_RETURN_IF_ERROR(round(rep % 2 == 0, true));
+  }
+  absl::StrAppend(&l.note, absl::StrFormat("; A's on_reclaim (its Shrink, waiting for its release) p50 %.3f ms",
+                                           P50(hook_ms)));
+  return absl::OkStatus();
+}
+
+// Eight engines (priorities 0..7, each a Client of its own) grow their pools at once in steps of 1/64 of what
+// the device can back, waiting up to 2 s each, until each one's grow fails: the device's free memory is
+// taken to its headroom and the driver refuses nothing (every refusal is kvd's RESOURCE_EXHAUSTED).
+absl::Status Bench::Saturate() {
+  Line& l = GetLine("saturate", "8_engines");
+  l.kvd_what = "8 engines growing at once with wait, until each is refused: wall time to saturation";
+  l.base_what = "none (the figure is the count of driver out-of-memory errors: 0)";
+  l.ratio_means = "driver out-of-memory errors";
+  if (!gpu_ && daemon_.budget_bytes > 4 * bytes_) {
+    l.skipped = absl::StrCat("host: saturating the daemon's budget (", FormatBytes(daemon_.budget_bytes),
+                             ") would fill the machine's memory; run with --budget of at most 4 x --bytes");
+    return absl::OkStatus();
+  }
+  const uint64_t gran_blocks = std::max<uint64_t>(daemon_.granularity_bytes / kLayerBlockBytes, 1);
+  KVD_ASSIGN_OR_RETURN(const DeviceStatus start, client_->DeviceInfo());
+  const uint64_t step =
+      std::max<uint64_t>(start.available_bytes / 64 / (segments_ * kLayerBlockBytes) / gran_blocks, 1) * gran_blocks;
+  const uint64_t capacity = 128 * step;
+  std::vector<std::unique_ptr<Client>> engines;
+  for (int i = 0; i < 8; ++i) {
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Client> c,
+                         Client::Connect({.socket = socket_, .client_name = absl::StrCat("engine-", i)}));
+    PoolOptions p{.name = absl::StrCat(prefix_, "sat-", i), .dims = kDims};
+    p.dims.layers = segments_;
+    p.dims.capacity_blocks = capacity;
+    p.layout.override_layout = "LBHNC";
+    p.policy.priority = static_cast<uint32_t>(i);
+    KVD_RETURN_IF_ERROR(c->CreatePool(p).status());
+    pools_.push_back(p.name);
+    engines.push_back(std::move(c));
+  }
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> ends(engines.size());
+  const int64_t t = NowNs();
+  for (size_t i = 0; i < engines.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const std::string name = absl::StrCat(prefix_, "sat-", i);
+      for (uint64_t target = step; target <= capacity; target += step) {
+        absl::Status s =
+            engines[i]->Grow(name, target, WaitOptions{.wait = true, .wait_for = absl::Seconds(2)}).status();
+        if (!s.ok()) {
+          ends[i] = s;
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  l.kvd.push_back(MsSince(t));
+  uint64_t other = 0;
+  for (const absl::Status& s : ends) other += !s.ok() && !absl::IsResourceExhausted(s) ? 1 : 0;
+  KVD_ASSIGN_OR_RETURN(const DeviceStatus end, client_->DeviceInfo());
+  l.ratio = static_cast<double>(end.driver_out_of_memory - start.driver_out_of_memory);
+  l.target = "0";
+  l.note = absl::StrFormat(
+      "%s committed of %s the device could back at the start, %s free at the end; %d engines "
+      "refused with another code than RESOURCE_EXHAUSTED",
+      FormatBytes(end.committed_bytes), FormatBytes(start.available_bytes), FormatBytes(end.free_bytes), other);
+  for (size_t i = 0; i < engines.size(); ++i) {
+    const std::string name = absl::StrCat(prefix_, "sat-", i);
+    KVD_RETURN_IF_ERROR(client_->DeletePool(name, true).status());
+    pools_.erase(std::remove(pools_.begin(), pools_.end(), name), pools_.end());
+  }
+  return absl::OkStatus();
+}
+
 // N pools resized by N threads at once, against the same resizes one pool at a time.
 absl::Status Bench::Concurrent() {
   const int n = o_.threads;
@@ -1978,8 +2221,9 @@ absl::Status Bench::Run() {
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
   if (o_.sections != "all") {
-    const std::set<std::string> known = {"lifecycle",  "fragmented",  "compact", "shrink_to_half", "control_rpc",
-                                         "concurrent", "bookkeeping", "granule", "torch"};
+    const std::set<std::string> known = {"lifecycle",   "fragmented", "compact", "shrink_to_half",
+                                         "control_rpc", "concurrent", "reclaim", "saturate",
+                                         "bookkeeping", "granule",    "torch"};
     for (absl::string_view section : absl::StrSplit(o_.sections, ',', absl::SkipEmpty())) {
       if (!known.contains(std::string(section))) {
         return absl::InvalidArgumentError(absl::StrCat("--sections: unknown section \"", section, "\" (known: all, ",
@@ -2042,6 +2286,14 @@ absl::Status Bench::Run() {
   if (Want("concurrent")) {
     std::fprintf(stderr, "kvd_bench: concurrent resizes\n");
     KVD_RETURN_IF_ERROR(Concurrent());
+  }
+  if (Want("reclaim")) {
+    std::fprintf(stderr, "kvd_bench: reclaim\n");
+    KVD_RETURN_IF_ERROR(Reclaim());
+  }
+  if (Want("saturate")) {
+    std::fprintf(stderr, "kvd_bench: saturate\n");
+    KVD_RETURN_IF_ERROR(Saturate());
   }
   if (Want("bookkeeping")) {
     std::fprintf(stderr, "kvd_bench: bookkeeping\n");
@@ -2267,7 +2519,8 @@ int main(int argc, char** argv) {
                  "--compact-chunks-per-pause)");
   app.add_option("--sections", o.sections,
                  "The parts to run, comma-separated: lifecycle, fragmented, compact, shrink_to_half, control_rpc, "
-                 "concurrent, bookkeeping, granule, torch (granule and torch compare with lifecycle's grow + attach)")
+                 "concurrent, reclaim, saturate, bookkeeping, granule, torch (granule and torch compare with "
+                 "lifecycle's grow + attach)")
       ->capture_default_str();
   app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
   app.add_option("--threads", o.threads, "Pools resized at once in the concurrent line")

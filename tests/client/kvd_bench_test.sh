@@ -12,7 +12,7 @@ trap 'rm -rf "$dir"' EXIT
 cat "$dir/table.txt"
 for line in grow attach sleep wake shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
   shrink_to_half control_rpc concurrent_resize_grow concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink \
-  granule_design torch_zeros; do
+  granule_design torch_zeros reclaim saturate; do
   grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
 done
 python3 - "$dir/out.json" <<'PY'
@@ -29,12 +29,14 @@ want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"
          ("control_rpc", "idle"), ("control_rpc", "during_grow"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
-         ("granule_design", "after_pause"), ("torch_zeros", "after_pause")}
+         ("granule_design", "after_pause"), ("torch_zeros", "after_pause"),
+         ("reclaim", "a_holds_the_device"), ("saturate", "8_engines")}
 got = {(l["name"], l["variant"]): l for l in d["lines"]}
 missing = want - set(got)
 assert not missing, f"missing lines: {sorted(missing)}"
 # Host: torch is CUDA only; everything else runs.
-must_skip = {("torch_zeros", "after_pause")}
+# reclaim and saturate need a small budget (the run below): here they say why not.
+must_skip = {("torch_zeros", "after_pause"), ("reclaim", "a_holds_the_device"), ("saturate", "8_engines")}
 for key, l in got.items():
     if key in must_skip:
         assert l.get("skipped"), f"{key} must say why it was skipped"
@@ -99,6 +101,19 @@ assert d["config"]["sections"] == "shrink_to_half", d["config"]
 assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "once_grown")], d["lines"]
 assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
 assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
+PY
+# The arbitration lines on a budget they can fill (384 MiB): B's grow is served by a reclaim of A, whose
+# live samples are checked by the bench itself, and the 8 engines meet no driver out-of-memory error.
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=2 --budget=384MiB --reps=2 --sections=reclaim,saturate --json \
+  >"$dir/arb.json" 2>"$dir/arb.txt"
+python3 - "$dir/arb.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+got = {(l["name"], l["variant"]): l for l in d["lines"]}
+r, s = got[("reclaim", "a_holds_the_device")], got[("saturate", "8_engines")]
+assert "skipped" not in r and r["kvd"]["n"] == 2 and r["baseline"]["n"] == 2, r
+assert list(r["phases"]["kvd"]) == ["to_ask", "give_to_reply"], r["phases"]
+assert "skipped" not in s and s["ratio"] == 0, s
 PY
 if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
   echo "an unknown section must fail"; exit 1

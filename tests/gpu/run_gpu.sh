@@ -3,7 +3,8 @@
 # build bundled by tests/gpu/bundle.sh (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
 # STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
-# "bench" (kvd_bench, 5 minutes and more) runs only when named: STEPS=bench.
+# "bench" (kvd_bench, 5 minutes and more) and "arbitrate" (kvd_bench's reclaim and saturate lines) run only
+# when named: STEPS=bench, STEPS=arbitrate.
 #
 # Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
 # STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
@@ -190,6 +191,17 @@ step_bench() {
   TAIL=40 run kvd_bench bash -c "kvd_bench --backend=cuda --json ${KVD_BENCH_ARGS:-} >$out/kvd_bench.json"
 }
 
+step_arbitrate() {
+  # Issue 23 (docs/benchmarks.md, "reclaim"): engine A (priority 0) holds ${pool_size} grown in ten steps with 20%
+  # of its blocks live and a pattern in them, a filler takes the rest of what the device can back, engine B
+  # (priority 10) asks for 40% of A with wait: kvd asks A, A's on_reclaim shrinks with its live blocks, B is
+  # admitted. B's grow time and its phases (to_ask, give_to_reply) against the same moves by hand
+  # (ShrinkForReclaim of A by an operator, then B's grow), and A's live samples byte for byte after every
+  # round. Then 8 engines growing at once to saturation: driver out-of-memory errors (target 0).
+  TAIL=40 run arbitrate bash -c "kvd_bench --backend=cuda --sections=reclaim,saturate --bytes=${pool_size} --json \
+    ${KVD_BENCH_ARGS:-} >$out/arbitrate.json"
+}
+
 step_connectors() {
 step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"
 dir=$(mktemp -d)
@@ -274,12 +286,12 @@ fi
 
 # -- the driver ----------------------------------------------------------------------------------------
 self=$(readlink -f "${BASH_SOURCE[0]}")
-all_steps=(device daemon durable restart reshape release group python bench connectors)
+all_steps=(device daemon durable restart reshape release group python bench connectors arbitrate)
 default_steps="device daemon durable restart reshape release group python connectors"
 needs_python=" restart reshape release python "
 # Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
 declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=300 [release]=240 [group]=90
-                  [python]=180 [bench]=540 [connectors]=90)
+                  [python]=180 [bench]=540 [connectors]=90 [arbitrate]=150)
 run_budget=${RUN_BUDGET_S:-560}
 run_started=$(date +%s)
 export KVD_GPU_RUN="$run_started-$$"  # every process this run starts inherits it
