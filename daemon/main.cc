@@ -499,6 +499,13 @@ absl::Status Run(const Flags& f) {
   if (!f.socket.empty() && (!f.socket_dir.empty() || f.socket_name != "index")) {
     return absl::InvalidArgumentError("--socket names the socket's path: --socket-dir and --socket-name apply without it");
   }
+  // Named by UUID, the sockets are known once the device is open (below).
+  std::string socket_path =
+      !f.socket.empty() ? f.socket : f.socket_name == "uuid" ? "" : DefaultSocketPath(f, device_options.index, "");
+  if (!socket_path.empty()) {
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
   absl::Duration lease_ttl;
   if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
@@ -515,11 +522,12 @@ absl::Status Run(const Flags& f) {
   std::string why;
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenBackend(f, device_options, &why));
   KVD_ASSIGN_OR_RETURN(DeviceInfo info, device->Info());
-  // The device is open before the sockets are named: --socket-name=uuid names them by its UUID.
-  const std::string socket_path = f.socket.empty() ? DefaultSocketPath(f, device_options.index, info.uuid) : f.socket;
+  if (socket_path.empty()) {
+    socket_path = DefaultSocketPath(f, device_options.index, info.uuid);
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
   const std::string handles_path = wire::HandlesPathFor(socket_path);
-  spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index, selected_by,
-               socket_path, handles_path);
   KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
   KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
