@@ -567,6 +567,25 @@ absl::Status CudaDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) 
   });
 }
 
+absl::Status CudaDevice::RegisterHost(void* host, uint64_t bytes) {
+  KVD_RETURN_IF_ERROR(Device::RegisterHost(host, bytes));
+  KVD_RETURN_IF_ERROR(MakeCurrent());
+  return CudaStatusLazy(driver_, driver_.cuMemHostRegister_(host, bytes, CU_MEMHOSTREGISTER_PORTABLE),
+                        [&] { return absl::StrCat("cuMemHostRegister(", bytes, " bytes)"); });
+}
+
+absl::Status CudaDevice::UnregisterHost(void* host) {
+  KVD_RETURN_IF_ERROR(Device::UnregisterHost(host));
+  KVD_RETURN_IF_ERROR(MakeCurrent());
+  return CudaStatus(driver_, driver_.cuMemHostUnregister_(host), "cuMemHostUnregister");
+}
+
+int CudaDevice::NumaNode() const {
+  char bus_id[32] = {};
+  if (driver_.cuDeviceGetPCIBusId_(bus_id, sizeof(bus_id), device_) != CUDA_SUCCESS) return -1;
+  return PciNumaNode(bus_id);
+}
+
 absl::Status CudaDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (src == nullptr) return absl::InvalidArgumentError("CopyFromHost: src is null");

@@ -44,6 +44,7 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuDeviceGetCount)                   \
   X(cuDeviceGetName)                    \
   X(cuDeviceGetUuid)                    \
+  X(cuDeviceGetPCIBusId)                \
   X(cuDeviceGetAttribute)               \
   X(cuDeviceTotalMem)                   \
   X(cuDeviceCanAccessPeer)              \
@@ -65,6 +66,8 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuMemGetHandleForAddressRange)      \
   X(cuMemAlloc)                         \
   X(cuMemFree)                          \
+  X(cuMemHostRegister)                  \
+  X(cuMemHostUnregister)                \
   X(cuMemcpyHtoD)                       \
   X(cuMemcpyDtoH)                       \
   X(cuMemcpyHtoDAsync)                  \
