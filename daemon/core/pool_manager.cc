@@ -1580,7 +1580,7 @@ absl::StatusOr<uint64_t> PoolManager::Abort(const Caller& caller, absl::string_v
   }
   transactions_.Remove(transaction, "");
   const uint64_t bytes = txn->change.staged.bytes;
-  Unstage(*pool, txn->change.staged);
+  Unprepare(*pool, txn->change);
   return bytes;
 }
 
