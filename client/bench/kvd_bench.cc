@@ -20,6 +20,7 @@
 #include <linux/kcmp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -67,6 +68,7 @@
 #include "kvd/device.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 #include "kvd/units.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #ifdef KVD_WITH_CUDA
@@ -317,14 +319,17 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     // "ok DONE received=NS attached=NS read=NS" and libkvd's marks (attach.*, lease.fetched).
     return absl::StrCat("ok ", done, " received=", received, " attached=", attached, " read=", done, TakeMarks());
   }
-  if (op == "kvd-wait" && w.size() == 2) {  // kvd-wait BYTES: the follower has mapped exactly BYTES
+  // kvd-wait BYTES: once the follower has mapped exactly BYTES, "ok DONE" (when it was seen, looked at
+  // every 0.1 ms).
+  if (op == "kvd-wait" && w.size() == 2) {
     uint64_t expected = 0;
     if (!absl::SimpleAtoi(w[1], &expected) || c.mapping == nullptr) return absl::InvalidArgumentError("kvd-wait");
-    for (int i = 0; i < 60000; ++i) {
+    const int64_t start = NowNs();
+    while (NowNs() - start < int64_t{60'000'000'000}) {
       uint64_t seen = 0;
       for (const ChunkInfo& chunk : c.mapping->chunks()) seen += chunk.bytes;
-      if (seen == expected) return std::string("ok");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (seen == expected) return absl::StrCat("ok ", NowNs());
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     return absl::DeadlineExceededError("the importer's follower did not map the pool within 60 s");
   }
@@ -547,6 +552,7 @@ class Child {
 struct PlanChunk {
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  uint64_t segment = 0;
 };
 struct Plan {
   uint64_t reserve_bytes = 0;
@@ -560,7 +566,7 @@ struct Plan {
 
 Plan PlanOf(const PoolInfo& pool) {
   Plan p{.reserve_bytes = pool.geometry.reserved_bytes};
-  for (const ChunkInfo& c : pool.chunks) p.chunks.push_back({c.offset, c.bytes});
+  for (const ChunkInfo& c : pool.chunks) p.chunks.push_back({c.offset, c.bytes, c.segment});
   return p;
 }
 
@@ -652,12 +658,191 @@ class RawExporter {
 };
 
 // ---------------------------------------------------------------------------------------------------
+// The in-process peers (docs/benchmarks.md, "Against the in-process allocators"): what torch_memory_saver
+// does for every tensor it may pause, in this one process and with nothing to share. The VA is reserved
+// once; an allocation (and a resume) is create + map + set access, a pause is unmap + release with the VA
+// kept. On CUDA these are the driver calls themselves, through the table the CUDA backend loads
+// (cuMemCreate of pinned device memory with no shareable handle type and gpuDirectRDMACapable where the
+// device supports it, as torch_memory_saver asks); on host a memfd (memfd_create + ftruncate + fallocate)
+// mapped MAP_SHARED | MAP_FIXED over a PROT_NONE reservation: the host backend's calls without its checks
+// and its export. Every call runs on the thread that opened it (the benchmark's main thread).
+
+class InProcess {
+ public:
+  virtual ~InProcess() = default;
+  // UNIMPLEMENTED for a backend without an in-process counterpart here.
+  static absl::StatusOr<std::unique_ptr<InProcess>> Open(const std::string& backend, int device);
+  virtual absl::StatusOr<uint64_t> Reserve(uint64_t bytes) = 0;
+  virtual absl::Status Free(uint64_t va, uint64_t bytes) = 0;
+  // A handle to `bytes` of physical memory, allocated now.
+  virtual absl::StatusOr<uint64_t> Create(uint64_t bytes) = 0;
+  // Maps the whole allocation at `va` and makes it readable and writable by this device.
+  virtual absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) = 0;
+  virtual absl::Status Unmap(uint64_t va, uint64_t bytes) = 0;
+  virtual absl::Status Release(uint64_t handle) = 0;
+};
+
+class HostInProcess final : public InProcess {
+ public:
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE)");
+    return reinterpret_cast<uint64_t>(p);
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) override {
+    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) return ErrnoStatus(errno, "munmap");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<uint64_t> Create(uint64_t bytes) override {
+    UniqueFd fd(memfd_create("kvd-bench-in-process", MFD_CLOEXEC));
+    if (!fd) return ErrnoStatus(errno, "memfd_create");
+    if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return ErrnoStatus(errno, "ftruncate");
+    int rc;
+    do {
+      rc = fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes));
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return ErrnoStatus(errno, absl::StrCat("fallocate(", bytes, " bytes)"));
+    return static_cast<uint64_t>(fd.release());
+  }
+  absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   static_cast<int>(handle), 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(MAP_SHARED | MAP_FIXED)");
+    return absl::OkStatus();
+  }
+  absl::Status Unmap(uint64_t va, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE | MAP_FIXED)");
+    return absl::OkStatus();
+  }
+  absl::Status Release(uint64_t handle) override {
+    if (close(static_cast<int>(handle)) != 0) return ErrnoStatus(errno, "close(memfd)");
+    return absl::OkStatus();
+  }
+};
+
+#ifdef KVD_WITH_CUDA
+class CudaInProcess final : public InProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<InProcess>> Open(int ordinal) {
+    KVD_ASSIGN_OR_RETURN(const CudaDriver* driver, LoadCudaDriver());
+    const CudaDriver& d = *driver;
+    auto p = std::unique_ptr<CudaInProcess>(new CudaInProcess(d));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuInit_(0), "cuInit"));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGet_(&p->device_, ordinal), "cuDeviceGet"));
+    KVD_RETURN_IF_ERROR(
+        CudaStatus(d, d.cuDevicePrimaryCtxRetain_(&p->context_, p->device_), "cuDevicePrimaryCtxRetain"));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuCtxSetCurrent_(p->context_), "cuCtxSetCurrent"));
+    int rdma = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(
+        d, d.cuDeviceGetAttribute_(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, p->device_),
+        "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)"));
+    p->prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p->prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->prop_.location.id = p->device_;
+    p->prop_.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+    p->access_.location = p->prop_.location;
+    p->access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return p;
+  }
+  ~CudaInProcess() override {
+    if (context_ != nullptr) (void)d_.cuDevicePrimaryCtxRelease_(device_);
+  }
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
+    CUdeviceptr va = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(d_, d_.cuMemAddressReserve_(&va, bytes, 0, 0, 0), "cuMemAddressReserve"));
+    return static_cast<uint64_t>(va);
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) override {
+    return CudaStatus(d_, d_.cuMemAddressFree_(va, bytes), "cuMemAddressFree");
+  }
+  absl::StatusOr<uint64_t> Create(uint64_t bytes) override {
+    CUmemGenericAllocationHandle handle = 0;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(d_, d_.cuMemCreate_(&handle, bytes, &prop_, 0),
+                                       [&] { return absl::StrCat("cuMemCreate(", bytes, " bytes)"); }));
+    return static_cast<uint64_t>(handle);
+  }
+  absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) override {
+    KVD_RETURN_IF_ERROR(CudaStatus(d_, d_.cuMemMap_(va, bytes, 0, handle, 0), "cuMemMap"));
+    if (absl::Status s = CudaStatus(d_, d_.cuMemSetAccess_(va, bytes, &access_, 1), "cuMemSetAccess"); !s.ok()) {
+      (void)d_.cuMemUnmap_(va, bytes);
+      return s;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Unmap(uint64_t va, uint64_t bytes) override {
+    return CudaStatus(d_, d_.cuMemUnmap_(va, bytes), "cuMemUnmap");
+  }
+  absl::Status Release(uint64_t handle) override { return CudaStatus(d_, d_.cuMemRelease_(handle), "cuMemRelease"); }
+
+ private:
+  explicit CudaInProcess(const CudaDriver& d) : d_(d) {}
+  const CudaDriver& d_;
+  CUdevice device_ = 0;
+  CUcontext context_ = nullptr;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+};
+#endif
+
+absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Open(const std::string& backend, int device) {
+  if (backend == "host") return std::unique_ptr<InProcess>(new HostInProcess());
+#ifdef KVD_WITH_CUDA
+  if (backend == "cuda") return CudaInProcess::Open(device);
+#endif
+  (void)device;
+  return absl::UnimplementedError(absl::StrCat("no in-process allocator for backend ", backend, " in this build"));
+}
+
+// One in-process peer of the lifecycle: its allocations (one for the whole pool, or one per segment, at
+// the offsets of the pool's chunks) in a reservation of its own, made once.
+struct InProcessSide {
+  std::string name;  // "single", "per_segment"
+  Plan plan;
+  uint64_t va = 0;
+  std::vector<uint64_t> handles;  // created, in plan order
+  size_t mapped = 0;              // the first `mapped` of them are mapped
+};
+
+// The allocations of the in-process peers for the pool whose chunks are `pool`: one allocation of all its
+// bytes, or one per segment spanning that segment's chunks (a segment's committed prefix is contiguous).
+Plan SinglePlan(const Plan& pool) {
+  Plan p{.reserve_bytes = pool.bytes()};
+  p.chunks.push_back({.offset = 0, .bytes = pool.bytes(), .segment = 0});
+  return p;
+}
+Plan PerSegmentPlan(const Plan& pool) {
+  std::map<uint64_t, PlanChunk> by_segment;
+  for (const PlanChunk& c : pool.chunks) {
+    auto [it, inserted] = by_segment.try_emplace(c.segment, c);
+    if (inserted) continue;
+    const uint64_t end = std::max(it->second.offset + it->second.bytes, c.offset + c.bytes);
+    it->second.offset = std::min(it->second.offset, c.offset);
+    it->second.bytes = end - it->second.offset;
+  }
+  Plan p{.reserve_bytes = pool.reserve_bytes};
+  for (const auto& [segment, c] : by_segment) p.chunks.push_back(c);
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Results.
 
 // The phases of the bare calls of a reshape (Bench::RawReshape), in ms.
 struct ReshapeTimes {
   double create_map = 0, copy = 0, release_old = 0, remap = 0, free_wait = 0;
   double total() const { return create_map + copy + release_old + remap + free_wait; }
+};
+
+// An in-process peer's column of a lifecycle line.
+struct Peer {
+  std::string name;  // "single", "per_segment"
+  std::string what;
+  uint64_t allocations = 0;
+  std::vector<double> ms;
+  std::string target;  // on kvd p50 / this p50
+  double ratio = NAN;
 };
 
 struct Line {
@@ -672,6 +857,17 @@ struct Line {
   std::string note;
   // Per-phase breakdown (ms), in the order the phases happen; the same sample count as kvd/base.
   std::vector<std::pair<std::string, std::vector<double>>> kvd_phases, base_phases;
+  // The lifecycle lines' in-process peers (or why there are none): kvd against each as well.
+  std::vector<Peer> peers;
+  std::string peers_skipped;
+  bool lifecycle = false;
+  Peer& PeerNamed(const std::string& peer) {
+    for (Peer& p : peers) {
+      if (p.name == peer) return p;
+    }
+    peers.push_back(Peer{.name = peer});
+    return peers.back();
+  }
 };
 
 void AddPhase(std::vector<std::pair<std::string, std::vector<double>>>& phases, const std::string& name, double ms) {
@@ -724,7 +920,8 @@ struct Options {
   int device = 0;
   std::string bytes, chunk, budget = "100%";
   uint64_t segments = 0;
-  int reps = 5;
+  int reps = 9;
+  int deadline_s = 0;  // 0: none
   int fragments = 0;
   int compact_grows = 0;
   uint32_t compact_chunks_per_pause = 0;  // 0: the daemon's --compact-chunks-per-pause
@@ -857,6 +1054,8 @@ class Bench {
   absl::Status Lifecycle(RawExporter& raw, const PoolInfo& grown);
   absl::Status KvdCycle(bool paused, bool record);
   absl::Status RawCycle(RawExporter& raw, bool paused, bool record);
+  absl::Status InProcessCycle(InProcessSide& side, bool paused, bool record);
+  absl::Status ReleaseInProcess(InProcessSide& side);
   absl::Status Fragmented();
   absl::StatusOr<uint64_t> ReshapeBytes(uint64_t want, double peak);
   absl::StatusOr<ReshapeTimes> RawReshape(const Plan& from, const Plan& to);
@@ -881,6 +1080,8 @@ class Bench {
   pid_t kvd_pid_ = -1, daemon_pid_ = -1;
   std::unique_ptr<Client> client_;
   std::unique_ptr<Device> raw_;
+  std::unique_ptr<InProcess> in_process_;  // null: see in_process_skipped_
+  std::string in_process_skipped_;
   std::unique_ptr<Child> child_;
   std::string prefix_;
   std::string pool_;  // the main pool
@@ -891,6 +1092,8 @@ class Bench {
   Bookkeeping book_;
   uint64_t free_timeouts_ = 0;
   std::string torch_version_;
+  int64_t deadline_ns_ = 0;  // 0: none (--deadline-s)
+  int lifecycle_reps_ = 0;   // repetitions of the lifecycle that ran
 };
 
 absl::Status Bench::StartDaemon() {
@@ -1038,7 +1241,8 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   pause();
   int64_t t = NowNs();
   KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
-  add("grow", MsSince(t));
+  const double grow_ms = MsSince(t);
+  add("grow", grow_ms);
   pause();
   const std::string attach = absl::StrCat("kvd-attach ", socket_, " ", pool_, " ", pool_bytes_);
   t = NowNs();
@@ -1046,6 +1250,7 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   std::map<std::string, std::string> marks;
   KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply(attach, t, &marks));
   add("attach", ms);
+  add("grow_mapped", grow_ms + ms);
   if (record) AddAttachPhases(GetLine("attach", variant), t, marks);
   KVD_RETURN_IF_ERROR(child_->Call("kvd-marks").status());  // forget the marks since the attach
   pause();
@@ -1076,7 +1281,10 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   t = NowNs();
   KVD_RETURN_IF_ERROR(client_->Wake(pool_).status());
   add("wake", MsSince(t));
-  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("kvd-wait ", pool_bytes_)).status());
+  const std::string wait = absl::StrCat("kvd-wait ", pool_bytes_);
+  KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), wait, {}));
+  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply(wait, t));  // the importer's follower has mapped it again
+  add("wake_mapped", ms);
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
@@ -1103,13 +1311,15 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   pause();
   int64_t t = NowNs();
   KVD_RETURN_IF_ERROR(raw.Grow());
-  add("grow", MsSince(t));
+  const double grow_ms = MsSince(t);
+  add("grow", grow_ms);
   pause();
   t = NowNs();
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));
   std::map<std::string, std::string> parts;
   KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply("raw-attach", t, &parts));
   add("attach", ms);
+  add("grow_mapped", grow_ms + ms);
   if (record) AddRawAttachPhases(GetLine("attach", variant), t, parts);
   pause();
   KVD_ASSIGN_OR_RETURN(uint64_t before, FreeBytes());
@@ -1131,7 +1341,8 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(raw.Grow());
   add("wake", MsSince(t));
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));  // the importer maps again, as kvd's follower does
-  KVD_RETURN_IF_ERROR(child_->Reply("raw-attach").status());
+  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply("raw-attach", t));
+  add("wake_mapped", ms);
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
@@ -1139,6 +1350,71 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(WaitFree(before, raw.plan().bytes()));
   add("shrink", MsSince(t));
   return child_->Call("raw-detach").status();
+}
+
+// The same cycle in this process with an in-process peer's allocations: every allocation created, then
+// every one mapped with access set (grow, attach and grow_mapped are those two halves and their sum);
+// unmapped and released one after the other, then the free-count wait (sleep, shrink); created and
+// mapped again (wake is the creates, wake_mapped both).
+absl::Status Bench::InProcessCycle(InProcessSide& side, bool paused, bool record) {
+  const std::string variant = paused ? "after_pause" : "after_release";
+  auto add = [&](const char* op, double ms) {
+    if (record) GetLine(op, variant).PeerNamed(side.name).ms.push_back(ms);
+  };
+  auto pause = [&] {
+    if (paused) Pause();
+  };
+  InProcess& d = *in_process_;
+  auto allocate = [&](const char* create_op, const char* map_op, const char* both_op) -> absl::Status {
+    const int64_t t = NowNs();
+    for (const PlanChunk& a : side.plan.chunks) {
+      KVD_ASSIGN_OR_RETURN(const uint64_t handle, d.Create(a.bytes));
+      side.handles.push_back(handle);
+    }
+    const int64_t created = NowNs();
+    for (; side.mapped < side.handles.size(); ++side.mapped) {
+      const PlanChunk& a = side.plan.chunks[side.mapped];
+      KVD_RETURN_IF_ERROR(d.Map(side.va + a.offset, side.handles[side.mapped], a.bytes));
+    }
+    const int64_t mapped = NowNs();
+    add(create_op, Between(t, created));
+    if (map_op != nullptr) add(map_op, Between(created, mapped));
+    add(both_op, Between(t, mapped));
+    return absl::OkStatus();
+  };
+  auto release = [&](const char* op) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    const int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(ReleaseInProcess(side));
+    KVD_RETURN_IF_ERROR(WaitFree(before, side.plan.bytes()));
+    add(op, MsSince(t));
+    return absl::OkStatus();
+  };
+  if (side.va == 0) {
+    KVD_ASSIGN_OR_RETURN(side.va, d.Reserve(side.plan.reserve_bytes));
+  }
+  pause();
+  KVD_RETURN_IF_ERROR(allocate("grow", "attach", "grow_mapped"));
+  pause();
+  KVD_RETURN_IF_ERROR(release("sleep"));
+  pause();
+  KVD_RETURN_IF_ERROR(allocate("wake", nullptr, "wake_mapped"));
+  pause();
+  return release("shrink");
+}
+
+// Unmaps and releases the side's allocations one after the other (as torch_memory_saver pauses); the
+// reservation stays.
+absl::Status Bench::ReleaseInProcess(InProcessSide& side) {
+  for (size_t i = 0; i < side.handles.size(); ++i) {
+    if (i < side.mapped) {
+      KVD_RETURN_IF_ERROR(in_process_->Unmap(side.va + side.plan.chunks[i].offset, side.plan.chunks[i].bytes));
+    }
+    KVD_RETURN_IF_ERROR(in_process_->Release(side.handles[i]));
+  }
+  side.handles.clear();
+  side.mapped = 0;
+  return absl::OkStatus();
 }
 
 // N grows of 1/N each, then a second process attaches: N chunks per segment.
@@ -1945,6 +2221,7 @@ absl::Status Bench::Torch() {
 }
 
 absl::Status Bench::Run() {
+  if (o_.deadline_s > 0) deadline_ns_ = NowNs() + int64_t{o_.deadline_s} * 1'000'000'000;
   if (o_.socket.empty()) {
     KVD_RETURN_IF_ERROR(StartDaemon());
   } else {
@@ -1962,6 +2239,13 @@ absl::Status Bench::Run() {
   if (raw_info_.uuid != daemon_.uuid) {
     return absl::FailedPreconditionError(
         absl::StrCat("the daemon serves ", daemon_.uuid, " but --device opens ", raw_info_.uuid));
+  }
+  if (absl::StatusOr<std::unique_ptr<InProcess>> in_process =
+          InProcess::Open(backend_, static_cast<int>(daemon_.device_index));
+      in_process.ok()) {
+    in_process_ = *std::move(in_process);
+  } else {
+    in_process_skipped_ = in_process.status().ToString();
   }
 
   KVD_ASSIGN_OR_RETURN(bytes_, ParseBytes(o_.bytes.empty() ? (gpu_ ? "128GiB" : "256MiB") : o_.bytes, "--bytes"));
@@ -1989,8 +2273,10 @@ absl::Status Bench::Run() {
     }
     if (sections_.empty()) return absl::InvalidArgumentError("--sections: empty");
   }
-  if (blocks_ < static_cast<uint64_t>(fragments_) * (daemon_.granularity_bytes / kLayerBlockBytes) ||
-      blocks_ < static_cast<uint64_t>(o_.threads) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
+  const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
+  if (blocks_ < granule_blocks ||
+      (Want("fragmented") && blocks_ < static_cast<uint64_t>(fragments_) * granule_blocks) ||
+      (Want("concurrent") && blocks_ < static_cast<uint64_t>(o_.threads) * granule_blocks)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
                      FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
@@ -2076,36 +2362,96 @@ absl::Status Bench::Run() {
   }
   for (Line& l : lines_) {
     if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
+    for (Peer& p : l.peers) p.ratio = P50(l.kvd) / P50(p.ms);
   }
   return absl::OkStatus();
 }
 
-// grow, attach, sleep, wake and shrink of the main pool, interleaved with the bare calls, both variants.
+// What an in-process peer's column of each lifecycle line times.
+const char* InProcessWhat(const std::string& op) {
+  if (op == "grow") return "create every allocation";
+  if (op == "attach") return "map + set access of every allocation";
+  if (op == "grow_mapped") return "create + map + set access (the allocation)";
+  if (op == "wake") return "create every allocation again";
+  if (op == "wake_mapped") return "create + map + set access again (the resume)";
+  return "unmap + release every allocation (the pause), then the free-count wait";  // sleep, shrink
+}
+
+// grow, attach, sleep, wake and shrink of the main pool (and grow_mapped, wake_mapped: until the second
+// process has it mapped), interleaved with the bare calls and the in-process peers, both variants.
 absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
-  KVD_RETURN_IF_ERROR(KvdCycle(false, false));
-  KVD_RETURN_IF_ERROR(RawCycle(raw, false, false));
-  for (const char* op : {"grow", "attach", "sleep", "wake", "shrink"}) {
+  const Plan plan = PlanOf(grown);
+  std::vector<InProcessSide> sides;
+  if (in_process_ != nullptr) {
+    sides.push_back({.name = "single", .plan = SinglePlan(plan)});
+    sides.push_back({.name = "per_segment", .plan = PerSegmentPlan(plan)});
+  }
+  absl::Cleanup give_back = [&] {
+    for (InProcessSide& side : sides) {
+      ReleaseInProcess(side).IgnoreError();
+      if (side.va != 0) in_process_->Free(side.va, side.plan.reserve_bytes).IgnoreError();
+    }
+  };
+  // Issue 25: kvd within 1.2x of the in-process allocations a torch_memory_saver user would make instead --
+  // per layer for a layer-outermost pool, one for a pool of one segment -- to give, release and take back
+  // the memory.
+  const std::string peer_with_target = segments_ == 1 ? "single" : "per_segment";
+  for (const char* op : {"grow", "attach", "grow_mapped", "sleep", "wake", "wake_mapped", "shrink"}) {
     for (const char* variant : {"after_release", "after_pause"}) {
       Line& l = GetLine(op, variant);
+      l.lifecycle = true;
       l.note = absl::StrFormat("%d chunks", grown.chunks.size());
+      if (in_process_ == nullptr) l.peers_skipped = in_process_skipped_;
+      for (const InProcessSide& side : sides) {
+        Peer& p = l.PeerNamed(side.name);
+        p.allocations = side.plan.chunks.size();
+        p.what = absl::StrCat("in this process, ",
+                              side.name == "single" ? "one allocation of all the bytes"
+                                                    : absl::StrCat("one allocation per segment (", p.allocations, ")"),
+                              ": ", InProcessWhat(op));
+        const std::string o = op;
+        if (side.name == peer_with_target && (o == "grow_mapped" || o == "sleep" || o == "wake_mapped")) {
+          p.target = "<= 1.2";
+        }
+      }
     }
   }
   GetLine("grow", "after_release").target = GetLine("grow", "after_pause").target = "<= 1.10";
   GetLine("attach", "after_release").target = GetLine("attach", "after_pause").target = "<= 1.15";
   GetLine("sleep", "after_release").target = GetLine("sleep", "after_pause").target = "<= 1.10";
   GetLine("wake", "after_release").target = GetLine("wake", "after_pause").target = "<= 1.15";
-
-  for (int rep = 0; rep < o_.reps; ++rep) {
-    std::fprintf(stderr, "kvd_bench: lifecycle, repetition %d/%d\n", rep + 1, o_.reps);
-    for (const bool paused : {false, true}) {
-      if (rep % 2 == 0) {
-        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
-        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
-      } else {
-        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
-        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
-      }
+  GetLine("shrink", "after_release").target = GetLine("shrink", "after_pause").target = "<= 1.15";
+  for (const char* op : {"grow_mapped", "wake_mapped"}) {
+    for (const char* variant : {"after_release", "after_pause"}) {
+      GetLine(op, variant).kvd_what = op == std::string("grow_mapped")
+                                          ? "kvd grow + attach (the memory committed and mapped by the second process)"
+                                          : "kvd Wake until the second process's Mapping has mapped it again";
+      GetLine(op, variant).base_what = "raw device calls: the same until the second process has mapped it";
     }
+  }
+
+  // kvd, raw, then the in-process peers; repetition r starts with the (r mod N)-th, so that none always
+  // follows another's release.
+  std::vector<std::function<absl::Status(bool, bool)>> cycles = {
+      [&](bool paused, bool record) { return KvdCycle(paused, record); },
+      [&](bool paused, bool record) { return RawCycle(raw, paused, record); }};
+  for (InProcessSide& side : sides) {
+    cycles.push_back([&, s = &side](bool paused, bool record) { return InProcessCycle(*s, paused, record); });
+  }
+  for (auto& cycle : cycles) KVD_RETURN_IF_ERROR(cycle(false, false));  // warm-up
+  int64_t longest = 0;
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    if (rep > 0 && deadline_ns_ > 0 && NowNs() + longest > deadline_ns_) {
+      std::fprintf(stderr, "kvd_bench: lifecycle stopped after %d of %d repetitions (--deadline-s)\n", rep, o_.reps);
+      break;
+    }
+    std::fprintf(stderr, "kvd_bench: lifecycle, repetition %d/%d\n", rep + 1, o_.reps);
+    const int64_t started = NowNs();
+    for (const bool paused : {false, true}) {
+      for (size_t k = 0; k < cycles.size(); ++k) KVD_RETURN_IF_ERROR(cycles[(rep + k) % cycles.size()](paused, true));
+    }
+    longest = std::max(longest, NowNs() - started);
+    lifecycle_reps_ = rep + 1;
   }
   return absl::OkStatus();
 }
@@ -2141,8 +2487,26 @@ void Bench::Print(FILE* out) const {
     if (!l.base_phases.empty())
       std::fprintf(out, "  %s %s phases, raw p50: %s\n", l.name.c_str(), l.variant.c_str(),
                    phases(l.base_phases).c_str());
+    if (!l.lifecycle) continue;
+    if (!l.peers_skipped.empty()) {
+      std::fprintf(out, "  %s %s in-process: skipped: %s\n", l.name.c_str(), l.variant.c_str(),
+                   l.peers_skipped.c_str());
+      continue;
+    }
+    std::vector<std::string> parts;
+    for (const Peer& p : l.peers) {
+      parts.push_back(absl::StrFormat("%s (%d allocation%s) p50 %.3f p99 %.3f ratio %.2f%s", p.name, p.allocations,
+                                      p.allocations == 1 ? "" : "s", P50(p.ms), P99(p.ms), p.ratio,
+                                      p.target.empty() ? "" : absl::StrCat(" (target ", p.target, ")")));
+    }
+    std::fprintf(out, "  %s %s in-process, kvd/in-process p50: %s\n", l.name.c_str(), l.variant.c_str(),
+                 absl::StrJoin(parts, "; ").c_str());
   }
   std::fprintf(out, "(ms; ratio: %s unless the baseline says otherwise; targets are for the H200)\n", "kvd/raw p50");
+  if (lifecycle_reps_ < o_.reps && Want("lifecycle")) {
+    std::fprintf(out, "lifecycle: %d of %d repetitions ran (--deadline-s %d)\n", lifecycle_reps_, o_.reps,
+                 o_.deadline_s);
+  }
   if (!book_.skipped.empty()) {
     std::fprintf(out, "bookkeeping: skipped: %s\n", book_.skipped.c_str());
   } else {
@@ -2171,12 +2535,14 @@ std::string Quote(absl::string_view s) {
   return out + "\"";
 }
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.4f", v) : "null"; }
-std::string Samples(const std::vector<double>& v) {
+// The fields of a sample set, without the braces.
+std::string SampleFields(const std::vector<double>& v) {
   std::vector<std::string> parts;
   for (double x : v) parts.push_back(Num(x));
-  return absl::StrCat("{\"p50_ms\": ", Num(P50(v)), ", \"p99_ms\": ", Num(P99(v)), ", \"n\": ", v.size(),
-                      ", \"samples_ms\": [", absl::StrJoin(parts, ", "), "]}");
+  return absl::StrCat("\"p50_ms\": ", Num(P50(v)), ", \"p99_ms\": ", Num(P99(v)), ", \"n\": ", v.size(),
+                      ", \"samples_ms\": [", absl::StrJoin(parts, ", "), "]");
 }
+std::string Samples(const std::vector<double>& v) { return absl::StrCat("{", SampleFields(v), "}"); }
 
 std::string Bench::Json() const {
   std::string j = absl::StrFormat(
@@ -2185,12 +2551,13 @@ std::string Bench::Json() const {
       " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
-      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s},\n \"lines\": [",
+      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s, "
+      "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
       segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
       compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_,
-      Quote(o_.sections));
+      Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -2210,6 +2577,17 @@ std::string Bench::Json() const {
       };
       absl::StrAppend(&j, ", \"phases\": {\"kvd\": ", phases(l.kvd_phases), ", \"baseline\": ", phases(l.base_phases),
                       "}");
+    }
+    if (l.lifecycle) {
+      std::vector<std::string> peers;
+      for (const Peer& p : l.peers) {
+        peers.push_back(absl::StrCat(Quote(p.name), ": {", SampleFields(p.ms), ", \"allocations\": ", p.allocations,
+                                     ", \"what\": ", Quote(p.what), ", \"ratio\": ", Num(p.ratio),
+                                     ", \"target\": ", Quote(p.target), "}"));
+      }
+      absl::StrAppend(&j, ", \"in_process\": ",
+                      l.peers_skipped.empty() ? absl::StrCat("{", absl::StrJoin(peers, ", "), "}")
+                                              : absl::StrCat("{\"skipped\": ", Quote(l.peers_skipped), "}"));
     }
     j += "}";
   }
@@ -2258,6 +2636,11 @@ int main(int argc, char** argv) {
   app.add_option("--reps", o.reps, "Repetitions of each measurement")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  app.add_option("--deadline-s", o.deadline_s,
+                 "Start no lifecycle repetition after the first that would end more than this many seconds after "
+                 "the start, by the longest one so far (0: none); config.lifecycle_reps says how many ran")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 86400));
   app.add_option("--fragments", o.fragments, "Grows of the fragmented shape (default 16 on a GPU, 8 on host)");
   app.add_option("--compact-grows", o.compact_grows,
                  "Grows of equal size that fragment the compact line's pool of half --bytes (default 64 on a GPU, 8 "

@@ -10,10 +10,16 @@ trap 'rm -rf "$dir"' EXIT
 "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --compact-chunks-per-pause=8 --rpc-calls=200 \
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
-for line in grow attach sleep wake shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
+for line in grow attach grow_mapped sleep wake wake_mapped shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
   shrink_to_half control_rpc concurrent_resize_grow concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink \
   granule_design torch_zeros; do
   grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
+done
+for line in grow attach grow_mapped sleep wake wake_mapped shrink; do
+  for variant in after_release after_pause; do
+    grep -q "^  $line $variant in-process, kvd/in-process p50: single (1 allocation) p50 .*; per_segment (8 allocations) p50 " \
+      "$dir/table.txt" || { echo "no in-process row under $line $variant"; exit 1; }
+  done
 done
 python3 - "$dir/out.json" <<'PY'
 import json, math, sys
@@ -22,7 +28,8 @@ assert d["program"] == "kvd_bench" and d["device"]["backend"] == "host", d["devi
 for key in ("bytes", "segments", "chunks", "reps", "pause_ms", "compact_grows", "compact_bytes", "shrink_bytes"):
     assert d["config"][key] >= 0, key
 want = {("grow", v) for v in ("after_release", "after_pause")}
-want |= {(op, v) for op in ("attach", "sleep", "wake", "shrink") for v in ("after_release", "after_pause")}
+lifecycle = ("grow", "attach", "grow_mapped", "sleep", "wake", "wake_mapped", "shrink")
+want |= {(op, v) for op in lifecycle for v in ("after_release", "after_pause")}
 want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
          ("compact", "4_grows"), ("compact_pause", "4_grows"), ("compact_attach", "before_compact"),
          ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
@@ -46,6 +53,25 @@ for key, l in got.items():
         for v in [s["p50_ms"], s["p99_ms"]] + s["samples_ms"]:
             assert v is not None and v >= 0 and math.isfinite(v), (key, side, v)
     assert l["ratio"] is not None and l["ratio"] >= 0, (key, l["ratio"])
+# Every lifecycle line has both in-process peers, one sample per repetition, with a ratio; the issue-25
+# target (<= 1.2 of one allocation per segment, for a layer-outermost pool) on giving, releasing and taking
+# back the memory.
+assert d["config"]["reps"] == 3 and d["config"]["lifecycle_reps"] == 3 and d["config"]["deadline_s"] == 0, d["config"]
+for op in lifecycle:
+    for v in ("after_release", "after_pause"):
+        l = got[(op, v)]
+        peers = l["in_process"]
+        assert set(peers) == {"single", "per_segment"}, (op, v, peers.keys())
+        assert peers["single"]["allocations"] == 1 and peers["per_segment"]["allocations"] == d["config"]["segments"], peers
+        for name, p in peers.items():
+            assert p["n"] == l["kvd"]["n"] == 3 and len(p["samples_ms"]) == p["n"], (op, v, name, p)
+            for x in [p["p50_ms"], p["p99_ms"], p["ratio"]] + p["samples_ms"]:
+                assert x is not None and x >= 0 and math.isfinite(x), (op, v, name, x)
+            assert p["what"].startswith("in this process"), p["what"]
+            want_target = "<= 1.2" if name == "per_segment" and op in ("grow_mapped", "sleep", "wake_mapped") else ""
+            assert p["target"] == want_target, (op, v, name, p["target"])
+for key, l in got.items():
+    assert ("in_process" in l) == (key[0] in lifecycle), key
 # attach and sleep carry a per-phase breakdown on both sides, one sample per repetition.
 for op in ("attach", "sleep"):
     for v in ("after_release", "after_pause"):
@@ -100,6 +126,17 @@ assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "o
 assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
 assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
 PY
+# --deadline-s stops the lifecycle's repetitions (the first always runs) and says how many ran.
+"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --reps=200 --deadline-s=1 --sections=lifecycle --json \
+  >"$dir/deadline.json" 2>"$dir/deadline.txt"
+python3 - "$dir/deadline.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+n = d["config"]["lifecycle_reps"]
+assert d["config"]["reps"] == 200 and 1 <= n < 200, d["config"]
+assert all(l["kvd"]["n"] == n and l["baseline"]["n"] == n for l in d["lines"]), [(l["name"], l["kvd"]["n"]) for l in d["lines"]]
+PY
+grep -q "^lifecycle: [0-9]* of 200 repetitions ran (--deadline-s 1)" "$dir/deadline.txt"
 if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
   echo "an unknown section must fail"; exit 1
 fi
