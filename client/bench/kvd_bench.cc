@@ -926,6 +926,7 @@ struct Options {
   int compact_grows = 0;
   uint32_t compact_chunks_per_pause = 0;  // 0: the daemon's --compact-chunks-per-pause
   std::string sections = "all";
+  std::string layout = "LBHNC";
   int pause_ms = -1;
   int threads = 4;
   int rpc_calls = 0;
@@ -1072,7 +1073,8 @@ class Bench {
   bool gpu_ = false;
   DeviceStatus daemon_;
   DeviceInfo raw_info_;
-  uint64_t bytes_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
+  // layers_: the pool's L; segments_: its segments (one per layer under LBHNC, one under BLHNC).
+  uint64_t bytes_ = 0, layers_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
   int pause_ms_ = 0, fragments_ = 0, compact_grows_ = 0, free_timeout_ms_ = 10000;
   uint64_t compact_bytes_ = 0, shrink_bytes_ = 0;  // the pools of the compact and shrink_to_half lines
   std::set<std::string> sections_;                 // empty: all
@@ -1180,9 +1182,9 @@ absl::Status Bench::WaitFree(uint64_t before, uint64_t bytes) {
 
 absl::StatusOr<PoolInfo> Bench::CreatePool(const std::string& name, uint64_t blocks) {
   PoolOptions p{.name = prefix_ + name, .dims = kDims};
-  p.dims.layers = segments_;
+  p.dims.layers = layers_;
   p.dims.capacity_blocks = blocks;
-  p.layout.override_layout = "LBHNC";  // one segment per layer
+  p.layout.override_layout = o_.layout;
   KVD_ASSIGN_OR_RETURN(PoolInfo pool, client_->CreatePool(p));
   pools_.push_back(p.name);
   if (pool.geometry.segments != segments_) {
@@ -1601,7 +1603,7 @@ absl::Status Bench::Compact() {
   before.ratio_means = after.ratio_means = "kvd / grown once p50";
   after.target = "<= 1.5";
   KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_ / 2, 2.0));
-  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t blocks = bytes / (layers_ * kLayerBlockBytes);
   const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
   if (blocks < static_cast<uint64_t>(compact_grows_) * granule_blocks) {
     const std::string why = absl::StrCat("the device's free memory holds no pool of ", compact_grows_,
@@ -1609,7 +1611,7 @@ absl::Status Bench::Compact() {
     for (Line* l : {&compact, &pause, &before, &after}) l->skipped = why;
     return absl::OkStatus();
   }
-  compact_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  compact_bytes_ = blocks * layers_ * kLayerBlockBytes;
   KVD_ASSIGN_OR_RETURN(const PoolInfo frag, CreatePool("compact", blocks));
   KVD_ASSIGN_OR_RETURN(const PoolInfo once, CreatePool("once", blocks));
   auto attach = [&](const std::string& pool, uint64_t committed, bool pausable) -> absl::StatusOr<double> {
@@ -1736,7 +1738,7 @@ absl::Status Bench::ShrinkToHalf() {
       "map the new ones at the pool's address, free-count wait";
   l.target = "<= 1.2";
   KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_, 1.5));
-  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t blocks = bytes / (layers_ * kLayerBlockBytes);
   const uint64_t target = blocks / 2;
   if (target < daemon_.granularity_bytes / kLayerBlockBytes) {
     l.skipped = absl::StrCat(
@@ -1745,7 +1747,7 @@ absl::Status Bench::ShrinkToHalf() {
         FormatBytes(bytes), ")");
     return absl::OkStatus();
   }
-  shrink_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  shrink_bytes_ = blocks * layers_ * kLayerBlockBytes;
   KVD_ASSIGN_OR_RETURN(const PoolInfo pool, CreatePool("half", blocks));
   Plan grown_plan, shrunk_plan;
   uint64_t seed = 1000;
@@ -2249,8 +2251,12 @@ absl::Status Bench::Run() {
   }
 
   KVD_ASSIGN_OR_RETURN(bytes_, ParseBytes(o_.bytes.empty() ? (gpu_ ? "128GiB" : "256MiB") : o_.bytes, "--bytes"));
-  segments_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
-  blocks_ = bytes_ / (segments_ * kLayerBlockBytes);
+  layers_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
+  if (o_.layout != "LBHNC" && o_.layout != "BLHNC") {
+    return absl::InvalidArgumentError(absl::StrCat("--layout: \"", o_.layout, "\" is neither LBHNC nor BLHNC"));
+  }
+  segments_ = o_.layout == "LBHNC" ? layers_ : 1;
+  blocks_ = bytes_ / (layers_ * kLayerBlockBytes);
   fragments_ = o_.fragments ? o_.fragments : (gpu_ ? 16 : 8);
   compact_grows_ = o_.compact_grows ? o_.compact_grows : (gpu_ ? 64 : 8);
   pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
@@ -2273,6 +2279,16 @@ absl::Status Bench::Run() {
     }
     if (sections_.empty()) return absl::InvalidArgumentError("--sections: empty");
   }
+  // The other sections size their grows in granules of a segment per layer.
+  if (o_.layout != "LBHNC") {
+    for (const char* section : {"fragmented", "compact", "shrink_to_half", "concurrent", "bookkeeping"}) {
+      if (Want(section)) {
+        return absl::InvalidArgumentError(absl::StrCat("--layout: ", o_.layout, " measures the lifecycle, control_rpc, "
+                                                       "granule and torch sections only, not ", section,
+                                                       " (pass --sections=lifecycle)"));
+      }
+    }
+  }
   const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
   if (blocks_ < granule_blocks ||
       (Want("fragmented") && blocks_ < static_cast<uint64_t>(fragments_) * granule_blocks) ||
@@ -2281,7 +2297,7 @@ absl::Status Bench::Run() {
         absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
                      FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
   }
-  if (Want("compact") && bytes_ / 2 / (segments_ * kLayerBlockBytes) <
+  if (Want("compact") && bytes_ / 2 / (layers_ * kLayerBlockBytes) <
                              static_cast<uint64_t>(compact_grows_) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("--compact-grows: half of --bytes (", FormatBytes(bytes_ / 2),
                                                    ") over ", segments_, " segments is less than one granule (",
@@ -2293,9 +2309,10 @@ absl::Status Bench::Run() {
   KVD_ASSIGN_OR_RETURN(child_, Child::Spawn(backend_, daemon_.device_index, daemon_.granularity_bytes));
   KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("main", blocks_));
   pool_ = pool.name;
-  std::fprintf(stderr, "kvd_bench: %s %s, %s as %llu segments, pause %d ms, %d reps\n", backend_.c_str(),
-               daemon_.name.c_str(), FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_), pause_ms_,
-               o_.reps);
+  std::fprintf(stderr, "kvd_bench: %s %s, %s of %llu layers as %llu segments (%s), pause %d ms, %d reps\n",
+               backend_.c_str(), daemon_.name.c_str(), FormatBytes(bytes_).c_str(),
+               static_cast<unsigned long long>(layers_), static_cast<unsigned long long>(segments_), o_.layout.c_str(),
+               pause_ms_, o_.reps);
 
   // Warm-up (the second process's driver start, the daemon's first grow), and the chunk plan.
   KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
@@ -2384,7 +2401,7 @@ absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
   std::vector<InProcessSide> sides;
   if (in_process_ != nullptr) {
     sides.push_back({.name = "single", .plan = SinglePlan(plan)});
-    sides.push_back({.name = "per_segment", .plan = PerSegmentPlan(plan)});
+    if (segments_ > 1) sides.push_back({.name = "per_segment", .plan = PerSegmentPlan(plan)});
   }
   absl::Cleanup give_back = [&] {
     for (InProcessSide& side : sides) {
@@ -2458,13 +2475,12 @@ absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
 
 void Bench::Print(FILE* out) const {
   std::fprintf(out,
-               "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s as %llu segments (%llu chunks of up to %s), "
-               "%d reps, pause %d ms\n",
+               "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s of %llu layers as %llu segments (%s; %llu chunks "
+               "of up to %s), %d reps, pause %d ms\n",
                backend_.c_str(), daemon_.name.c_str(), daemon_.uuid.c_str(),
                daemon_.driver_version.empty() ? "-" : daemon_.driver_version.c_str(), daemon_.daemon_version.c_str(),
-               FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_),
-               static_cast<unsigned long long>(
-                   segments_ * ((pool_bytes_ / segments_ + max_chunk_ - 1) / std::max<uint64_t>(max_chunk_, 1))),
+               FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(layers_),
+               static_cast<unsigned long long>(segments_), o_.layout.c_str(), static_cast<unsigned long long>(chunks_),
                FormatBytes(max_chunk_).c_str(), o_.reps, pause_ms_);
   std::fprintf(out, "%-26s %-16s %9s %9s %9s %9s %7s %8s  %s\n", "line", "variant", "kvd p50", "kvd p99", "base p50",
                "base p99", "ratio", "target", "baseline; note");
@@ -2548,14 +2564,14 @@ std::string Bench::Json() const {
   std::string j = absl::StrFormat(
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
-      " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
+      " \"config\": {\"bytes\": %d, \"layers\": %d, \"segments\": %d, \"layout\": %s, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
       "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s, "
       "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
-      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
+      layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
       compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_,
       Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
   for (size_t i = 0; i < lines_.size(); ++i) {
@@ -2631,7 +2647,12 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "Device index")->capture_default_str();
   app.add_option("--budget", o.budget, "--budget of the kvd it starts")->capture_default_str();
   app.add_option("--bytes", o.bytes, "Pool size (default 128GiB on a GPU, 256MiB on host)");
-  app.add_option("--segments", o.segments, "Segments (layers) of the pool (default 80 on a GPU, 8 on host)");
+  app.add_option("--segments", o.segments,
+                 "Layers of the pool, one segment each under LBHNC (default 80 on a GPU, 8 on host)");
+  app.add_option("--layout", o.layout,
+                 "The pool's layout: LBHNC (layer-outermost, one segment per layer) or BLHNC (block-outermost, one "
+                 "segment; the lifecycle, control_rpc, granule and torch sections only)")
+      ->capture_default_str();
   app.add_option("--chunk", o.chunk, "--max-chunk of the kvd it starts (default: kvd's, 4GiB)");
   app.add_option("--reps", o.reps, "Repetitions of each measurement")
       ->capture_default_str()

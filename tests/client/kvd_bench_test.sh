@@ -126,6 +126,24 @@ assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "o
 assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
 assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
 PY
+# A block-outermost pool: one segment, so one in-process peer (one allocation), which carries the target.
+"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --chunk=16MiB --reps=1 --layout=BLHNC --sections=lifecycle --json \
+  >"$dir/blhnc.json" 2>"$dir/blhnc.txt"
+python3 - "$dir/blhnc.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+c = d["config"]
+assert c["layout"] == "BLHNC" and c["segments"] == 1 and c["layers"] == 8 and c["chunks"] == 4, c
+for l in d["lines"]:
+    peers = l["in_process"]
+    assert list(peers) == ["single"] and peers["single"]["allocations"] == 1 and peers["single"]["n"] == 1, (l["name"], peers)
+    want = "<= 1.2" if l["name"] in ("grow_mapped", "sleep", "wake_mapped") else ""
+    assert peers["single"]["target"] == want, (l["name"], peers["single"]["target"])
+PY
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --layout=BLHNC --sections=lifecycle,compact 2>"$dir/err"; then
+  echo "--layout=BLHNC with compact must fail"; exit 1
+fi
+grep -q -- "--layout: BLHNC measures the lifecycle" "$dir/err"
 # --deadline-s stops the lifecycle's repetitions (the first always runs) and says how many ran.
 "$bench" --kvd="$kvd" --backend=host --bytes=64MiB --reps=200 --deadline-s=1 --sections=lifecycle --json \
   >"$dir/deadline.json" 2>"$dir/deadline.txt"
