@@ -274,12 +274,21 @@ struct ChildState {
   std::unique_ptr<grpc::Server> ping_server;
 };
 
-absl::Status RawRelease(ChildState& c) {
+// Unmaps and releases every imported chunk, one after the other; `ns` (if given) gets the time spent in
+// each kind of call.
+absl::Status RawRelease(ChildState& c, int64_t* unmap_ns = nullptr, int64_t* release_ns = nullptr) {
+  int64_t unmapping = 0, releasing = 0;
   for (const auto& [offset, chunk] : c.raw_chunks) {
+    const int64_t t = NowNs();
     KVD_RETURN_IF_ERROR(c.raw->Unmap(c.raw_va + offset, chunk.bytes));
+    const int64_t unmapped = NowNs();
     KVD_RETURN_IF_ERROR(c.raw->Release(chunk));
+    unmapping += unmapped - t;
+    releasing += NowNs() - unmapped;
   }
   c.raw_chunks.clear();
+  if (unmap_ns != nullptr) *unmap_ns = unmapping;
+  if (release_ns != nullptr) *release_ns = releasing;
   return absl::OkStatus();
 }
 
@@ -399,7 +408,7 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     const int64_t reserved = NowNs();
     // Each message's FDs are imported (and closed) before the next is received: at most
     // kMaxFdsPerMessage FDs are open here at once, whatever the number of chunks.
-    int64_t receive_ns = 0, import_ns = 0;
+    int64_t receive_ns = 0, import_map_ns = 0, import_ns = 0, map_ns = 0;
     uint64_t imported = 0;
     while (imported < n) {
       int64_t t = NowNs();
@@ -420,29 +429,34 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
         if (!absl::SimpleAtoi(kv.first, &off) || !absl::SimpleAtoi(kv.second, &bytes)) {
           return absl::InvalidArgumentError(absl::StrCat("bad chunk ", parts[i + 1]));
         }
+        const int64_t start = NowNs();
         KVD_ASSIGN_OR_RETURN(Chunk chunk, c.raw->Import(fds[i], bytes));
         close(fds[i]);
         fds[i] = -1;
+        const int64_t got = NowNs();
         if (absl::Status s = c.raw->Map(c.raw_va + off, chunk, Access::kReadWrite); !s.ok()) {
           c.raw->Release(chunk).IgnoreError();
           return s;
         }
+        import_ns += got - start;
+        map_ns += NowNs() - got;
         c.raw_chunks.emplace_back(off, chunk);
       }
       imported += fds.size();
-      import_ns += NowNs() - t;
+      import_map_ns += NowNs() - t;
     }
     const int64_t mapped = NowNs();
     uint64_t word = 0;
     for (const auto& [offset, chunk] : c.raw_chunks) KVD_RETURN_IF_ERROR(c.reader->ReadWord(c.raw_va + offset, &word));
     const int64_t done = NowNs();
     return absl::StrCat("ok ", done, " received=", received, " reserve_ms=", (reserved - received) / 1e6,
-                        " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_ns / 1e6,
-                        " read_ms=", (done - mapped) / 1e6);
+                        " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_map_ns / 1e6,
+                        " import_ms=", import_ns / 1e6, " map_ms=", map_ns / 1e6, " read_ms=", (done - mapped) / 1e6);
   }
-  if (op == "raw-release") {
-    KVD_RETURN_IF_ERROR(RawRelease(c));
-    return absl::StrCat("ok ", NowNs());
+  if (op == "raw-release") {  // "ok DONE unmap_ms=MS release_ms=MS"
+    int64_t unmap_ns = 0, release_ns = 0;
+    KVD_RETURN_IF_ERROR(RawRelease(c, &unmap_ns, &release_ns));
+    return absl::StrCat("ok ", NowNs(), " unmap_ms=", unmap_ns / 1e6, " release_ms=", release_ns / 1e6);
   }
   if (op == "raw-detach") {
     KVD_RETURN_IF_ERROR(RawRelease(c));
@@ -922,6 +936,9 @@ struct Options {
   uint64_t segments = 0;
   int reps = 9;
   int deadline_s = 0;  // 0: none
+  bool chunk_sweep = false;
+  std::string sweep_bytes, sweep_sizes;
+  int sweep_reps = 3;
   int fragments = 0;
   int compact_grows = 0;
   uint32_t compact_chunks_per_pause = 0;  // 0: the daemon's --compact-chunks-per-pause
@@ -1020,12 +1037,50 @@ double Slope(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The chunk-size sweep (--chunk-sweep; docs/benchmarks.md, "Chunk size"): the same bytes as chunks of each
+// size through kvd::Device, the calls the daemon and an engine make, with no daemon in between.
+
+// The sweep's phases, in the order they happen, and their sums.
+constexpr const char* kSweepPhases[] = {"create",         "map",     "export",   "import", "import_map",
+                                        "import_release", "release", "free_wait"};
+struct SweepGroup {
+  const char* name;
+  std::vector<const char*> phases;
+};
+const std::vector<SweepGroup>& SweepGroups() {
+  static const auto* groups = new std::vector<SweepGroup>{
+      {"grow", {"create", "map", "export"}},
+      {"attach", {"import", "import_map"}},
+      {"release_all", {"import_release", "release", "free_wait"}},
+      {"total", {"create", "map", "export", "import", "import_map", "import_release", "release", "free_wait"}}};
+  return *groups;
+}
+
+struct SweepSize {
+  uint64_t chunk_bytes = 0, handles = 0;
+  std::string skipped;
+  // variant ("after_release", "after_pause") -> phase or group -> samples (ms)
+  std::map<std::string, std::map<std::string, std::vector<double>>> ms;
+  // The scrub: create's p50 after a release less its p50 after a pause (ms; derived, not timed).
+  double scrub_ms() const {
+    auto at = [&](const char* variant) -> double {
+      auto v = ms.find(variant);
+      if (v == ms.end()) return NAN;
+      auto p = v->second.find("create");
+      return p == v->second.end() ? NAN : P50(p->second);
+    };
+    return at("after_release") - at("after_pause");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // The benchmark.
 
 class Bench {
  public:
   explicit Bench(Options o) : o_(std::move(o)) {}
   ~Bench() { Stop(); }
+  // The whole path, or with --chunk-sweep the chunk-size sweep.
   absl::Status Run();
   void Print(FILE* out) const;
   std::string Json() const;
@@ -1067,6 +1122,12 @@ class Bench {
   absl::Status MeasureBookkeeping();
   absl::Status Granule();
   absl::Status Torch();
+  // The pause and the free-count wait's bounds for a device of granularity `g`.
+  absl::Status SetWaits(uint64_t g);
+  absl::Status ChunkSweep();
+  absl::Status SweepRound(SweepSize& r, uint64_t va, bool paused, bool record);
+  void PrintSweep(FILE* out) const;
+  std::string SweepJson() const;
 
   Options o_;
   std::string backend_;
@@ -1095,6 +1156,8 @@ class Bench {
   uint64_t free_timeouts_ = 0;
   std::string torch_version_;
   int64_t deadline_ns_ = 0;  // 0: none (--deadline-s)
+  uint64_t sweep_bytes_ = 0;
+  std::vector<SweepSize> sweep_;
   int lifecycle_reps_ = 0;   // repetitions of the lifecycle that ran
 };
 
@@ -2222,8 +2285,18 @@ absl::Status Bench::Torch() {
   return absl::OkStatus();
 }
 
+absl::Status Bench::SetWaits(uint64_t g) {
+  pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
+  free_timeout_ms_ = gpu_ ? 10000 : 2000;
+  KVD_ASSIGN_OR_RETURN(slack_,
+                       ParseBytes(o_.free_slack.empty() ? (gpu_ ? "0" : "8MiB") : o_.free_slack, "--free-slack"));
+  slack_ = std::max(slack_, g);
+  return absl::OkStatus();
+}
+
 absl::Status Bench::Run() {
   if (o_.deadline_s > 0) deadline_ns_ = NowNs() + int64_t{o_.deadline_s} * 1'000'000'000;
+  if (o_.chunk_sweep) return ChunkSweep();
   if (o_.socket.empty()) {
     KVD_RETURN_IF_ERROR(StartDaemon());
   } else {
@@ -2259,11 +2332,7 @@ absl::Status Bench::Run() {
   blocks_ = bytes_ / (layers_ * kLayerBlockBytes);
   fragments_ = o_.fragments ? o_.fragments : (gpu_ ? 16 : 8);
   compact_grows_ = o_.compact_grows ? o_.compact_grows : (gpu_ ? 64 : 8);
-  pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
-  free_timeout_ms_ = gpu_ ? 10000 : 2000;
-  KVD_ASSIGN_OR_RETURN(slack_,
-                       ParseBytes(o_.free_slack.empty() ? (gpu_ ? "0" : "8MiB") : o_.free_slack, "--free-slack"));
-  slack_ = std::max(slack_, daemon_.granularity_bytes);
+  KVD_RETURN_IF_ERROR(SetWaits(daemon_.granularity_bytes));
   if (o_.bookkeeping_bytes.empty()) o_.bookkeeping_bytes = gpu_ ? "16GiB" : "1GiB";
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
@@ -2474,6 +2543,7 @@ absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
 }
 
 void Bench::Print(FILE* out) const {
+  if (o_.chunk_sweep) return PrintSweep(out);
   std::fprintf(out,
                "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s of %llu layers as %llu segments (%s; %llu chunks "
                "of up to %s), %d reps, pause %d ms\n",
@@ -2561,6 +2631,7 @@ std::string SampleFields(const std::vector<double>& v) {
 std::string Samples(const std::vector<double>& v) { return absl::StrCat("{", SampleFields(v), "}"); }
 
 std::string Bench::Json() const {
+  if (o_.chunk_sweep) return SweepJson();
   std::string j = absl::StrFormat(
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
@@ -2627,6 +2698,245 @@ std::string Bench::Json() const {
   return j;
 }
 
+// One round of the sweep at `size`: every chunk created, then mapped (+ access), then exported here; the
+// FDs passed to the second process, which receives, imports (closing each FD) and maps every one; the
+// importer unmaps and releases each, then this process does; then the free-count wait. Timed per phase.
+absl::Status Bench::SweepRound(SweepSize& r, uint64_t va, bool paused, bool record) {
+  Device& d = *raw_;
+  const uint64_t n = r.handles, size = r.chunk_bytes;
+  std::vector<Chunk> chunks;
+  std::vector<int> fds;
+  uint64_t mapped = 0;
+  absl::Cleanup undo = [&] {
+    for (int fd : fds) close(fd);
+    for (uint64_t i = 0; i < mapped; ++i) d.Unmap(va + i * size, size).IgnoreError();
+    for (const Chunk& c : chunks) d.Release(c).IgnoreError();
+  };
+  chunks.reserve(n);
+  fds.reserve(n);
+  if (paused) Pause();
+  const int64_t t0 = NowNs();
+  for (uint64_t i = 0; i < n; ++i) {
+    KVD_ASSIGN_OR_RETURN(const Chunk c, d.Create(size));
+    chunks.push_back(c);
+  }
+  const int64_t t1 = NowNs();
+  for (; mapped < n; ++mapped) KVD_RETURN_IF_ERROR(d.Map(va + mapped * size, chunks[mapped], Access::kReadWrite));
+  const int64_t t2 = NowNs();
+  for (const Chunk& c : chunks) {
+    KVD_ASSIGN_OR_RETURN(const int fd, d.Export(c));
+    fds.push_back(fd);
+  }
+  const int64_t t3 = NowNs();
+  KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), absl::StrCat("raw-attach ", n * size, " ", n), {}));
+  for (uint64_t i = 0; i < n; i += kMaxFdsPerMessage) {
+    const uint64_t count = std::min<uint64_t>(kMaxFdsPerMessage, n - i);
+    std::string text = "chunks";
+    for (uint64_t j = i; j < i + count; ++j) absl::StrAppend(&text, " ", j * size, ":", size);
+    KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), text, absl::MakeConstSpan(fds).subspan(i, count)));
+  }
+  std::map<std::string, std::string> attached;
+  KVD_RETURN_IF_ERROR(child_->TimedReply("raw-attach", t3, &attached).status());
+  for (int fd : fds) close(fd);
+  fds.clear();
+  KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+  KVD_ASSIGN_OR_RETURN(const std::vector<std::string> released, child_->Call("raw-release"));
+  const std::map<std::string, std::string> importer = Child::KeyValues(released);
+  const int64_t t4 = NowNs();
+  for (; mapped > 0; --mapped) KVD_RETURN_IF_ERROR(d.Unmap(va + (mapped - 1) * size, size));
+  for (const Chunk& c : chunks) KVD_RETURN_IF_ERROR(d.Release(c));
+  chunks.clear();
+  const int64_t t5 = NowNs();
+  KVD_RETURN_IF_ERROR(WaitFree(before, n * size));
+  const int64_t t6 = NowNs();
+  if (!record) return absl::OkStatus();
+  std::map<std::string, std::vector<double>>& out = r.ms[paused ? "after_pause" : "after_release"];
+  const std::map<std::string, double> phase = {
+      {"create", Between(t0, t1)},
+      {"map", Between(t1, t2)},
+      {"export", Between(t2, t3)},
+      {"import", MsOf(attached, "fd_receive_ms") + MsOf(attached, "import_ms")},
+      {"import_map", MsOf(attached, "map_ms")},
+      {"import_release", MsOf(importer, "unmap_ms") + MsOf(importer, "release_ms")},
+      {"release", Between(t4, t5)},
+      {"free_wait", Between(t5, t6)}};
+  for (const auto& [name, ms] : phase) out[name].push_back(ms);
+  for (const SweepGroup& g : SweepGroups()) {
+    double sum = 0;
+    for (const char* p : g.phases) sum += phase.at(p);
+    out[g.name].push_back(sum);
+  }
+  return absl::OkStatus();
+}
+
+// The chunk sizes of --sweep-sizes against --sweep-bytes, each: a warm-up round (after a pause), then
+// --sweep-reps times a round right after the previous one's release and a round after --pause-ms.
+absl::Status Bench::ChunkSweep() {
+  if (!o_.socket.empty()) {
+    return absl::InvalidArgumentError("--chunk-sweep: measures the device layer alone; it takes no --socket");
+  }
+  KVD_ASSIGN_OR_RETURN(raw_, OpenDevice({.backend = o_.backend, .index = o_.device}));
+  KVD_ASSIGN_OR_RETURN(raw_info_, raw_->Info());
+  backend_ = BackendName(raw_info_.backend);
+  gpu_ = backend_ != "host";
+  const uint64_t g = raw_->granularity();
+  KVD_RETURN_IF_ERROR(SetWaits(g));
+  KVD_ASSIGN_OR_RETURN(sweep_bytes_, ParseBytes(o_.sweep_bytes.empty() ? (gpu_ ? "32GiB" : "256MiB") : o_.sweep_bytes,
+                                                "--sweep-bytes"));
+  const std::string sizes = o_.sweep_sizes.empty()
+                                ? (gpu_ ? "2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB" : "2MiB,8MiB,32MiB,128MiB")
+                                : o_.sweep_sizes;
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  for (absl::string_view text : absl::StrSplit(sizes, ',', absl::SkipEmpty())) {
+    KVD_ASSIGN_OR_RETURN(const uint64_t size, ParseBytes(text, "--sweep-sizes"));
+    if (size == 0 || size % g != 0 || sweep_bytes_ % size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--sweep-sizes: ", FormatBytes(size),
+                                                     " is not a multiple of the granularity ", FormatBytes(g),
+                                                     " that divides --sweep-bytes ", FormatBytes(sweep_bytes_)));
+    }
+    const uint64_t n = sweep_bytes_ / size;
+    if (n + 256 > files.rlim_cur) {  // every chunk's FD is open here at once, and a batch in the second process
+      return absl::InvalidArgumentError(absl::StrCat("--sweep-bytes: ", FormatBytes(sweep_bytes_), " as ",
+                                                     FormatBytes(size), " chunks needs ", n,
+                                                     " FDs at once; the open-file limit is ", files.rlim_cur));
+    }
+    sweep_.push_back({.chunk_bytes = size, .handles = n});
+  }
+  if (sweep_.empty()) return absl::InvalidArgumentError("--sweep-sizes: empty");
+  std::fprintf(stderr, "kvd_bench: chunk sweep, backend %s %s, %s per round, %d reps, pause %d ms\n", backend_.c_str(),
+               raw_info_.name.c_str(), FormatBytes(sweep_bytes_).c_str(), o_.sweep_reps, pause_ms_);
+  KVD_ASSIGN_OR_RETURN(child_, Child::Spawn(backend_, o_.device, g));
+  KVD_ASSIGN_OR_RETURN(const uint64_t va, raw_->Reserve(sweep_bytes_));
+  absl::Cleanup free_va = [&] { raw_->Free(va, sweep_bytes_).IgnoreError(); };
+  int64_t longest = 0;
+  for (SweepSize& r : sweep_) {
+    if (deadline_ns_ > 0 && NowNs() + longest > deadline_ns_) {
+      r.skipped = absl::StrCat("--deadline-s ", o_.deadline_s, ": no time left for it");
+      continue;
+    }
+    std::fprintf(stderr, "kvd_bench: chunk sweep, %s x %llu\n", FormatBytes(r.chunk_bytes).c_str(),
+                 static_cast<unsigned long long>(r.handles));
+    const int64_t started = NowNs();
+    KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/true, /*record=*/false));
+    for (int rep = 0; rep < o_.sweep_reps; ++rep) {
+      KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/false, /*record=*/true));
+      KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/true, /*record=*/true));
+    }
+    KVD_RETURN_IF_ERROR(child_->Call("raw-detach").status());
+    longest = std::max(longest, NowNs() - started);
+  }
+  return absl::OkStatus();
+}
+
+// Per GiB (ms) and per handle (us) of a p50 in ms.
+double PerGib(double ms, uint64_t bytes) { return ms / (static_cast<double>(bytes) / (uint64_t{1} << 30)); }
+double PerHandle(double ms, uint64_t handles) { return ms * 1e3 / static_cast<double>(handles); }
+
+// The fastest size of each group and variant, by p50 per GiB; 0 when no size ran.
+uint64_t Fastest(const std::vector<SweepSize>& sweep, const std::string& variant, const std::string& group) {
+  uint64_t best = 0;
+  double best_ms = INFINITY;
+  for (const SweepSize& r : sweep) {
+    if (!r.skipped.empty()) continue;
+    const double ms = P50(r.ms.at(variant).at(group));
+    if (ms < best_ms) best = r.chunk_bytes, best_ms = ms;
+  }
+  return best;
+}
+
+void Bench::PrintSweep(FILE* out) const {
+  std::fprintf(out,
+               "kvd_bench --chunk-sweep: backend %s, %s (%s), driver %s; %s per round through kvd::Device (create, "
+               "map, export here; import, map in a second process), %d reps, pause %d ms\n",
+               backend_.c_str(), raw_info_.name.c_str(), raw_info_.uuid.c_str(),
+               raw_info_.driver_version.empty() ? "-" : raw_info_.driver_version.c_str(),
+               FormatBytes(sweep_bytes_).c_str(), o_.sweep_reps, pause_ms_);
+  std::vector<std::string> columns;
+  for (const char* p : kSweepPhases) columns.push_back(p);
+  for (const SweepGroup& g : SweepGroups()) columns.push_back(g.name);
+  for (const bool per_handle : {false, true}) {
+    std::fprintf(out, "%s\n%-10s %8s %-14s", per_handle ? "p50 us per handle:" : "p50 ms per GiB:", "chunk", "handles",
+                 "variant");
+    for (const std::string& c : columns) std::fprintf(out, " %*s", std::max<int>(9, c.size()), c.c_str());
+    std::fprintf(out, "\n");
+    for (const SweepSize& r : sweep_) {
+      if (!r.skipped.empty()) {
+        std::fprintf(out, "%-10s %8llu skipped: %s\n", FormatBytes(r.chunk_bytes).c_str(),
+                     static_cast<unsigned long long>(r.handles), r.skipped.c_str());
+        continue;
+      }
+      auto scale = [&](double ms) { return per_handle ? PerHandle(ms, r.handles) : PerGib(ms, sweep_bytes_); };
+      for (const char* variant : {"after_release", "after_pause"}) {
+        std::fprintf(out, "%-10s %8llu %-14s", FormatBytes(r.chunk_bytes).c_str(),
+                     static_cast<unsigned long long>(r.handles), variant);
+        for (const std::string& c : columns) {
+          std::fprintf(out, " %*.3f", std::max<int>(9, c.size()), scale(P50(r.ms.at(variant).at(c))));
+        }
+        std::fprintf(out, "\n");
+      }
+      std::fprintf(out, "%-10s %8llu %-14s %*.3f  (create after a release - after a pause)\n",
+                   FormatBytes(r.chunk_bytes).c_str(), static_cast<unsigned long long>(r.handles), "scrub", 9,
+                   scale(r.scrub_ms()));
+    }
+  }
+  for (const char* variant : {"after_release", "after_pause"}) {
+    std::vector<std::string> parts;
+    for (const SweepGroup& g : SweepGroups()) {
+      const uint64_t best = Fastest(sweep_, variant, g.name);
+      parts.push_back(absl::StrCat(g.name, " ", best == 0 ? "-" : FormatBytes(best)));
+    }
+    std::fprintf(out, "fastest per GiB, %s: %s\n", variant, absl::StrJoin(parts, ", ").c_str());
+  }
+  if (free_timeouts_ > 0) {
+    std::fprintf(out, "warning: the free count did not come back within %d ms %llu times (timed as that)\n",
+                 free_timeout_ms_, static_cast<unsigned long long>(free_timeouts_));
+  }
+}
+
+std::string Bench::SweepJson() const {
+  std::vector<std::string> sizes;
+  for (const SweepSize& r : sweep_) {
+    std::string j = absl::StrCat("{\"chunk_bytes\": ", r.chunk_bytes, ", \"handles\": ", r.handles);
+    if (!r.skipped.empty()) {
+      sizes.push_back(absl::StrCat(j, ", \"skipped\": ", Quote(r.skipped), "}"));
+      continue;
+    }
+    auto stats = [&](const std::vector<double>& v) {
+      return absl::StrCat("{", SampleFields(v), ", \"per_gib_ms\": ", Num(PerGib(P50(v), sweep_bytes_)),
+                          ", \"per_handle_us\": ", Num(PerHandle(P50(v), r.handles)), "}");
+    };
+    for (const char* variant : {"after_release", "after_pause"}) {
+      std::vector<std::string> parts;
+      for (const auto& [name, v] : r.ms.at(variant)) parts.push_back(absl::StrCat(Quote(name), ": ", stats(v)));
+      absl::StrAppend(&j, ", ", Quote(variant), ": {", absl::StrJoin(parts, ", "), "}");
+    }
+    const double scrub = r.scrub_ms();
+    absl::StrAppend(&j, ", \"scrub\": {\"ms\": ", Num(scrub), ", \"per_gib_ms\": ", Num(PerGib(scrub, sweep_bytes_)),
+                    ", \"per_handle_us\": ", Num(PerHandle(scrub, r.handles)), "}}");
+    sizes.push_back(j);
+  }
+  std::vector<std::string> fastest;
+  for (const char* variant : {"after_release", "after_pause"}) {
+    std::vector<std::string> parts;
+    for (const SweepGroup& g : SweepGroups()) {
+      parts.push_back(absl::StrCat(Quote(g.name), ": ", Fastest(sweep_, variant, g.name)));
+    }
+    fastest.push_back(absl::StrCat(Quote(variant), ": {", absl::StrJoin(parts, ", "), "}"));
+  }
+  std::vector<std::string> size_list;
+  for (const SweepSize& r : sweep_) size_list.push_back(absl::StrCat(r.chunk_bytes));
+  return absl::StrFormat(
+      "{\"program\": \"kvd_bench\", \"mode\": \"chunk_sweep\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": "
+      "%s, \"driver_version\": %s, \"total_bytes\": %d, \"granularity\": %d},\n \"config\": {\"bytes\": %d, \"reps\": "
+      "%d, \"pause_ms\": %d, \"chunk_sizes\": [%s], \"free_timeouts\": %d, \"deadline_s\": %d},\n \"sizes\": [\n  %s],\n"
+      " \"fastest\": {%s}}\n",
+      Quote(backend_), Quote(raw_info_.name), Quote(raw_info_.uuid), Quote(raw_info_.driver_version),
+      raw_info_.total_bytes, raw_info_.granularity, sweep_bytes_, o_.sweep_reps, pause_ms_,
+      absl::StrJoin(size_list, ", "), free_timeouts_, o_.deadline_s, absl::StrJoin(sizes, ",\n  "),
+      absl::StrJoin(fastest, ", "));
+}
+
 }  // namespace
 }  // namespace kvd
 
@@ -2689,6 +2999,16 @@ int main(int argc, char** argv) {
   app.add_flag("--torch,!--no-torch", o.torch, "Compare with torch.zeros when python3 imports torch (CUDA)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "One JSON document on stdout (the table goes to stderr)");
+  app.add_flag("--chunk-sweep", o.chunk_sweep,
+               "Instead of the rest: time create, map, export, import, map and release of --sweep-bytes as chunks of "
+               "each --sweep-sizes through the device layer, after a release and after --pause-ms (no kvd)");
+  app.add_option("--sweep-bytes", o.sweep_bytes, "Bytes of every round of the chunk sweep (default 32GiB / 256MiB)");
+  app.add_option("--sweep-sizes", o.sweep_sizes,
+                 "Chunk sizes of the sweep, comma-separated (default 2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,"
+                 "16GiB on a GPU; 2MiB,8MiB,32MiB,128MiB on host)");
+  app.add_option("--sweep-reps", o.sweep_reps, "Repetitions of each variant of each size in the chunk sweep")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   app.add_option("--child-fd", o.child_fd, "internal: run as the second process on this socket")->group("");
   app.add_option("--child-granularity", o.child_granularity, "internal")->group("");
   CLI11_PARSE(app, argc, argv);

@@ -155,6 +155,47 @@ assert d["config"]["reps"] == 200 and 1 <= n < 200, d["config"]
 assert all(l["kvd"]["n"] == n and l["baseline"]["n"] == n for l in d["lines"]), [(l["name"], l["kvd"]["n"]) for l in d["lines"]]
 PY
 grep -q "^lifecycle: [0-9]* of 200 repetitions ran (--deadline-s 1)" "$dir/deadline.txt"
+# The chunk sweep: every size, both variants, every phase and sum, per GiB and per handle; the scrub; the
+# fastest size of each sum is one of the sizes.
+"$bench" --backend=host --chunk-sweep --sweep-bytes=64MiB --sweep-sizes=2MiB,8MiB,32MiB --sweep-reps=2 --json \
+  >"$dir/sweep.json" 2>"$dir/sweep.txt"
+cat "$dir/sweep.txt"
+for size in "2.00 MiB  *32" "8.00 MiB  *8" "32.0 MiB  *2"; do
+  for variant in after_release after_pause scrub; do
+    [[ $(grep -c "^$size $variant " "$dir/sweep.txt") == 2 ]] || { echo "no $size $variant rows in both sweep tables"; exit 1; }
+  done
+done
+grep -q "^fastest per GiB, after_pause: grow .*, attach .*, release_all .*, total " "$dir/sweep.txt"
+python3 - "$dir/sweep.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+assert d["program"] == "kvd_bench" and d["mode"] == "chunk_sweep" and d["device"]["backend"] == "host", d["device"]
+c = d["config"]
+sizes = [2 << 20, 8 << 20, 32 << 20]
+assert c["bytes"] == 64 << 20 and c["reps"] == 2 and c["chunk_sizes"] == sizes, c
+assert [s["chunk_bytes"] for s in d["sizes"]] == sizes, d["sizes"]
+phases = {"create", "map", "export", "import", "import_map", "import_release", "release", "free_wait"}
+sums = {"grow", "attach", "release_all", "total"}
+finite = lambda x: x is not None and math.isfinite(x)
+for s in d["sizes"]:
+    assert "skipped" not in s and s["handles"] == c["bytes"] // s["chunk_bytes"], s
+    for v in ("after_release", "after_pause"):
+        assert set(s[v]) == phases | sums, (s["chunk_bytes"], v, s[v].keys())
+        for name, p in s[v].items():
+            assert p["n"] == 2 and len(p["samples_ms"]) == 2, (s["chunk_bytes"], v, name, p)
+            for x in p["samples_ms"] + [p["p50_ms"], p["p99_ms"], p["per_gib_ms"], p["per_handle_us"]]:
+                assert finite(x) and x >= 0, (s["chunk_bytes"], v, name, x)
+        total = sum(s[v][p]["samples_ms"][0] for p in phases)
+        assert abs(total - s[v]["total"]["samples_ms"][0]) < 1e-3 * max(1, total), (s["chunk_bytes"], v, total)
+    assert all(finite(s["scrub"][k]) for k in ("ms", "per_gib_ms", "per_handle_us")), s["scrub"]
+for v in ("after_release", "after_pause"):
+    assert set(d["fastest"][v]) == sums and all(x in sizes for x in d["fastest"][v].values()), d["fastest"]
+print("kvd_bench chunk sweep JSON: %d sizes complete" % len(d["sizes"]))
+PY
+if "$bench" --backend=host --chunk-sweep --sweep-bytes=64MiB --sweep-sizes=2MiB,3MiB 2>"$dir/err"; then
+  echo "a chunk size off the granularity must fail"; exit 1
+fi
+grep -q -- "--sweep-sizes: 3.00 MiB is not a multiple of the granularity" "$dir/err"
 if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
   echo "an unknown section must fail"; exit 1
 fi
