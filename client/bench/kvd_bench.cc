@@ -1158,7 +1158,7 @@ class Bench {
   int64_t deadline_ns_ = 0;  // 0: none (--deadline-s)
   uint64_t sweep_bytes_ = 0;
   std::vector<SweepSize> sweep_;
-  int lifecycle_reps_ = 0;   // repetitions of the lifecycle that ran
+  int lifecycle_reps_ = 0;  // repetitions of the lifecycle that ran
 };
 
 absl::Status Bench::StartDaemon() {
@@ -1406,8 +1406,8 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(raw.Grow());
   add("wake", MsSince(t));
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));  // the importer maps again, as kvd's follower does
-  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply("raw-attach", t));
-  add("wake_mapped", ms);
+  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply("raw-attach", t, &parts));
+  add("wake_mapped", ms - MsOf(parts, "read_ms"));  // until mapped: kvd's follower reads nothing either
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
@@ -2352,9 +2352,9 @@ absl::Status Bench::Run() {
   if (o_.layout != "LBHNC") {
     for (const char* section : {"fragmented", "compact", "shrink_to_half", "concurrent", "bookkeeping"}) {
       if (Want(section)) {
-        return absl::InvalidArgumentError(absl::StrCat("--layout: ", o_.layout, " measures the lifecycle, control_rpc, "
-                                                       "granule and torch sections only, not ", section,
-                                                       " (pass --sections=lifecycle)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--layout: ", o_.layout, " measures the lifecycle, control_rpc, granule and torch sections only, not ",
+            section, " (pass --sections=lifecycle)"));
       }
     }
   }
@@ -2635,16 +2635,17 @@ std::string Bench::Json() const {
   std::string j = absl::StrFormat(
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
-      " \"config\": {\"bytes\": %d, \"layers\": %d, \"segments\": %d, \"layout\": %s, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
+      " \"config\": {\"bytes\": %d, \"layers\": %d, \"segments\": %d, \"layout\": %s, \"chunks\": %d, "
+      "\"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
       "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s, "
       "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
-      layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
-      compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_,
-      Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
+      layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_,
+      o_.compact_chunks_per_pause, compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_),
+      free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -2781,11 +2782,11 @@ absl::Status Bench::ChunkSweep() {
   gpu_ = backend_ != "host";
   const uint64_t g = raw_->granularity();
   KVD_RETURN_IF_ERROR(SetWaits(g));
-  KVD_ASSIGN_OR_RETURN(sweep_bytes_, ParseBytes(o_.sweep_bytes.empty() ? (gpu_ ? "32GiB" : "256MiB") : o_.sweep_bytes,
-                                                "--sweep-bytes"));
-  const std::string sizes = o_.sweep_sizes.empty()
-                                ? (gpu_ ? "2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB" : "2MiB,8MiB,32MiB,128MiB")
-                                : o_.sweep_sizes;
+  KVD_ASSIGN_OR_RETURN(
+      sweep_bytes_, ParseBytes(o_.sweep_bytes.empty() ? (gpu_ ? "32GiB" : "256MiB") : o_.sweep_bytes, "--sweep-bytes"));
+  const std::string sizes = o_.sweep_sizes.empty() ? (gpu_ ? "2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB"
+                                                           : "2MiB,8MiB,32MiB,128MiB")
+                                                   : o_.sweep_sizes;
   rlimit files{};
   getrlimit(RLIMIT_NOFILE, &files);
   for (absl::string_view text : absl::StrSplit(sizes, ',', absl::SkipEmpty())) {
@@ -2929,7 +2930,8 @@ std::string Bench::SweepJson() const {
   return absl::StrFormat(
       "{\"program\": \"kvd_bench\", \"mode\": \"chunk_sweep\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": "
       "%s, \"driver_version\": %s, \"total_bytes\": %d, \"granularity\": %d},\n \"config\": {\"bytes\": %d, \"reps\": "
-      "%d, \"pause_ms\": %d, \"chunk_sizes\": [%s], \"free_timeouts\": %d, \"deadline_s\": %d},\n \"sizes\": [\n  %s],\n"
+      "%d, \"pause_ms\": %d, \"chunk_sizes\": [%s], \"free_timeouts\": %d, \"deadline_s\": %d},\n \"sizes\": [\n  "
+      "%s],\n"
       " \"fastest\": {%s}}\n",
       Quote(backend_), Quote(raw_info_.name), Quote(raw_info_.uuid), Quote(raw_info_.driver_version),
       raw_info_.total_bytes, raw_info_.granularity, sweep_bytes_, o_.sweep_reps, pause_ms_,
