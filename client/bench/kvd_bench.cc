@@ -5,7 +5,9 @@
 // released between repetitions:
 //   kvd   libkvd against the daemon: Grow, a second process's Attach, Sleep, Wake, Shrink;
 //   raw   the same chunk plan (the daemon's own chunk table) through kvd::Device in a bare pair of
-//         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there.
+//         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there;
+//   in-process  the peers an engine would use instead (torch_memory_saver): one allocation of all the
+//         bytes, and one per segment, created, mapped and released in this process, nothing shared.
 // Each lifecycle op runs "after_release" (right after the previous release: the driver may still be
 // scrubbing) and "after_pause" (--pause-ms first). Then the fragmented shape, Compact of a pool grown in
 // many steps and an exact Shrink to half (each with a pausable second process checking a pattern, against
@@ -13,7 +15,9 @@
 // (idle, during another pool's grow, next to a bare gRPC ping served by the second process), resizes
 // of several pools at once against one pool at a time, the daemon's bookkeeping per chunk and per pool,
 // and the alternatives: one handle per granule and (CUDA, when importable) torch.zeros.
-// A table goes to stdout; with --json one JSON document goes to stdout and the table to stderr.
+// --chunk-sweep instead times the device calls alone (create, map, export, import, map, release) against
+// the chunk size, with no kvd. A table goes to stdout; with --json one JSON document goes to stdout and
+// the table to stderr.
 // A line that cannot run says why ("skipped"); no number is ever made up.
 #include <dirent.h>
 #include <fcntl.h>
@@ -857,6 +861,7 @@ struct Peer {
   std::vector<double> ms;
   std::string target;  // on kvd p50 / this p50
   double ratio = NAN;
+  std::string skipped;
 };
 
 struct Line {
@@ -2448,7 +2453,9 @@ absl::Status Bench::Run() {
   }
   for (Line& l : lines_) {
     if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
-    for (Peer& p : l.peers) p.ratio = P50(l.kvd) / P50(p.ms);
+    for (Peer& p : l.peers) {
+      if (p.skipped.empty()) p.ratio = P50(l.kvd) / P50(p.ms);
+    }
   }
   return absl::OkStatus();
 }
@@ -2521,10 +2528,19 @@ absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
   std::vector<std::function<absl::Status(bool, bool)>> cycles = {
       [&](bool paused, bool record) { return KvdCycle(paused, record); },
       [&](bool paused, bool record) { return RawCycle(raw, paused, record); }};
+  for (auto& cycle : cycles) KVD_RETURN_IF_ERROR(cycle(false, false));  // warm-up
+  // A peer whose warm-up fails (the driver refuses one allocation of all the bytes, say) is left out and
+  // says why in every line; the rest of the run goes on.
   for (InProcessSide& side : sides) {
+    if (absl::Status s = InProcessCycle(side, false, false); !s.ok()) {
+      ReleaseInProcess(side).IgnoreError();
+      for (Line& l : lines_) {
+        if (l.lifecycle) l.PeerNamed(side.name).skipped = s.ToString();
+      }
+      continue;
+    }
     cycles.push_back([&, s = &side](bool paused, bool record) { return InProcessCycle(*s, paused, record); });
   }
-  for (auto& cycle : cycles) KVD_RETURN_IF_ERROR(cycle(false, false));  // warm-up
   int64_t longest = 0;
   for (int rep = 0; rep < o_.reps; ++rep) {
     if (rep > 0 && deadline_ns_ > 0 && NowNs() + longest > deadline_ns_) {
@@ -2581,6 +2597,10 @@ void Bench::Print(FILE* out) const {
     }
     std::vector<std::string> parts;
     for (const Peer& p : l.peers) {
+      if (!p.skipped.empty()) {
+        parts.push_back(absl::StrCat(p.name, " skipped: ", p.skipped));
+        continue;
+      }
       parts.push_back(absl::StrFormat("%s (%d allocation%s) p50 %.3f p99 %.3f ratio %.2f%s", p.name, p.allocations,
                                       p.allocations == 1 ? "" : "s", P50(p.ms), P99(p.ms), p.ratio,
                                       p.target.empty() ? "" : absl::StrCat(" (target ", p.target, ")")));
@@ -2669,6 +2689,10 @@ std::string Bench::Json() const {
     if (l.lifecycle) {
       std::vector<std::string> peers;
       for (const Peer& p : l.peers) {
+        if (!p.skipped.empty()) {
+          peers.push_back(absl::StrCat(Quote(p.name), ": {\"skipped\": ", Quote(p.skipped), "}"));
+          continue;
+        }
         peers.push_back(absl::StrCat(Quote(p.name), ": {", SampleFields(p.ms), ", \"allocations\": ", p.allocations,
                                      ", \"what\": ", Quote(p.what), ", \"ratio\": ", Num(p.ratio),
                                      ", \"target\": ", Quote(p.target), "}"));
@@ -2952,7 +2976,9 @@ int main(int argc, char** argv) {
       "kvd_bench: the whole path through kvd (grow, a second process's attach, sleep, wake, shrink; the fragmented "
       "shape; Compact and an exact shrink to half against the bare calls of the same reshape; control-RPC latency; "
       "concurrent resizes; the daemon's bookkeeping) against the bare device calls in a "
-      "bare pair of processes, interleaved, as medians, p99 and ratios (docs/benchmarks.md)."};
+      "bare pair of processes and, for the lifecycle, against in-process allocations (one for all the bytes, one "
+      "per segment), interleaved, as medians, p99 and ratios; or, with --chunk-sweep, the device calls against the "
+      "chunk size (docs/benchmarks.md)."};
   app.add_option("--socket", o.socket, "Use the running kvd on this gRPC socket (default: start one)");
   app.add_option("--kvd", o.kvd_binary, "The kvd program to start (default: next to kvd_bench, else on PATH)");
   app.add_option("--backend", o.backend, "Backend of the kvd it starts: auto, cuda or host")->capture_default_str();
