@@ -6,7 +6,9 @@ set -euo pipefail
 kvd=$1 bench=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$bench" --help | grep -q -- "--bytes"
+"$bench" --help >"$dir/help"  # not into grep -q: it would close the pipe before the help is written (pipefail)
+grep -q -- "--bytes" "$dir/help"
+grep -q -- "--chunk-sweep" "$dir/help"
 "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --compact-chunks-per-pause=8 --rpc-calls=200 \
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
