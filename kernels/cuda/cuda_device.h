@@ -148,6 +148,9 @@ class CudaDevice final : public Device {
 
   // Makes the primary context current on this thread.
   absl::Status MakeCurrent() const;
+  // Runs issue(stream) on a new non-blocking stream and waits for it (the comment above OnOwnStream in cuda_device.cc).
+  template <typename Issue>
+  absl::Status OnOwnStream(const char* what, Issue issue);
   // Open's probes (Capabilities()): a failed DMA-BUF probe is recorded, not returned.
   void ProbeRangeExport(bool attribute);
   absl::Status ProbePeers();

@@ -71,6 +71,7 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuMemcpyHtoD)                       \
   X(cuMemcpyDtoH)                       \
   X(cuMemcpyHtoDAsync)                  \
+  X(cuMemcpyDtoHAsync)                  \
   X(cuMemcpyDtoD)                       \
   X(cuMemsetD8)                         \
   X(cuStreamCreate)                     \
