@@ -224,7 +224,7 @@ void PoolManager::CloseSession(absl::string_view session) {
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
-      absl::MutexLock op(&pool->op_mu);
+      absl::MutexLock op(&pool->op_mu());
       AbortLocked(*pool, *id, session, "its session closed (the coordinator ended or died) before Commit");
     }
   }
@@ -403,7 +403,7 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
                                                {.granularity = device_->granularity(),
                                                 .max_reserved_bytes = options_.max_pool_reserved_bytes}));
   auto pool = std::make_shared<Pool>(spec, std::move(plan), caller.uid, shared_);
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
@@ -448,7 +448,7 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     reserved_total_ += reserved;
   }
   // On failure the pool leaves the map again; requests that found it meanwhile find it deleted.
-  auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu) {
+  auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu()) {
     std::vector<ChunkRecord> none;
     pool->Destroy(EventType::kPoolDeleted, &none);
     absl::MutexLock lock(&mu_);
@@ -522,7 +522,7 @@ PoolPage PoolManager::ListPools(const Caller& caller, absl::string_view after, s
 absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::string_view name, bool force,
                                                  PauseOptions pause) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_RETURN_IF_ERROR(pool->CheckDeletable(force));
   if (force) {
     KVD_RETURN_IF_ERROR(QuiesceLocked(*pool, caller.session, "deleting", pool->Leaving(0),
@@ -620,7 +620,7 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
   const bool peer = !device_uuid.empty() && device_uuid != device_info_.uuid;
   if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   absl::StatusOr<AttachResult> attached =
       pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), pausable, sessions_);
   if (!attached.ok()) return Refused(attached.status());
@@ -649,7 +649,7 @@ absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_
     // Its pool is being deleted (the client was told before the delete finished): once the delete is done
     // (it holds op_mu), what the client held is an orphan to let go of.
     if (!released || !pool->deleted()) return detached;
-    { absl::MutexLock op(&pool->op_mu); }
+    { absl::MutexLock op(&pool->op_mu()); }
     return let_go() ? absl::OkStatus() : detached;
   }
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
@@ -721,7 +721,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::
                                                const ReleaseOptions& release) {
   PoolUpdate update;
   {
-    absl::MutexLock lock(&pool->op_mu);
+    absl::MutexLock lock(&pool->op_mu());
     const absl::Time start = absl::Now();
     KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release));
     update = CommitLocked(*pool, std::move(change), caller.session, start);
@@ -883,7 +883,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
   OldView old;
   std::optional<std::vector<uint64_t>> stepped;  // an exact shrink in steps: the releases of its steps
   {
-    absl::MutexLock lock(&pool->op_mu);
+    absl::MutexLock lock(&pool->op_mu());
     KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
     if (!plan.moves_bytes()) {
       // Whole chunks go and nothing moves: the plain resize, which needs no pause.
@@ -1052,7 +1052,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::stri
     OldView old;
     const absl::Time step_start = absl::Now();
     {
-      absl::MutexLock lock(&pool->op_mu);
+      absl::MutexLock lock(&pool->op_mu());
       // With nobody attached the daemon is the only mapper: a new chunk that does not fit may be made of
       // runs of the old ones that do (fewer chunks, if not one a segment).
       const bool alone = pool->View(ViewClients::kCounted).client_count == 0;
@@ -1231,7 +1231,7 @@ absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapeP
 
   // The pause: every attached client imports the new chunks and stops touching the pool.
   const size_t asked = pool.BeginPause(added);
-  absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu) { pool.CancelPause(); };
+  absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) { pool.CancelPause(); };
   if (asked > 0) {
     Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
     KVD_RETURN_IF_ERROR(
@@ -1390,7 +1390,7 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
         absl::StrCat("target_blocks: must be unset for ", GroupOpName(op), " (it applies to grow and shrink)"));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op_lock(&pool->op_mu);
+  absl::MutexLock op_lock(&pool->op_mu());
   // A shrink or sleep pauses the pausable clients of other sessions until the commit or abort.
   KVD_ASSIGN_OR_RETURN(Change change,
                        PrepareLocked(*pool, op, target_blocks, caller.session, ReleaseOptions{.force = force}));
@@ -1443,7 +1443,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindTransaction(transaction));
   CommittedOp result;
   {
-    absl::MutexLock op(&pool->op_mu);
+    absl::MutexLock op(&pool->op_mu());
     // Ended (reaper, a closed session, a forced delete) between the lookup and op_mu: Lookup says why.
     absl::StatusOr<Transaction> txn = pool->Unhold(transaction, caller.session);
     if (!txn.ok()) {
@@ -1473,7 +1473,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
 
 absl::StatusOr<uint64_t> PoolManager::Abort(const Caller& caller, absl::string_view transaction) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindTransaction(transaction));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   absl::StatusOr<Transaction> txn = pool->Unhold(transaction, caller.session);
   if (!txn.ok()) {
     if (absl::IsPermissionDenied(txn.status())) return txn.status();
@@ -1499,7 +1499,7 @@ void PoolManager::ReapExpired() {
         transactions_.Remove(id, "its pool was deleted");
         continue;
       }
-      absl::MutexLock op(&pool->op_mu);
+      absl::MutexLock op(&pool->op_mu());
       if (AbortLocked(*pool, id, std::nullopt, "not committed within its ttl") == 0) {
         // Committed, aborted or gone since AwaitExpired looked; make sure the reaper does not see it again.
         transactions_.Remove(id, "");
@@ -1512,7 +1512,7 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
                                                       absl::string_view device_uuid, bool revoke) {
   KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", true));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(PoolView view, pool->GrantPeerAccess(device_uuid, revoke));
   Save(*pool);
   return view;
@@ -1572,7 +1572,7 @@ absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view nam
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   // Only this pool's op_mu is held across the slices: other pools, and the device's VA book that their
   // grows need, are free between slices.
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
   // Everything is checked before any work: the ids, and that none repeats (bounding the work by the
   // pool's committed blocks).
@@ -1597,7 +1597,7 @@ absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view nam
                                      const Interrupt& interrupt) {
   KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("copies", copies.size(), options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
   // The whole request is checked first: no destination twice (which bounds the work by the committed
   // blocks), and none also a source, so the slices may run in any order.
@@ -1659,7 +1659,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
     }
   } else {
     // op_mu keeps every covered chunk mapped in the daemon while the device exports the range.
-    absl::ReaderMutexLock op(&pool.op_mu);
+    absl::ReaderMutexLock op(&pool.op_mu());
     for (size_t i = 0; i < lease.ranges.size(); ++i) {
       const RangeHandle& r = lease.ranges[i];
       KVD_RETURN_IF_ERROR(pool.CheckChunksLive(lease.client, r.chunk_ids));
@@ -1767,7 +1767,7 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
   absl::StatusOr<Geometry> geometry = Geometry::Compute(saved.layout.layout, saved.dims, saved.granularity);
   if (!geometry.ok()) return fail(geometry.status().message());
   auto pool = std::make_shared<Pool>(saved, PoolPlan{saved.layout, *std::move(geometry)}, shared_);
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
   if (!base.ok()) return fail(base.status().ToString());
   pool->set_base(*base);
@@ -1828,7 +1828,7 @@ void PoolManager::ExpireRecovery(absl::Time deadline) {
     if (mu_.AwaitWithDeadline(absl::Condition(&stopping), deadline)) return;
   }
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
-    absl::MutexLock op(&pool->op_mu);
+    absl::MutexLock op(&pool->op_mu());
     if (pool->state() != PoolState::kRecovering) {
       pool->ForgetRestartPending();
       continue;
@@ -1861,7 +1861,7 @@ absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_vi
     return absl::PermissionDeniedError(absl::StrCat("uid ", peer_uid, " may not use the session of uid ", caller->uid));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(*caller, pool_name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   std::vector<uint64_t> ids;
   for (const auto& [id, fd] : fds) ids.push_back(id);
   KVD_ASSIGN_OR_RETURN(std::vector<Pool::Returned> plan, pool->PlanReturn(ids));
@@ -1917,7 +1917,7 @@ absl::StatusOr<PoolMetadata> PoolManager::SetPoolMetadata(const Caller& caller, 
                                                    options_.max_metadata_bytes, " allowed (--max-metadata-bytes)"));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, pool->SetMetadata(expected_version, std::move(data)));
   Save(*pool);
   return metadata;
@@ -1938,7 +1938,7 @@ void PoolManager::Shutdown(bool keep_pools) {
   if (reaper_.joinable()) reaper_.join();
   if (compactor_.joinable()) compactor_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {
-    absl::MutexLock op(&pool->op_mu);
+    absl::MutexLock op(&pool->op_mu());
     Destroy(*pool, keep_pools ? EventType::kDaemonRestarting : EventType::kDaemonStopping);
   }
 }

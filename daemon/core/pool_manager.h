@@ -362,9 +362,9 @@ class PoolManager {
   // A shrink or sleep first quiesces the clients of sessions other than `session` (QuiesceLocked).
   [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
                                                      absl::string_view session, const ReleaseOptions& release)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   PoolUpdate CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // A plain resize: PrepareLocked and CommitLocked under one hold of op_mu, then the wait.
   [[nodiscard]] absl::StatusOr<PoolUpdate> Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
                                                   uint64_t target_blocks, bool wait, absl::Time deadline,
@@ -378,17 +378,17 @@ class PoolManager {
   // `*detached`. The caller calls the pause off on an error.
   [[nodiscard]] absl::Status SettleLatePause(Pool& pool, absl::string_view what, const Pool::PauseOutcome& outcome,
                                              absl::Duration timeout, bool detach, std::vector<std::string>* detached)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   [[nodiscard]] absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
                                            const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
 
   // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
   // in the daemon and exported, but not in the table. On failure nothing is left.
   [[nodiscard]] absl::StatusOr<Staged> Stage(Pool& pool, uint64_t target_blocks)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Gives staged memory back: the chunks and their budget.
-  void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Creates, maps and exports the planned chunks; on failure releases every one of them.
   // Moves bytes between chunks under a pause (Note [Chunks are replaced, not cut]): makes `plan.added` in a
   // reservation of their own, asks the clients to pause, copies (block moves first), maps the new chunks
@@ -410,7 +410,7 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
                                                          absl::string_view what, absl::Time* paused_at,
                                                          std::set<std::string>* paused, OldView* old, OldView* spare)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // What one step of a reshape may make (Note [Chunks are replaced, not cut] in docs/architecture.md):
   // `bytes` is the lower of the budget's free bytes and the device's free bytes less `margin`, the device
   // memory a step needs beside its chunks and that others may take meanwhile (kReshapeDeviceMargin).
@@ -436,7 +436,7 @@ class PoolManager {
                                                                uint64_t target_blocks, const ShrinkOptions& options,
                                                                const ReshapePlan& whole, const StepRoom& room,
                                                                absl::Time start, std::vector<uint64_t>* releases)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
   // else refers to them).
   void TakeDown(OldView& old);
@@ -462,18 +462,18 @@ class PoolManager {
   // Aborts transaction `id` of `pool` (op_mu held) if the pool still holds it, recording `why` (when not
   // empty) for a later Commit. Returns the prepared bytes given back.
   uint64_t AbortLocked(Pool& pool, absl::string_view id, std::optional<absl::string_view> session,
-                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // The pool holding `transaction`, found through the transaction table.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransaction(absl::string_view transaction) const;
   // A range lease's FDs (RedeemLease).
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemRanges(Pool& pool, const LeaseRecord& lease)
-      ABSL_LOCKS_EXCLUDED(pool.op_mu);
+      ABSL_LOCKS_EXCLUDED(pool.op_mu());
   // The reaper thread: aborts transactions whose ttl passed.
   void ReapExpired();
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
   // kDaemonRestarting keeps its record and FDs in the store; anything else forgets them.
   // A delete is forced past the clients of sessions other than `session` that no pause holds.
-  void Destroy(Pool& pool, EventType why, absl::string_view session = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Destroy(Pool& pool, EventType why, absl::string_view session = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // OK to go on with a sliced operation after `done` of `total` entries; else why not (see ZeroBlocks).
   [[nodiscard]] absl::Status CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
                                             size_t total) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -481,9 +481,9 @@ class PoolManager {
   size_t SliceEntries(const BlockSpan& span) const;
   // Writes the pool's record (op_mu held, so one pool's records are written in order). A failure is
   // sticky: the pool is stale (StateHealth) until a later save of it succeeds.
-  void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Removes the pool's record (op_mu held); a failure leaves the pool stale as a failed Save does.
-  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Notes the outcome of writing or removing `pool`'s record; tells the observer when degraded changes.
   void NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(state_mu_, observer_mu_);
