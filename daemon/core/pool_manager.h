@@ -2,11 +2,16 @@
 // every pool of one device: their VA reservations, chunks (created, mapped into the daemon's own address space,
 // exported once), attached clients, leases for the handle channel, release acknowledgements and the budget.
 //
-// Rooms. The manager finds pools and makes and releases their memory on the device; the state lives
-// in rooms with their own locks: each Pool (pool.h: its table, clients, releases and held transaction,
-// and the resize state machine's bookkeeping), the SessionTable and LeaseTable (sessions.h), the
-// Budget (budget.h), the TransactionTable (transactions.h) and each client's EventQueue. The manager's
-// own lock guards only its maps of pools and clients. Note [Lock order] in docs/architecture.md.
+// Rooms. The manager finds pools and drives their changes; the state lives in rooms with their own locks:
+// each Pool (pool.h: its clients and held transaction, the resize state machine's bookkeeping, and what it
+// holds — chunk_table.h, release_ledger.h, pause_scope.h — under its state lock), the SessionTable and
+// LeaseTable (sessions.h), the Budget (budget.h), the TransactionTable (transactions.h) and each client's
+// EventQueue. On the device, chunks are made and given back by one ChunkMaker (chunk_maker.h), and shrinks
+// that move bytes and compactions are the Reshaper's (reshaper.h), which the manager hands the services it
+// needs (ReshapeServices, which it implements). The manager's own lock guards only its maps of pools and
+// clients. Note [Lock order] in docs/architecture.md. Its implementation is in three files: pool_manager.cc
+// (sessions, pools, the resize state machine, groups), pool_manager_blocks.cc (block operations, connectors,
+// the handle channel) and pool_manager_durable.cc (records, restore, ReturnHandles, the recovery grace).
 //
 // One resize state machine (Note [One resize state machine]). Grow, Shrink, Sleep and Wake are a Prepare
 // and a Commit in one call:
@@ -206,14 +211,14 @@ class PoolManager : private ReshapeServices {
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   bool wait, absl::Time deadline);
   // Shrink as the proto's ShrinkRequest says: exact unless `whole_chunks_only` (Pool::PlanShrink), pausing
-  // the attached clients when bytes move (see Reshape below), all or nothing when the replacements fit the
-  // free memory (Room) at once; otherwise whole chunks past the target first, then steps of as many
-  // replacements as fit (ShrinkInStepsLocked), each all or nothing, the steps before a failed one done.
+  // the attached clients when bytes move, all or nothing when the replacements fit the free memory
+  // (Reshaper::Room) at once; otherwise whole chunks past the target first, then steps of as many
+  // replacements as fit, each all or nothing, the steps before a failed one done (Reshaper::Shrink).
   using ShrinkOptions = daemon::ShrinkOptions;
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
   // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). In steps that
-  // each make no more new chunks than the free memory holds (Room), and with clients attached replace at
+  // each make no more new chunks than the free memory holds (Reshaper::Room), and with clients attached replace at
   // most `max_chunks_per_pause` chunks (0: the manager's compact_chunks_per_pause) under a pause of their
   // own, the clients running between them. RESOURCE_EXHAUSTED when not even one new chunk fits, but with
   // no client attached, when runs of old chunks merged into smaller ones that fit (target_reached false).
