@@ -314,7 +314,7 @@ absl::StatusOr<Arbiter::Admission> Arbiter::Admit(const Ask& ask) {
       making > 0 ? absl::StrCat(" and ", Bytes(making), " other commits are making") : std::string(),
       "; other processes use ", Bytes(foreign), " of its ", Bytes(info.total_bytes));
   const uint64_t available = std::min(budget_free, device_room);
-  const auto refuse = [&](std::string message) {
+  const auto refuse = [&](std::string message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (waiter != nullptr) {
       waiter->short_bytes = ask.bytes - available;
       waiter->asked_bytes = ask.bytes;
@@ -323,7 +323,7 @@ absl::StatusOr<Arbiter::Admission> Arbiter::Admit(const Ask& ask) {
     }
     return Short(std::move(message));
   };
-  const auto budget_short = [&](uint64_t free) {
+  const auto budget_short = [&](uint64_t free) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return refuse(absl::StrCat(
         head, ask.reshape ? " for new chunks while the chunks they replace still hold theirs," : "", " but only ",
         Bytes(free), " of the daemon's budget of ", FormatBytes(budget_->limit()), " are free"));
@@ -600,9 +600,9 @@ void Arbiter::Drive(uint64_t ticket) {
         break;
       case ReclaimAction::kSleep:
         if (hooks_.sleep) {
-          absl::Status slept = hooks_.sleep(d.pool);
-          absl::StrAppend(&line, slept.ok() ? std::string("; put to sleep")
-                                            : absl::StrCat("; putting it to sleep failed: ", slept.message()));
+          absl::StatusOr<std::string> slept = hooks_.sleep(d.pool);
+          absl::StrAppend(&line, slept.ok() ? absl::StrCat("; put to sleep, ", *slept)
+                                            : absl::StrCat("; putting it to sleep failed: ", slept.status().message()));
           action = slept.ok() ? "sleep" : "sleep_failed";
         }
         break;
@@ -670,8 +670,7 @@ ArbiterStats Arbiter::Stats() const {
                  .asked_bytes = asked_bytes_,
                  .given_bytes = given_bytes_,
                  .refused_for_memory = refused_for_memory_,
-                 .device_refusals = device_refusals_,
-                 .driver_out_of_memory = driver_out_of_memory_.load(std::memory_order_relaxed)};
+                 .device_refusals = device_refusals_};
   const absl::Time now = absl::Now();
   s.pressure = pressure_;
   for (const auto& [id, w] : waiters_) {

@@ -82,9 +82,9 @@ struct ArbiterStats {
   uint64_t reclaims_under_way = 0;
   uint64_t asked_bytes = 0;  // by every reclaim since start
   uint64_t given_bytes = 0;
-  uint64_t refused_for_memory = 0;    // grows and wakes refused (not waiting) or given up for want of memory
+  uint64_t refused_for_memory = 0;    // grows and wakes that did not ask to wait, refused for want of memory
   uint64_t device_refusals = 0;       // of those, because the device could not back them (not the budget)
-  uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission let them through
+  uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission (the manager fills it in)
 };
 
 // An ended reclaim or wait, for the duration histograms.
@@ -113,7 +113,8 @@ class Arbiter {
     // The deadline actions, as the daemon's own release (Note [Releases pause first]): an exact shrink to
     // the larger of `used_blocks` and the blocks that hold `min_bytes`, and a sleep.
     std::function<absl::Status(const std::string& pool, uint64_t used_blocks, uint64_t min_bytes)> shrink;
-    std::function<absl::Status(const std::string& pool)> sleep;
+    // Returns what became of the contents ("its contents kept in the host tier", "its contents lost: …").
+    std::function<absl::StatusOr<std::string>(const std::string& pool)> sleep;
     std::function<void(const ArbiterEvent&)> observe;  // may be empty
   };
 
@@ -221,9 +222,6 @@ class Arbiter {
   // Every waiter returns UNAVAILABLE from now on.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The driver refused memory that admission had let through (another process took it first).
-  void NoteDriverOutOfMemory() { driver_out_of_memory_.fetch_add(1, std::memory_order_relaxed); }
-
   ArbiterStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -297,7 +295,6 @@ class Arbiter {
   // Bytes whose creation finished (made, or failed), read before the device's free bytes: together with
   // admitted_ it bounds what is being made from above (Note [Arbitration]).
   std::atomic<uint64_t> finished_{0};
-  std::atomic<uint64_t> driver_out_of_memory_{0};
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;

@@ -31,7 +31,8 @@ inline constexpr absl::Duration kMaxReclaimTimeout = absl::Minutes(10);
 // What kvd does to a pool whose engine did not give back what a reclaim asked by its deadline (or
 // declined, or has no engine attached to answer): nothing (the waiting grow fails naming the pool), an
 // exact shrink to the blocks the engine last reported in use (ReportUsage; never below min_bytes), or a
-// sleep. Ordered by how much the pool keeps: kNone keeps everything.
+// sleep (keeping the contents in the host tier where there is one with room). Ordered by how much the pool keeps: kNone
+// keeps everything.
 enum class ReclaimAction { kNone, kShrink, kSleep };
 // "none", "shrink", "sleep".
 const char* ReclaimActionName(ReclaimAction action);

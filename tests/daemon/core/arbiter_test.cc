@@ -90,12 +90,11 @@ struct FakeManager {
                   acted.push_back(absl::StrCat("shrink ", pool, " ", used, " ", min / kMiB));
                   return absl::OkStatus();
                 },
-            .sleep =
-                [this](const std::string& pool) {
-                  absl::MutexLock lock(&mu);
-                  acted.push_back(absl::StrCat("sleep ", pool));
-                  return absl::OkStatus();
-                }};
+            .sleep = [this](const std::string& pool) -> absl::StatusOr<std::string> {
+              absl::MutexLock lock(&mu);
+              acted.push_back(absl::StrCat("sleep ", pool));
+              return std::string("its contents lost");
+            }};
   }
   std::vector<std::string> Asked() {
     absl::MutexLock lock(&mu);
