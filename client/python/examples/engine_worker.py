@@ -16,6 +16,12 @@ its own), on_pause stops the engine launching work on the pool and synchronises 
 returns; on_resume lets it go on with the new committed size, except after a sleep (0 blocks: it waits for
 the wake's on_grow); on_lost (the pool was deleted, kvd stopped) stops it for good. Changes this process
 makes itself (its own grow, sleep, wake) do not pause it.
+
+It also answers reclaims (docs/integrating.md, "Sharing a GPU"): when a waiting grow of another engine of
+higher priority (--priority) needs memory, kvd sends this one a RECLAIM; on_reclaim (on a thread of its own)
+gives back with shrink_for_reclaim and the blocks it still uses, and moves its block table where the
+compaction moved them. It reports what it uses (report_usage), so that kvd asks the engines with the most to
+give first.
 """
 
 import argparse
@@ -70,6 +76,24 @@ class KvGate:
         self.usable.clear()
 
 
+class BlockTable:
+    """The engine's blocks in use: request slot -> block id. A reclaim's compaction shrink moves the live
+    blocks past its target below it; the table follows (update.reshape.moved_blocks)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.slots = {}
+
+    def live(self):
+        with self.lock:
+            return sorted(self.slots.values())
+
+    def moved(self, moves):
+        with self.lock:
+            where = {m.src: m.dst for m in moves}
+            self.slots = {slot: where.get(b, b) for slot, b in self.slots.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=None, help="kvd's socket (default: $KVD_SOCKET or /run/kvd/gpu<device>.sock)")
@@ -84,6 +108,7 @@ def main():
     ap.add_argument("--initial-blocks", type=int, default=256)
     ap.add_argument("--fraction", type=float, default=0.5, help="share of the free budget to grow into")
     ap.add_argument("--keep", action="store_true", help="leave the pool behind")
+    ap.add_argument("--priority", type=int, default=0, help="the pool's priority (a tenant needs the operator's grant)")
     a = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -98,7 +123,7 @@ def main():
                          block_tokens=a.block_tokens, channels=a.channels, element_bytes=a.element_bytes,
                          initial_blocks=a.initial_blocks,
                          backend_requirements={"FLASHINFER": ["block-outermost"]},
-                         connector_preferences=[("nixl", "BLNHC")])
+                         connector_preferences=[("nixl", "BLNHC")], priority=a.priority)
     print(f"created {pool.name}: layout {pool.geometry.layout} ({kvd.layout_rule_name(pool.layout.rule)}: "
           f"{pool.layout.rule_detail}), {pool.committed_blocks} blocks, {mib(pool.committed_bytes)} committed, "
           f"{mib(pool.reserved_bytes)} VA, in {ms(t0)}")
@@ -112,10 +137,20 @@ def main():
                 print("torch is not importable: the views stay raw __cuda_array_interface__ objects")
 
         gate = KvGate(torch)
+        table = BlockTable()
+
+        def on_reclaim(request):  # on a thread of its own: it may shrink right here
+            # A real engine first drops what it can recompute (prefix cache), then gives back with the rest.
+            update = c.shrink_for_reclaim(request, table.live())
+            table.moved(update.reshape.moved_blocks)
+            print(f"reclaim {request.reclaim_id}: gave back {mib(request.bytes)} or more: now "
+                  f"{update.pool.committed_blocks} blocks, {len(update.reshape.moved_blocks)} live block(s) moved")
+            # Raising instead declines (kvd then applies the pool's on_reclaim_timeout policy).
+
         m = None
         t0 = time.perf_counter()
         m = c.attach(a.pool, on_grow=gate.on_grow, on_lost=gate.on_lost, on_pause=gate.on_pause,
-                     on_resume=lambda applied: gate.on_resume(applied, m))
+                     on_resume=lambda applied: gate.on_resume(applied, m), on_reclaim=on_reclaim)
         gate.blocks = m.committed_blocks
         gate.usable.set()
         print(f"attached (pausable) and mapped {len(m.mapped_chunks)} chunk(s) at {m.base:#x} in {ms(t0)}")
@@ -146,6 +181,9 @@ def main():
 
         t0 = time.perf_counter()
         fill(slice(0, min(16, m.committed_blocks)), 1.0)
+        with table.lock:
+            table.slots = {slot: slot for slot in range(min(16, m.committed_blocks))}
+        c.report_usage(a.pool, live_blocks=len(table.slots))
         print(f"warm-up: wrote blocks 0..{min(16, m.committed_blocks) - 1} of every layer in {ms(t0)}; "
               f"block 0 reads {probe(0)}")
 
@@ -160,6 +198,9 @@ def main():
             print(f"grew to {m.committed_blocks} blocks ({mib(u.pool.committed_bytes)}) in {ms(t0)} "
                   f"(daemon {u.elapsed_us / 1e3:.1f} ms), {len(u.added)} new chunk(s) mapped before grow() returned")
             fill(target - 1, 2.0)
+            with table.lock:
+                table.slots["last"] = target - 1
+            c.report_usage(a.pool, live_blocks=len(table.live()), used_blocks=target)
             print(f"wrote the last block {target - 1}: reads {probe(target - 1)}")
         else:
             print("no room to grow")

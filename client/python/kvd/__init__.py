@@ -22,10 +22,11 @@ c.grant_peer_access("kv", uuid_of_gpu1), then c.attach("kv", device=1) from that
 
 from ._errors import KvdError
 from ._proto import pb as v1_pb2  # noqa: F401  (the generated messages, for callers that need them)
-from ._client import (ByteRange, Client, CudaArray, DaemonRestart, Geometry, GroupMembership, Mapping, connect,
-                      default_socket, layout_rule_name)
+from ._client import (ByteRange, Client, CudaArray, DaemonRestart, Geometry, GroupMembership, Mapping, ReclaimRequest,
+                      connect, default_socket, layout_rule_name)
 from ._group import Group, GroupChange, GroupRank, find_socket, node_sockets
 
 __all__ = ["connect", "default_socket", "Client", "Mapping", "DaemonRestart", "ByteRange", "Geometry", "CudaArray", "KvdError",
+           "ReclaimRequest",
            "v1_pb2", "GroupMembership", "Group", "GroupRank", "GroupChange", "node_sockets", "find_socket", "layout_rule_name"]
 __version__ = "0.1.0"

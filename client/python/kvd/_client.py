@@ -161,6 +161,35 @@ class DaemonRestart:
 ByteRange = collections.namedtuple("ByteRange", "segment offset bytes")
 
 
+@dataclasses.dataclass
+class ReclaimRequest:
+    """A RECLAIM event (attach(on_reclaim=...); docs/api.md, "Policy, waiting and reclaim"): give back `bytes`
+    of `pool` by `deadline` (Unix seconds), or decline; as libkvd's ReclaimRequest."""
+
+    pool: str
+    reclaim_id: int
+    bytes: int
+    deadline: float
+    committed_blocks: int  # the pool's when asked
+
+
+_RECLAIM_ACTIONS = {"none": pb.RECLAIM_ACTION_NONE, "shrink": pb.RECLAIM_ACTION_SHRINK,
+                    "sleep": pb.RECLAIM_ACTION_SLEEP}
+
+
+def _reclaim_action(action, field):
+    if action not in _RECLAIM_ACTIONS:
+        raise KvdError("INVALID_ARGUMENT", f"{field}: {action!r} is not one of none, shrink, sleep")
+    return _RECLAIM_ACTIONS[action]
+
+
+def _millis(seconds, field):
+    """Seconds as whole milliseconds, rounded up (a positive time never becomes 0, the daemon's default)."""
+    if seconds < 0:
+        raise KvdError("INVALID_ARGUMENT", f"{field}: {seconds} s is negative")
+    return -(-int(round(seconds * 1e6)) // 1000)
+
+
 def _merged(ranges):
     """ByteRanges (any order) as the fewest contiguous ranges per segment, as the daemon's events have them."""
     out = []
@@ -365,18 +394,23 @@ class Client:
 
     def create_pool(self, name, layers, capacity_blocks, heads, block_tokens, channels, element_bytes,
                     initial_blocks=0, override=None, backend_requirements=None, connector_preferences=(),
-                    allowed_uids=(), env_layout=None, group=None, peer_devices=()):
+                    allowed_uids=(), env_layout=None, group=None, peer_devices=(), priority=0, min_bytes=0,
+                    max_bytes=0, reclaim_timeout=0, on_reclaim_timeout="none"):
         """CreatePool -> kvd.v1.Pool. backend_requirements: {"FLASHINFER": ["block-outermost"]};
         connector_preferences: [("nixl", "LBNHC")]; $KVD_KV_CACHE_LAYOUT is forwarded as env_layout.
         group: this pool is one rank of an engine group, a kvd.GroupMembership or (name, rank, size);
         peer_devices: device UUIDs (or "*") whose processes may attach it (see grant_peer_access).
         The returned Pool says both back (pool.group, pool.peer_devices), and pool.transaction while a
-        group operation holds it."""
+        group operation holds it. priority, min_bytes, max_bytes, reclaim_timeout (seconds; 0: the daemon's)
+        and on_reclaim_timeout ("none", "shrink", "sleep"): the pool's policy (set_policy)."""
         req = pb.CreatePoolRequest(
             name=name, dims=self._dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes),
             initial_blocks=initial_blocks,
             layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout),
-            allowed_uids=list(allowed_uids), peer_devices=list(peer_devices))
+            allowed_uids=list(allowed_uids), peer_devices=list(peer_devices),
+            policy=pb.PoolPolicy(priority=priority, min_bytes=min_bytes, max_bytes=max_bytes,
+                                 reclaim_timeout_ms=_millis(reclaim_timeout, "reclaim_timeout"),
+                                 on_reclaim_timeout=_reclaim_action(on_reclaim_timeout, "on_reclaim_timeout")))
         if group is not None:
             req.group.CopyFrom(GroupMembership.of(group).to_proto())
         return self._call("CreatePool", req)
@@ -400,7 +434,7 @@ class Client:
                           timeout=_reshape_call_timeout(self.timeout, pause_timeout) if force else None).released_bytes
 
     def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None,
-               on_restart=None, on_pause=None, on_resume=None):
+               on_restart=None, on_pause=None, on_resume=None, on_reclaim=None):
         """Attach + map every chunk + start following the pool -> Mapping.
 
         device: the device this process maps the pool from: None for the daemon's own (found by its
@@ -436,6 +470,11 @@ class Client:
         chunk and compact fail with FAILED_PRECONDITION naming it.
         They must not close the Mapping nor shrink/sleep/compact this pool with wait=True (nor
         shrink/compact it at all from on_pause or on_resume).
+        Reclaims (docs/api.md, "Policy, waiting and reclaim"): on_reclaim(kvd.ReclaimRequest) runs on a
+        thread of its own (not the follower) when a waiting grow of higher priority asks this pool for
+        memory, so it may give back right there (drop prefix cache, then shrink_for_reclaim with the live
+        blocks) and return; raising declines, with its message (decline_reclaim), and the pool's
+        on_reclaim_timeout policy applies at once. Without it the event is ignored.
         One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
         session."""
         with self._lock:
@@ -448,7 +487,8 @@ class Client:
                                                      pausable=on_pause is not None), conn=conn)
         try:
             m = Mapping(self, memory, resp, on_grow, on_release, on_lost, conn=conn, on_restart=on_restart,
-                        client_name=client_name, peer_uuid=peer_uuid, on_pause=on_pause, on_resume=on_resume)
+                        client_name=client_name, peer_uuid=peer_uuid, on_pause=on_pause, on_resume=on_resume,
+                        on_reclaim=on_reclaim)
         except BaseException:
             try:
                 self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=conn)
@@ -470,10 +510,13 @@ class Client:
         if m is not None and not m.closed:
             m._apply_update(update)
 
-    def grow(self, name, blocks):
+    def grow(self, name, blocks, wait=False, wait_for=None):
         """Grow to `blocks` committed blocks -> kvd.v1.PoolUpdate; this Client's Mapping of the pool
-        has mapped the new chunks when it returns."""
-        update = self._call("Grow", pb.GrowRequest(pool=name, target_blocks=blocks))
+        has mapped the new chunks when it returns. wait: when memory is short, wait for it (queued by
+        the pool's priority, memory reclaimed from pools of lower priority) for at most wait_for seconds
+        (None: the Client's timeout); then RESOURCE_EXHAUSTED saying what it waited for and whom it asked."""
+        update = self._call("Grow", pb.GrowRequest(pool=name, target_blocks=blocks, wait=wait),
+                            timeout=wait_for if wait and wait_for else None)
         self._absorb(update)
         return update
 
@@ -563,15 +606,16 @@ class Client:
             req.pool = name
         return list(self._call("Sleep", req, timeout=_reshape_call_timeout(self.timeout, pause_timeout)).updates)
 
-    def wake(self, name=None):
+    def wake(self, name=None, wait=False, wait_for=None):
         """Wake one pool, or every sleeping pool (name None or "") -> [kvd.v1.PoolUpdate]; this Client's
-        Mappings have mapped the fresh (zeroed) chunks when it returns."""
-        req = pb.WakeRequest()
+        Mappings have mapped the fresh (zeroed) chunks when it returns. wait, wait_for: as grow's (one
+        pool only)."""
+        req = pb.WakeRequest(wait=wait)
         if not name:
             req.all = True
         else:
             req.pool = name
-        updates = list(self._call("Wake", req).updates)
+        updates = list(self._call("Wake", req, timeout=wait_for if wait and wait_for else None).updates)
         first_error = None
         for u in updates:  # every pool woke: map each, then report the first failure
             try:
@@ -581,6 +625,76 @@ class Client:
         if first_error is not None:
             raise first_error
         return updates
+
+    # -- arbitration (docs/api.md, "Policy, waiting and reclaim") --------------------------------
+    def set_policy(self, name, priority=None, min_bytes=None, max_bytes=None, reclaim_timeout=None,
+                   on_reclaim_timeout=None):
+        """SetPoolPolicy: the fields given replace the pool's -> kvd.v1.Pool. A uid other than root and kvd's
+        may lower its pool's claim, and raise it only within what the operator grants it (PERMISSION_DENIED
+        naming the field); INVALID_ARGUMENT names a field out of range. reclaim_timeout in seconds (0: the
+        daemon's --reclaim-timeout); on_reclaim_timeout "none", "shrink" or "sleep"."""
+        req = pb.SetPoolPolicyRequest(pool=name)
+        if priority is not None:
+            req.priority = priority
+        if min_bytes is not None:
+            req.min_bytes = min_bytes
+        if max_bytes is not None:
+            req.max_bytes = max_bytes
+        if reclaim_timeout is not None:
+            req.reclaim_timeout_ms = _millis(reclaim_timeout, "reclaim_timeout")
+        if on_reclaim_timeout is not None:
+            req.on_reclaim_timeout = _reclaim_action(on_reclaim_timeout, "on_reclaim_timeout")
+        return self._call("SetPoolPolicy", req)
+
+    def report_usage(self, name, live_blocks, evictable_blocks=0, used_blocks=None):
+        """ReportUsage: the blocks the engine needs (live), those it could drop (evictable), and the bound
+        below which all of them lie (used_blocks; None: live + evictable, for an engine that keeps them
+        packed from block 0). kvd asks the pools with the most to give first, and an on_reclaim_timeout of
+        "shrink" shrinks to used_blocks."""
+        used = live_blocks + evictable_blocks if used_blocks is None else used_blocks
+        self._call("ReportUsage", pb.ReportUsageRequest(pool=name, live_blocks=live_blocks,
+                                                         evictable_blocks=evictable_blocks, used_blocks=used))
+
+    def decline_reclaim(self, request, reason=""):
+        """DeclineReclaim of a kvd.ReclaimRequest (on_reclaim does this when it raises)."""
+        self._call("DeclineReclaim", pb.DeclineReclaimRequest(pool=request.pool, reclaim_id=request.reclaim_id,
+                                                               reason=reason))
+
+    def shrink_for_reclaim(self, request, live_blocks, pause_timeout=None):
+        """From "these blocks are live" to the compaction shrink that answers `request` (as libkvd's
+        ShrinkForReclaim): shrinks the pool to the fewest blocks that give back at least request.bytes, never
+        below len(live_blocks), at a chunk boundary where one lies between (nothing then needs copying but the
+        live blocks that move), waiting for the release -> kvd.v1.PoolUpdate; update.reshape.moved_blocks
+        says where each moved live block went (apply it to the engine's block table). FAILED_PRECONDITION
+        when the live blocks fill the pool."""
+        live_blocks = list(live_blocks)
+        p = self.pool(request.pool)
+        g = p.geometry
+        gran = max(g.granularity_bytes, 1)
+
+        def bytes_of(blocks):
+            return g.segments * (-(-blocks * g.block_stride // gran) * gran)
+
+        goal = max(bytes_of(p.committed_blocks) - request.bytes, 0)
+        lo, hi = 0, p.committed_blocks  # the most blocks whose bytes are within the goal
+        while lo < hi:
+            mid = hi - (hi - lo) // 2
+            if bytes_of(mid) <= goal:
+                lo = mid
+            else:
+                hi = mid - 1
+        target = max(lo, len(live_blocks))
+        ends = collections.Counter(c.offset + c.bytes - g.offset - c.segment * g.segment_stride for c in p.chunks)
+        for end in sorted(ends, reverse=True):
+            blocks = end // g.block_stride if g.block_stride else 0
+            if ends[end] == g.segments and len(live_blocks) <= blocks <= target and \
+                    bytes_of(blocks) == g.segments * end:
+                target = blocks
+                break
+        if target >= p.committed_blocks:
+            raise KvdError("FAILED_PRECONDITION", f"pool {request.pool}: its {len(live_blocks)} live blocks fill its "
+                           f"{p.committed_blocks} committed blocks: nothing to give back")
+        return self.shrink(request.pool, target, wait=True, live_blocks=live_blocks, pause_timeout=pause_timeout)
 
     # -- pool metadata ---------------------------------------------------------------------------
     def metadata(self, name):
@@ -713,7 +827,7 @@ class Mapping:
     the same bytes from the new memory after the RESUME."""
 
     def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None, conn=None, on_restart=None,
-                 client_name="", peer_uuid="", on_pause=None, on_resume=None):
+                 client_name="", peer_uuid="", on_pause=None, on_resume=None, on_reclaim=None):
         self._client = client
         self._memory = memory
         self._conn = conn if conn is not None else client._live()
@@ -728,6 +842,8 @@ class Mapping:
         self.state = pool.state
         self.on_grow, self.on_release, self.on_lost, self.on_restart = on_grow, on_release, on_lost, on_restart
         self.on_pause, self.on_resume = on_pause, on_resume
+        self.on_reclaim = on_reclaim
+        self._reclaimers = []  # the threads running on_reclaim, joined by close() before the follower stops
         self.pausable = on_pause is not None
         self.pauses = self.resumes = 0  # PAUSE events acted on; RESUMEs (applied or not)
         self._client_name, self._peer_uuid = client_name, peer_uuid
@@ -1064,6 +1180,8 @@ class Mapping:
                 elif ev.type == pb.EVENT_TYPE_DAEMON_RESTARTING:
                     restarting = True
                     break
+                elif ev.type == pb.EVENT_TYPE_RECLAIM:
+                    self._reclaim(ev)
         except grpc.RpcError as e:
             ended = KvdError.from_rpc(e)
         except Exception as e:  # a bug: still lose the Mapping rather than leave it half followed
@@ -1326,10 +1444,40 @@ class Mapping:
         with self._lock:
             return sorted(self._chunks)
 
+    def _reclaim(self, ev):
+        """A RECLAIM: on_reclaim on a thread of its own (it may shrink the pool, which this follower must
+        follow meanwhile); an exception declines, with its message."""
+        if self.on_reclaim is None:
+            return  # the pool's policy applies at the deadline
+        request = ReclaimRequest(pool=self.pool_name, reclaim_id=ev.reclaim_id, bytes=ev.reclaim_bytes,
+                                 deadline=ev.reclaim_deadline_unix_ms / 1000.0, committed_blocks=ev.committed_blocks)
+
+        def answer():
+            try:
+                self.on_reclaim(request)
+            except Exception as e:  # noqa: BLE001 -- any failure of the engine's hook is a decline
+                try:
+                    self._client.decline_reclaim(request, str(e) or type(e).__name__)
+                except KvdError:
+                    pass  # too late (it ended) or the daemon is away: the policy applies either way
+
+        with self._lock:
+            if self.closed:
+                return
+            t = threading.Thread(target=answer, name=f"kvd-reclaim-{self.pool_name}", daemon=True)
+            self._reclaimers.append(t)
+        t.start()
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
         """Stops the follower, unmaps every chunk, frees the VA, then detaches saying so (released: the
         daemon gives back what this client held at once, as libkvd's Mapping does). Idempotent."""
+        # A reclaim hook under way may be shrinking the pool, which needs the follower: it ends first.
+        with self._lock:
+            hooks, self._reclaimers = self._reclaimers, []
+        for t in hooks:
+            if t is not threading.current_thread():
+                t.join(timeout=120)
         with self._lock:
             if self.closed:
                 return
