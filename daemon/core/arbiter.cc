@@ -247,15 +247,34 @@ uint64_t Arbiter::HeadLocked() const {
   return head;
 }
 
-Arbiter::Waiter* Arbiter::WaiterOfLocked(absl::string_view pool, uint64_t* id) {
-  for (auto& [i, w] : waiters_) {
-    if (!w.served && w.pool == pool) {
-      *id = i;
-      return &w;
-    }
-  }
+namespace {
+// The ticket whose tries this thread's admissions are (Arbiter::Retry).
+struct Retrying {
+  const Arbiter* arbiter = nullptr;
+  uint64_t ticket = 0;
+};
+thread_local Retrying retrying;
+}  // namespace
+
+Arbiter::Retry::Retry(const Ticket& ticket)
+    : previous_arbiter_(retrying.arbiter), previous_ticket_(retrying.ticket) {
+  retrying = {.arbiter = ticket.arbiter_, .ticket = ticket.id()};
+}
+
+Arbiter::Retry::~Retry() { retrying = {.arbiter = previous_arbiter_, .ticket = previous_ticket_}; }
+
+Arbiter::Waiter* Arbiter::RetryingLocked(absl::string_view pool, uint64_t* id) {
   *id = 0;
-  return nullptr;
+  if (retrying.arbiter != this) return nullptr;
+  auto it = waiters_.find(retrying.ticket);
+  if (it == waiters_.end() || it->second.pool != pool) return nullptr;
+  if (it->second.served) {
+    // Admitted before, then refused further on (the driver short of memory): waiting again.
+    AccountPressureLocked(absl::Now());
+    it->second.served = false;
+  }
+  *id = it->first;
+  return &it->second;
 }
 
 absl::StatusOr<Arbiter::Admission> Arbiter::Admit(const Ask& ask) {
@@ -277,11 +296,11 @@ absl::StatusOr<Arbiter::Admission> Arbiter::Admit(const Ask& ask) {
   uint64_t mine = 0;
   Waiter* waiter = nullptr;
   if (!ask.reshape) {
-    waiter = WaiterOfLocked(ask.pool, &mine);
+    waiter = RetryingLocked(ask.pool, &mine);
     uint64_t ahead = 0;
     uint64_t first = 0;
     for (const auto& [id, w] : waiters_) {
-      if (w.served || w.pool == ask.pool) continue;
+      if (w.served || id == mine) continue;
       const bool before = mine == 0 ? PriorityLocked(w.pool) >= policy.priority : BeforeLocked(id, mine);
       if (!before) continue;
       ++ahead;

@@ -206,6 +206,19 @@ class Arbiter {
     Arbiter* arbiter_ = nullptr;
     uint64_t id_ = 0;
   };
+  // While one lives, its thread's admissions (Admit, not a reshape's) are `ticket`'s tries: served, they end
+  // its wait. Any other admission, of the same pool too, queues behind the waiters of its priority and above.
+  class Retry {
+   public:
+    explicit Retry(const Ticket& ticket);
+    ~Retry();
+    Retry(const Retry&) = delete;
+    Retry& operator=(const Retry&) = delete;
+
+   private:
+    const Arbiter* previous_arbiter_;
+    uint64_t previous_ticket_;
+  };
   // Joins the queue for `pool` (the caller `uid` may see only the pools it may use named in errors).
   Ticket Join(const std::string& pool, uint32_t uid, std::string what) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until memory may have come free for `ticket` (or its place moved up), then returns OK for the
@@ -268,8 +281,8 @@ class Arbiter {
   void Finished(uint64_t bytes);
   void Leave(uint64_t ticket) ABSL_LOCKS_EXCLUDED(mu_);
   uint32_t PriorityLocked(absl::string_view pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The first unserved waiter of `pool`, if any.
-  Waiter* WaiterOfLocked(absl::string_view pool, uint64_t* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The waiter this thread's admission of `pool` tries for (a Retry of this arbiter's), or null.
+  Waiter* RetryingLocked(absl::string_view pool, uint64_t* id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether waiter `a` (priority, id) comes before `b`.
   bool BeforeLocked(uint64_t a, uint64_t b) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The first unserved waiter, 0 when none.

@@ -792,6 +792,7 @@ absl::StatusOr<PoolUpdate> PoolManager::ResizeWaiting(const Caller& caller, cons
   const Arbiter::Ticket ticket = arbiter_.Join(
       pool->name(), caller.uid,
       op == GroupOp::kGrow ? absl::StrCat("growing to ", target_blocks, " blocks") : std::string("waking"));
+  const Arbiter::Retry retry(ticket);
   while (true) {
     absl::StatusOr<PoolUpdate> update = Resize(caller, pool, op, target_blocks, false, absl::InfinitePast());
     if (update.ok() || !Arbiter::IsShortOfMemory(update.status())) return update;

@@ -114,6 +114,12 @@ Arbiter::Ask Grow(const std::string& pool, uint64_t bytes, uint64_t committed = 
   return {.pool = pool, .committed_bytes = committed, .bytes = bytes, .what = "growing"};
 }
 
+// `ask` tried by the waiting request that holds `ticket`, as PoolManager's waiting grow does.
+absl::StatusOr<Arbiter::Admission> Retry(Arbiter& arbiter, const Arbiter::Ticket& ticket, const Arbiter::Ask& ask) {
+  const Arbiter::Retry retry(ticket);
+  return arbiter.Admit(ask);
+}
+
 TEST(ArbiterTest, AdmitsOnlyWhatTheDeviceCanBackBesidesItsHeadroom) {
   // 128 MiB, 96 of them used by others: 32 free, 8 kept as headroom.
   std::unique_ptr<Device> device = HostDevice(128 * kMiB, 96 * kMiB);
@@ -170,19 +176,22 @@ TEST(ArbiterTest, WaitersAreServedByPriorityThenArrival) {
   EXPECT_EQ(arbiter.Claim("high2").waiting.at(0).position, 2u);
   EXPECT_EQ(arbiter.Claim("low").waiting.at(0).position, 3u);
   // Memory is there, but nobody overtakes a waiter that comes first: not a later waiter, not a newcomer of
-  // the same priority.
-  EXPECT_THAT(arbiter.Admit(Grow("low", 2 * kMiB)).status(),
+  // the same priority, not a request of the same pool that does not wait.
+  EXPECT_THAT(Retry(arbiter, low, Grow("low", 2 * kMiB)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
-  EXPECT_THAT(arbiter.Admit(Grow("high2", 2 * kMiB)).status(),
+  EXPECT_THAT(Retry(arbiter, high2, Grow("high2", 2 * kMiB)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("first (the first: priority 5")));
   EXPECT_THAT(arbiter.Admit(Grow("same", 2 * kMiB)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("GrowRequest.wait queues behind them")));
+  EXPECT_THAT(arbiter.Admit(Grow("high1", 2 * kMiB)).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2 grows or wakes waiting")));
+  EXPECT_EQ(arbiter.Claim("high1").waiting.size(), 1u) << "a grow that does not wait serves no waiter";
   // A request of higher priority than every waiter goes first.
   EXPECT_THAT(arbiter.Admit(Grow("higher", 2 * kMiB)).status(), IsOk());
-  EXPECT_THAT(arbiter.Admit(Grow("high1", 2 * kMiB)).status(), IsOk());
-  EXPECT_THAT(arbiter.Admit(Grow("low", 2 * kMiB)).status(), Not(IsOk()));
-  EXPECT_THAT(arbiter.Admit(Grow("high2", 2 * kMiB)).status(), IsOk());
-  EXPECT_THAT(arbiter.Admit(Grow("low", 2 * kMiB)).status(), IsOk());
+  EXPECT_THAT(Retry(arbiter, high1, Grow("high1", 2 * kMiB)).status(), IsOk());
+  EXPECT_THAT(Retry(arbiter, low, Grow("low", 2 * kMiB)).status(), Not(IsOk()));
+  EXPECT_THAT(Retry(arbiter, high2, Grow("high2", 2 * kMiB)).status(), IsOk());
+  EXPECT_THAT(Retry(arbiter, low, Grow("low", 2 * kMiB)).status(), IsOk());
   EXPECT_EQ(arbiter.Stats().waiting, 0u) << "every waiter was served";
 }
 
@@ -211,7 +220,7 @@ TEST(ArbiterTest, AReclaimAsksLowerPrioritiesAboveTheirMinimumMostReclaimableFir
   manager.Set("guarded", 48 * kMiB);
   manager.Set("peer", 128 * kMiB);
   const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-  EXPECT_THAT(arbiter.Admit(Grow("hi", 112 * kMiB)).status(),
+  EXPECT_THAT(Retry(arbiter, ticket, Grow("hi", 112 * kMiB)).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::_));
   EXPECT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   // Priority 0 before 3, and the larger first within it; the pool at its minimum and the pool of the same
@@ -235,7 +244,7 @@ TEST(ArbiterTest, LiveBlocksTheEngineReportedAreNotCountedReclaimable) {
   // a holds 56 MiB of live blocks (896 of 64 KiB): 8 MiB reclaimable, less than b's 48.
   ASSERT_THAT(arbiter.Report("a", {.live_blocks = 896, .used_blocks = 896}, 1024), IsOk());
   const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-  (void)arbiter.Admit(Grow("hi", 40 * kMiB));
+  (void)Retry(arbiter, ticket, Grow("hi", 40 * kMiB));
   EXPECT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   EXPECT_THAT(manager.Asked(), ElementsAre("b:40"));
 }
@@ -250,7 +259,7 @@ TEST(ArbiterTest, GivingBackEndsTheReclaimAndTheWaiterIsServed) {
   manager.Set("hi", 0);
   manager.Set("lo", 64 * kMiB);
   const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-  (void)arbiter.Admit(Grow("hi", 32 * kMiB));
+  (void)Retry(arbiter, ticket, Grow("hi", 32 * kMiB));
   ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   ASSERT_THAT(manager.Asked(), ElementsAre("lo:32"));
   // The engine shrinks its pool by what was asked; the memory comes back to the budget.
@@ -259,7 +268,7 @@ TEST(ArbiterTest, GivingBackEndsTheReclaimAndTheWaiterIsServed) {
   ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   EXPECT_EQ(arbiter.Stats().reclaims.at("gave"), 1u);
   EXPECT_THAT(arbiter.Claim("lo").reclaim.last_outcome, HasSubstr("gave 32.0 MiB"));
-  EXPECT_THAT(arbiter.Admit(Grow("hi", 32 * kMiB)).status(), IsOk());
+  EXPECT_THAT(Retry(arbiter, ticket, Grow("hi", 32 * kMiB)).status(), IsOk());
   EXPECT_EQ(arbiter.Stats().given_bytes, 32 * kMiB);
 }
 
@@ -274,7 +283,7 @@ TEST(ArbiterTest, ADeclineAppliesThePoolsPolicyAtOnceAndTheErrorSaysSo) {
   manager.Set("lo", 64 * kMiB);
   ASSERT_THAT(arbiter.Report("lo", {.live_blocks = 100, .evictable_blocks = 28, .used_blocks = 200}, 1024), IsOk());
   const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-  const absl::Status short_of = arbiter.Admit(Grow("hi", 32 * kMiB)).status();
+  const absl::Status short_of = Retry(arbiter, ticket, Grow("hi", 32 * kMiB)).status();
   ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   ASSERT_THAT(manager.Asked(), ElementsAre("lo:32"));
   EXPECT_THAT(arbiter.Decline("lo", manager.IdOf("lo") + 1, "busy"),
@@ -304,7 +313,7 @@ TEST(ArbiterTest, ThePassedDeadlineAppliesThePolicyAndNobodyAttachedIsDueAtOnce)
   manager.Set("slow", 64 * kMiB);
   manager.Set("alone", 32 * kMiB, /*clients=*/0);
   const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-  (void)arbiter.Admit(Grow("hi", 96 * kMiB));
+  (void)Retry(arbiter, ticket, Grow("hi", 96 * kMiB));
   ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   ASSERT_THAT(manager.Asked(), ElementsAre("slow:64", "alone:32"));
   absl::SleepFor(absl::Milliseconds(5));  // past slow's deadline; alone has nobody to answer
@@ -324,7 +333,7 @@ TEST(ArbiterTest, AWaiterWithinItsGuaranteeReclaimsFromAnyPriority) {
   manager.Set("guaranteed", 0);
   manager.Set("important", 128 * kMiB);
   const Arbiter::Ticket ticket = arbiter.Join("guaranteed", 1000, "growing");
-  (void)arbiter.Admit(Grow("guaranteed", 32 * kMiB));
+  (void)Retry(arbiter, ticket, Grow("guaranteed", 32 * kMiB));
   ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
   EXPECT_THAT(manager.Asked(), ElementsAre("important:32"));
 }
@@ -340,7 +349,7 @@ TEST(ArbiterTest, AWaitThatEndsCallsOffItsReclaims) {
   manager.Set("lo", 64 * kMiB);
   {
     const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
-    (void)arbiter.Admit(Grow("hi", 32 * kMiB));
+    (void)Retry(arbiter, ticket, Grow("hi", 32 * kMiB));
     ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
     EXPECT_THAT(arbiter.AwaitRoom(ticket, absl::Now(), {}),
                 StatusIs(absl::StatusCode::kDeadlineExceeded, ::testing::_));
