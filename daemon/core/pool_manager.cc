@@ -650,8 +650,9 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
 
 absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, const KeepOptions& keep) {
   if (host_tier_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "keep: pool ", pool.name(), " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("keep: pool ", pool.name(),
+                     " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
   }
   const PoolView view = pool.View(ViewClients::kCounted);
   const Geometry& g = view.geometry;
@@ -659,14 +660,16 @@ absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, co
   if (keep.live_blocks.empty()) {
     const uint64_t prefix = g.segments() == 0 ? 0 : view.committed_bytes / g.segments();
     if (prefix > 0) {
-      for (uint64_t s = 0; s < g.segments(); ++s) kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
+      for (uint64_t s = 0; s < g.segments(); ++s)
+        kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
     }
   } else {
     std::vector<uint64_t> live = keep.live_blocks;
     for (size_t i = 0; i < live.size(); ++i) {
       if (live[i] >= view.committed_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i], " is not committed (pool ",
-                                                       pool.name(), " has ", view.committed_blocks, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i],
+                                                       " is not committed (pool ", pool.name(), " has ",
+                                                       view.committed_blocks, ")"));
       }
     }
     std::sort(live.begin(), live.end());
@@ -708,7 +711,9 @@ absl::StatusOr<PoolUpdate> PoolManager::SleepKeeping(absl::string_view name, Pau
                 ReleaseOptions{.force = true, .pause = pause}, KeepOptions{.keep = true});
 }
 
-HostTierStats PoolManager::HostTierUsage() const { return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{}; }
+HostTierStats PoolManager::HostTierUsage() const {
+  return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{};
+}
 
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
@@ -846,8 +851,8 @@ absl::Status PoolManager::CheckRunning() const {
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ReleaseWholeChunksLocked(Pool& pool, absl::string_view session,
-                                                                 uint64_t target_blocks,
-                                                                 const ReleaseOptions& release, absl::Time start) {
+                                                                 uint64_t target_blocks, const ReleaseOptions& release,
+                                                                 absl::Time start) {
   KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(pool, GroupOp::kShrink, target_blocks, session, release));
   return CommitLocked(pool, std::move(change), session, start);
 }

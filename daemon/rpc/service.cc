@@ -434,7 +434,8 @@ namespace {
 
 // SleepRequest's and PrepareRequest's keep and live_blocks.
 absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live) {
-  if (!keep && !live.empty()) return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
+  if (!keep && !live.empty())
+    return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
   return KeepOptions{.keep = keep, .live_blocks = {live.begin(), live.end()}};
 }
 

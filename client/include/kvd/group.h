@@ -89,8 +89,7 @@ class Group {
   };
   Group(std::string name, GroupOptions options, std::vector<Member> members)
       : name_(std::move(name)), options_(std::move(options)), members_(std::move(members)) {}
-  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false,
-                                  bool keep = false);
+  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false, bool keep = false);
 
   const std::string name_;
   const GroupOptions options_;
