@@ -498,7 +498,9 @@ struct Mapping::Impl {
   struct Mapped {
     ChunkInfo info;
     Chunk chunk;
-    UniqueFd fd;  // kept open so that the chunk can be handed back after a daemon restart
+    // Kept open so that the chunk can be handed back after a daemon restart; empty where the imported
+    // chunk is an FD itself (keep_fds false).
+    UniqueFd fd;
   };
   using Conn = Client::Impl::Conn;
   using Reader = grpc::ClientReader<v1::PoolEvent>;
@@ -506,7 +508,11 @@ struct Mapping::Impl {
   std::shared_ptr<Client::Impl> client;
   Device* device = nullptr;
   Mapping::MappedDevice mapped_device;  // `device`, as Mapping::device() reports it
-  std::string peer_uuid;                // the AttachRequest's device_uuid
+  // Whether a mapped chunk keeps its FD (Mapped::fd). On host an imported chunk is a dup of the memfd that
+  // the device layer holds, so the Mapping keeps no second FD and exports the chunk when it hands it back
+  // (Note [FD hygiene] in docs/architecture.md): one FD per chunk either way.
+  bool keep_fds = true;
+  std::string peer_uuid;  // the AttachRequest's device_uuid
   std::string pool;
   Geometry geometry;
   LayoutResolution layout;
@@ -561,6 +567,10 @@ struct Mapping::Impl {
   absl::StatusOr<bool> MapLeaseUnlessReleased(const std::string& lease,
                                               const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The FD a chunk keeps, or none (keep_fds).
+  UniqueFd Keep(UniqueFd fd) const { return keep_fds ? std::move(fd) : UniqueFd(); }
+  // A new FD of a mapped chunk, for ReturnHandles: a dup of the one it keeps, else the device's export.
+  UniqueFd NewFd(const Mapped& m) const;
   void UnmapOne(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Unmaps every chunk and releases the chunks of every pause in progress.
   void UnmapAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -656,7 +666,7 @@ absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const st
           device->Release(chunk).IgnoreError();
           return s;
         }
-        chunks[info.id] = Mapped{info, chunk, std::move(fd)};
+        chunks[info.id] = Mapped{info, chunk, Keep(std::move(fd))};
         return absl::OkStatus();
       });
 }
@@ -677,6 +687,12 @@ absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& le
     }
   }
   return false;
+}
+
+UniqueFd Mapping::Impl::NewFd(const Mapped& m) const {
+  if (m.fd) return UniqueFd(fcntl(m.fd.get(), F_DUPFD_CLOEXEC, 0));
+  absl::StatusOr<int> exported = device->Export(m.chunk);
+  return UniqueFd(exported.ok() ? *exported : -1);
 }
 
 void Mapping::Impl::UnmapOne(uint64_t id) {
@@ -709,7 +725,7 @@ absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const
     KVD_RETURN_IF_ERROR(FetchLeased(c, ev.lease().token(), ev.chunks(), /*all=*/true,
                                     [&](const ChunkInfo& info, UniqueFd fd) -> absl::Status {
                                       KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
-                                      pause.chunks.push_back(Imported{info, chunk, std::move(fd)});
+                                      pause.chunks.push_back(Imported{info, chunk, Keep(std::move(fd))});
                                       return absl::OkStatus();
                                     }));
   }
@@ -1191,8 +1207,8 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       absl::MutexLock lock(&mu);
       for (uint64_t id : now.missing_chunk_ids()) {
         auto it = chunks.find(id);
-        if (it == chunks.end() || !it->second.fd) continue;
-        UniqueFd dup(fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0));
+        if (it == chunks.end()) continue;
+        UniqueFd dup = NewFd(it->second);
         if (!dup) continue;
         mine.emplace_back(id, dup.get());
         dups.push_back(std::move(dup));
@@ -1729,6 +1745,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   m->client = impl_;
   m->device = device;
   m->mapped_device = {.backend = BackendName(local_info.backend), .index = local_info.index, .uuid = local_info.uuid};
+  m->keep_fds = local_info.backend != BackendKind::kHost;
   m->peer_uuid = local.peer_uuid;
   m->pool = name;
   m->geometry = FromProto(resp.pool().geometry());
