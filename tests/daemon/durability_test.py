@@ -25,7 +25,7 @@ import time
 import unittest
 
 import kvd
-from kvd._handles import handles_path
+from kvd import handles_path
 from kvd._proto import pb
 from played_manager import PlayedManager
 
