@@ -1,7 +1,8 @@
 // libkvd: the C++ client of a kvd daemon (docs/api.md, docs/integrating.md). An engine connects to the
 // daemon of its GPU, creates or finds a pool, attaches it and gets a Mapping: the pool's memory mapped
 // at one base address in this process, kept in step with the daemon's chunk table by a background
-// follower thread (grow, shrink, sleep, wake, delete).
+// follower thread (grow, shrink, sleep, wake, delete). Other languages use this library through its C API,
+// kvd/kvd.h (docs/c_api.md); the Python package is a binding of it.
 //
 // Ownership. Client::Connect returns the only owner of a Client; a Mapping keeps what it needs of its
 // Client alive, so either may be destroyed first. The Mapping owns the imported chunks, their mappings,
