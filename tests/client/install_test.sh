@@ -38,9 +38,11 @@ PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig" c++ -std=c++20 -o "$tmp/consumer-pc"
   $(PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig" pkg-config --cflags --libs kvd)
 PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig" cc -std=c11 -o "$tmp/consumer-c-pc" "$src/main_c.c" \
   $(PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig" pkg-config --cflags --libs kvd_c)
-# The Python package, as a user installs it: pip, from the assembled directory, nothing downloaded.
+# The Python package, as a user installs it: pip, from (a copy of: pip builds in it) the assembled directory,
+# nothing downloaded.
 /usr/bin/python3 -m venv --system-site-packages "$tmp/venv"
-"$tmp/venv/bin/pip" install --no-deps --no-build-isolation --no-index -q "$build/client/python/package" \
+cp -a "$build/client/python/package" "$tmp/package"
+"$tmp/venv/bin/pip" install --no-deps --no-build-isolation --no-index -q "$tmp/package" \
   > "$tmp/pip.log" 2>&1 || { cat "$tmp/pip.log"; exit 1; }
 
 sock="$tmp/gpu0.sock"

@@ -23,7 +23,8 @@ cp -L "$build/client/libkvd_c.so" "$stage/libkvd_c.so.1"
 # The Python package (assembled by the kvd_python target, with its native library kvd/libkvd_c.so) and its
 # GPU check, for the Python step.
 if [[ -d $build/client/python/package ]]; then
-  cp -a "$build/client/python/package" "$dest/python"
+  mkdir -p "$dest/python"  # what the package is (a pip install leaves its build/ behind in it)
+  cp -a "$build/client/python/package/"{kvd,examples,pyproject.toml} "$dest/python/"
   cp "$root/tests/client/python/kvd_cuda_check.py" "$dest/"
 fi
 # The durable, restart, reshape and release steps: their drivers and the helpers they import.
