@@ -9,8 +9,6 @@
  *
  * Run: c_api_test [KVD_BINARY]   (default: $KVD_BINARY, else the build's kvd) */
 #define _GNU_SOURCE
-#include "kvd/kvd.h"
-
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -25,6 +23,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvd/kvd.h"
+
 #ifndef KVD_BINARY
 #define KVD_BINARY "kvd"
 #endif
@@ -34,13 +34,13 @@ extern char** environ;
 static int failures = 0;
 static int checks = 0;
 
-#define CHECK(cond)                                                             \
-  do {                                                                          \
-    ++checks;                                                                   \
-    if (!(cond)) {                                                              \
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    ++checks;                                                                  \
+    if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                               \
-    }                                                                           \
+      ++failures;                                                              \
+    }                                                                          \
   } while (0)
 
 /* Checks that a call returned `want` and, when it failed, that its message contains `needle`; frees it. */
@@ -70,11 +70,11 @@ static double now(void) {
   return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 /* Polls `cond` for up to 30 s. */
-#define WAIT_FOR(cond)                                        \
-  do {                                                        \
-    const double until_ = now() + 30;                         \
-    while (!(cond) && now() < until_) usleep(10 * 1000);      \
-    CHECK(cond);                                              \
+#define WAIT_FOR(cond)                                   \
+  do {                                                   \
+    const double until_ = now() + 30;                    \
+    while (!(cond) && now() < until_) usleep(10 * 1000); \
+    CHECK(cond);                                         \
   } while (0)
 
 /* ---- The protobuf wire format, as much as the checks read -------------------------------------------- */
@@ -219,8 +219,8 @@ static bool start_daemon(daemon_t* d, const char* binary, int device) {
   snprintf(d->log, sizeof d->log, "%s/kvd%d.log", dir, device);
   snprintf(device_flag, sizeof device_flag, "--device=%d", device);
   snprintf(socket_flag, sizeof socket_flag, "--socket=%s", d->socket);
-  char* argv[] = {(char*)binary,         "--backend=host", device_flag,           socket_flag,
-                  "--host-capacity=1GiB", "--budget=512MiB", "--host-granularity=2MiB", NULL};
+  char* argv[] = {(char*)binary,     "--backend=host",          device_flag, socket_flag, "--host-capacity=1GiB",
+                  "--budget=512MiB", "--host-granularity=2MiB", NULL};
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, d->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -318,12 +318,8 @@ static kvd_client* connect_to(const char* socket, const char* name) {
 }
 
 /* 2 layers, 8 heads, 16 tokens, 128 channels, fp16: 32 KiB a block and segment, 64 blocks a 2 MiB chunk. */
-static const kvd_dims kDims = {.layers = 2,
-                               .capacity_blocks = 512,
-                               .heads = 8,
-                               .block_tokens = 16,
-                               .channels = 128,
-                               .element_bytes = 2};
+static const kvd_dims kDims = {
+    .layers = 2, .capacity_blocks = 512, .heads = 8, .block_tokens = 16, .channels = 128, .element_bytes = 2};
 
 static kvd_pool_options* pool_options(const char* name, uint64_t initial_blocks) {
   kvd_pool_options* o = kvd_pool_options_create(name);
@@ -398,7 +394,7 @@ static void test_pools(const daemon_t* d0) {
   CHECK(u64(of(pool), kPoolCommittedBlocks) == 64);
   kvd_buffer_free(&pool);
   kvd_buffer resolved = {NULL, 0};
-  EXPECT_OK(kvd_client_resolve_layout(c, o, &resolved, &ST));  /* the dry run of the same options */
+  EXPECT_OK(kvd_client_resolve_layout(c, o, &resolved, &ST)); /* the dry run of the same options */
   CHECK(is(sub(sub(of(resolved), 1, 0), kResolutionLayout, 0), "BLNHC"));
   kvd_buffer_free(&resolved);
   EXPECT(KVD_ALREADY_EXISTS, "c-pool", kvd_client_create_pool(c, o, NULL, &ST));
@@ -430,7 +426,7 @@ static void test_pools(const daemon_t* d0) {
 
   kvd_buffer deleted = {NULL, 0};
   EXPECT_OK(kvd_client_delete_pool(c, "c-pool", NULL, &deleted, &ST));
-  CHECK(u64(of(deleted), kReleasedBytes) == 64 * 2 * 32 * 1024);  /* 64 blocks of 2 layers x 32 KiB */
+  CHECK(u64(of(deleted), kReleasedBytes) == 64 * 2 * 32 * 1024); /* 64 blocks of 2 layers x 32 KiB */
   kvd_buffer_free(&deleted);
   kvd_client_close(c);
 }
@@ -543,7 +539,7 @@ static void test_mappings(const daemon_t* d0) {
   for (size_t i = 0; i < fetched; ++i) CHECK(fds[i] >= 0 && close(fds[i]) == 0);
   kvd_free(ids);
   kvd_free(fds);
-  EXPECT(KVD_NOT_FOUND, NULL, kvd_client_fetch_lease(raw, lease, &ids, &fds, &fetched, &ST));  /* single use */
+  EXPECT(KVD_NOT_FOUND, NULL, kvd_client_fetch_lease(raw, lease, &ids, &fds, &fetched, &ST)); /* single use */
   char* session = NULL;
   uint32_t uid = 0;
   int32_t pid = 0;
@@ -629,7 +625,7 @@ static void test_group(const daemon_t* d0, const daemon_t* d1) {
   EXPECT_OK(kvd_group_grow(g, 128, &change, &ST));
   if (change != NULL) {
     CHECK(change->op == KVD_OP_GROW && change->rank_count == 2 && atomic_load(&coordinator.calls) == 1);
-    CHECK(change->prepared_bytes == 2 * 2 * 2 * 1024 * 1024);  /* 2 ranks x 2 segments x 2 MiB */
+    CHECK(change->prepared_bytes == 2 * 2 * 2 * 1024 * 1024); /* 2 ranks x 2 segments x 2 MiB */
     for (size_t r = 0; r < change->rank_count; ++r) {
       bytes p = sub(of(change->updates[r]), kUpdatePool, 0);
       char name[32];

@@ -163,8 +163,7 @@ void kvd_pool_options_set_override_layout(kvd_pool_options* options, const char*
 void kvd_pool_options_add_backend_requirement(kvd_pool_options* options, const char* backend,
                                               const char* const* layouts, size_t count);
 void kvd_pool_options_set_env_layout(kvd_pool_options* options, const char* layout);
-void kvd_pool_options_add_connector_preference(kvd_pool_options* options, const char* connector,
-                                               const char* layout);
+void kvd_pool_options_add_connector_preference(kvd_pool_options* options, const char* connector, const char* layout);
 void kvd_pool_options_add_allowed_uid(kvd_pool_options* options, uint32_t uid);
 /* One rank of an engine group (kvd_group_open). */
 void kvd_pool_options_set_group(kvd_pool_options* options, const char* name, uint32_t rank, uint32_t size);
@@ -172,8 +171,7 @@ void kvd_pool_options_set_group(kvd_pool_options* options, const char* name, uin
 void kvd_pool_options_add_peer_device(kvd_pool_options* options, const char* device_uuid);
 
 /* CreatePool: kvd.v1.Pool. */
-int kvd_client_create_pool(kvd_client* client, const kvd_pool_options* options, kvd_buffer* reply,
-                           kvd_status** status);
+int kvd_client_create_pool(kvd_client* client, const kvd_pool_options* options, kvd_buffer* reply, kvd_status** status);
 /* ResolveLayout, the dry run of kvd_client_create_pool: the options' layout request and, when
  * kvd_pool_options_set_dims was called, their dims (the reply has the geometry then); the name and the
  * rest are not read. kvd.v1.ResolveLayoutResponse. */
@@ -206,8 +204,8 @@ int kvd_client_grow(kvd_client* client, const char* pool, uint64_t target_blocks
                     kvd_status** status);
 /* Shrink (exact unless whole_chunks_only; wait, force, whole_chunks_only, live_blocks, the pause options):
  * kvd.v1.PoolUpdate. `options` may be NULL. This client's Mapping of the pool has remapped when it returns. */
-int kvd_client_shrink(kvd_client* client, const char* pool, uint64_t target_blocks,
-                      const kvd_change_options* options, kvd_buffer* reply, kvd_status** status);
+int kvd_client_shrink(kvd_client* client, const char* pool, uint64_t target_blocks, const kvd_change_options* options,
+                      kvd_buffer* reply, kvd_status** status);
 /* Compact (the pause options, max_chunks_per_pause): kvd.v1.PoolUpdate. */
 int kvd_client_compact(kvd_client* client, const char* pool, const kvd_change_options* options, kvd_buffer* reply,
                        kvd_status** status);
@@ -218,8 +216,8 @@ int kvd_client_sleep(kvd_client* client, const char* pool, const kvd_change_opti
 int kvd_client_wake(kvd_client* client, const char* pool, kvd_buffer* reply, kvd_status** status);
 /* DeletePool (force; the pause timeout for the pausable clients of other sessions):
  * kvd.v1.DeletePoolResponse. */
-int kvd_client_delete_pool(kvd_client* client, const char* name, const kvd_change_options* options,
-                           kvd_buffer* reply, kvd_status** status);
+int kvd_client_delete_pool(kvd_client* client, const char* name, const kvd_change_options* options, kvd_buffer* reply,
+                           kvd_status** status);
 /* GrantPeerAccess (revoke: take the grant back): kvd.v1.Pool. */
 int kvd_client_grant_peer_access(kvd_client* client, const char* pool, const char* device_uuid, int revoke,
                                  kvd_buffer* reply, kvd_status** status);
@@ -242,8 +240,8 @@ typedef struct kvd_byte_range {
 /* ExportRanges for the attached client `client_id` of this client's session (kvd_mapping_client_id):
  * kvd.v1.ExportRangesResponse, and *fds (kvd_free) one FD per handle, in order, each the caller's to close.
  * count 0: every segment's whole committed prefix. */
-int kvd_client_export_ranges(kvd_client* client, const char* client_id, const kvd_byte_range* ranges,
-                             size_t count, kvd_buffer* reply, int** fds, size_t* fd_count, kvd_status** status);
+int kvd_client_export_ranges(kvd_client* client, const char* client_id, const kvd_byte_range* ranges, size_t count,
+                             kvd_buffer* reply, int** fds, size_t* fd_count, kvd_status** status);
 /* ZeroBlocks / CopyBlocks (copies: src, dst pairs, 2 * count numbers): kvd.v1.ZeroBlocksResponse,
  * kvd.v1.CopyBlocksResponse. */
 int kvd_client_zero_blocks(kvd_client* client, const char* pool, const uint64_t* block_ids, size_t count,
@@ -255,11 +253,10 @@ int kvd_client_copy_blocks(kvd_client* client, const char* pool, const uint64_t*
 enum { KVD_OP_GROW = 1, KVD_OP_SHRINK = 2, KVD_OP_SLEEP = 3, KVD_OP_WAKE = 4 }; /* kvd.v1.Operation's values */
 /* Prepare: kvd.v1.PrepareResponse. target_blocks for grow and shrink; the daemon holds the pool for `ttl_us`
  * (at least 1 ms). */
-int kvd_client_prepare(kvd_client* client, const char* pool, int op, uint64_t target_blocks, int64_t ttl_us,
-                       int force, kvd_buffer* reply, kvd_status** status);
+int kvd_client_prepare(kvd_client* client, const char* pool, int op, uint64_t target_blocks, int64_t ttl_us, int force,
+                       kvd_buffer* reply, kvd_status** status);
 /* Commit: kvd.v1.PoolUpdate (this client's Mapping has mapped, as for a grow). Abort: kvd.v1.AbortResponse. */
-int kvd_client_commit(kvd_client* client, const char* transaction, int wait, kvd_buffer* reply,
-                      kvd_status** status);
+int kvd_client_commit(kvd_client* client, const char* transaction, int wait, kvd_buffer* reply, kvd_status** status);
 int kvd_client_abort(kvd_client* client, const char* transaction, kvd_buffer* reply, kvd_status** status);
 
 /* The protocol underneath, for tools (engines use the functions above). One unary RPC of kvd.v1.Kvd by its
@@ -269,8 +266,8 @@ int kvd_client_call(kvd_client* client, const char* method, const void* request,
                     int64_t timeout_us, kvd_buffer* reply, kvd_status** status);
 /* Redeems a lease (AttachResponse.lease, ...) on this client's session: *count chunk ids and FDs, in the
  * lease's order (both arrays kvd_free; the FDs the caller's). */
-int kvd_client_fetch_lease(kvd_client* client, const char* lease_token, uint64_t** chunk_ids, int** fds,
-                           size_t* count, kvd_status** status);
+int kvd_client_fetch_lease(kvd_client* client, const char* lease_token, uint64_t** chunk_ids, int** fds, size_t* count,
+                           kvd_status** status);
 /* The session the next call uses (a new one after a daemon restart): its token (kvd_free), and the uid and
  * pid the daemon saw; any of them may be NULL. */
 int kvd_client_session(kvd_client* client, char** token, uint32_t* uid, int32_t* pid, kvd_status** status);
@@ -323,8 +320,8 @@ void kvd_attach_options_set_on_ranges_released(kvd_attach_options* options, kvd_
 
 /* Attaches the pool and maps its committed chunks; `options` may be NULL. One Mapping per pool per client:
  * ALREADY_EXISTS for a second. */
-int kvd_client_attach(kvd_client* client, const char* pool, const kvd_attach_options* options,
-                      kvd_mapping** mapping, kvd_status** status);
+int kvd_client_attach(kvd_client* client, const char* pool, const kvd_attach_options* options, kvd_mapping** mapping,
+                      kvd_status** status);
 /* Stops the follower, unmaps every chunk, frees the VA and detaches. Not from the Mapping's own callbacks. */
 void kvd_mapping_close(kvd_mapping* mapping);
 
@@ -424,7 +421,7 @@ int kvd_group_refresh(kvd_group* group, kvd_status** status);
 
 /* The result of one group operation; owned by the caller (kvd_group_change_free). */
 typedef struct kvd_group_change {
-  int op;                    /* KVD_OP_* */
+  int op; /* KVD_OP_* */
   size_t rank_count;
   const kvd_buffer* updates; /* updates[r]: rank r's kvd.v1.PoolUpdate */
   uint64_t prepare_us;       /* first prepare sent to last prepare answered */

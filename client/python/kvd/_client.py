@@ -803,8 +803,8 @@ class Mapping:
         self.closed = True
         h = self._h.acquire()
         if h is not None:
-            self._final = {"client_id": _lib.take_string(lib.kvd_mapping_client_id(h)), "epoch": lib.kvd_mapping_epoch(h),
-                           "committed_blocks": lib.kvd_mapping_committed_blocks(h),
+            self._final = {"client_id": _lib.take_string(lib.kvd_mapping_client_id(h)),
+                           "epoch": lib.kvd_mapping_epoch(h), "committed_blocks": lib.kvd_mapping_committed_blocks(h),
                            "state": lib.kvd_mapping_pool_state(h), "mapped_chunks": [],
                            "pauses": lib.kvd_mapping_pauses(h), "resumes": lib.kvd_mapping_resumes(h),
                            "events_seen": lib.kvd_mapping_events(h)}
