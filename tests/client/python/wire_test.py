@@ -6,8 +6,9 @@ and its functions applied to a table of inputs; the package must give the same a
 and environments. The last test runs a real kvd on a socket without ".sock" and connects to it from Python
 and kvctl, which find its handle channel by the rule.
 
-Run: KVD_WIRE_DUMP=<build>/tests/kvd_wire_dump KVD_BINARY=... KVCTL_BINARY=... KVD_LIBRARY=<build>/client/libkvd_c.so \
-     PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 wire_test.py
+Run: KVD_WIRE_DUMP=<build>/tests/kvd_wire_dump KVD_BINARY=... KVCTL_BINARY=... \
+     KVD_LIBRARY=<build>/client/libkvd_c.so PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     /usr/bin/python3 wire_test.py
 """
 
 import json
