@@ -42,6 +42,7 @@ struct kvd_pool_options {
 struct kvd_change_options {
   kvd::ShrinkOptions shrink;  // wait, whole_chunks_only, live_blocks, pause, force: every change reads its own
   uint32_t max_chunks_per_pause = 0;
+  bool keep = false;
 };
 struct kvd_attach_options {
   std::string client_name;
@@ -459,6 +460,7 @@ kvd_change_options* kvd_change_options_create(void) { return new kvd_change_opti
 void kvd_change_options_destroy(kvd_change_options* options) { delete options; }
 void kvd_change_options_set_wait(kvd_change_options* o, int wait) { o->shrink.wait = wait != 0; }
 void kvd_change_options_set_force(kvd_change_options* o, int force) { o->shrink.force = force != 0; }
+void kvd_change_options_set_keep(kvd_change_options* o, int keep) { o->keep = keep != 0; }
 void kvd_change_options_set_whole_chunks_only(kvd_change_options* o, int whole) {
   o->shrink.whole_chunks_only = whole != 0;
 }
@@ -497,9 +499,16 @@ int kvd_client_compact(kvd_client* c, const char* pool, const kvd_change_options
 
 int kvd_client_sleep(kvd_client* c, const char* pool, const kvd_change_options* options, kvd_buffer* reply,
                      kvd_status** status) {
-  const kvd::ShrinkOptions& o = kvd::OrDefault(options).shrink;
+  const kvd_change_options& o = kvd::OrDefault(options);
   Capture r(v1::PoolUpdates::descriptor(), reply);
-  return r.Deliver(c->client->Sleep(Str(pool), {.wait = o.wait, .force = o.force, .pause = o.pause}).status(), status);
+  return r.Deliver(c->client
+                       ->Sleep(Str(pool), {.wait = o.shrink.wait,
+                                           .force = o.shrink.force,
+                                           .pause = o.shrink.pause,
+                                           .keep = o.keep,
+                                           .live_blocks = o.shrink.live_blocks.value_or(std::vector<uint64_t>{})})
+                       .status(),
+                   status);
 }
 
 int kvd_client_wake(kvd_client* c, const char* pool, kvd_buffer* reply, kvd_status** status) {
@@ -566,7 +575,7 @@ int kvd_client_copy_blocks(kvd_client* c, const char* pool, const uint64_t* copi
 }
 
 int kvd_client_prepare(kvd_client* c, const char* pool, int op, uint64_t target_blocks, int64_t ttl_us, int force,
-                       kvd_buffer* reply, kvd_status** status) {
+                       int keep, kvd_buffer* reply, kvd_status** status) {
   static const std::map<int, kvd::GroupOp> kOps = {{KVD_OP_GROW, kvd::GroupOp::kGrow},
                                                    {KVD_OP_SHRINK, kvd::GroupOp::kShrink},
                                                    {KVD_OP_SLEEP, kvd::GroupOp::kSleep},
@@ -580,7 +589,8 @@ int kvd_client_prepare(kvd_client* c, const char* pool, int op, uint64_t target_
   }
   Capture r(v1::PrepareResponse::descriptor(), reply);
   return r.Deliver(
-      c->client->Prepare(Str(pool), it->second, target_blocks, absl::Microseconds(ttl_us), force != 0).status(),
+      c->client->Prepare(Str(pool), it->second, target_blocks, absl::Microseconds(ttl_us), force != 0, keep != 0)
+          .status(),
       status);
 }
 
@@ -839,9 +849,9 @@ int kvd_group_shrink(kvd_group* g, uint64_t target_blocks, int wait, int force, 
   return kvd::RunGroup(
       g, [&](kvd::Group& group) { return group.Shrink(target_blocks, wait != 0, force != 0); }, change, status);
 }
-int kvd_group_sleep(kvd_group* g, int wait, int force, kvd_group_change** change, kvd_status** status) {
+int kvd_group_sleep(kvd_group* g, int wait, int force, int keep, kvd_group_change** change, kvd_status** status) {
   return kvd::RunGroup(
-      g, [&](kvd::Group& group) { return group.Sleep(wait != 0, force != 0); }, change, status);
+      g, [&](kvd::Group& group) { return group.Sleep(wait != 0, force != 0, keep != 0); }, change, status);
 }
 int kvd_group_wake(kvd_group* g, kvd_group_change** change, kvd_status** status) {
   return kvd::RunGroup(

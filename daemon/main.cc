@@ -84,13 +84,17 @@ constexpr char kStateHealthService[] = "kvd.state";
 struct Flags {
   std::string backend = "auto";
   std::string device = "0";  // an index or a UUID (prefix): ResolveDeviceSelector
-  std::string socket;        // default /run/kvd/gpu<N>.sock
+  std::string socket;        // default <socket_dir>/gpu<N>.sock, or <socket_dir>/<UUID>.sock with socket_name "uuid"
+  std::string socket_dir;    // default $NVIDIA_DRA_LOCAL_IPC_DIR, else /run/kvd
+  std::string socket_name = "index";
   std::string metrics_address;
   bool metrics_clients = false;
   std::string budget = "90%";
   std::string host_capacity;  // default: physical memory
   std::string host_granularity = "2MiB";
   std::string max_chunk = "4GiB";
+  std::string host_tier = "0";
+  uint32_t host_tier_copy_threads = 4;
   std::string lease_ttl = "30s";
   std::string layout_override;
   std::string log_format = "text";
@@ -468,6 +472,15 @@ std::optional<SocketId> IdOf(const std::string& path) {
   return SocketId{st.st_dev, st.st_ino};
 }
 
+// The gRPC socket when --socket is not given: in --socket-dir, else the DRA claim's IPC directory
+// ($NVIDIA_DRA_LOCAL_IPC_DIR), else /run/kvd; named gpu<index>.sock, or <device UUID>.sock with --socket-name=uuid
+// (docs/operations.md, "Pods without hostIPC").
+std::string DefaultSocketPath(const Flags& f, int index, absl::string_view uuid) {
+  const std::string dir = f.socket_dir.empty() ? wire::DefaultSocketDirFromEnvironment() : f.socket_dir;
+  if (f.socket_name == "uuid") return absl::StrCat(dir, "/", uuid, wire::kSocketSuffix);
+  return wire::DefaultSocket(index, dir);
+}
+
 // Removes `path` if it is still the socket this daemon bound.
 void RemoveSocket(const std::string& path, const std::optional<SocketId>& ours) {
   const std::optional<SocketId> now = IdOf(path);
@@ -485,11 +498,18 @@ absl::Status Run(const Flags& f) {
   KVD_RETURN_IF_ERROR(ParseHostOptions(f, &device_options));
   std::string selected_by;
   KVD_ASSIGN_OR_RETURN(device_options.index, ResolveDevice(f, device_options, &selected_by));
-  const std::string socket_path = f.socket.empty() ? wire::DefaultSocket(device_options.index) : f.socket;
-  const std::string handles_path = wire::HandlesPathFor(socket_path);
-  spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index, selected_by,
-               socket_path, handles_path);
+  if (!f.socket.empty() && (!f.socket_dir.empty() || f.socket_name != "index")) {
+    return absl::InvalidArgumentError("--socket names the socket's path: --socket-dir and --socket-name apply without it");
+  }
+  // Named by UUID, the sockets are known once the device is open (below).
+  std::string socket_path =
+      !f.socket.empty() ? f.socket : f.socket_name == "uuid" ? "" : DefaultSocketPath(f, device_options.index, "");
+  if (!socket_path.empty()) {
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
+  KVD_ASSIGN_OR_RETURN(uint64_t host_tier_bytes, ParseSize(f.host_tier, "--host-tier-bytes"));
   absl::Duration lease_ttl;
   if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--lease-ttl: \"", f.lease_ttl, "\" is not a positive duration"));
@@ -502,13 +522,18 @@ absl::Status Run(const Flags& f) {
                                                    " must be at least 4KiB and less than 2GiB"));
   }
 
-  KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
-  KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
-  KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
-
   std::string why;
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenBackend(f, device_options, &why));
   KVD_ASSIGN_OR_RETURN(DeviceInfo info, device->Info());
+  if (socket_path.empty()) {
+    socket_path = DefaultSocketPath(f, device_options.index, info.uuid);
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
+  const std::string handles_path = wire::HandlesPathFor(socket_path);
+  KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
   spdlog::info("backend {} ({}): {} #{} {}, {} total, granularity {}", BackendName(device->kind()), why, info.name,
                info.index, info.uuid, FormatBytes(info.total_bytes), FormatBytes(device->granularity()));
   if (device->kind() != BackendKind::kHost && !f.host_capacity.empty()) {
@@ -569,6 +594,17 @@ absl::Status Run(const Flags& f) {
                                   : std::string("no FD store (clients give them back after a restart)"));
   }
 
+  // Note [The host tier]: made before the manager, prepared (allocated, bound, registered) in the background.
+  std::unique_ptr<HostTier> host_tier;
+  if (host_tier_bytes > 0) {
+    if (f.host_tier_copy_threads == 0) return absl::InvalidArgumentError("--host-tier-copy-threads: must be > 0");
+    KVD_ASSIGN_OR_RETURN(host_tier,
+                         HostTier::Create(device.get(),
+                                          HostTierOptions{.bytes = host_tier_bytes,
+                                                          .copy_threads = f.host_tier_copy_threads,
+                                                          .info = [](const std::string& line) { spdlog::info("{}", line); }},
+                                          granularity));
+  }
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,
                                                    .lease_ttl = lease_ttl,
@@ -582,6 +618,7 @@ absl::Status Run(const Flags& f) {
                                                    .pause_timeout = pause_timeout,
                                                    .compact_above_chunks = f.compact_above_chunks,
                                                    .compact_chunks_per_pause = f.compact_chunks_per_pause,
+                                                   .host_tier = host_tier.get(),
                                                    .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
@@ -768,8 +805,16 @@ int Main(int argc, char** argv) {
                "Print index, UUID, memory and name of every device of --backend this process sees, and exit");
   app.add_flag("--json", f.json, "With --list-devices: print JSON instead of a table");
   app.add_option("--socket", f.socket,
-                 "gRPC Unix socket (default /run/kvd/gpu<N>.sock, N the selected device's index); the handle channel "
-                 "is the same path with .sock replaced by .handles");
+                 "gRPC Unix socket (default <--socket-dir>/gpu<N>.sock, N the selected device's index); the handle "
+                 "channel is the same path with .sock replaced by .handles");
+  app.add_option("--socket-dir", f.socket_dir,
+                 "Directory of the sockets when --socket is not given (default $NVIDIA_DRA_LOCAL_IPC_DIR, the DRA "
+                 "claim's IPC directory, else /run/kvd)");
+  app.add_option("--socket-name", f.socket_name,
+                 "Name of the sockets when --socket is not given: index (gpu<N>.sock) or uuid (<device UUID>.sock, "
+                 "found by clients by UUID: kvd::FindSocket, kvd.connect(device=UUID))")
+      ->check(CLI::IsMember({"index", "uuid"}))
+      ->capture_default_str();
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT to serve Prometheus /metrics on (default: not served)");
   app.add_flag("--metrics-clients", f.metrics_clients,
@@ -781,6 +826,13 @@ int Main(int argc, char** argv) {
   app.add_option("--host-granularity", f.host_granularity, "Host backend: allocation granularity")
       ->capture_default_str();
   app.add_option("--max-chunk", f.max_chunk, "Largest single chunk a grow creates")->capture_default_str();
+  app.add_option("--host-tier-bytes", f.host_tier,
+                 "Host memory (a memfd, NUMA-local to the GPU, registered with the driver at start) where a sleep "
+                 "that keeps its contents puts them; a multiple of the granularity; 0: none")
+      ->capture_default_str();
+  app.add_option("--host-tier-copy-threads", f.host_tier_copy_threads,
+                 "Copies in flight at once between a pool and the host tier")
+      ->capture_default_str();
   app.add_option("--lease-ttl", f.lease_ttl, "How long a handle lease stays redeemable (e.g. 30s, 500ms)")
       ->capture_default_str();
   app.add_option("--layout-override", f.layout_override,

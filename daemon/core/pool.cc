@@ -57,6 +57,7 @@ Pool::Pool(const SavedPool& saved, PoolPlan plan, const PoolShared& shared)
       state_(saved.state),
       prefix_bytes_(saved.prefix_bytes),
       wake_blocks_(saved.wake_blocks),
+      kept_(saved.kept),
       generation_(saved.generation),
       peer_devices_(saved.peer_devices),
       metadata_(saved.metadata),
@@ -79,6 +80,11 @@ PoolView Pool::View(ViewClients clients) const {
 PoolState Pool::state() const {
   absl::MutexLock lock(&mu_);
   return state_;
+}
+
+std::optional<KeptContents> Pool::kept() const {
+  absl::MutexLock lock(&mu_);
+  return kept_;
 }
 
 bool Pool::deleted() const {
@@ -117,6 +123,7 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
              .reserved_bytes = plan_.geometry.reserved_bytes(),
              .pending_release_bytes = PendingBytesLocked(),
              .wake_blocks = wake_blocks_,
+             .kept_bytes = kept_ ? kept_->bytes : 0,
              .owner_uid = owner_uid_,
              .allowed_uids = allowed_uids_,
              .generation = generation_,
@@ -249,6 +256,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
       // whole previous size: sleep and wake also defragment.
       state_ = PoolState::kAwake;
       wake_blocks_ = 0;
+      if (change.restored) kept_.reset();
       if (change.target_blocks > 0) return PublishLocked(std::move(change.staged), change.target_blocks, session);
       return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
     case GroupOp::kShrink:
@@ -256,6 +264,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
     case GroupOp::kSleep:
       wake_blocks_ = committed_blocks();
       state_ = PoolState::kSleeping;
+      kept_ = std::move(change.kept);
       return ReleaseLocked(0, released, session, change.forced);
   }
   return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
@@ -1187,7 +1196,8 @@ SavedPool Pool::Saved() const {
                   .wake_blocks = wake_blocks_,
                   .generation = generation_,
                   .pending_release_bytes = PendingBytesLocked(),
-                  .metadata = metadata_};
+                  .metadata = metadata_,
+                  .kept = kept_};
   for (const ChunkRecord& r : chunks_) saved.chunks.push_back(r.info);
   return saved;
 }

@@ -72,6 +72,10 @@ struct Change {
   Staged staged;               // grow and wake
   // Shrink and sleep: forced past the clients that are not pausable (Note [Releases pause first]).
   bool forced = false;
+  // Sleep keeping the contents: what the sleep copied into the host tier (the pool keeps it until its
+  // wake). Wake: whether the staged chunks hold the kept contents already (the pool then lets them go).
+  std::optional<KeptContents> kept;
+  bool restored = false;
 };
 
 // A prepared group resize holding its pool until Commit, Abort, its session's end or its ttl.
@@ -148,6 +152,8 @@ class Pool {
 
   PoolView View(ViewClients clients = ViewClients::kListed) const ABSL_LOCKS_EXCLUDED(mu_);
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
+  // While sleeping with its contents: what it keeps in the host tier (Note [The host tier]).
+  std::optional<KeptContents> kept() const ABSL_LOCKS_EXCLUDED(mu_);
   bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -486,6 +492,7 @@ class Pool {
   PoolState state_ ABSL_GUARDED_BY(mu_) = PoolState::kAwake;
   uint64_t prefix_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // committed bytes of every segment
   uint64_t wake_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<KeptContents> kept_ ABSL_GUARDED_BY(mu_);
   std::vector<ChunkRecord> chunks_ ABSL_GUARDED_BY(mu_);  // by (segment, offset)
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t event_sequence_ ABSL_GUARDED_BY(mu_) = 0;

@@ -124,6 +124,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
       device_info_(ReadInfo(device)),
       capabilities_(device->Capabilities()),
       budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
+      host_tier_(options_.host_tier),
       sessions_(options_.limits),
       leases_(options_.lease_ttl),
       shared_{.leases = &leases_,
@@ -590,6 +591,9 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   }
   const bool forget = why != EventType::kDaemonRestarting;
   if (forget) Forget(pool);
+  if (std::optional<KeptContents> kept = pool.kept(); forget && kept.has_value()) {
+    host_tier_->Give(kept->tier_offset, kept->extent_bytes);
+  }
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
@@ -677,11 +681,27 @@ absl::Status PoolManager::AcknowledgePause(const Caller& caller, absl::string_vi
 // The resize state machine: grow, shrink, sleep, wake, plain or in two phases
 
 absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
-                                                  absl::string_view session, const ReleaseOptions& release) {
+                                                  absl::string_view session, const ReleaseOptions& release,
+                                                  const KeepOptions& keep) {
   KVD_ASSIGN_OR_RETURN(Change change, pool.Check(op, target_blocks));
   if ((op == GroupOp::kGrow || op == GroupOp::kWake) && change.target_blocks > 0) {
     KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks));
+    // Note [The host tier]: the kept contents land in the new chunks before any client sees them.
+    if (std::optional<KeptContents> kept = pool.kept(); op == GroupOp::kWake && kept.has_value()) {
+      if (absl::Status copied = host_tier_->CopyIn(pool.base(), *kept); !copied.ok()) {
+        Unstage(pool, change.staged);
+        return absl::Status(copied.code(), absl::StrCat("pool ", pool.name(), ": copying its kept contents back: ",
+                                                        copied.message(), "; it still sleeps with them"));
+      }
+      change.restored = true;
+    }
   }
+  if (op == GroupOp::kSleep && keep.keep) {
+    KVD_ASSIGN_OR_RETURN(change.kept, PlanKeep(pool, keep));
+  } else if (!keep.live_blocks.empty()) {
+    return absl::InvalidArgumentError("live_blocks: only a sleep that keeps its contents (keep) names live blocks");
+  }
+  absl::Cleanup give_back = [&] { Unprepare(pool, change); };
   if (op == GroupOp::kShrink || op == GroupOp::kSleep) {
     const uint64_t prefix = op == GroupOp::kSleep ? 0 : pool.geometry().PrefixBytes(target_blocks);
     KVD_RETURN_IF_ERROR(QuiesceLocked(
@@ -689,15 +709,88 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
         pool.Leaving(prefix), release));
     change.forced = release.force;
   }
+  if (change.kept.has_value()) {
+    // Under the pause: no client of another session writes while the bytes are copied.
+    if (absl::Status copied = host_tier_->CopyOut(pool.base(), *change.kept); !copied.ok()) {
+      return absl::Status(copied.code(), absl::StrCat("pool ", pool.name(), ": copying its contents to the host tier: ",
+                                                      copied.message(), "; nothing changed"));
+    }
+  }
+  std::move(give_back).Cancel();
   return change;
 }
+
+absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, const KeepOptions& keep) {
+  if (host_tier_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "keep: pool ", pool.name(), " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
+  }
+  const PoolView view = pool.View(ViewClients::kCounted);
+  const Geometry& g = view.geometry;
+  KeptContents kept;
+  if (keep.live_blocks.empty()) {
+    const uint64_t prefix = g.segments() == 0 ? 0 : view.committed_bytes / g.segments();
+    if (prefix > 0) {
+      for (uint64_t s = 0; s < g.segments(); ++s) kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
+    }
+  } else {
+    std::vector<uint64_t> live = keep.live_blocks;
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (live[i] >= view.committed_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i], " is not committed (pool ",
+                                                       pool.name(), " has ", view.committed_blocks, ")"));
+      }
+    }
+    std::sort(live.begin(), live.end());
+    if (auto dup = std::adjacent_find(live.begin(), live.end()); dup != live.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("live_blocks: block ", *dup, " is named more than once"));
+    }
+    kept.live_blocks = live.size();
+    const uint64_t block = g.block_stride();
+    for (uint64_t s = 0; s < g.segments(); ++s) {
+      for (size_t i = 0; i < live.size();) {
+        size_t j = i + 1;
+        while (j < live.size() && live[j] == live[j - 1] + 1) ++j;
+        kept.runs.push_back({.pool_offset = g.SegmentOffset(s) + live[i] * block, .bytes = (j - i) * block});
+        i = j;
+      }
+    }
+  }
+  for (const KeptRun& run : kept.runs) kept.bytes += run.bytes;
+  if (kept.bytes == 0) return std::nullopt;
+  KVD_ASSIGN_OR_RETURN(kept.tier_offset, host_tier_->Take(pool.name(), kept.bytes, &kept.extent_bytes));
+  return kept;
+}
+
+void PoolManager::Unprepare(Pool& pool, Change& change) {
+  Unstage(pool, change.staged);
+  if (change.kept.has_value()) host_tier_->Give(change.kept->tier_offset, change.kept->extent_bytes);
+  change.kept.reset();
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::SleepKeeping(absl::string_view name, PauseOptions pause) {
+  std::shared_ptr<Pool> pool;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pools_.find(name);
+    if (it == pools_.end()) return absl::NotFoundError(absl::StrCat("pool: ", name, " does not exist"));
+    pool = it->second;
+  }
+  return Resize(Caller{.uid = options_.daemon_uid}, pool, GroupOp::kSleep, 0, false, absl::InfinitePast(),
+                ReleaseOptions{.force = true, .pause = pause}, KeepOptions{.keep = true});
+}
+
+HostTierStats PoolManager::HostTierUsage() const { return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{}; }
 
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
   const GroupOp op = change.op;
   const uint64_t target_blocks = change.target_blocks;
   const size_t chunks_before = pool.View(ViewClients::kCounted).chunks.size();
+  const std::optional<KeptContents> restored = change.restored ? pool.kept() : std::nullopt;
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
+  // Woken with its contents: the tier's copy is no longer needed.
+  if (restored.has_value()) host_tier_->Give(restored->tier_offset, restored->extent_bytes);
   if (op == GroupOp::kShrink) {
     // Whole chunks only: say whether that reached the target.
     const Geometry& g = pool.geometry();
@@ -718,12 +811,12 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
 
 absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
                                                uint64_t target_blocks, bool wait, absl::Time deadline,
-                                               const ReleaseOptions& release) {
+                                               const ReleaseOptions& release, const KeepOptions& keep) {
   PoolUpdate update;
   {
     absl::MutexLock lock(&pool->op_mu);
     const absl::Time start = absl::Now();
-    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release));
+    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release, keep));
     update = CommitLocked(*pool, std::move(change), caller.session, start);
   }
   if (wait && update.release_id != 0) {
@@ -747,20 +840,24 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
 }
 
 absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller, absl::string_view name, bool wait,
-                                                           absl::Time deadline, const ReleaseOptions& release) {
+                                                           absl::Time deadline, const ReleaseOptions& release,
+                                                           const KeepOptions& keep) {
   std::vector<PoolUpdate> updates;
   if (!name.empty()) {
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline, release));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline, release, keep));
     updates.push_back(std::move(update));
     return updates;
   }
   // --all: every awake pool the caller may change. Releases are started on every pool first, then
   // awaited together. A pool that went to sleep or away meanwhile is skipped.
+  if (!keep.live_blocks.empty()) {
+    return absl::InvalidArgumentError("live_blocks: name the pool they belong to (not all)");
+  }
   std::vector<std::shared_ptr<Pool>> slept;
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     if (!pool->Allows(caller.uid) || pool->state() != PoolState::kAwake) continue;
-    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline, release);
+    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline, release, keep);
     if (!update.ok()) {
       // Gone or asleep meanwhile: skipped. Any other refusal (a client that is not pausable) stops here, the
       // pools before it asleep.
@@ -1383,7 +1480,8 @@ void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time pause
 // Engine groups: the same state machine, split at the RPC boundary
 
 absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::string_view name, GroupOp op,
-                                                uint64_t target_blocks, absl::Duration ttl, bool force) {
+                                                uint64_t target_blocks, absl::Duration ttl, bool force,
+                                                const KeepOptions& keep) {
   const absl::Time start = absl::Now();
   if ((op == GroupOp::kSleep || op == GroupOp::kWake) && target_blocks != 0) {
     return absl::InvalidArgumentError(
@@ -1393,7 +1491,7 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
   absl::MutexLock op_lock(&pool->op_mu);
   // A shrink or sleep pauses the pausable clients of other sessions until the commit or abort.
   KVD_ASSIGN_OR_RETURN(Change change,
-                       PrepareLocked(*pool, op, target_blocks, caller.session, ReleaseOptions{.force = force}));
+                       PrepareLocked(*pool, op, target_blocks, caller.session, ReleaseOptions{.force = force}, keep));
   const uint64_t prepared_bytes = change.staged.bytes;
   Transaction txn{.id = RandomToken("t-"),
                   .session = caller.session,
@@ -1404,7 +1502,7 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
   const absl::Time expires = txn.expires;
   if (std::optional<Transaction> refused = pool->Hold(std::move(txn), sessions_); refused.has_value()) {
     // The session closed (or the pool was deleted) while the memory was made: nobody could commit this.
-    Unstage(*pool, refused->change.staged);
+    Unprepare(*pool, refused->change);
     if (pool->deleted()) return PoolGone(name);
     return absl::UnauthenticatedError("kvd-session: the session has closed");
   }
@@ -1433,7 +1531,7 @@ uint64_t PoolManager::AbortLocked(Pool& pool, absl::string_view id, std::optiona
   if (!txn.ok()) return 0;
   transactions_.Remove(id, why);
   const uint64_t bytes = txn->change.staged.bytes;
-  Unstage(pool, txn->change.staged);
+  Unprepare(pool, txn->change);
   return bytes;
 }
 
@@ -1453,7 +1551,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
     }
     if (const absl::Duration late = absl::Now() - txn->expires; late > absl::ZeroDuration()) {
       transactions_.Remove(transaction, "not committed within its ttl");
-      Unstage(*pool, txn->change.staged);
+      Unprepare(*pool, txn->change);
       return absl::AbortedError(absl::StrCat("transaction: ", transaction, " expired ",
                                              absl::FormatDuration(absl::Trunc(late, absl::Milliseconds(1))),
                                              " ago and was aborted; prepare again"));
@@ -1482,7 +1580,7 @@ absl::StatusOr<uint64_t> PoolManager::Abort(const Caller& caller, absl::string_v
   }
   transactions_.Remove(transaction, "");
   const uint64_t bytes = txn->change.staged.bytes;
-  Unstage(*pool, txn->change.staged);
+  Unprepare(*pool, txn->change);
   return bytes;
 }
 

@@ -63,6 +63,7 @@
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
 #include "daemon/core/geometry.h"
+#include "daemon/core/host_tier.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/limits.h"
 #include "daemon/core/pool.h"
@@ -118,6 +119,9 @@ struct ManagerOptions {
   // How many chunks a compaction replaces under one pause, at most (CompactRequest.max_chunks_per_pause):
   // a client unmaps each old chunk before it maps the new ones, ~17 us a chunk on an H200.
   uint32_t compact_chunks_per_pause = 512;
+  // Host memory where sleeps keep pools' contents (not owned, outlives the manager); null: none, and a
+  // keeping sleep is FAILED_PRECONDITION.
+  HostTier* host_tier = nullptr;
   // Where the manager reports what it did on its own that is not a problem (background compactions).
   std::function<void(const std::string&)> info;
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
@@ -133,6 +137,12 @@ struct ManagerOptions {
 struct ReleaseOptions {
   bool force = false;
   PauseOptions pause;
+};
+// A sleep that keeps the pool's contents in the host tier (Note [The host tier] in docs/architecture.md):
+// every committed byte, or with `live_blocks` only those blocks (each committed, none repeated).
+struct KeepOptions {
+  bool keep = false;
+  std::vector<uint64_t> live_blocks;  // empty: every committed byte
 };
 // One page of ListPools: pools by name, after the page before.
 struct PoolPage {
@@ -253,8 +263,18 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> Compact(const Caller& caller, absl::string_view pool,
                                                    const CompactOptions& options);
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
+  // With `keep.keep` the contents go to the host tier first (under the release's pause) and Wake copies them
+  // back: RESOURCE_EXHAUSTED naming the bytes, before any pause, when the tier cannot hold them; live blocks
+  // only with a named pool.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
-                                                              absl::Time deadline, const ReleaseOptions& release = {});
+                                                              absl::Time deadline, const ReleaseOptions& release = {},
+                                                              const KeepOptions& keep = {});
+  // The arbitration's reclaim action (docs/api.md, "Sleep that keeps the contents"): sleeps `pool` as the
+  // daemon, keeping its contents in the host tier, the clients paused first and forced past those that are
+  // not pausable. Sleep's errors.
+  [[nodiscard]] absl::StatusOr<PoolUpdate> SleepKeeping(absl::string_view pool, PauseOptions pause = {});
+  // The host tier's size, use and copies (all zero without one).
+  HostTierStats HostTierUsage() const;
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool);
 
   // Two-phase resizes for engine groups (see the top of this file). `target_blocks` is for kGrow and
@@ -262,7 +282,8 @@ class PoolManager {
   // A shrink or sleep quiesces the clients of other sessions first (ReleaseOptions, with `force`), and the
   // pausable ones stay paused until the Commit or Abort.
   [[nodiscard]] absl::StatusOr<PreparedOp> Prepare(const Caller& caller, absl::string_view pool, GroupOp op,
-                                                   uint64_t target_blocks, absl::Duration ttl, bool force = false);
+                                                   uint64_t target_blocks, absl::Duration ttl, bool force = false,
+                                                   const KeepOptions& keep = {});
   // Only the preparing session may commit or abort. NOT_FOUND (with the reason when the daemon aborted
   // it) for a transaction that is unknown or ended; ABORTED when its ttl passed. `wait` and `deadline`
   // are Shrink's, for shrink and sleep.
@@ -361,14 +382,22 @@ class PoolManager {
   // references to released chunks go. Prepare and Commit split it at Stage.
   // A shrink or sleep first quiesces the clients of sessions other than `session` (QuiesceLocked).
   [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
-                                                     absl::string_view session, const ReleaseOptions& release)
+                                                     absl::string_view session, const ReleaseOptions& release,
+                                                     const KeepOptions& keep = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // The runs a keeping sleep of `pool` copies and the tier extent for them (nullopt: nothing committed).
+  // FAILED_PRECONDITION without a tier, INVALID_ARGUMENT naming live_blocks[i], RESOURCE_EXHAUSTED when the
+  // tier has no room.
+  [[nodiscard]] absl::StatusOr<std::optional<KeptContents>> PlanKeep(Pool& pool, const KeepOptions& keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  // Gives back what a prepared change holds and did not apply: its staged memory and a sleep's tier extent.
+  void Unprepare(Pool& pool, Change& change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   PoolUpdate CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
   // A plain resize: PrepareLocked and CommitLocked under one hold of op_mu, then the wait.
   [[nodiscard]] absl::StatusOr<PoolUpdate> Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
                                                   uint64_t target_blocks, bool wait, absl::Time deadline,
-                                                  const ReleaseOptions& release = {});
+                                                  const ReleaseOptions& release = {}, const KeepOptions& keep = {});
   // Before a release of `leaving` asked by `session` (empty: the daemon's own): refuses for a client of
   // another session that is not pausable unless forced, then pauses the pausable ones and waits for their
   // acknowledgements; the pause stays for Pool::Apply, Destroy or GiveUpRecovery to end (or Unstage to
@@ -503,6 +532,7 @@ class PoolManager {
   DeviceInfo device_info_;
   DeviceCapabilities capabilities_;  // probed when the device opened
   Budget budget_;
+  HostTier* const host_tier_;  // options_.host_tier
   SessionTable sessions_;
   LeaseTable leases_;
   TransactionTable transactions_;

@@ -100,6 +100,7 @@ struct PoolView {
   uint64_t reserved_bytes = 0;
   uint64_t pending_release_bytes = 0;
   uint64_t wake_blocks = 0;
+  uint64_t kept_bytes = 0;  // while sleeping: bytes kept in the host tier for Wake to copy back
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
   std::vector<ClientView> clients;  // empty when the view only counts them (ViewClients::kCounted)

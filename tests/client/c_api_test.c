@@ -651,7 +651,7 @@ static void test_group(const daemon_t* d0, const daemon_t* d1) {
     kvd_buffer_free(&pool);
   }
   coordinator.answer = KVD_OK;
-  EXPECT_OK(kvd_group_sleep(g, 1, 0, &change, &ST));
+  EXPECT_OK(kvd_group_sleep(g, 1, 0, 0, &change, &ST));
   kvd_group_change_free(change);
   EXPECT_OK(kvd_group_refresh(g, &ST));
   EXPECT_OK(kvd_group_rank_pool(g, 1, &pool, &ST));

@@ -187,9 +187,13 @@ void kvd_change_options_set_wait(kvd_change_options* options, int wait);
 /* Go on past attached clients of other sessions that are not pausable (docs/api.md, "Releases and running
  * engines"). */
 void kvd_change_options_set_force(kvd_change_options* options, int force);
+/* A sleep that keeps the contents in the daemon's host tier, which the wake copies back (docs/api.md, "Sleep that
+ * keeps the contents"); with a named pool and live blocks (below), only those blocks. */
+void kvd_change_options_set_keep(kvd_change_options* options, int keep);
 /* A shrink that releases whole chunks only and moves no byte. */
 void kvd_change_options_set_whole_chunks_only(kvd_change_options* options, int whole_chunks_only);
-/* A compaction shrink: the blocks the engine still uses (count 0: none); unset: no compaction. */
+/* A compaction shrink: the blocks the engine still uses (count 0: none); unset: no compaction. A keeping sleep: the
+ * blocks it keeps (unset or count 0: every committed block). */
 void kvd_change_options_set_live_blocks(kvd_change_options* options, const uint64_t* blocks, size_t count);
 /* How long each client has to acknowledge a pause, rounded up to whole ms (0, the default: the daemon's
  * --pause-timeout), and whether one that does not is detached instead of failing the change. */
@@ -209,7 +213,8 @@ int kvd_client_shrink(kvd_client* client, const char* pool, uint64_t target_bloc
 /* Compact (the pause options, max_chunks_per_pause): kvd.v1.PoolUpdate. */
 int kvd_client_compact(kvd_client* client, const char* pool, const kvd_change_options* options, kvd_buffer* reply,
                        kvd_status** status);
-/* Sleep (wait, force, the pause options); `pool` NULL or "": every awake pool. kvd.v1.PoolUpdates. */
+/* Sleep (wait, force, keep, live_blocks, the pause options); `pool` NULL or "": every awake pool.
+ * kvd.v1.PoolUpdates. */
 int kvd_client_sleep(kvd_client* client, const char* pool, const kvd_change_options* options, kvd_buffer* reply,
                      kvd_status** status);
 /* Wake; `pool` NULL or "": every sleeping pool. kvd.v1.PoolUpdates; this client's Mappings have mapped. */
@@ -252,9 +257,9 @@ int kvd_client_copy_blocks(kvd_client* client, const char* pool, const uint64_t*
 /* The two phases of a group operation on this daemon (kvd_group drives them on every rank). */
 enum { KVD_OP_GROW = 1, KVD_OP_SHRINK = 2, KVD_OP_SLEEP = 3, KVD_OP_WAKE = 4 }; /* kvd.v1.Operation's values */
 /* Prepare: kvd.v1.PrepareResponse. target_blocks for grow and shrink; the daemon holds the pool for `ttl_us`
- * (at least 1 ms). */
+ * (at least 1 ms); force as kvd_change_options'; keep: a sleep keeps the contents (copied at the prepare). */
 int kvd_client_prepare(kvd_client* client, const char* pool, int op, uint64_t target_blocks, int64_t ttl_us, int force,
-                       kvd_buffer* reply, kvd_status** status);
+                       int keep, kvd_buffer* reply, kvd_status** status);
 /* Commit: kvd.v1.PoolUpdate (this client's Mapping has mapped, as for a grow). Abort: kvd.v1.AbortResponse. */
 int kvd_client_commit(kvd_client* client, const char* transaction, int wait, kvd_buffer* reply, kvd_status** status);
 int kvd_client_abort(kvd_client* client, const char* transaction, kvd_buffer* reply, kvd_status** status);
@@ -431,11 +436,11 @@ typedef struct kvd_group_change {
 } kvd_group_change;
 void kvd_group_change_free(kvd_group_change* change);
 
-/* All ranks or none. wait and force as kvd_change_options'. */
+/* All ranks or none. wait, force and keep as kvd_change_options'. */
 int kvd_group_grow(kvd_group* group, uint64_t target_blocks, kvd_group_change** change, kvd_status** status);
 int kvd_group_shrink(kvd_group* group, uint64_t target_blocks, int wait, int force, kvd_group_change** change,
                      kvd_status** status);
-int kvd_group_sleep(kvd_group* group, int wait, int force, kvd_group_change** change, kvd_status** status);
+int kvd_group_sleep(kvd_group* group, int wait, int force, int keep, kvd_group_change** change, kvd_status** status);
 int kvd_group_wake(kvd_group* group, kvd_group_change** change, kvd_status** status);
 
 #ifdef __cplusplus

@@ -172,10 +172,10 @@ ByteRange = collections.namedtuple("ByteRange", "segment offset bytes")
 
 
 def _change_options(wait=False, force=False, whole_chunks_only=False, live_blocks=None, pause_timeout=None,
-                    detach_unresponsive=False, max_chunks_per_pause=0):
+                    detach_unresponsive=False, max_chunks_per_pause=0, keep=False):
     """The C API's kvd_change_options; pause_timeout in seconds (None or 0: the daemon's --pause-timeout)."""
     o = _lib.Options("change")
-    o.set("set_wait", int(bool(wait))).set("set_force", int(bool(force)))
+    o.set("set_wait", int(bool(wait))).set("set_force", int(bool(force))).set("set_keep", int(bool(keep)))
     o.set("set_whole_chunks_only", int(bool(whole_chunks_only)))
     if live_blocks is not None:
         o.set("set_live_blocks", *_lib.u64_array(live_blocks))
@@ -498,13 +498,17 @@ class Client:
                              max_chunks_per_pause=max_chunks_per_pause) as o:
             return self._reply(pb.PoolUpdate, lib.kvd_client_compact, text(name), o.handle)
 
-    def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False):
+    def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False, keep=False,
+              live_blocks=None):
         """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
         learn of it from their release events (with wait: before this returns). The pausable Mappings of
         other sessions are paused first (pause_timeout and detach_unresponsive as shrink's); one that is not
-        pausable refuses the sleep unless force (docs/api.md, "Releases and running engines")."""
+        pausable refuses the sleep unless force (docs/api.md, "Releases and running engines").
+        keep: the contents go to the daemon's host tier and wake() brings them back at the same addresses;
+        live_blocks (with keep and a named pool): only those blocks are kept (docs/api.md, "Sleep that keeps
+        the contents")."""
         with _change_options(wait=wait, force=force, pause_timeout=pause_timeout,
-                             detach_unresponsive=detach_unresponsive) as o:
+                             detach_unresponsive=detach_unresponsive, keep=keep, live_blocks=live_blocks) as o:
             return list(self._reply(pb.PoolUpdates, lib.kvd_client_sleep, text(name or ""), o.handle).updates)
 
     def wake(self, name=None):
@@ -533,16 +537,17 @@ class Client:
         (mappings that exist stay)."""
         return self._reply(pb.Pool, lib.kvd_client_grant_peer_access, text(name), text(device_uuid), int(bool(revoke)))
 
-    def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False):
+    def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False, keep=False):
         """Phase one of a group operation on this daemon -> kvd.v1.PrepareResponse (transaction,
         pool as it is now, prepared_bytes, expires_at_unix_ms). op: "grow", "shrink", "sleep", "wake"
         (or a kvd.v1 Operation); target_blocks for grow and shrink. The daemon does everything that
         can fail and holds the pool (other resizes get ABORTED) until commit() or abort() from this
         Client, `ttl` seconds, or the end of this Client's session. kvd.Group drives it on every rank.
         A shrink or sleep pauses the pausable Mappings of other sessions until the commit or abort; one that
-        is not pausable refuses it unless force (docs/api.md, "Releases and running engines")."""
+        is not pausable refuses it unless force (docs/api.md, "Releases and running engines"). keep: a sleep
+        keeps the contents in the host tier (sleep()'s keep), copied here."""
         return self._reply(pb.PrepareResponse, lib.kvd_client_prepare, text(name), _operation(op), int(target_blocks),
-                           us(ttl), int(bool(force)))
+                           us(ttl), int(bool(force)), int(bool(keep)))
 
     def commit(self, transaction, wait=False):
         """Phase two: makes a prepared change visible -> kvd.v1.PoolUpdate. As grow() and wake(), this

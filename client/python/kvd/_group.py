@@ -55,7 +55,7 @@ _OP_NAMES = {_lib.OP_GROW: "grow", _lib.OP_SHRINK: "shrink", _lib.OP_SLEEP: "sle
 
 def node_sockets(directory=None):
     """The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else
-    /run/kvd), sorted. NOT_FOUND when the directory is unreadable or holds none."""
+    $NVIDIA_DRA_LOCAL_IPC_DIR, else /run/kvd), sorted. NOT_FOUND when the directory is unreadable or holds none."""
     sockets, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
     call(lib.kvd_node_sockets, text(directory or ""), ctypes.byref(sockets), ctypes.byref(n))
     try:
@@ -166,9 +166,10 @@ class Group:
         refuses it unless force (docs/api.md, "Releases and running engines")."""
         return self._run(lib.kvd_group_shrink, int(blocks), int(bool(wait)), int(bool(force)))
 
-    def sleep(self, wait=False, force=False):
-        """Sleeps every rank; wait and force as shrink's."""
-        return self._run(lib.kvd_group_sleep, int(bool(wait)), int(bool(force)))
+    def sleep(self, wait=False, force=False, keep=False):
+        """Sleeps every rank; wait and force as shrink's; keep: every rank keeps its contents in its daemon's
+        host tier (Client.sleep's keep), or none sleeps."""
+        return self._run(lib.kvd_group_sleep, int(bool(wait)), int(bool(force)), int(bool(keep)))
 
     def wake(self):
         return self._run(lib.kvd_group_wake)

@@ -113,6 +113,7 @@ FUNCTIONS = {
     "kvd_change_options_destroy": (None, [_OPTS]),
     "kvd_change_options_set_wait": (None, [_OPTS, c_int]),
     "kvd_change_options_set_force": (None, [_OPTS, c_int]),
+    "kvd_change_options_set_keep": (None, [_OPTS, c_int]),
     "kvd_change_options_set_whole_chunks_only": (None, [_OPTS, c_int]),
     "kvd_change_options_set_live_blocks": (None, [_OPTS, P(c_uint64), c_size_t]),
     "kvd_change_options_set_pause_timeout_us": (None, [_OPTS, c_int64]),
@@ -132,7 +133,7 @@ FUNCTIONS = {
                                          P(c_size_t), _S]),
     "kvd_client_zero_blocks": (c_int, [c_void_p, c_char_p, P(c_uint64), c_size_t, _B, _S]),
     "kvd_client_copy_blocks": (c_int, [c_void_p, c_char_p, P(c_uint64), c_size_t, _B, _S]),
-    "kvd_client_prepare": (c_int, [c_void_p, c_char_p, c_int, c_uint64, c_int64, c_int, _B, _S]),
+    "kvd_client_prepare": (c_int, [c_void_p, c_char_p, c_int, c_uint64, c_int64, c_int, c_int, _B, _S]),
     "kvd_client_commit": (c_int, [c_void_p, c_char_p, c_int, _B, _S]),
     "kvd_client_abort": (c_int, [c_void_p, c_char_p, _B, _S]),
     "kvd_client_call": (c_int, [c_void_p, c_char_p, c_char_p, c_size_t, c_int64, _B, _S]),
@@ -182,7 +183,7 @@ FUNCTIONS = {
     "kvd_group_change_free": (None, [P(GroupChange)]),
     "kvd_group_grow": (c_int, [c_void_p, c_uint64, P(P(GroupChange)), _S]),
     "kvd_group_shrink": (c_int, [c_void_p, c_uint64, c_int, c_int, P(P(GroupChange)), _S]),
-    "kvd_group_sleep": (c_int, [c_void_p, c_int, c_int, P(P(GroupChange)), _S]),
+    "kvd_group_sleep": (c_int, [c_void_p, c_int, c_int, c_int, P(P(GroupChange)), _S]),
     "kvd_group_wake": (c_int, [c_void_p, P(P(GroupChange)), _S]),
 }
 

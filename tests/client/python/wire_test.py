@@ -34,12 +34,13 @@ DEVICES = [0, 1, 7, 10, 123]
 SOCKETS = ["/run/kvd/gpu0.sock", "gpu0.sock", "/tmp/x/ctl", "/tmp/x/ctl.socket", "/tmp/a.sock/b",
            "/tmp/x/.sock", ".sock", "a.sock.sock", "", "/run/kvd/gpu12.sock"]
 NAMES = ["gpu0.sock", "gpu0.handles", ".sock", "gpu0.sock.bak", "sock", "x.SOCK"]
-SOCKET_ENV, SOCKET_DIR_ENV = "KVD_SOCKET", "KVD_SOCKET_DIR"
+SOCKET_ENV, SOCKET_DIR_ENV, DRA_IPC_DIR_ENV = "KVD_SOCKET", "KVD_SOCKET_DIR", "NVIDIA_DRA_LOCAL_IPC_DIR"
+OURS = (SOCKET_ENV, SOCKET_DIR_ENV, DRA_IPC_DIR_ENV)
 
 
 def dump(env_overrides=None):
     """kvd_wire_dump over the input table, in an environment without (or with only) the kvd variables."""
-    env = {k: v for k, v in os.environ.items() if k not in (SOCKET_ENV, SOCKET_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in OURS}
     env.update(env_overrides or {})
     argv = [DUMP]
     for d in DEVICES:
@@ -56,7 +57,7 @@ def dump(env_overrides=None):
 
 def environment(overrides):
     """os.environ (which the library reads too) without the kvd variables, plus `overrides`."""
-    clean = {k: v for k, v in os.environ.items() if k not in (SOCKET_ENV, SOCKET_DIR_ENV)}
+    clean = {k: v for k, v in os.environ.items() if k not in OURS}
     return mock.patch.dict(os.environ, {**clean, **overrides}, clear=True)
 
 
@@ -80,7 +81,9 @@ class WireConventionsTest(unittest.TestCase):
 
     def test_the_environment_is_read_the_same_way(self):
         cases = [{}, {SOCKET_ENV: ""}, {SOCKET_DIR_ENV: ""},
-                 {SOCKET_ENV: "/srv/kvd/ctl.sock", SOCKET_DIR_ENV: "/srv/kvd-wire-test-none"}]
+                 {SOCKET_ENV: "/srv/kvd/ctl.sock", SOCKET_DIR_ENV: "/srv/kvd-wire-test-none"},
+                 {DRA_IPC_DIR_ENV: "/var/run/dra/claim-wire-test"}, {DRA_IPC_DIR_ENV: ""},
+                 {DRA_IPC_DIR_ENV: "/var/run/dra/claim-wire-test", SOCKET_DIR_ENV: "/srv/kvd-wire-test-none"}]
         for overrides in cases:
             with self.subTest(env=overrides):
                 cpp = dump(overrides)
