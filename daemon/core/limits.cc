@@ -67,4 +67,10 @@ absl::Status CheckBytes(absl::string_view what, uint32_t uid, uint64_t asked, ui
   return absl::OkStatus();
 }
 
+absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits) {
+  if (count <= limits.max_block_ids) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat(field, ": ", count, " in one request, more than ", limits.max_block_ids, " (--max-block-ids)"));
+}
+
 }  // namespace kvd::daemon

@@ -63,5 +63,7 @@ uint64_t UsableShare(uint64_t total, const Limits& limits, uint32_t uid);
 [[nodiscard]] absl::Status CheckBytes(absl::string_view what, uint32_t uid, uint64_t asked, uint64_t used,
                                       uint64_t per_uid_limit, absl::string_view per_uid_flag, uint64_t used_total,
                                       uint64_t total_limit, absl::string_view total_flag, const Limits& limits);
+// RESOURCE_EXHAUSTED naming `field` when one request names more than --max-block-ids blocks (or copies).
+[[nodiscard]] absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits);
 
 }  // namespace kvd::daemon
