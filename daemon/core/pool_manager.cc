@@ -626,7 +626,10 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
   } else if (!keep.live_blocks.empty()) {
     return absl::InvalidArgumentError("live_blocks: only a sleep that keeps its contents (keep) names live blocks");
   }
-  absl::Cleanup give_back = [&] { Unprepare(pool, change); };
+  absl::Cleanup give_back = [&] {
+    pool.op_mu().AssertHeld();  // the lambda runs in this scope, under the caller's hold of op_mu
+    Unprepare(pool, change);
+  };
   if (op == GroupOp::kShrink || op == GroupOp::kSleep) {
     const uint64_t prefix = op == GroupOp::kSleep ? 0 : pool.geometry().PrefixBytes(target_blocks);
     KVD_RETURN_IF_ERROR(QuiesceLocked(
