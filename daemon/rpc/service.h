@@ -18,7 +18,9 @@
 #include <grpcpp/support/server_interceptor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <string>
 
 #include "absl/time/time.h"
 #include "daemon/core/pool_manager.h"
@@ -95,15 +97,33 @@ class KvdService final : public v1::Kvd::Service {
   grpc::Status SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
                                v1::PoolMetadata* response) override;
 
+  // A string field of the request that must not be empty: "<name>: must not be empty" otherwise.
+  struct Required {
+    const std::string& value;
+    const char* name;
+  };
+
  private:
+  // The ceremony every RPC shares (Note [One RPC, one row] in docs/architecture.md), around `body`, the part
+  // that is the RPC's own. A `body` that takes the Caller is an RPC with a session: the caller is authenticated
+  // first (UNAUTHENTICATED, PERMISSION_DENIED), then every `required` field checked, then `body` runs; no
+  // exception leaves it (RESOURCE_EXHAUSTED for allocation failures, INTERNAL otherwise, naming `method`).
+  // Serve finishes the RPC with that status (Finish); Run returns it, for Watch, whose stream outlives its
+  // handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
+  template <typename Body>
+  [[nodiscard]] absl::Status Run(const char* method, const grpc::ServerContextBase& context,
+                                 std::initializer_list<Required> required, Body&& body) const;
+  template <typename Body>
+  grpc::Status Serve(const char* method, const grpc::ServerContextBase& context,
+                     std::initializer_list<Required> required, Body&& body) const;
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
   // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
   // is not the uid that opened the session.
-  [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
+  [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& context) const;
   // The call's deadline and cancellation, for work done in slices.
-  Interrupt InterruptOf(grpc::ServerContext& context) const;
+  Interrupt InterruptOf(const grpc::ServerContextBase& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
-  absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
+  absl::Time ReleaseDeadline(const grpc::ServerContextBase& context) const;
   // The edge: every RPC's status passes here once; a failure is logged once and every status counted.
   grpc::Status Finish(const char* method, const absl::Status& status) const;
 
