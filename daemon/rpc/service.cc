@@ -127,6 +127,131 @@ void LogReshape(const PoolUpdate& u) {
       r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
 }
 
+// A Watch refused before its stream started: its status only.
+class RefusedWatch final : public grpc::ServerWriteReactor<v1::PoolEvent> {
+ public:
+  explicit RefusedWatch(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
+// One Watch stream (Note [Watch streams are pushed] in docs/architecture.md): the client's events are written
+// as they are pushed, one write in flight at a time, until they end (OK), the client goes or a write fails
+// (CANCELLED). When it is done, the client is detached (the stream is its liveness) and the RPC counted.
+//
+// Threads: Ready runs on whichever thread pushed (maybe inside a pool's lock), the reactions on gRPC's; both
+// take mu_ first, and nothing under mu_ calls into the manager (Detach runs in OnDone, outside it). The stream
+// owns itself (self_) from Start to OnDone; the queue holds it weakly, so a Ready that races OnDone keeps it
+// alive for its own call and finds it ended.
+class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public EventQueue::Listener {
+ public:
+  static grpc::ServerWriteReactor<v1::PoolEvent>* Start(PoolManager* manager, Metrics* metrics, Caller caller,
+                                                        std::string client_id, std::shared_ptr<EventQueue> queue) {
+    auto stream = std::make_shared<WatchStream>(manager, metrics, std::move(caller), std::move(client_id), queue);
+    absl::MutexLock lock(&stream->mu_);
+    stream->self_ = stream;
+    // Initial metadata now, not with the first event: a client that waits for it knows its stream is
+    // registered (events since Attach are queued either way).
+    stream->StartSendInitialMetadata();
+    queue->Listen(stream);
+    stream->PumpLocked();
+    return stream.get();
+  }
+
+  WatchStream(PoolManager* manager, Metrics* metrics, Caller caller, std::string client_id,
+              std::shared_ptr<EventQueue> queue)
+      : manager_(manager),
+        metrics_(metrics),
+        caller_(std::move(caller)),
+        client_id_(std::move(client_id)),
+        queue_(std::move(queue)) {}
+
+  void Ready() override {
+    absl::MutexLock lock(&mu_);
+    PumpLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      EndLocked(grpc::Status::CANCELLED, cancelled_ ? "the client closed the stream" : "the stream broke");
+      return;
+    }
+    PumpLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    // A write in flight ends too, and its OnWriteDone finishes the stream.
+    if (!writing_) EndLocked(grpc::Status::CANCELLED, "the client closed the stream");
+  }
+
+  void OnDone() override {
+    std::shared_ptr<WatchStream> self;  // the last reference but a racing Ready's: released on return
+    const char* reason;
+    grpc::StatusCode code;
+    {
+      absl::MutexLock lock(&mu_);
+      self = std::move(self_);
+      reason = reason_;
+      code = code_;
+    }
+    // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
+    // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
+    const absl::Status detached = manager_->Detach(caller_, client_id_);
+    spdlog::info("watch of client {} ended: {}{}", client_id_, reason, detached.ok() ? "; client detached" : "");
+    if (metrics_ != nullptr) metrics_->CountRpc("Watch", static_cast<absl::StatusCode>(code));
+  }
+
+ private:
+  // Writes the next event if none is in flight, or ends the stream once the events ended.
+  void PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ended_ || writing_) return;
+    bool drained = false;
+    std::optional<PoolEvent> next = queue_->TryPop(&drained);
+    if (!next.has_value()) {
+      if (drained) EndLocked(grpc::Status::OK, "its events ended (detached, pool deleted or daemon stopping)");
+      return;
+    }
+    v1::PoolEvent event;
+    const absl::Status converted = Guarded("Watch", [&] {
+      event = ToProto(*next);
+      return absl::OkStatus();
+    });
+    if (!converted.ok()) {
+      spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(converted.code())), Sv(converted.message()));
+      EndLocked(ToGrpcStatus(converted), "the stream failed");
+      return;
+    }
+    event_ = std::move(event);
+    writing_ = true;
+    StartWrite(&event_);
+  }
+
+  void EndLocked(grpc::Status status, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ended_) return;
+    ended_ = true;
+    reason_ = reason;
+    code_ = status.error_code();
+    Finish(std::move(status));
+  }
+
+  PoolManager* const manager_;
+  Metrics* const metrics_;
+  const Caller caller_;
+  const std::string client_id_;
+  const std::shared_ptr<EventQueue> queue_;
+  absl::Mutex mu_;
+  std::shared_ptr<WatchStream> self_ ABSL_GUARDED_BY(mu_);
+  v1::PoolEvent event_ ABSL_GUARDED_BY(mu_);  // the write in flight: gRPC reads it until OnWriteDone
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called: no write ever again
+  const char* reason_ ABSL_GUARDED_BY(mu_) = "";
+  grpc::StatusCode code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+};
+
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
@@ -134,9 +259,12 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       // Every status kvd's handlers finish with has a message (Finish, Guarded): an INTERNAL without
-      // one is gRPC's answer to a request it could not deserialize.
+      // one is gRPC's answer to a request it could not deserialize, and so is an UNIMPLEMENTED without one
+      // for a method of kvd.v1.Kvd (all of them are implemented) on gRPC's callback API (Watch).
       const grpc::Status status = methods->GetSendStatus();
-      if (status.error_code() == grpc::StatusCode::INTERNAL && status.error_message().empty()) {
+      if (status.error_message().empty() &&
+          (status.error_code() == grpc::StatusCode::INTERNAL ||
+           (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && IsKvdMethod()))) {
         methods->ModifySendStatus(
             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          absl::StrCat("request: the ", method_, " request is not a valid ", RequestType(),
@@ -147,14 +275,23 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   }
 
  private:
-  // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
-  std::string RequestType() const {
+  // "/kvd.v1.Kvd/GetPool": its descriptor; null for a method not in a linked proto.
+  const google::protobuf::MethodDescriptor* Method() const {
     const size_t slash = method_.rfind('/');
-    if (slash == std::string::npos || slash == 0) return "protobuf message";
+    if (slash == std::string::npos || slash == 0) return nullptr;
     const google::protobuf::ServiceDescriptor* service =
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(method_.substr(1, slash - 1));
-    const google::protobuf::MethodDescriptor* method =
-        service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+    return service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+  }
+
+  bool IsKvdMethod() const {
+    const google::protobuf::MethodDescriptor* method = Method();
+    return method != nullptr && method->service()->full_name() == v1::Kvd::service_full_name();
+  }
+
+  // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
+  std::string RequestType() const {
+    const google::protobuf::MethodDescriptor* method = Method();
     return method == nullptr ? "protobuf message" : method->input_type()->full_name();
   }
 
@@ -477,55 +614,18 @@ grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeReques
   });
 }
 
-grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
-                               grpc::ServerWriter<v1::PoolEvent>* writer) {
+grpc::ServerWriteReactor<v1::PoolEvent>* KvdService::Watch(grpc::CallbackServerContext* context,
+                                                           const v1::WatchRequest* request) {
   std::optional<Caller> caller;
   std::shared_ptr<EventQueue> queue;
-  absl::Status status = Run("Watch", *context, {{request->client_id(), "client_id"}}, [&](const Caller& c) {
+  const absl::Status status = Run("Watch", *context, {{request->client_id(), "client_id"}}, [&](const Caller& c) {
     caller = c;
     KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(c, request->client_id()));
     return absl::OkStatus();
   });
   // A refused Watch (unknown client, a second watcher) never started a stream: nobody to detach.
-  if (!status.ok()) return Finish("Watch", status);
-  // Initial metadata now, not with the first event: a client that waits for it knows its stream is
-  // registered (events since Attach are queued either way).
-  writer->SendInitialMetadata();
-
-  const char* reason = "its events ended (detached, pool deleted or daemon stopping)";
-  grpc::Status result = grpc::Status::OK;
-  const absl::Status streamed = Guarded("Watch", [&]() -> absl::Status {
-    while (true) {
-      if (context->IsCancelled()) {
-        reason = "the client closed the stream";
-        result = grpc::Status::CANCELLED;
-        return absl::OkStatus();
-      }
-      std::optional<PoolEvent> event = queue->Pop(options_.watch_poll);
-      if (!event.has_value()) {
-        if (queue->closed()) return absl::OkStatus();
-        continue;
-      }
-      if (!writer->Write(ToProto(*event))) {
-        reason = "the stream broke";
-        result = grpc::Status::CANCELLED;
-        return absl::OkStatus();
-      }
-    }
-  });
-  if (!streamed.ok()) {
-    reason = "the stream failed";
-    result = ToGrpcStatus(streamed);
-    spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(streamed.code())), Sv(streamed.message()));
-  }
-  // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
-  // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
-  absl::Status detached = manager_->Detach(*caller, request->client_id());
-  spdlog::info("watch of client {} ended: {}{}", request->client_id(), reason,
-               detached.ok() ? "; client detached" : "");
-  if (options_.metrics != nullptr)
-    options_.metrics->CountRpc("Watch", static_cast<absl::StatusCode>(result.error_code()));
-  return result;
+  if (!status.ok()) return new RefusedWatch(Finish("Watch", status));
+  return WatchStream::Start(manager_, options_.metrics, *caller, request->client_id(), std::move(queue));
 }
 
 grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,

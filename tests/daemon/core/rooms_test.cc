@@ -3,6 +3,7 @@
 // cover how they work together.
 #include <atomic>
 #include <map>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -178,6 +179,52 @@ TEST(EventQueueTest, PopDrainsInOrderThenEndsOnceClosed) {
   EXPECT_EQ(queue.Pop(absl::ZeroDuration())->sequence, 2u);
   EXPECT_FALSE(queue.Pop(absl::Seconds(5)).has_value());
   EXPECT_TRUE(queue.closed());
+  bool ended = false;
+  EXPECT_FALSE(queue.TryPop(&ended).has_value());
+  EXPECT_TRUE(ended);
+}
+
+// What a Watch stream's reactor relies on: told after every push and at the close, outside the queue's lock
+// (it pops from inside Ready), and never once it is gone.
+TEST(EventQueueTest, AListenerIsToldOfEveryPushAndTheCloseWhileItLives) {
+  struct Reader final : EventQueue::Listener {
+    explicit Reader(EventQueue* q) : queue(q) {}
+    void Ready() override {
+      ++told;
+      bool ended = false;
+      while (std::optional<PoolEvent> e = queue->TryPop(&ended)) read.push_back(e->sequence);
+      if (ended) ++ends;
+    }
+    EventQueue* queue;
+    int told = 0;
+    int ends = 0;
+    std::vector<uint64_t> read;
+  };
+  EventQueue queue;
+  queue.Push(PoolEvent{.sequence = 1});  // before anyone listens: stays queued
+  auto reader = std::make_shared<Reader>(&queue);
+  queue.Listen(reader);
+  bool ended = true;
+  EXPECT_EQ(queue.TryPop(&ended)->sequence, 1u);
+  EXPECT_FALSE(queue.TryPop(&ended).has_value());
+  EXPECT_FALSE(ended);  // empty, but more may come
+  queue.Push(PoolEvent{.sequence = 2});
+  queue.Push(PoolEvent{.sequence = 3});
+  EXPECT_EQ(reader->told, 2);
+  EXPECT_THAT(reader->read, ::testing::ElementsAre(2u, 3u));
+  EXPECT_EQ(reader->ends, 0);
+  queue.Close();
+  EXPECT_EQ(reader->told, 3);
+  EXPECT_EQ(reader->ends, 1);
+  queue.Push(PoolEvent{.sequence = 4});  // dropped, and nobody told
+  EXPECT_EQ(reader->told, 3);
+
+  EventQueue other;
+  auto gone = std::make_shared<Reader>(&other);
+  other.Listen(gone);
+  gone.reset();
+  other.Push(PoolEvent{.sequence = 1});  // its listener is gone: nothing is called
+  EXPECT_EQ(other.TryPop(&ended)->sequence, 1u);
 }
 
 }  // namespace
