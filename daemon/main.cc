@@ -84,7 +84,9 @@ constexpr char kStateHealthService[] = "kvd.state";
 struct Flags {
   std::string backend = "auto";
   std::string device = "0";  // an index or a UUID (prefix): ResolveDeviceSelector
-  std::string socket;        // default /run/kvd/gpu<N>.sock
+  std::string socket;        // default <socket_dir>/gpu<N>.sock, or <socket_dir>/<UUID>.sock with socket_name "uuid"
+  std::string socket_dir;    // default $NVIDIA_DRA_LOCAL_IPC_DIR, else /run/kvd
+  std::string socket_name = "index";
   std::string metrics_address;
   bool metrics_clients = false;
   std::string budget = "90%";
@@ -468,6 +470,15 @@ std::optional<SocketId> IdOf(const std::string& path) {
   return SocketId{st.st_dev, st.st_ino};
 }
 
+// The gRPC socket when --socket is not given: in --socket-dir, else the DRA claim's IPC directory
+// ($NVIDIA_DRA_LOCAL_IPC_DIR), else /run/kvd; named gpu<index>.sock, or <device UUID>.sock with --socket-name=uuid
+// (docs/operations.md, "Pods without hostIPC").
+std::string DefaultSocketPath(const Flags& f, int index, absl::string_view uuid) {
+  const std::string dir = f.socket_dir.empty() ? wire::DefaultSocketDirFromEnvironment() : f.socket_dir;
+  if (f.socket_name == "uuid") return absl::StrCat(dir, "/", uuid, wire::kSocketSuffix);
+  return wire::DefaultSocket(index, dir);
+}
+
 // Removes `path` if it is still the socket this daemon bound.
 void RemoveSocket(const std::string& path, const std::optional<SocketId>& ours) {
   const std::optional<SocketId> now = IdOf(path);
@@ -485,10 +496,16 @@ absl::Status Run(const Flags& f) {
   KVD_RETURN_IF_ERROR(ParseHostOptions(f, &device_options));
   std::string selected_by;
   KVD_ASSIGN_OR_RETURN(device_options.index, ResolveDevice(f, device_options, &selected_by));
-  const std::string socket_path = f.socket.empty() ? wire::DefaultSocket(device_options.index) : f.socket;
-  const std::string handles_path = wire::HandlesPathFor(socket_path);
-  spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index, selected_by,
-               socket_path, handles_path);
+  if (!f.socket.empty() && (!f.socket_dir.empty() || f.socket_name != "index")) {
+    return absl::InvalidArgumentError("--socket names the socket's path: --socket-dir and --socket-name apply without it");
+  }
+  // Named by UUID, the sockets are known once the device is open (below).
+  std::string socket_path =
+      !f.socket.empty() ? f.socket : f.socket_name == "uuid" ? "" : DefaultSocketPath(f, device_options.index, "");
+  if (!socket_path.empty()) {
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
   absl::Duration lease_ttl;
   if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
@@ -502,13 +519,18 @@ absl::Status Run(const Flags& f) {
                                                    " must be at least 4KiB and less than 2GiB"));
   }
 
-  KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
-  KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
-  KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
-
   std::string why;
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenBackend(f, device_options, &why));
   KVD_ASSIGN_OR_RETURN(DeviceInfo info, device->Info());
+  if (socket_path.empty()) {
+    socket_path = DefaultSocketPath(f, device_options.index, info.uuid);
+    spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
+                 selected_by, socket_path, wire::HandlesPathFor(socket_path));
+  }
+  const std::string handles_path = wire::HandlesPathFor(socket_path);
+  KVD_RETURN_IF_ERROR(PrepareSocketDirectory(socket_path));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(socket_path, SOCK_STREAM));
+  KVD_RETURN_IF_ERROR(ClaimSocketPath(handles_path, SOCK_SEQPACKET));
   spdlog::info("backend {} ({}): {} #{} {}, {} total, granularity {}", BackendName(device->kind()), why, info.name,
                info.index, info.uuid, FormatBytes(info.total_bytes), FormatBytes(device->granularity()));
   if (device->kind() != BackendKind::kHost && !f.host_capacity.empty()) {
@@ -768,8 +790,16 @@ int Main(int argc, char** argv) {
                "Print index, UUID, memory and name of every device of --backend this process sees, and exit");
   app.add_flag("--json", f.json, "With --list-devices: print JSON instead of a table");
   app.add_option("--socket", f.socket,
-                 "gRPC Unix socket (default /run/kvd/gpu<N>.sock, N the selected device's index); the handle channel "
-                 "is the same path with .sock replaced by .handles");
+                 "gRPC Unix socket (default <--socket-dir>/gpu<N>.sock, N the selected device's index); the handle "
+                 "channel is the same path with .sock replaced by .handles");
+  app.add_option("--socket-dir", f.socket_dir,
+                 "Directory of the sockets when --socket is not given (default $NVIDIA_DRA_LOCAL_IPC_DIR, the DRA "
+                 "claim's IPC directory, else /run/kvd)");
+  app.add_option("--socket-name", f.socket_name,
+                 "Name of the sockets when --socket is not given: index (gpu<N>.sock) or uuid (<device UUID>.sock, "
+                 "found by clients by UUID: kvd::FindSocket, kvd.connect(device=UUID))")
+      ->check(CLI::IsMember({"index", "uuid"}))
+      ->capture_default_str();
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT to serve Prometheus /metrics on (default: not served)");
   app.add_flag("--metrics-clients", f.metrics_clients,

@@ -31,8 +31,12 @@ std::string HandlesPathFor(absl::string_view socket) {
 
 bool IsSocketName(absl::string_view file_name) { return absl::EndsWith(file_name, kSocketSuffix); }
 
-std::string SocketFromEnvironment(int device) { return EnvOr(kSocketEnv, DefaultSocket(device)); }
+std::string DefaultSocketDirFromEnvironment() { return EnvOr(kDraIpcDirEnv, std::string(kDefaultSocketDir)); }
 
-std::string SocketDirFromEnvironment() { return EnvOr(kSocketDirEnv, std::string(kDefaultSocketDir)); }
+std::string SocketFromEnvironment(int device) {
+  return EnvOr(kSocketEnv, DefaultSocket(device, DefaultSocketDirFromEnvironment()));
+}
+
+std::string SocketDirFromEnvironment() { return EnvOr(kSocketDirEnv, DefaultSocketDirFromEnvironment()); }
 
 }  // namespace kvd::wire

@@ -33,6 +33,10 @@ inline constexpr char kSessionMetadataKey[] = "kvd-session";
 inline constexpr char kSocketEnv[] = "KVD_SOCKET";
 inline constexpr char kSocketDirEnv[] = "KVD_SOCKET_DIR";
 inline constexpr char kLayoutEnv[] = "KVD_KV_CACHE_LAYOUT";
+// A DRA claim-scoped IPC directory (kubernetes-sigs/dra-driver-nvidia-gpu#1391): the NVIDIA DRA driver mounts one
+// directory into every container of the pods that share a GPU claim and names it here. Where it is set, it replaces
+// kDefaultSocketDir for the daemon and its clients (docs/operations.md, "Pods without hostIPC").
+inline constexpr char kDraIpcDirEnv[] = "NVIDIA_DRA_LOCAL_IPC_DIR";
 
 // "<directory>/gpu<device>.sock"; the default socket of device N is "/run/kvd/gpu<N>.sock".
 std::string DefaultSocket(int device, absl::string_view directory = kDefaultSocketDir);
@@ -44,10 +48,15 @@ std::string HandlesPathFor(absl::string_view socket);
 // Whether a file name in the socket directory names a kvd's gRPC socket (ends in kSocketSuffix).
 bool IsSocketName(absl::string_view file_name);
 
-// A client's socket when none is given: $KVD_SOCKET if set and not empty, else DefaultSocket(device).
+// Where a kvd puts its sockets when told no path: $NVIDIA_DRA_LOCAL_IPC_DIR if set and not empty, else
+// kDefaultSocketDir.
+std::string DefaultSocketDirFromEnvironment();
+
+// A client's socket when none is given: $KVD_SOCKET if set and not empty, else
+// DefaultSocket(device, DefaultSocketDirFromEnvironment()).
 std::string SocketFromEnvironment(int device);
 
-// The node's socket directory: $KVD_SOCKET_DIR if set and not empty, else kDefaultSocketDir.
+// The node's socket directory: $KVD_SOCKET_DIR if set and not empty, else DefaultSocketDirFromEnvironment().
 std::string SocketDirFromEnvironment();
 
 }  // namespace kvd::wire

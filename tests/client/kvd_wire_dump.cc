@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
   constants["kSocketEnv"].set_string_value(wire::kSocketEnv);
   constants["kSocketDirEnv"].set_string_value(wire::kSocketDirEnv);
   constants["kLayoutEnv"].set_string_value(wire::kLayoutEnv);
+  constants["kDraIpcDirEnv"].set_string_value(wire::kDraIpcDirEnv);
   for (int d : devices) {
     AddPair(List(&doc, "default_socket"), d, wire::DefaultSocket(d));
     AddPair(List(&doc, "socket_from_environment"), d, wire::SocketFromEnvironment(d));

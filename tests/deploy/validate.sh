@@ -12,7 +12,8 @@
 #   4. Kubernetes: deploy/k8s/kvd-daemonset.yaml is exactly `deploy/k8s/render.sh --gpus 8` (one
 #      DaemonSet per GPU index, each with its own node affinity, socket and port), and each document under
 #      deploy/k8s against the API schema (kubernetes-models, npm ci from tests/deploy/package-lock.json
-#      into WORKDIR).
+#      into WORKDIR; deploy/k8s/dra/ holds what its 4.5.1 has no schema for), and the DRA example against the
+#      Restricted pod security standard.
 #   5. Prometheus: promtool check config, check rules, test rules.
 set -uo pipefail
 
@@ -188,6 +189,21 @@ if need node nodejs && need npm npm; then
   else
     fail "kubernetes-models: deploy/k8s has invalid objects (above)"
   fi
+fi
+
+step "Kubernetes: engine-dra-example.yaml keeps to the Restricted pod security standard"
+f=$deploy/k8s/engine-dra-example.yaml
+missing=()
+grep -qF 'pod-security.kubernetes.io/enforce: restricted' "$f" || missing+=("a namespace enforcing restricted")
+if grep -nE '^ *host(IPC|PID|Network|Path|Users):' "$f" >/dev/null; then missing+=("no host namespaces or hostPath"); fi
+for want in 'runAsNonRoot: true' 'type: RuntimeDefault' 'allowPrivilegeEscalation: false' 'drop: ["ALL"]' \
+  'resourceClaimName: gpu0-shared'; do
+  (($(grep -cF -- "$want" "$f") == 2)) || missing+=("$want in both pods")
+done
+grep -qF -- '- --socket-name=uuid' "$f" || missing+=("kvd naming its sockets by UUID")
+grep -qF 'name: gpu0-shared' "$deploy/k8s/dra/gpu-claim.yaml" || missing+=("the claim deploy/k8s/dra/gpu-claim.yaml")
+if ((${#missing[@]})); then fail "engine-dra-example.yaml lacks: ${missing[*]}"; else
+  ok "engine-dra-example.yaml: restricted namespace, no host namespaces or paths, both pods non-root, seccomp, no escalation, no capabilities, one shared claim"
 fi
 
 # --- 5. Prometheus ----------------------------------------------------------------------------------

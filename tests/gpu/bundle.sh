@@ -21,8 +21,9 @@ if [[ -d $build/client/python/package ]]; then
   cp -a "$build/client/python/package" "$dest/python"
   cp "$root/tests/client/python/kvd_cuda_check.py" "$dest/"
 fi
-# The durable, restart, reshape and release steps: their drivers and the helpers they import.
+# The durable, restart, reshape, release and engines steps: their drivers and the helpers they import.
 cp "$root/tests/testing/played_manager.py" "$root/tests/testing/line_peer.py" "$root/tests/gpu/durable_gpu.py" \
-  "$root/tests/gpu/restart_torch.py" "$root/tests/gpu/reshape_torch.py" "$root/tests/gpu/release_torch.py" "$dest/"
+  "$root/tests/gpu/restart_torch.py" "$root/tests/gpu/reshape_torch.py" "$root/tests/gpu/release_torch.py" \
+  "$root/tests/gpu/engines_torch.py" "$root/tests/gpu/engines_transformers.py" "$dest/"
 strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* 2>/dev/null || true
 echo "bundle.sh: $(ls "$dest/bin" | wc -l) programs, $(ls "$dest/lib" | wc -l) libraries, $(du -sh "$dest" | cut -f1) in $dest"

@@ -3,7 +3,8 @@
 # build bundled by tests/gpu/bundle.sh (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
 # STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
-# "bench" (kvd_bench, 5 minutes and more) runs only when named: STEPS=bench.
+# "bench" (kvd_bench, 5 minutes and more) and "engines" (kvd.torch, kvd.transformers: docs/engines.md) run only when
+# named: STEPS=bench, STEPS=engines.
 #
 # Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
 # STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
@@ -183,6 +184,27 @@ step_python() {
   rm -rf "$dir"
 }
 
+step_engines() {
+  # Engines on kvd (docs/engines.md): kvd.torch's MemPool under a torch program, then a transformers Llama through
+  # kvd.transformers.KvdCache against DynamicCache (it starts its own kvd; it says SKIPPED without transformers).
+  step "engines: kvd.torch's MemPool (allocate, share, sleep/wake, adopt after an engine restart); a transformers Llama
+    through kvd.transformers.KvdCache, identical to DynamicCache through grows, compaction, kvd and engine restarts, sleep/wake"
+  dir=$(mktemp -d)
+  kvd --backend=cuda --socket="$dir/gpu0.sock" --budget=16GiB >"$out/kvd-engines-torch.log" 2>&1 &
+  daemon=$!
+  for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)'
+  python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tail -n 1
+  KVD_SOCKET=$dir/gpu0.sock PYTHONPATH=$bundle/python TAIL=30 run engines_torch timeout "$(($(left) / 3))" \
+    python3 "$bundle/engines_torch.py"
+  kill -TERM "$daemon"
+  wait "$daemon"
+  echo "kvd exited $?"
+  rm -rf "$dir"
+  PYTHONPATH=$bundle/python TAIL=40 run engines_transformers timeout "$(left)" python3 "$bundle/engines_transformers.py" \
+    "$bundle/bin" "$out"
+}
+
 step_bench() {
   # The whole path against the bare driver calls (docs/benchmarks.md): kvd_bench starts its own kvd on
   # CUDA (128 GiB as 80 segments by default; KVD_BENCH_ARGS adds flags). About 5 minutes; the table goes to
@@ -274,12 +296,12 @@ fi
 
 # -- the driver ----------------------------------------------------------------------------------------
 self=$(readlink -f "${BASH_SOURCE[0]}")
-all_steps=(device daemon durable restart reshape release group python bench connectors)
+all_steps=(device daemon durable restart reshape release group python bench connectors engines)
 default_steps="device daemon durable restart reshape release group python connectors"
-needs_python=" restart reshape release python "
+needs_python=" restart reshape release python engines "
 # Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
 declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=300 [release]=240 [group]=90
-                  [python]=180 [bench]=540 [connectors]=90)
+                  [python]=180 [bench]=540 [connectors]=90 [engines]=300)
 run_budget=${RUN_BUDGET_S:-560}
 run_started=$(date +%s)
 export KVD_GPU_RUN="$run_started-$$"  # every process this run starts inherits it

@@ -47,7 +47,8 @@ std::string DefaultSocket(int device);
 // The handle channel beside a gRPC socket: "X.sock" -> "X.handles" (else `socket` + ".handles").
 std::string HandlesPathFor(absl::string_view socket);
 
-// The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else /run/kvd),
+// The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else $NVIDIA_DRA_LOCAL_IPC_DIR,
+// else /run/kvd),
 // sorted. NOT_FOUND when the directory cannot be read or holds none.
 [[nodiscard]] absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory = {});
 

@@ -55,8 +55,8 @@ class GroupChange:
 
 def node_sockets(directory=None):
     """The kvd sockets of this node: every *.sock in `directory` (default $KVD_SOCKET_DIR, else
-    /run/kvd), sorted. NOT_FOUND when the directory is unreadable or holds none."""
-    directory = directory or os.environ.get(_wire.SOCKET_DIR_ENV) or DEFAULT_SOCKET_DIR
+    $NVIDIA_DRA_LOCAL_IPC_DIR, else /run/kvd), sorted. NOT_FOUND when the directory is unreadable or holds none."""
+    directory = directory or _wire.socket_dir_from_environment()
     try:
         names = os.listdir(directory)
     except OSError as e:

@@ -22,6 +22,9 @@ SESSION_METADATA_KEY = "kvd-session"
 SOCKET_ENV = "KVD_SOCKET"
 SOCKET_DIR_ENV = "KVD_SOCKET_DIR"
 LAYOUT_ENV = "KVD_KV_CACHE_LAYOUT"
+# A DRA claim-scoped IPC directory (kubernetes-sigs/dra-driver-nvidia-gpu#1391); where set it replaces
+# DEFAULT_SOCKET_DIR for the daemon and its clients.
+DRA_IPC_DIR_ENV = "NVIDIA_DRA_LOCAL_IPC_DIR"
 
 
 def default_socket(device, directory=DEFAULT_SOCKET_DIR):
@@ -41,11 +44,16 @@ def is_socket_name(file_name):
     return file_name.endswith(SOCKET_SUFFIX)
 
 
+def default_socket_dir_from_environment():
+    """$NVIDIA_DRA_LOCAL_IPC_DIR if set and not empty, else DEFAULT_SOCKET_DIR."""
+    return os.environ.get(DRA_IPC_DIR_ENV) or DEFAULT_SOCKET_DIR
+
+
 def socket_from_environment(device):
-    """$KVD_SOCKET if set and not empty, else default_socket(device)."""
-    return os.environ.get(SOCKET_ENV) or default_socket(device)
+    """$KVD_SOCKET if set and not empty, else default_socket(device, default_socket_dir_from_environment())."""
+    return os.environ.get(SOCKET_ENV) or default_socket(device, default_socket_dir_from_environment())
 
 
 def socket_dir_from_environment():
-    """$KVD_SOCKET_DIR if set and not empty, else DEFAULT_SOCKET_DIR."""
-    return os.environ.get(SOCKET_DIR_ENV) or DEFAULT_SOCKET_DIR
+    """$KVD_SOCKET_DIR if set and not empty, else default_socket_dir_from_environment()."""
+    return os.environ.get(SOCKET_DIR_ENV) or default_socket_dir_from_environment()

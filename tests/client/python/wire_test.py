@@ -44,12 +44,13 @@ CONSTANTS = {
     "kSocketEnv": "SOCKET_ENV",
     "kSocketDirEnv": "SOCKET_DIR_ENV",
     "kLayoutEnv": "LAYOUT_ENV",
+    "kDraIpcDirEnv": "DRA_IPC_DIR_ENV",
 }
 
 
 def dump(env_overrides=None):
     """kvd_wire_dump over the input table, in an environment without (or with only) the kvd variables."""
-    env = {k: v for k, v in os.environ.items() if k not in (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV, _wire.DRA_IPC_DIR_ENV)}
     env.update(env_overrides or {})
     argv = [DUMP]
     for d in DEVICES:
@@ -89,11 +90,14 @@ class WireConventionsTest(unittest.TestCase):
 
     def test_the_environment_is_read_the_same_way(self):
         cases = [{}, {_wire.SOCKET_ENV: ""}, {_wire.SOCKET_DIR_ENV: ""},
-                 {_wire.SOCKET_ENV: "/srv/kvd/ctl.sock", _wire.SOCKET_DIR_ENV: "/srv/kvd"}]
+                 {_wire.SOCKET_ENV: "/srv/kvd/ctl.sock", _wire.SOCKET_DIR_ENV: "/srv/kvd"},
+                 {_wire.DRA_IPC_DIR_ENV: "/var/run/dra/claim-1"}, {_wire.DRA_IPC_DIR_ENV: ""},
+                 {_wire.DRA_IPC_DIR_ENV: "/var/run/dra/claim-1", _wire.SOCKET_DIR_ENV: "/srv/kvd"}]
         for overrides in cases:
             with self.subTest(env=overrides):
                 cpp = dump(overrides)
-                clean = {k: v for k, v in os.environ.items() if k not in (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV)}
+                ours = (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV, _wire.DRA_IPC_DIR_ENV)
+                clean = {k: v for k, v in os.environ.items() if k not in ours}
                 with mock.patch.dict(os.environ, {**clean, **overrides}, clear=True):
                     for device, path in cpp["socket_from_environment"]:
                         self.assertEqual(_wire.socket_from_environment(int(device)), path)
