@@ -26,13 +26,6 @@ namespace {
 
 absl::Status Stopping() { return absl::UnavailableError("kvd is shutting down"); }
 
-// RESOURCE_EXHAUSTED when one request names more than --max-block-ids blocks (or copies).
-absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits) {
-  if (count <= limits.max_block_ids) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat(field, ": ", count, " in one request, more than ", limits.max_block_ids, " (--max-block-ids)"));
-}
-
 // The daemon's address space left: the lower of RLIMIT_AS and the 47-bit user address space of x86-64
 // and arm64 Linux, less the process's VmSize. VA reservations (host mmap, cuMemAddressReserve under
 // UVA) come out of it.
@@ -68,14 +61,6 @@ absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
 ManagerOptions WithDaemonUid(ManagerOptions options) {
   options.limits.daemon_uid = options.daemon_uid;
   return options;
-}
-
-// The flag a limit's RESOURCE_EXHAUSTED names: "--max-pools" in "... (--max-pools=1024, less ...)".
-std::string LimitFlag(absl::string_view message) {
-  const size_t at = message.rfind("(--");
-  if (at == absl::string_view::npos) return "";
-  absl::string_view flag = message.substr(at + 1);
-  return std::string(flag.substr(0, flag.find_first_of("=,) ")));
 }
 
 void Decrement(std::map<uint32_t, uint64_t>& counts, uint32_t uid, uint64_t by) {
@@ -155,10 +140,8 @@ absl::StatusOr<std::string> PoolManager::OpenSession(uint32_t uid, int32_t pid, 
 }
 
 absl::Status PoolManager::Refused(absl::Status status) const {
-  if (!absl::IsResourceExhausted(status)) return status;
-  const std::string flag = LimitFlag(status.message());
-  for (size_t i = 0; i < kLimitFlags.size(); ++i) {
-    if (flag == kLimitFlags[i]) refusals_[i].fetch_add(1, std::memory_order_relaxed);
+  if (const std::optional<LimitRefusal> refusal = LimitRefusalOf(status); refusal.has_value()) {
+    refusals_[static_cast<size_t>(refusal->limit)].fetch_add(1, std::memory_order_relaxed);
   }
   return status;
 }
@@ -418,13 +401,13 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
       return it == m.end() ? uint64_t{0} : it->second;
     };
     KVD_RETURN_IF_ERROR(
-        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, "--max-pools-per-uid",
-                           pools_.size(), limits.max_pools, "--max-pools", limits)));
+        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, Limit::kMaxPoolsPerUid,
+                           pools_.size(), limits.max_pools, Limit::kMaxPools, limits)));
     const uint64_t reserved = pool->geometry().reserved_bytes();
     KVD_RETURN_IF_ERROR(
         Refused(CheckBytes(absl::StrCat("reserved address space (pool ", spec.name, ")"), uid, reserved,
-                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, "--max-reserved-per-uid",
-                           reserved_total_, limits.max_reserved_bytes, "--max-reserved", limits)));
+                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, Limit::kMaxReservedPerUid,
+                           reserved_total_, limits.max_reserved_bytes, Limit::kMaxReserved, limits)));
     if (!spec.group.name.empty()) {
       for (const auto& [other_name, other] : pools_) {
         if (other->group().name != spec.group.name) continue;
@@ -871,7 +854,7 @@ absl::Status StepsStayDone(const absl::Status& failed, absl::string_view kind, u
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                const ShrinkOptions& options) {
   if (options.live.has_value()) {
-    KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("live.blocks", options.live->size(), options_.limits)));
+    KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live.blocks", options.live->size(), caller.uid, options_.limits)));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   const absl::Time start = absl::Now();
@@ -1523,7 +1506,7 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
 
 absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
                                                            absl::Span<const uint64_t> block_ids) const {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", block_ids.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", block_ids.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   const PoolView view = pool->View(ViewClients::kCounted);
   if (view.state == PoolState::kSleeping) {
@@ -1568,7 +1551,7 @@ size_t PoolManager::SliceEntries(const BlockSpan& span) const {
 
 absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks,
                                      const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", blocks.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", blocks.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   // Only this pool's op_mu is held across the slices: other pools, and the device's VA book that their
   // grows need, are free between slices.
@@ -1595,7 +1578,7 @@ absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view nam
 
 absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies,
                                      const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("copies", copies.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("copies", copies.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu);
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());

@@ -21,6 +21,7 @@
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "daemon/codec/codec.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
 #include "kvd/v1/kvd.pb.h"
@@ -108,6 +109,7 @@ std::string ErrorReply(const absl::Status& status) {
   v1::HandleChannelReply reply;
   reply.mutable_error()->set_code(static_cast<int32_t>(status.code()));
   reply.mutable_error()->set_message(std::string(status.message()));
+  AppendDetails(status, reply.mutable_error()->mutable_details());
   return reply.SerializeAsString();
 }
 
