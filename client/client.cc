@@ -142,6 +142,7 @@ PoolInfo FromProto(const v1::Pool& p) {
                .reserved_bytes = p.reserved_bytes(),
                .pending_release_bytes = p.pending_release_bytes(),
                .wake_blocks = p.wake_blocks(),
+               .kept_bytes = p.kept_bytes(),
                .owner_uid = p.owner_uid(),
                .generation = p.generation(),
                .created_at_unix_ms = p.created_at_unix_ms()};
@@ -1623,6 +1624,8 @@ absl::StatusOr<std::vector<PoolChange>> Client::Sleep(absl::string_view pool, co
   req.set_wait_for_release(options.wait);
   req.set_force(options.force);
   ToProto(options.pause, req.mutable_pause());
+  req.set_keep(options.keep);
+  for (uint64_t b : options.live_blocks) req.add_live_blocks(b);
   v1::PoolUpdates updates;
   KVD_RETURN_IF_ERROR(
       impl_->Call(&v1::Kvd::Stub::Sleep, req, &updates, PauseTimeout(impl_->options.timeout, options.pause)));
@@ -1856,9 +1859,10 @@ absl::StatusOr<TransferPlan> Client::DescribeTransfer(absl::string_view pool, co
 }
 
 absl::StatusOr<PreparedChange> Client::Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
-                                               absl::Duration ttl, bool force) {
+                                               absl::Duration ttl, bool force, bool keep) {
   v1::PrepareRequest req;
   req.set_force(force);
+  req.set_keep(keep);
   req.set_pool(std::string(pool));
   req.set_operation(ToProto(op));
   req.set_target_blocks(target_blocks);

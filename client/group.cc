@@ -147,10 +147,12 @@ absl::StatusOr<GroupChange> Group::Grow(uint64_t target_blocks) { return Run(Gro
 absl::StatusOr<GroupChange> Group::Shrink(uint64_t target_blocks, bool wait, bool force) {
   return Run(GroupOp::kShrink, target_blocks, wait, force);
 }
-absl::StatusOr<GroupChange> Group::Sleep(bool wait, bool force) { return Run(GroupOp::kSleep, 0, wait, force); }
+absl::StatusOr<GroupChange> Group::Sleep(bool wait, bool force, bool keep) {
+  return Run(GroupOp::kSleep, 0, wait, force, keep);
+}
 absl::StatusOr<GroupChange> Group::Wake() { return Run(GroupOp::kWake, 0, false); }
 
-absl::StatusOr<GroupChange> Group::Run(GroupOp op, uint64_t target_blocks, bool wait, bool force) {
+absl::StatusOr<GroupChange> Group::Run(GroupOp op, uint64_t target_blocks, bool wait, bool force, bool keep) {
   absl::MutexLock lock(&mu_);
   const size_t n = members_.size();
   const absl::Time start = absl::Now();
@@ -160,7 +162,7 @@ absl::StatusOr<GroupChange> Group::Run(GroupOp op, uint64_t target_blocks, bool 
 
   // Phase 1: every daemon does what can fail and holds its pool.
   std::vector<absl::StatusOr<PreparedChange>> prepared = ForEachRank<absl::StatusOr<PreparedChange>>(n, [&](size_t i) {
-    return members_[i].client->Prepare(members_[i].rank.pool.name, op, target_blocks, options_.ttl, force);
+    return members_[i].client->Prepare(members_[i].rank.pool.name, op, target_blocks, options_.ttl, force, keep);
   });
   const absl::Time prepared_at = absl::Now();
   std::optional<size_t> failed;

@@ -93,6 +93,8 @@ struct Flags {
   std::string host_capacity;  // default: physical memory
   std::string host_granularity = "2MiB";
   std::string max_chunk = "4GiB";
+  std::string host_tier = "0";
+  uint32_t host_tier_copy_threads = 4;
   std::string lease_ttl = "30s";
   std::string layout_override;
   std::string log_format = "text";
@@ -507,6 +509,7 @@ absl::Status Run(const Flags& f) {
                  selected_by, socket_path, wire::HandlesPathFor(socket_path));
   }
   KVD_ASSIGN_OR_RETURN(uint64_t max_chunk, ParseSize(f.max_chunk, "--max-chunk"));
+  KVD_ASSIGN_OR_RETURN(uint64_t host_tier_bytes, ParseSize(f.host_tier, "--host-tier-bytes"));
   absl::Duration lease_ttl;
   if (!absl::ParseDuration(f.lease_ttl, &lease_ttl) || lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--lease-ttl: \"", f.lease_ttl, "\" is not a positive duration"));
@@ -591,6 +594,17 @@ absl::Status Run(const Flags& f) {
                                   : std::string("no FD store (clients give them back after a restart)"));
   }
 
+  // Note [The host tier]: made before the manager, prepared (allocated, bound, registered) in the background.
+  std::unique_ptr<HostTier> host_tier;
+  if (host_tier_bytes > 0) {
+    if (f.host_tier_copy_threads == 0) return absl::InvalidArgumentError("--host-tier-copy-threads: must be > 0");
+    KVD_ASSIGN_OR_RETURN(host_tier,
+                         HostTier::Create(device.get(),
+                                          HostTierOptions{.bytes = host_tier_bytes,
+                                                          .copy_threads = f.host_tier_copy_threads,
+                                                          .info = [](const std::string& line) { spdlog::info("{}", line); }},
+                                          granularity));
+  }
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,
                                                    .lease_ttl = lease_ttl,
@@ -604,6 +618,7 @@ absl::Status Run(const Flags& f) {
                                                    .pause_timeout = pause_timeout,
                                                    .compact_above_chunks = f.compact_above_chunks,
                                                    .compact_chunks_per_pause = f.compact_chunks_per_pause,
+                                                   .host_tier = host_tier.get(),
                                                    .info = [](const std::string& line) { spdlog::info("{}", line); },
                                                    .warn = [](const std::string& line) { spdlog::warn("{}", line); },
                                                    .limits = limits});
@@ -811,6 +826,13 @@ int Main(int argc, char** argv) {
   app.add_option("--host-granularity", f.host_granularity, "Host backend: allocation granularity")
       ->capture_default_str();
   app.add_option("--max-chunk", f.max_chunk, "Largest single chunk a grow creates")->capture_default_str();
+  app.add_option("--host-tier-bytes", f.host_tier,
+                 "Host memory (a memfd, NUMA-local to the GPU, registered with the driver at start) where a sleep "
+                 "that keeps its contents puts them; a multiple of the granularity; 0: none")
+      ->capture_default_str();
+  app.add_option("--host-tier-copy-threads", f.host_tier_copy_threads,
+                 "Copies in flight at once between a pool and the host tier")
+      ->capture_default_str();
   app.add_option("--lease-ttl", f.lease_ttl, "How long a handle lease stays redeemable (e.g. 30s, 500ms)")
       ->capture_default_str();
   app.add_option("--layout-override", f.layout_override,

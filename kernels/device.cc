@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -202,6 +203,27 @@ absl::StatusOr<int> Device::ExportRange(uint64_t va, uint64_t bytes) {
 absl::StatusOr<std::string> Device::ExportFabricHandle(const Chunk& chunk) {
   return absl::UnimplementedError(absl::StrCat("ExportFabricHandle(chunk of ", chunk.bytes, " bytes): the ",
                                                BackendName(kind()), " backend has no fabric handles"));
+}
+
+absl::Status Device::RegisterHost(void* host, uint64_t bytes) {
+  if (host == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterHost(", bytes, " bytes): a null or empty range"));
+  }
+  return absl::OkStatus();  // host memory needs no registration with a host backend
+}
+
+absl::Status Device::UnregisterHost(void* host) {
+  if (host == nullptr) return absl::InvalidArgumentError("UnregisterHost: host is null");
+  return absl::OkStatus();
+}
+
+int Device::NumaNode() const { return -1; }
+
+int PciNumaNode(absl::string_view bus_id) {
+  std::ifstream in(absl::StrCat("/sys/bus/pci/devices/", absl::AsciiStrToLower(bus_id), "/numa_node"));
+  int node = -1;
+  if (!(in >> node)) return -1;
+  return node < 0 ? -1 : node;
 }
 
 absl::Status ValidateBlocks(const BlockSpan& span, absl::Span<const uint64_t> blocks) {

@@ -5,7 +5,9 @@
 // released between repetitions:
 //   kvd   libkvd against the daemon: Grow, a second process's Attach, Sleep, Wake, Shrink;
 //   raw   the same chunk plan (the daemon's own chunk table) through kvd::Device in a bare pair of
-//         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there.
+//         processes: create + map + export here, FDs over SCM_RIGHTS, import + map + read there;
+//   in-process  the peers an engine would use instead (torch_memory_saver): one allocation of all the
+//         bytes, and one per segment, created, mapped and released in this process, nothing shared.
 // Each lifecycle op runs "after_release" (right after the previous release: the driver may still be
 // scrubbing) and "after_pause" (--pause-ms first). Then the fragmented shape, Compact of a pool grown in
 // many steps and an exact Shrink to half (each with a pausable second process checking a pattern, against
@@ -13,13 +15,16 @@
 // (idle, during another pool's grow, next to a bare gRPC ping served by the second process), resizes
 // of several pools at once against one pool at a time, the daemon's bookkeeping per chunk and per pool,
 // and the alternatives: one handle per granule and (CUDA, when importable) torch.zeros.
-// A table goes to stdout; with --json one JSON document goes to stdout and the table to stderr.
+// --chunk-sweep instead times the device calls alone (create, map, export, import, map, release) against
+// the chunk size, with no kvd. A table goes to stdout; with --json one JSON document goes to stdout and
+// the table to stderr.
 // A line that cannot run says why ("skipped"); no number is ever made up.
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/kcmp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -67,6 +72,7 @@
 #include "kvd/device.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
+#include "kvd/unique_fd.h"
 #include "kvd/units.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #ifdef KVD_WITH_CUDA
@@ -272,12 +278,21 @@ struct ChildState {
   std::unique_ptr<grpc::Server> ping_server;
 };
 
-absl::Status RawRelease(ChildState& c) {
+// Unmaps and releases every imported chunk, one after the other; `ns` (if given) gets the time spent in
+// each kind of call.
+absl::Status RawRelease(ChildState& c, int64_t* unmap_ns = nullptr, int64_t* release_ns = nullptr) {
+  int64_t unmapping = 0, releasing = 0;
   for (const auto& [offset, chunk] : c.raw_chunks) {
+    const int64_t t = NowNs();
     KVD_RETURN_IF_ERROR(c.raw->Unmap(c.raw_va + offset, chunk.bytes));
+    const int64_t unmapped = NowNs();
     KVD_RETURN_IF_ERROR(c.raw->Release(chunk));
+    unmapping += unmapped - t;
+    releasing += NowNs() - unmapped;
   }
   c.raw_chunks.clear();
+  if (unmap_ns != nullptr) *unmap_ns = unmapping;
+  if (release_ns != nullptr) *release_ns = releasing;
   return absl::OkStatus();
 }
 
@@ -317,14 +332,17 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     // "ok DONE received=NS attached=NS read=NS" and libkvd's marks (attach.*, lease.fetched).
     return absl::StrCat("ok ", done, " received=", received, " attached=", attached, " read=", done, TakeMarks());
   }
-  if (op == "kvd-wait" && w.size() == 2) {  // kvd-wait BYTES: the follower has mapped exactly BYTES
+  // kvd-wait BYTES: once the follower has mapped exactly BYTES, "ok DONE" (when it was seen, looked at
+  // every 0.1 ms).
+  if (op == "kvd-wait" && w.size() == 2) {
     uint64_t expected = 0;
     if (!absl::SimpleAtoi(w[1], &expected) || c.mapping == nullptr) return absl::InvalidArgumentError("kvd-wait");
-    for (int i = 0; i < 60000; ++i) {
+    const int64_t start = NowNs();
+    while (NowNs() - start < int64_t{60'000'000'000}) {
       uint64_t seen = 0;
       for (const ChunkInfo& chunk : c.mapping->chunks()) seen += chunk.bytes;
-      if (seen == expected) return std::string("ok");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (seen == expected) return absl::StrCat("ok ", NowNs());
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     return absl::DeadlineExceededError("the importer's follower did not map the pool within 60 s");
   }
@@ -394,7 +412,7 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     const int64_t reserved = NowNs();
     // Each message's FDs are imported (and closed) before the next is received: at most
     // kMaxFdsPerMessage FDs are open here at once, whatever the number of chunks.
-    int64_t receive_ns = 0, import_ns = 0;
+    int64_t receive_ns = 0, import_map_ns = 0, import_ns = 0, map_ns = 0;
     uint64_t imported = 0;
     while (imported < n) {
       int64_t t = NowNs();
@@ -415,29 +433,34 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
         if (!absl::SimpleAtoi(kv.first, &off) || !absl::SimpleAtoi(kv.second, &bytes)) {
           return absl::InvalidArgumentError(absl::StrCat("bad chunk ", parts[i + 1]));
         }
+        const int64_t start = NowNs();
         KVD_ASSIGN_OR_RETURN(Chunk chunk, c.raw->Import(fds[i], bytes));
         close(fds[i]);
         fds[i] = -1;
+        const int64_t got = NowNs();
         if (absl::Status s = c.raw->Map(c.raw_va + off, chunk, Access::kReadWrite); !s.ok()) {
           c.raw->Release(chunk).IgnoreError();
           return s;
         }
+        import_ns += got - start;
+        map_ns += NowNs() - got;
         c.raw_chunks.emplace_back(off, chunk);
       }
       imported += fds.size();
-      import_ns += NowNs() - t;
+      import_map_ns += NowNs() - t;
     }
     const int64_t mapped = NowNs();
     uint64_t word = 0;
     for (const auto& [offset, chunk] : c.raw_chunks) KVD_RETURN_IF_ERROR(c.reader->ReadWord(c.raw_va + offset, &word));
     const int64_t done = NowNs();
     return absl::StrCat("ok ", done, " received=", received, " reserve_ms=", (reserved - received) / 1e6,
-                        " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_ns / 1e6,
-                        " read_ms=", (done - mapped) / 1e6);
+                        " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_map_ns / 1e6,
+                        " import_ms=", import_ns / 1e6, " map_ms=", map_ns / 1e6, " read_ms=", (done - mapped) / 1e6);
   }
-  if (op == "raw-release") {
-    KVD_RETURN_IF_ERROR(RawRelease(c));
-    return absl::StrCat("ok ", NowNs());
+  if (op == "raw-release") {  // "ok DONE unmap_ms=MS release_ms=MS"
+    int64_t unmap_ns = 0, release_ns = 0;
+    KVD_RETURN_IF_ERROR(RawRelease(c, &unmap_ns, &release_ns));
+    return absl::StrCat("ok ", NowNs(), " unmap_ms=", unmap_ns / 1e6, " release_ms=", release_ns / 1e6);
   }
   if (op == "raw-detach") {
     KVD_RETURN_IF_ERROR(RawRelease(c));
@@ -547,6 +570,7 @@ class Child {
 struct PlanChunk {
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  uint64_t segment = 0;
 };
 struct Plan {
   uint64_t reserve_bytes = 0;
@@ -560,7 +584,7 @@ struct Plan {
 
 Plan PlanOf(const PoolInfo& pool) {
   Plan p{.reserve_bytes = pool.geometry.reserved_bytes};
-  for (const ChunkInfo& c : pool.chunks) p.chunks.push_back({c.offset, c.bytes});
+  for (const ChunkInfo& c : pool.chunks) p.chunks.push_back({c.offset, c.bytes, c.segment});
   return p;
 }
 
@@ -652,12 +676,192 @@ class RawExporter {
 };
 
 // ---------------------------------------------------------------------------------------------------
+// The in-process peers (docs/benchmarks.md, "Against the in-process allocators"): what torch_memory_saver
+// does for every tensor it may pause, in this one process and with nothing to share. The VA is reserved
+// once; an allocation (and a resume) is create + map + set access, a pause is unmap + release with the VA
+// kept. On CUDA these are the driver calls themselves, through the table the CUDA backend loads
+// (cuMemCreate of pinned device memory with no shareable handle type and gpuDirectRDMACapable where the
+// device supports it, as torch_memory_saver asks); on host a memfd (memfd_create + ftruncate + fallocate)
+// mapped MAP_SHARED | MAP_FIXED over a PROT_NONE reservation: the host backend's calls without its checks
+// and its export. Every call runs on the thread that opened it (the benchmark's main thread).
+
+class InProcess {
+ public:
+  virtual ~InProcess() = default;
+  // UNIMPLEMENTED for a backend without an in-process counterpart here.
+  static absl::StatusOr<std::unique_ptr<InProcess>> Open(const std::string& backend, int device);
+  virtual absl::StatusOr<uint64_t> Reserve(uint64_t bytes) = 0;
+  virtual absl::Status Free(uint64_t va, uint64_t bytes) = 0;
+  // A handle to `bytes` of physical memory, allocated now.
+  virtual absl::StatusOr<uint64_t> Create(uint64_t bytes) = 0;
+  // Maps the whole allocation at `va` and makes it readable and writable by this device.
+  virtual absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) = 0;
+  virtual absl::Status Unmap(uint64_t va, uint64_t bytes) = 0;
+  virtual absl::Status Release(uint64_t handle) = 0;
+};
+
+class HostInProcess final : public InProcess {
+ public:
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE)");
+    return reinterpret_cast<uint64_t>(p);
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) override {
+    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) return ErrnoStatus(errno, "munmap");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<uint64_t> Create(uint64_t bytes) override {
+    UniqueFd fd(memfd_create("kvd-bench-in-process", MFD_CLOEXEC));
+    if (!fd) return ErrnoStatus(errno, "memfd_create");
+    if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return ErrnoStatus(errno, "ftruncate");
+    int rc;
+    do {
+      rc = fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes));
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) return ErrnoStatus(errno, absl::StrCat("fallocate(", bytes, " bytes)"));
+    return static_cast<uint64_t>(fd.release());
+  }
+  absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   static_cast<int>(handle), 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(MAP_SHARED | MAP_FIXED)");
+    return absl::OkStatus();
+  }
+  absl::Status Unmap(uint64_t va, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap(PROT_NONE | MAP_FIXED)");
+    return absl::OkStatus();
+  }
+  absl::Status Release(uint64_t handle) override {
+    if (close(static_cast<int>(handle)) != 0) return ErrnoStatus(errno, "close(memfd)");
+    return absl::OkStatus();
+  }
+};
+
+#ifdef KVD_WITH_CUDA
+class CudaInProcess final : public InProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<InProcess>> Open(int ordinal) {
+    KVD_ASSIGN_OR_RETURN(const CudaDriver* driver, LoadCudaDriver());
+    const CudaDriver& d = *driver;
+    auto p = std::unique_ptr<CudaInProcess>(new CudaInProcess(d));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuInit_(0), "cuInit"));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuDeviceGet_(&p->device_, ordinal), "cuDeviceGet"));
+    KVD_RETURN_IF_ERROR(
+        CudaStatus(d, d.cuDevicePrimaryCtxRetain_(&p->context_, p->device_), "cuDevicePrimaryCtxRetain"));
+    KVD_RETURN_IF_ERROR(CudaStatus(d, d.cuCtxSetCurrent_(p->context_), "cuCtxSetCurrent"));
+    int rdma = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(
+        d, d.cuDeviceGetAttribute_(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, p->device_),
+        "cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)"));
+    p->prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p->prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->prop_.location.id = p->device_;
+    p->prop_.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+    p->access_.location = p->prop_.location;
+    p->access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return p;
+  }
+  ~CudaInProcess() override {
+    if (context_ != nullptr) (void)d_.cuDevicePrimaryCtxRelease_(device_);
+  }
+  absl::StatusOr<uint64_t> Reserve(uint64_t bytes) override {
+    CUdeviceptr va = 0;
+    KVD_RETURN_IF_ERROR(CudaStatus(d_, d_.cuMemAddressReserve_(&va, bytes, 0, 0, 0), "cuMemAddressReserve"));
+    return static_cast<uint64_t>(va);
+  }
+  absl::Status Free(uint64_t va, uint64_t bytes) override {
+    return CudaStatus(d_, d_.cuMemAddressFree_(va, bytes), "cuMemAddressFree");
+  }
+  absl::StatusOr<uint64_t> Create(uint64_t bytes) override {
+    CUmemGenericAllocationHandle handle = 0;
+    KVD_RETURN_IF_ERROR(CudaStatusLazy(d_, d_.cuMemCreate_(&handle, bytes, &prop_, 0),
+                                       [&] { return absl::StrCat("cuMemCreate(", bytes, " bytes)"); }));
+    return static_cast<uint64_t>(handle);
+  }
+  absl::Status Map(uint64_t va, uint64_t handle, uint64_t bytes) override {
+    KVD_RETURN_IF_ERROR(CudaStatus(d_, d_.cuMemMap_(va, bytes, 0, handle, 0), "cuMemMap"));
+    if (absl::Status s = CudaStatus(d_, d_.cuMemSetAccess_(va, bytes, &access_, 1), "cuMemSetAccess"); !s.ok()) {
+      (void)d_.cuMemUnmap_(va, bytes);
+      return s;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Unmap(uint64_t va, uint64_t bytes) override {
+    return CudaStatus(d_, d_.cuMemUnmap_(va, bytes), "cuMemUnmap");
+  }
+  absl::Status Release(uint64_t handle) override { return CudaStatus(d_, d_.cuMemRelease_(handle), "cuMemRelease"); }
+
+ private:
+  explicit CudaInProcess(const CudaDriver& d) : d_(d) {}
+  const CudaDriver& d_;
+  CUdevice device_ = 0;
+  CUcontext context_ = nullptr;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+};
+#endif
+
+absl::StatusOr<std::unique_ptr<InProcess>> InProcess::Open(const std::string& backend, int device) {
+  if (backend == "host") return std::unique_ptr<InProcess>(new HostInProcess());
+#ifdef KVD_WITH_CUDA
+  if (backend == "cuda") return CudaInProcess::Open(device);
+#endif
+  (void)device;
+  return absl::UnimplementedError(absl::StrCat("no in-process allocator for backend ", backend, " in this build"));
+}
+
+// One in-process peer of the lifecycle: its allocations (one for the whole pool, or one per segment, at
+// the offsets of the pool's chunks) in a reservation of its own, made once.
+struct InProcessSide {
+  std::string name;  // "single", "per_segment"
+  Plan plan;
+  uint64_t va = 0;
+  std::vector<uint64_t> handles;  // created, in plan order
+  size_t mapped = 0;              // the first `mapped` of them are mapped
+};
+
+// The allocations of the in-process peers for the pool whose chunks are `pool`: one allocation of all its
+// bytes, or one per segment spanning that segment's chunks (a segment's committed prefix is contiguous).
+Plan SinglePlan(const Plan& pool) {
+  Plan p{.reserve_bytes = pool.bytes()};
+  p.chunks.push_back({.offset = 0, .bytes = pool.bytes(), .segment = 0});
+  return p;
+}
+Plan PerSegmentPlan(const Plan& pool) {
+  std::map<uint64_t, PlanChunk> by_segment;
+  for (const PlanChunk& c : pool.chunks) {
+    auto [it, inserted] = by_segment.try_emplace(c.segment, c);
+    if (inserted) continue;
+    const uint64_t end = std::max(it->second.offset + it->second.bytes, c.offset + c.bytes);
+    it->second.offset = std::min(it->second.offset, c.offset);
+    it->second.bytes = end - it->second.offset;
+  }
+  Plan p{.reserve_bytes = pool.reserve_bytes};
+  for (const auto& [segment, c] : by_segment) p.chunks.push_back(c);
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Results.
 
 // The phases of the bare calls of a reshape (Bench::RawReshape), in ms.
 struct ReshapeTimes {
   double create_map = 0, copy = 0, release_old = 0, remap = 0, free_wait = 0;
   double total() const { return create_map + copy + release_old + remap + free_wait; }
+};
+
+// An in-process peer's column of a lifecycle line.
+struct Peer {
+  std::string name;  // "single", "per_segment"
+  std::string what;
+  uint64_t allocations = 0;
+  std::vector<double> ms;
+  std::string target;  // on kvd p50 / this p50
+  double ratio = NAN;
+  std::string skipped;
 };
 
 struct Line {
@@ -672,6 +876,17 @@ struct Line {
   std::string note;
   // Per-phase breakdown (ms), in the order the phases happen; the same sample count as kvd/base.
   std::vector<std::pair<std::string, std::vector<double>>> kvd_phases, base_phases;
+  // The lifecycle lines' in-process peers (or why there are none): kvd against each as well.
+  std::vector<Peer> peers;
+  std::string peers_skipped;
+  bool lifecycle = false;
+  Peer& PeerNamed(const std::string& peer) {
+    for (Peer& p : peers) {
+      if (p.name == peer) return p;
+    }
+    peers.push_back(Peer{.name = peer});
+    return peers.back();
+  }
 };
 
 void AddPhase(std::vector<std::pair<std::string, std::vector<double>>>& phases, const std::string& name, double ms) {
@@ -724,11 +939,16 @@ struct Options {
   int device = 0;
   std::string bytes, chunk, budget = "100%";
   uint64_t segments = 0;
-  int reps = 5;
+  int reps = 9;
+  int deadline_s = 0;  // 0: none
+  bool chunk_sweep = false;
+  std::string sweep_bytes, sweep_sizes;
+  int sweep_reps = 3;
   int fragments = 0;
   int compact_grows = 0;
   uint32_t compact_chunks_per_pause = 0;  // 0: the daemon's --compact-chunks-per-pause
   std::string sections = "all";
+  std::string layout = "LBHNC";
   int pause_ms = -1;
   int threads = 4;
   int rpc_calls = 0;
@@ -822,12 +1042,50 @@ double Slope(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The chunk-size sweep (--chunk-sweep; docs/benchmarks.md, "Chunk size"): the same bytes as chunks of each
+// size through kvd::Device, the calls the daemon and an engine make, with no daemon in between.
+
+// The sweep's phases, in the order they happen, and their sums.
+constexpr const char* kSweepPhases[] = {"create",         "map",     "export",   "import", "import_map",
+                                        "import_release", "release", "free_wait"};
+struct SweepGroup {
+  const char* name;
+  std::vector<const char*> phases;
+};
+const std::vector<SweepGroup>& SweepGroups() {
+  static const auto* groups = new std::vector<SweepGroup>{
+      {"grow", {"create", "map", "export"}},
+      {"attach", {"import", "import_map"}},
+      {"release_all", {"import_release", "release", "free_wait"}},
+      {"total", {"create", "map", "export", "import", "import_map", "import_release", "release", "free_wait"}}};
+  return *groups;
+}
+
+struct SweepSize {
+  uint64_t chunk_bytes = 0, handles = 0;
+  std::string skipped;
+  // variant ("after_release", "after_pause") -> phase or group -> samples (ms)
+  std::map<std::string, std::map<std::string, std::vector<double>>> ms;
+  // The scrub: create's p50 after a release less its p50 after a pause (ms; derived, not timed).
+  double scrub_ms() const {
+    auto at = [&](const char* variant) -> double {
+      auto v = ms.find(variant);
+      if (v == ms.end()) return NAN;
+      auto p = v->second.find("create");
+      return p == v->second.end() ? NAN : P50(p->second);
+    };
+    return at("after_release") - at("after_pause");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // The benchmark.
 
 class Bench {
  public:
   explicit Bench(Options o) : o_(std::move(o)) {}
   ~Bench() { Stop(); }
+  // The whole path, or with --chunk-sweep the chunk-size sweep.
   absl::Status Run();
   void Print(FILE* out) const;
   std::string Json() const;
@@ -857,6 +1115,8 @@ class Bench {
   absl::Status Lifecycle(RawExporter& raw, const PoolInfo& grown);
   absl::Status KvdCycle(bool paused, bool record);
   absl::Status RawCycle(RawExporter& raw, bool paused, bool record);
+  absl::Status InProcessCycle(InProcessSide& side, bool paused, bool record);
+  absl::Status ReleaseInProcess(InProcessSide& side);
   absl::Status Fragmented();
   absl::StatusOr<uint64_t> ReshapeBytes(uint64_t want, double peak);
   absl::StatusOr<ReshapeTimes> RawReshape(const Plan& from, const Plan& to);
@@ -867,13 +1127,20 @@ class Bench {
   absl::Status MeasureBookkeeping();
   absl::Status Granule();
   absl::Status Torch();
+  // The pause and the free-count wait's bounds for a device of granularity `g`.
+  absl::Status SetWaits(uint64_t g);
+  absl::Status ChunkSweep();
+  absl::Status SweepRound(SweepSize& r, uint64_t va, bool paused, bool record);
+  void PrintSweep(FILE* out) const;
+  std::string SweepJson() const;
 
   Options o_;
   std::string backend_;
   bool gpu_ = false;
   DeviceStatus daemon_;
   DeviceInfo raw_info_;
-  uint64_t bytes_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
+  // layers_: the pool's L; segments_: its segments (one per layer under LBHNC, one under BLHNC).
+  uint64_t bytes_ = 0, layers_ = 0, segments_ = 0, blocks_ = 0, max_chunk_ = 0, slack_ = 0;
   int pause_ms_ = 0, fragments_ = 0, compact_grows_ = 0, free_timeout_ms_ = 10000;
   uint64_t compact_bytes_ = 0, shrink_bytes_ = 0;  // the pools of the compact and shrink_to_half lines
   std::set<std::string> sections_;                 // empty: all
@@ -881,6 +1148,8 @@ class Bench {
   pid_t kvd_pid_ = -1, daemon_pid_ = -1;
   std::unique_ptr<Client> client_;
   std::unique_ptr<Device> raw_;
+  std::unique_ptr<InProcess> in_process_;  // null: see in_process_skipped_
+  std::string in_process_skipped_;
   std::unique_ptr<Child> child_;
   std::string prefix_;
   std::string pool_;  // the main pool
@@ -891,6 +1160,10 @@ class Bench {
   Bookkeeping book_;
   uint64_t free_timeouts_ = 0;
   std::string torch_version_;
+  int64_t deadline_ns_ = 0;  // 0: none (--deadline-s)
+  uint64_t sweep_bytes_ = 0;
+  std::vector<SweepSize> sweep_;
+  int lifecycle_reps_ = 0;  // repetitions of the lifecycle that ran
 };
 
 absl::Status Bench::StartDaemon() {
@@ -977,9 +1250,9 @@ absl::Status Bench::WaitFree(uint64_t before, uint64_t bytes) {
 
 absl::StatusOr<PoolInfo> Bench::CreatePool(const std::string& name, uint64_t blocks) {
   PoolOptions p{.name = prefix_ + name, .dims = kDims};
-  p.dims.layers = segments_;
+  p.dims.layers = layers_;
   p.dims.capacity_blocks = blocks;
-  p.layout.override_layout = "LBHNC";  // one segment per layer
+  p.layout.override_layout = o_.layout;
   KVD_ASSIGN_OR_RETURN(PoolInfo pool, client_->CreatePool(p));
   pools_.push_back(p.name);
   if (pool.geometry.segments != segments_) {
@@ -1038,7 +1311,8 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   pause();
   int64_t t = NowNs();
   KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
-  add("grow", MsSince(t));
+  const double grow_ms = MsSince(t);
+  add("grow", grow_ms);
   pause();
   const std::string attach = absl::StrCat("kvd-attach ", socket_, " ", pool_, " ", pool_bytes_);
   t = NowNs();
@@ -1046,6 +1320,7 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   std::map<std::string, std::string> marks;
   KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply(attach, t, &marks));
   add("attach", ms);
+  add("grow_mapped", grow_ms + ms);
   if (record) AddAttachPhases(GetLine("attach", variant), t, marks);
   KVD_RETURN_IF_ERROR(child_->Call("kvd-marks").status());  // forget the marks since the attach
   pause();
@@ -1076,7 +1351,10 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   t = NowNs();
   KVD_RETURN_IF_ERROR(client_->Wake(pool_).status());
   add("wake", MsSince(t));
-  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("kvd-wait ", pool_bytes_)).status());
+  const std::string wait = absl::StrCat("kvd-wait ", pool_bytes_);
+  KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), wait, {}));
+  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply(wait, t));  // the importer's follower has mapped it again
+  add("wake_mapped", ms);
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
@@ -1103,13 +1381,15 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   pause();
   int64_t t = NowNs();
   KVD_RETURN_IF_ERROR(raw.Grow());
-  add("grow", MsSince(t));
+  const double grow_ms = MsSince(t);
+  add("grow", grow_ms);
   pause();
   t = NowNs();
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));
   std::map<std::string, std::string> parts;
   KVD_ASSIGN_OR_RETURN(double ms, child_->TimedReply("raw-attach", t, &parts));
   add("attach", ms);
+  add("grow_mapped", grow_ms + ms);
   if (record) AddRawAttachPhases(GetLine("attach", variant), t, parts);
   pause();
   KVD_ASSIGN_OR_RETURN(uint64_t before, FreeBytes());
@@ -1131,7 +1411,8 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(raw.Grow());
   add("wake", MsSince(t));
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));  // the importer maps again, as kvd's follower does
-  KVD_RETURN_IF_ERROR(child_->Reply("raw-attach").status());
+  KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply("raw-attach", t, &parts));
+  add("wake_mapped", ms - MsOf(parts, "read_ms"));  // until mapped: kvd's follower reads nothing either
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
@@ -1139,6 +1420,71 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(WaitFree(before, raw.plan().bytes()));
   add("shrink", MsSince(t));
   return child_->Call("raw-detach").status();
+}
+
+// The same cycle in this process with an in-process peer's allocations: every allocation created, then
+// every one mapped with access set (grow, attach and grow_mapped are those two halves and their sum);
+// unmapped and released one after the other, then the free-count wait (sleep, shrink); created and
+// mapped again (wake is the creates, wake_mapped both).
+absl::Status Bench::InProcessCycle(InProcessSide& side, bool paused, bool record) {
+  const std::string variant = paused ? "after_pause" : "after_release";
+  auto add = [&](const char* op, double ms) {
+    if (record) GetLine(op, variant).PeerNamed(side.name).ms.push_back(ms);
+  };
+  auto pause = [&] {
+    if (paused) Pause();
+  };
+  InProcess& d = *in_process_;
+  auto allocate = [&](const char* create_op, const char* map_op, const char* both_op) -> absl::Status {
+    const int64_t t = NowNs();
+    for (const PlanChunk& a : side.plan.chunks) {
+      KVD_ASSIGN_OR_RETURN(const uint64_t handle, d.Create(a.bytes));
+      side.handles.push_back(handle);
+    }
+    const int64_t created = NowNs();
+    for (; side.mapped < side.handles.size(); ++side.mapped) {
+      const PlanChunk& a = side.plan.chunks[side.mapped];
+      KVD_RETURN_IF_ERROR(d.Map(side.va + a.offset, side.handles[side.mapped], a.bytes));
+    }
+    const int64_t mapped = NowNs();
+    add(create_op, Between(t, created));
+    if (map_op != nullptr) add(map_op, Between(created, mapped));
+    add(both_op, Between(t, mapped));
+    return absl::OkStatus();
+  };
+  auto release = [&](const char* op) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+    const int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(ReleaseInProcess(side));
+    KVD_RETURN_IF_ERROR(WaitFree(before, side.plan.bytes()));
+    add(op, MsSince(t));
+    return absl::OkStatus();
+  };
+  if (side.va == 0) {
+    KVD_ASSIGN_OR_RETURN(side.va, d.Reserve(side.plan.reserve_bytes));
+  }
+  pause();
+  KVD_RETURN_IF_ERROR(allocate("grow", "attach", "grow_mapped"));
+  pause();
+  KVD_RETURN_IF_ERROR(release("sleep"));
+  pause();
+  KVD_RETURN_IF_ERROR(allocate("wake", nullptr, "wake_mapped"));
+  pause();
+  return release("shrink");
+}
+
+// Unmaps and releases the side's allocations one after the other (as torch_memory_saver pauses); the
+// reservation stays.
+absl::Status Bench::ReleaseInProcess(InProcessSide& side) {
+  for (size_t i = 0; i < side.handles.size(); ++i) {
+    if (i < side.mapped) {
+      KVD_RETURN_IF_ERROR(in_process_->Unmap(side.va + side.plan.chunks[i].offset, side.plan.chunks[i].bytes));
+    }
+    KVD_RETURN_IF_ERROR(in_process_->Release(side.handles[i]));
+  }
+  side.handles.clear();
+  side.mapped = 0;
+  return absl::OkStatus();
 }
 
 // N grows of 1/N each, then a second process attaches: N chunks per segment.
@@ -1325,7 +1671,7 @@ absl::Status Bench::Compact() {
   before.ratio_means = after.ratio_means = "kvd / grown once p50";
   after.target = "<= 1.5";
   KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_ / 2, 2.0));
-  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t blocks = bytes / (layers_ * kLayerBlockBytes);
   const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
   if (blocks < static_cast<uint64_t>(compact_grows_) * granule_blocks) {
     const std::string why = absl::StrCat("the device's free memory holds no pool of ", compact_grows_,
@@ -1333,7 +1679,7 @@ absl::Status Bench::Compact() {
     for (Line* l : {&compact, &pause, &before, &after}) l->skipped = why;
     return absl::OkStatus();
   }
-  compact_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  compact_bytes_ = blocks * layers_ * kLayerBlockBytes;
   KVD_ASSIGN_OR_RETURN(const PoolInfo frag, CreatePool("compact", blocks));
   KVD_ASSIGN_OR_RETURN(const PoolInfo once, CreatePool("once", blocks));
   auto attach = [&](const std::string& pool, uint64_t committed, bool pausable) -> absl::StatusOr<double> {
@@ -1460,7 +1806,7 @@ absl::Status Bench::ShrinkToHalf() {
       "map the new ones at the pool's address, free-count wait";
   l.target = "<= 1.2";
   KVD_ASSIGN_OR_RETURN(const uint64_t bytes, ReshapeBytes(bytes_, 1.5));
-  const uint64_t blocks = bytes / (segments_ * kLayerBlockBytes);
+  const uint64_t blocks = bytes / (layers_ * kLayerBlockBytes);
   const uint64_t target = blocks / 2;
   if (target < daemon_.granularity_bytes / kLayerBlockBytes) {
     l.skipped = absl::StrCat(
@@ -1469,7 +1815,7 @@ absl::Status Bench::ShrinkToHalf() {
         FormatBytes(bytes), ")");
     return absl::OkStatus();
   }
-  shrink_bytes_ = blocks * segments_ * kLayerBlockBytes;
+  shrink_bytes_ = blocks * layers_ * kLayerBlockBytes;
   KVD_ASSIGN_OR_RETURN(const PoolInfo pool, CreatePool("half", blocks));
   Plan grown_plan, shrunk_plan;
   uint64_t seed = 1000;
@@ -1944,7 +2290,18 @@ absl::Status Bench::Torch() {
   return absl::OkStatus();
 }
 
+absl::Status Bench::SetWaits(uint64_t g) {
+  pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
+  free_timeout_ms_ = gpu_ ? 10000 : 2000;
+  KVD_ASSIGN_OR_RETURN(slack_,
+                       ParseBytes(o_.free_slack.empty() ? (gpu_ ? "0" : "8MiB") : o_.free_slack, "--free-slack"));
+  slack_ = std::max(slack_, g);
+  return absl::OkStatus();
+}
+
 absl::Status Bench::Run() {
+  if (o_.deadline_s > 0) deadline_ns_ = NowNs() + int64_t{o_.deadline_s} * 1'000'000'000;
+  if (o_.chunk_sweep) return ChunkSweep();
   if (o_.socket.empty()) {
     KVD_RETURN_IF_ERROR(StartDaemon());
   } else {
@@ -1963,17 +2320,24 @@ absl::Status Bench::Run() {
     return absl::FailedPreconditionError(
         absl::StrCat("the daemon serves ", daemon_.uuid, " but --device opens ", raw_info_.uuid));
   }
+  if (absl::StatusOr<std::unique_ptr<InProcess>> in_process =
+          InProcess::Open(backend_, static_cast<int>(daemon_.device_index));
+      in_process.ok()) {
+    in_process_ = *std::move(in_process);
+  } else {
+    in_process_skipped_ = in_process.status().ToString();
+  }
 
   KVD_ASSIGN_OR_RETURN(bytes_, ParseBytes(o_.bytes.empty() ? (gpu_ ? "128GiB" : "256MiB") : o_.bytes, "--bytes"));
-  segments_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
-  blocks_ = bytes_ / (segments_ * kLayerBlockBytes);
+  layers_ = o_.segments ? o_.segments : (gpu_ ? 80 : 8);
+  if (o_.layout != "LBHNC" && o_.layout != "BLHNC") {
+    return absl::InvalidArgumentError(absl::StrCat("--layout: \"", o_.layout, "\" is neither LBHNC nor BLHNC"));
+  }
+  segments_ = o_.layout == "LBHNC" ? layers_ : 1;
+  blocks_ = bytes_ / (layers_ * kLayerBlockBytes);
   fragments_ = o_.fragments ? o_.fragments : (gpu_ ? 16 : 8);
   compact_grows_ = o_.compact_grows ? o_.compact_grows : (gpu_ ? 64 : 8);
-  pause_ms_ = o_.pause_ms >= 0 ? o_.pause_ms : (gpu_ ? 2000 : 20);
-  free_timeout_ms_ = gpu_ ? 10000 : 2000;
-  KVD_ASSIGN_OR_RETURN(slack_,
-                       ParseBytes(o_.free_slack.empty() ? (gpu_ ? "0" : "8MiB") : o_.free_slack, "--free-slack"));
-  slack_ = std::max(slack_, daemon_.granularity_bytes);
+  KVD_RETURN_IF_ERROR(SetWaits(daemon_.granularity_bytes));
   if (o_.bookkeeping_bytes.empty()) o_.bookkeeping_bytes = gpu_ ? "16GiB" : "1GiB";
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
@@ -1989,13 +2353,25 @@ absl::Status Bench::Run() {
     }
     if (sections_.empty()) return absl::InvalidArgumentError("--sections: empty");
   }
-  if (blocks_ < static_cast<uint64_t>(fragments_) * (daemon_.granularity_bytes / kLayerBlockBytes) ||
-      blocks_ < static_cast<uint64_t>(o_.threads) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
+  // The other sections size their grows in granules of a segment per layer.
+  if (o_.layout != "LBHNC") {
+    for (const char* section : {"fragmented", "compact", "shrink_to_half", "concurrent", "bookkeeping"}) {
+      if (Want(section)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--layout: ", o_.layout, " measures the lifecycle, control_rpc, granule and torch sections only, not ",
+            section, " (pass --sections=lifecycle)"));
+      }
+    }
+  }
+  const uint64_t granule_blocks = daemon_.granularity_bytes / kLayerBlockBytes;
+  if (blocks_ < granule_blocks ||
+      (Want("fragmented") && blocks_ < static_cast<uint64_t>(fragments_) * granule_blocks) ||
+      (Want("concurrent") && blocks_ < static_cast<uint64_t>(o_.threads) * granule_blocks)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--bytes: ", FormatBytes(bytes_), " over ", segments_, " segments is less than one granule (",
                      FormatBytes(daemon_.granularity_bytes), ") per segment for each fragment and each thread"));
   }
-  if (Want("compact") && bytes_ / 2 / (segments_ * kLayerBlockBytes) <
+  if (Want("compact") && bytes_ / 2 / (layers_ * kLayerBlockBytes) <
                              static_cast<uint64_t>(compact_grows_) * (daemon_.granularity_bytes / kLayerBlockBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("--compact-grows: half of --bytes (", FormatBytes(bytes_ / 2),
                                                    ") over ", segments_, " segments is less than one granule (",
@@ -2007,9 +2383,10 @@ absl::Status Bench::Run() {
   KVD_ASSIGN_OR_RETURN(child_, Child::Spawn(backend_, daemon_.device_index, daemon_.granularity_bytes));
   KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("main", blocks_));
   pool_ = pool.name;
-  std::fprintf(stderr, "kvd_bench: %s %s, %s as %llu segments, pause %d ms, %d reps\n", backend_.c_str(),
-               daemon_.name.c_str(), FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_), pause_ms_,
-               o_.reps);
+  std::fprintf(stderr, "kvd_bench: %s %s, %s of %llu layers as %llu segments (%s), pause %d ms, %d reps\n",
+               backend_.c_str(), daemon_.name.c_str(), FormatBytes(bytes_).c_str(),
+               static_cast<unsigned long long>(layers_), static_cast<unsigned long long>(segments_), o_.layout.c_str(),
+               pause_ms_, o_.reps);
 
   // Warm-up (the second process's driver start, the daemon's first grow), and the chunk plan.
   KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
@@ -2076,49 +2453,120 @@ absl::Status Bench::Run() {
   }
   for (Line& l : lines_) {
     if (std::isnan(l.ratio) && l.skipped.empty()) l.ratio = P50(l.kvd) / P50(l.base);
+    for (Peer& p : l.peers) {
+      if (p.skipped.empty()) p.ratio = P50(l.kvd) / P50(p.ms);
+    }
   }
   return absl::OkStatus();
 }
 
-// grow, attach, sleep, wake and shrink of the main pool, interleaved with the bare calls, both variants.
+// What an in-process peer's column of each lifecycle line times.
+const char* InProcessWhat(const std::string& op) {
+  if (op == "grow") return "create every allocation";
+  if (op == "attach") return "map + set access of every allocation";
+  if (op == "grow_mapped") return "create + map + set access (the allocation)";
+  if (op == "wake") return "create every allocation again";
+  if (op == "wake_mapped") return "create + map + set access again (the resume)";
+  return "unmap + release every allocation (the pause), then the free-count wait";  // sleep, shrink
+}
+
+// grow, attach, sleep, wake and shrink of the main pool (and grow_mapped, wake_mapped: until the second
+// process has it mapped), interleaved with the bare calls and the in-process peers, both variants.
 absl::Status Bench::Lifecycle(RawExporter& raw, const PoolInfo& grown) {
-  KVD_RETURN_IF_ERROR(KvdCycle(false, false));
-  KVD_RETURN_IF_ERROR(RawCycle(raw, false, false));
-  for (const char* op : {"grow", "attach", "sleep", "wake", "shrink"}) {
+  const Plan plan = PlanOf(grown);
+  std::vector<InProcessSide> sides;
+  if (in_process_ != nullptr) {
+    sides.push_back({.name = "single", .plan = SinglePlan(plan)});
+    if (segments_ > 1) sides.push_back({.name = "per_segment", .plan = PerSegmentPlan(plan)});
+  }
+  absl::Cleanup give_back = [&] {
+    for (InProcessSide& side : sides) {
+      ReleaseInProcess(side).IgnoreError();
+      if (side.va != 0) in_process_->Free(side.va, side.plan.reserve_bytes).IgnoreError();
+    }
+  };
+  // Issue 25: kvd within 1.2x of the in-process allocations a torch_memory_saver user would make instead --
+  // per layer for a layer-outermost pool, one for a pool of one segment -- to give, release and take back
+  // the memory.
+  const std::string peer_with_target = segments_ == 1 ? "single" : "per_segment";
+  for (const char* op : {"grow", "attach", "grow_mapped", "sleep", "wake", "wake_mapped", "shrink"}) {
     for (const char* variant : {"after_release", "after_pause"}) {
       Line& l = GetLine(op, variant);
+      l.lifecycle = true;
       l.note = absl::StrFormat("%d chunks", grown.chunks.size());
+      if (in_process_ == nullptr) l.peers_skipped = in_process_skipped_;
+      for (const InProcessSide& side : sides) {
+        Peer& p = l.PeerNamed(side.name);
+        p.allocations = side.plan.chunks.size();
+        p.what = absl::StrCat("in this process, ",
+                              side.name == "single" ? "one allocation of all the bytes"
+                                                    : absl::StrCat("one allocation per segment (", p.allocations, ")"),
+                              ": ", InProcessWhat(op));
+        const std::string o = op;
+        if (side.name == peer_with_target && (o == "grow_mapped" || o == "sleep" || o == "wake_mapped")) {
+          p.target = "<= 1.2";
+        }
+      }
     }
   }
   GetLine("grow", "after_release").target = GetLine("grow", "after_pause").target = "<= 1.10";
   GetLine("attach", "after_release").target = GetLine("attach", "after_pause").target = "<= 1.15";
   GetLine("sleep", "after_release").target = GetLine("sleep", "after_pause").target = "<= 1.10";
   GetLine("wake", "after_release").target = GetLine("wake", "after_pause").target = "<= 1.15";
-
-  for (int rep = 0; rep < o_.reps; ++rep) {
-    std::fprintf(stderr, "kvd_bench: lifecycle, repetition %d/%d\n", rep + 1, o_.reps);
-    for (const bool paused : {false, true}) {
-      if (rep % 2 == 0) {
-        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
-        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
-      } else {
-        KVD_RETURN_IF_ERROR(RawCycle(raw, paused, true));
-        KVD_RETURN_IF_ERROR(KvdCycle(paused, true));
-      }
+  GetLine("shrink", "after_release").target = GetLine("shrink", "after_pause").target = "<= 1.15";
+  for (const char* op : {"grow_mapped", "wake_mapped"}) {
+    for (const char* variant : {"after_release", "after_pause"}) {
+      GetLine(op, variant).kvd_what = op == std::string("grow_mapped")
+                                          ? "kvd grow + attach (the memory committed and mapped by the second process)"
+                                          : "kvd Wake until the second process's Mapping has mapped it again";
+      GetLine(op, variant).base_what = "raw device calls: the same until the second process has mapped it";
     }
+  }
+
+  // kvd, raw, then the in-process peers; repetition r starts with the (r mod N)-th, so that none always
+  // follows another's release.
+  std::vector<std::function<absl::Status(bool, bool)>> cycles = {
+      [&](bool paused, bool record) { return KvdCycle(paused, record); },
+      [&](bool paused, bool record) { return RawCycle(raw, paused, record); }};
+  for (auto& cycle : cycles) KVD_RETURN_IF_ERROR(cycle(false, false));  // warm-up
+  // A peer whose warm-up fails (the driver refuses one allocation of all the bytes, say) is left out and
+  // says why in every line; the rest of the run goes on.
+  for (InProcessSide& side : sides) {
+    if (absl::Status s = InProcessCycle(side, false, false); !s.ok()) {
+      ReleaseInProcess(side).IgnoreError();
+      for (Line& l : lines_) {
+        if (l.lifecycle) l.PeerNamed(side.name).skipped = s.ToString();
+      }
+      continue;
+    }
+    cycles.push_back([&, s = &side](bool paused, bool record) { return InProcessCycle(*s, paused, record); });
+  }
+  int64_t longest = 0;
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    if (rep > 0 && deadline_ns_ > 0 && NowNs() + longest > deadline_ns_) {
+      std::fprintf(stderr, "kvd_bench: lifecycle stopped after %d of %d repetitions (--deadline-s)\n", rep, o_.reps);
+      break;
+    }
+    std::fprintf(stderr, "kvd_bench: lifecycle, repetition %d/%d\n", rep + 1, o_.reps);
+    const int64_t started = NowNs();
+    for (const bool paused : {false, true}) {
+      for (size_t k = 0; k < cycles.size(); ++k) KVD_RETURN_IF_ERROR(cycles[(rep + k) % cycles.size()](paused, true));
+    }
+    longest = std::max(longest, NowNs() - started);
+    lifecycle_reps_ = rep + 1;
   }
   return absl::OkStatus();
 }
 
 void Bench::Print(FILE* out) const {
+  if (o_.chunk_sweep) return PrintSweep(out);
   std::fprintf(out,
-               "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s as %llu segments (%llu chunks of up to %s), "
-               "%d reps, pause %d ms\n",
+               "kvd_bench: backend %s, %s (%s), driver %s, kvd %s; %s of %llu layers as %llu segments (%s; %llu chunks "
+               "of up to %s), %d reps, pause %d ms\n",
                backend_.c_str(), daemon_.name.c_str(), daemon_.uuid.c_str(),
                daemon_.driver_version.empty() ? "-" : daemon_.driver_version.c_str(), daemon_.daemon_version.c_str(),
-               FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(segments_),
-               static_cast<unsigned long long>(
-                   segments_ * ((pool_bytes_ / segments_ + max_chunk_ - 1) / std::max<uint64_t>(max_chunk_, 1))),
+               FormatBytes(bytes_).c_str(), static_cast<unsigned long long>(layers_),
+               static_cast<unsigned long long>(segments_), o_.layout.c_str(), static_cast<unsigned long long>(chunks_),
                FormatBytes(max_chunk_).c_str(), o_.reps, pause_ms_);
   std::fprintf(out, "%-26s %-16s %9s %9s %9s %9s %7s %8s  %s\n", "line", "variant", "kvd p50", "kvd p99", "base p50",
                "base p99", "ratio", "target", "baseline; note");
@@ -2141,8 +2589,30 @@ void Bench::Print(FILE* out) const {
     if (!l.base_phases.empty())
       std::fprintf(out, "  %s %s phases, raw p50: %s\n", l.name.c_str(), l.variant.c_str(),
                    phases(l.base_phases).c_str());
+    if (!l.lifecycle) continue;
+    if (!l.peers_skipped.empty()) {
+      std::fprintf(out, "  %s %s in-process: skipped: %s\n", l.name.c_str(), l.variant.c_str(),
+                   l.peers_skipped.c_str());
+      continue;
+    }
+    std::vector<std::string> parts;
+    for (const Peer& p : l.peers) {
+      if (!p.skipped.empty()) {
+        parts.push_back(absl::StrCat(p.name, " skipped: ", p.skipped));
+        continue;
+      }
+      parts.push_back(absl::StrFormat("%s (%d allocation%s) p50 %.3f p99 %.3f ratio %.2f%s", p.name, p.allocations,
+                                      p.allocations == 1 ? "" : "s", P50(p.ms), P99(p.ms), p.ratio,
+                                      p.target.empty() ? "" : absl::StrCat(" (target ", p.target, ")")));
+    }
+    std::fprintf(out, "  %s %s in-process, kvd/in-process p50: %s\n", l.name.c_str(), l.variant.c_str(),
+                 absl::StrJoin(parts, "; ").c_str());
   }
   std::fprintf(out, "(ms; ratio: %s unless the baseline says otherwise; targets are for the H200)\n", "kvd/raw p50");
+  if (lifecycle_reps_ < o_.reps && Want("lifecycle")) {
+    std::fprintf(out, "lifecycle: %d of %d repetitions ran (--deadline-s %d)\n", lifecycle_reps_, o_.reps,
+                 o_.deadline_s);
+  }
   if (!book_.skipped.empty()) {
     std::fprintf(out, "bookkeeping: skipped: %s\n", book_.skipped.c_str());
   } else {
@@ -2171,26 +2641,31 @@ std::string Quote(absl::string_view s) {
   return out + "\"";
 }
 std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.4f", v) : "null"; }
-std::string Samples(const std::vector<double>& v) {
+// The fields of a sample set, without the braces.
+std::string SampleFields(const std::vector<double>& v) {
   std::vector<std::string> parts;
   for (double x : v) parts.push_back(Num(x));
-  return absl::StrCat("{\"p50_ms\": ", Num(P50(v)), ", \"p99_ms\": ", Num(P99(v)), ", \"n\": ", v.size(),
-                      ", \"samples_ms\": [", absl::StrJoin(parts, ", "), "]}");
+  return absl::StrCat("\"p50_ms\": ", Num(P50(v)), ", \"p99_ms\": ", Num(P99(v)), ", \"n\": ", v.size(),
+                      ", \"samples_ms\": [", absl::StrJoin(parts, ", "), "]");
 }
+std::string Samples(const std::vector<double>& v) { return absl::StrCat("{", SampleFields(v), "}"); }
 
 std::string Bench::Json() const {
+  if (o_.chunk_sweep) return SweepJson();
   std::string j = absl::StrFormat(
       "{\"program\": \"kvd_bench\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": %s, \"driver_version\": "
       "%s, \"daemon_version\": %s, \"total_bytes\": %d, \"granularity\": %d, \"max_chunk_bytes\": %d},\n"
-      " \"config\": {\"bytes\": %d, \"segments\": %d, \"chunks\": %d, \"largest_chunk_bytes\": %d, \"reps\": %d, "
+      " \"config\": {\"bytes\": %d, \"layers\": %d, \"segments\": %d, \"layout\": %s, \"chunks\": %d, "
+      "\"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
-      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s},\n \"lines\": [",
+      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s, "
+      "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
-      segments_, chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_, o_.compact_chunks_per_pause,
-      compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_), free_timeouts_,
-      Quote(o_.sections));
+      layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_,
+      o_.compact_chunks_per_pause, compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_),
+      free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -2210,6 +2685,21 @@ std::string Bench::Json() const {
       };
       absl::StrAppend(&j, ", \"phases\": {\"kvd\": ", phases(l.kvd_phases), ", \"baseline\": ", phases(l.base_phases),
                       "}");
+    }
+    if (l.lifecycle) {
+      std::vector<std::string> peers;
+      for (const Peer& p : l.peers) {
+        if (!p.skipped.empty()) {
+          peers.push_back(absl::StrCat(Quote(p.name), ": {\"skipped\": ", Quote(p.skipped), "}"));
+          continue;
+        }
+        peers.push_back(absl::StrCat(Quote(p.name), ": {", SampleFields(p.ms), ", \"allocations\": ", p.allocations,
+                                     ", \"what\": ", Quote(p.what), ", \"ratio\": ", Num(p.ratio),
+                                     ", \"target\": ", Quote(p.target), "}"));
+      }
+      absl::StrAppend(&j, ", \"in_process\": ",
+                      l.peers_skipped.empty() ? absl::StrCat("{", absl::StrJoin(peers, ", "), "}")
+                                              : absl::StrCat("{\"skipped\": ", Quote(l.peers_skipped), "}"));
     }
     j += "}";
   }
@@ -2233,6 +2723,246 @@ std::string Bench::Json() const {
   return j;
 }
 
+// One round of the sweep at `size`: every chunk created, then mapped (+ access), then exported here; the
+// FDs passed to the second process, which receives, imports (closing each FD) and maps every one; the
+// importer unmaps and releases each, then this process does; then the free-count wait. Timed per phase.
+absl::Status Bench::SweepRound(SweepSize& r, uint64_t va, bool paused, bool record) {
+  Device& d = *raw_;
+  const uint64_t n = r.handles, size = r.chunk_bytes;
+  std::vector<Chunk> chunks;
+  std::vector<int> fds;
+  uint64_t mapped = 0;
+  absl::Cleanup undo = [&] {
+    for (int fd : fds) close(fd);
+    for (uint64_t i = 0; i < mapped; ++i) d.Unmap(va + i * size, size).IgnoreError();
+    for (const Chunk& c : chunks) d.Release(c).IgnoreError();
+  };
+  chunks.reserve(n);
+  fds.reserve(n);
+  if (paused) Pause();
+  const int64_t t0 = NowNs();
+  for (uint64_t i = 0; i < n; ++i) {
+    KVD_ASSIGN_OR_RETURN(const Chunk c, d.Create(size));
+    chunks.push_back(c);
+  }
+  const int64_t t1 = NowNs();
+  for (; mapped < n; ++mapped) KVD_RETURN_IF_ERROR(d.Map(va + mapped * size, chunks[mapped], Access::kReadWrite));
+  const int64_t t2 = NowNs();
+  for (const Chunk& c : chunks) {
+    KVD_ASSIGN_OR_RETURN(const int fd, d.Export(c));
+    fds.push_back(fd);
+  }
+  const int64_t t3 = NowNs();
+  KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), absl::StrCat("raw-attach ", n * size, " ", n), {}));
+  for (uint64_t i = 0; i < n; i += kMaxFdsPerMessage) {
+    const uint64_t count = std::min<uint64_t>(kMaxFdsPerMessage, n - i);
+    std::string text = "chunks";
+    for (uint64_t j = i; j < i + count; ++j) absl::StrAppend(&text, " ", j * size, ":", size);
+    KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), text, absl::MakeConstSpan(fds).subspan(i, count)));
+  }
+  std::map<std::string, std::string> attached;
+  KVD_RETURN_IF_ERROR(child_->TimedReply("raw-attach", t3, &attached).status());
+  for (int fd : fds) close(fd);
+  fds.clear();
+  KVD_ASSIGN_OR_RETURN(const uint64_t before, FreeBytes());
+  KVD_ASSIGN_OR_RETURN(const std::vector<std::string> released, child_->Call("raw-release"));
+  const std::map<std::string, std::string> importer = Child::KeyValues(released);
+  const int64_t t4 = NowNs();
+  for (; mapped > 0; --mapped) KVD_RETURN_IF_ERROR(d.Unmap(va + (mapped - 1) * size, size));
+  for (const Chunk& c : chunks) KVD_RETURN_IF_ERROR(d.Release(c));
+  chunks.clear();
+  const int64_t t5 = NowNs();
+  KVD_RETURN_IF_ERROR(WaitFree(before, n * size));
+  const int64_t t6 = NowNs();
+  if (!record) return absl::OkStatus();
+  std::map<std::string, std::vector<double>>& out = r.ms[paused ? "after_pause" : "after_release"];
+  const std::map<std::string, double> phase = {
+      {"create", Between(t0, t1)},
+      {"map", Between(t1, t2)},
+      {"export", Between(t2, t3)},
+      {"import", MsOf(attached, "fd_receive_ms") + MsOf(attached, "import_ms")},
+      {"import_map", MsOf(attached, "map_ms")},
+      {"import_release", MsOf(importer, "unmap_ms") + MsOf(importer, "release_ms")},
+      {"release", Between(t4, t5)},
+      {"free_wait", Between(t5, t6)}};
+  for (const auto& [name, ms] : phase) out[name].push_back(ms);
+  for (const SweepGroup& g : SweepGroups()) {
+    double sum = 0;
+    for (const char* p : g.phases) sum += phase.at(p);
+    out[g.name].push_back(sum);
+  }
+  return absl::OkStatus();
+}
+
+// The chunk sizes of --sweep-sizes against --sweep-bytes, each: a warm-up round (after a pause), then
+// --sweep-reps times a round right after the previous one's release and a round after --pause-ms.
+absl::Status Bench::ChunkSweep() {
+  if (!o_.socket.empty()) {
+    return absl::InvalidArgumentError("--chunk-sweep: measures the device layer alone; it takes no --socket");
+  }
+  KVD_ASSIGN_OR_RETURN(raw_, OpenDevice({.backend = o_.backend, .index = o_.device}));
+  KVD_ASSIGN_OR_RETURN(raw_info_, raw_->Info());
+  backend_ = BackendName(raw_info_.backend);
+  gpu_ = backend_ != "host";
+  const uint64_t g = raw_->granularity();
+  KVD_RETURN_IF_ERROR(SetWaits(g));
+  KVD_ASSIGN_OR_RETURN(
+      sweep_bytes_, ParseBytes(o_.sweep_bytes.empty() ? (gpu_ ? "32GiB" : "256MiB") : o_.sweep_bytes, "--sweep-bytes"));
+  const std::string sizes = o_.sweep_sizes.empty() ? (gpu_ ? "2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB"
+                                                           : "2MiB,8MiB,32MiB,128MiB")
+                                                   : o_.sweep_sizes;
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  for (absl::string_view text : absl::StrSplit(sizes, ',', absl::SkipEmpty())) {
+    KVD_ASSIGN_OR_RETURN(const uint64_t size, ParseBytes(text, "--sweep-sizes"));
+    if (size == 0 || size % g != 0 || sweep_bytes_ % size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--sweep-sizes: ", FormatBytes(size),
+                                                     " is not a multiple of the granularity ", FormatBytes(g),
+                                                     " that divides --sweep-bytes ", FormatBytes(sweep_bytes_)));
+    }
+    const uint64_t n = sweep_bytes_ / size;
+    if (n + 256 > files.rlim_cur) {  // every chunk's FD is open here at once, and a batch in the second process
+      return absl::InvalidArgumentError(absl::StrCat("--sweep-bytes: ", FormatBytes(sweep_bytes_), " as ",
+                                                     FormatBytes(size), " chunks needs ", n,
+                                                     " FDs at once; the open-file limit is ", files.rlim_cur));
+    }
+    sweep_.push_back({.chunk_bytes = size, .handles = n});
+  }
+  if (sweep_.empty()) return absl::InvalidArgumentError("--sweep-sizes: empty");
+  std::fprintf(stderr, "kvd_bench: chunk sweep, backend %s %s, %s per round, %d reps, pause %d ms\n", backend_.c_str(),
+               raw_info_.name.c_str(), FormatBytes(sweep_bytes_).c_str(), o_.sweep_reps, pause_ms_);
+  KVD_ASSIGN_OR_RETURN(child_, Child::Spawn(backend_, o_.device, g));
+  KVD_ASSIGN_OR_RETURN(const uint64_t va, raw_->Reserve(sweep_bytes_));
+  absl::Cleanup free_va = [&] { raw_->Free(va, sweep_bytes_).IgnoreError(); };
+  int64_t longest = 0;
+  for (SweepSize& r : sweep_) {
+    if (deadline_ns_ > 0 && NowNs() + longest > deadline_ns_) {
+      r.skipped = absl::StrCat("--deadline-s ", o_.deadline_s, ": no time left for it");
+      continue;
+    }
+    std::fprintf(stderr, "kvd_bench: chunk sweep, %s x %llu\n", FormatBytes(r.chunk_bytes).c_str(),
+                 static_cast<unsigned long long>(r.handles));
+    const int64_t started = NowNs();
+    KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/true, /*record=*/false));
+    for (int rep = 0; rep < o_.sweep_reps; ++rep) {
+      KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/false, /*record=*/true));
+      KVD_RETURN_IF_ERROR(SweepRound(r, va, /*paused=*/true, /*record=*/true));
+    }
+    KVD_RETURN_IF_ERROR(child_->Call("raw-detach").status());
+    longest = std::max(longest, NowNs() - started);
+  }
+  return absl::OkStatus();
+}
+
+// Per GiB (ms) and per handle (us) of a p50 in ms.
+double PerGib(double ms, uint64_t bytes) { return ms / (static_cast<double>(bytes) / (uint64_t{1} << 30)); }
+double PerHandle(double ms, uint64_t handles) { return ms * 1e3 / static_cast<double>(handles); }
+
+// The fastest size of each group and variant, by p50 per GiB; 0 when no size ran.
+uint64_t Fastest(const std::vector<SweepSize>& sweep, const std::string& variant, const std::string& group) {
+  uint64_t best = 0;
+  double best_ms = INFINITY;
+  for (const SweepSize& r : sweep) {
+    if (!r.skipped.empty()) continue;
+    const double ms = P50(r.ms.at(variant).at(group));
+    if (ms < best_ms) best = r.chunk_bytes, best_ms = ms;
+  }
+  return best;
+}
+
+void Bench::PrintSweep(FILE* out) const {
+  std::fprintf(out,
+               "kvd_bench --chunk-sweep: backend %s, %s (%s), driver %s; %s per round through kvd::Device (create, "
+               "map, export here; import, map in a second process), %d reps, pause %d ms\n",
+               backend_.c_str(), raw_info_.name.c_str(), raw_info_.uuid.c_str(),
+               raw_info_.driver_version.empty() ? "-" : raw_info_.driver_version.c_str(),
+               FormatBytes(sweep_bytes_).c_str(), o_.sweep_reps, pause_ms_);
+  std::vector<std::string> columns;
+  for (const char* p : kSweepPhases) columns.push_back(p);
+  for (const SweepGroup& g : SweepGroups()) columns.push_back(g.name);
+  for (const bool per_handle : {false, true}) {
+    std::fprintf(out, "%s\n%-10s %8s %-14s", per_handle ? "p50 us per handle:" : "p50 ms per GiB:", "chunk", "handles",
+                 "variant");
+    for (const std::string& c : columns) std::fprintf(out, " %*s", std::max<int>(9, c.size()), c.c_str());
+    std::fprintf(out, "\n");
+    for (const SweepSize& r : sweep_) {
+      if (!r.skipped.empty()) {
+        std::fprintf(out, "%-10s %8llu skipped: %s\n", FormatBytes(r.chunk_bytes).c_str(),
+                     static_cast<unsigned long long>(r.handles), r.skipped.c_str());
+        continue;
+      }
+      auto scale = [&](double ms) { return per_handle ? PerHandle(ms, r.handles) : PerGib(ms, sweep_bytes_); };
+      for (const char* variant : {"after_release", "after_pause"}) {
+        std::fprintf(out, "%-10s %8llu %-14s", FormatBytes(r.chunk_bytes).c_str(),
+                     static_cast<unsigned long long>(r.handles), variant);
+        for (const std::string& c : columns) {
+          std::fprintf(out, " %*.3f", std::max<int>(9, c.size()), scale(P50(r.ms.at(variant).at(c))));
+        }
+        std::fprintf(out, "\n");
+      }
+      std::fprintf(out, "%-10s %8llu %-14s %*.3f  (create after a release - after a pause)\n",
+                   FormatBytes(r.chunk_bytes).c_str(), static_cast<unsigned long long>(r.handles), "scrub", 9,
+                   scale(r.scrub_ms()));
+    }
+  }
+  for (const char* variant : {"after_release", "after_pause"}) {
+    std::vector<std::string> parts;
+    for (const SweepGroup& g : SweepGroups()) {
+      const uint64_t best = Fastest(sweep_, variant, g.name);
+      parts.push_back(absl::StrCat(g.name, " ", best == 0 ? "-" : FormatBytes(best)));
+    }
+    std::fprintf(out, "fastest per GiB, %s: %s\n", variant, absl::StrJoin(parts, ", ").c_str());
+  }
+  if (free_timeouts_ > 0) {
+    std::fprintf(out, "warning: the free count did not come back within %d ms %llu times (timed as that)\n",
+                 free_timeout_ms_, static_cast<unsigned long long>(free_timeouts_));
+  }
+}
+
+std::string Bench::SweepJson() const {
+  std::vector<std::string> sizes;
+  for (const SweepSize& r : sweep_) {
+    std::string j = absl::StrCat("{\"chunk_bytes\": ", r.chunk_bytes, ", \"handles\": ", r.handles);
+    if (!r.skipped.empty()) {
+      sizes.push_back(absl::StrCat(j, ", \"skipped\": ", Quote(r.skipped), "}"));
+      continue;
+    }
+    auto stats = [&](const std::vector<double>& v) {
+      return absl::StrCat("{", SampleFields(v), ", \"per_gib_ms\": ", Num(PerGib(P50(v), sweep_bytes_)),
+                          ", \"per_handle_us\": ", Num(PerHandle(P50(v), r.handles)), "}");
+    };
+    for (const char* variant : {"after_release", "after_pause"}) {
+      std::vector<std::string> parts;
+      for (const auto& [name, v] : r.ms.at(variant)) parts.push_back(absl::StrCat(Quote(name), ": ", stats(v)));
+      absl::StrAppend(&j, ", ", Quote(variant), ": {", absl::StrJoin(parts, ", "), "}");
+    }
+    const double scrub = r.scrub_ms();
+    absl::StrAppend(&j, ", \"scrub\": {\"ms\": ", Num(scrub), ", \"per_gib_ms\": ", Num(PerGib(scrub, sweep_bytes_)),
+                    ", \"per_handle_us\": ", Num(PerHandle(scrub, r.handles)), "}}");
+    sizes.push_back(j);
+  }
+  std::vector<std::string> fastest;
+  for (const char* variant : {"after_release", "after_pause"}) {
+    std::vector<std::string> parts;
+    for (const SweepGroup& g : SweepGroups()) {
+      parts.push_back(absl::StrCat(Quote(g.name), ": ", Fastest(sweep_, variant, g.name)));
+    }
+    fastest.push_back(absl::StrCat(Quote(variant), ": {", absl::StrJoin(parts, ", "), "}"));
+  }
+  std::vector<std::string> size_list;
+  for (const SweepSize& r : sweep_) size_list.push_back(absl::StrCat(r.chunk_bytes));
+  return absl::StrFormat(
+      "{\"program\": \"kvd_bench\", \"mode\": \"chunk_sweep\",\n \"device\": {\"backend\": %s, \"name\": %s, \"uuid\": "
+      "%s, \"driver_version\": %s, \"total_bytes\": %d, \"granularity\": %d},\n \"config\": {\"bytes\": %d, \"reps\": "
+      "%d, \"pause_ms\": %d, \"chunk_sizes\": [%s], \"free_timeouts\": %d, \"deadline_s\": %d},\n \"sizes\": [\n  "
+      "%s],\n"
+      " \"fastest\": {%s}}\n",
+      Quote(backend_), Quote(raw_info_.name), Quote(raw_info_.uuid), Quote(raw_info_.driver_version),
+      raw_info_.total_bytes, raw_info_.granularity, sweep_bytes_, o_.sweep_reps, pause_ms_,
+      absl::StrJoin(size_list, ", "), free_timeouts_, o_.deadline_s, absl::StrJoin(sizes, ",\n  "),
+      absl::StrJoin(fastest, ", "));
+}
+
 }  // namespace
 }  // namespace kvd
 
@@ -2246,18 +2976,30 @@ int main(int argc, char** argv) {
       "kvd_bench: the whole path through kvd (grow, a second process's attach, sleep, wake, shrink; the fragmented "
       "shape; Compact and an exact shrink to half against the bare calls of the same reshape; control-RPC latency; "
       "concurrent resizes; the daemon's bookkeeping) against the bare device calls in a "
-      "bare pair of processes, interleaved, as medians, p99 and ratios (docs/benchmarks.md)."};
+      "bare pair of processes and, for the lifecycle, against in-process allocations (one for all the bytes, one "
+      "per segment), interleaved, as medians, p99 and ratios; or, with --chunk-sweep, the device calls against the "
+      "chunk size (docs/benchmarks.md)."};
   app.add_option("--socket", o.socket, "Use the running kvd on this gRPC socket (default: start one)");
   app.add_option("--kvd", o.kvd_binary, "The kvd program to start (default: next to kvd_bench, else on PATH)");
   app.add_option("--backend", o.backend, "Backend of the kvd it starts: auto, cuda or host")->capture_default_str();
   app.add_option("--device", o.device, "Device index")->capture_default_str();
   app.add_option("--budget", o.budget, "--budget of the kvd it starts")->capture_default_str();
   app.add_option("--bytes", o.bytes, "Pool size (default 128GiB on a GPU, 256MiB on host)");
-  app.add_option("--segments", o.segments, "Segments (layers) of the pool (default 80 on a GPU, 8 on host)");
+  app.add_option("--segments", o.segments,
+                 "Layers of the pool, one segment each under LBHNC (default 80 on a GPU, 8 on host)");
+  app.add_option("--layout", o.layout,
+                 "The pool's layout: LBHNC (layer-outermost, one segment per layer) or BLHNC (block-outermost, one "
+                 "segment; the lifecycle, control_rpc, granule and torch sections only)")
+      ->capture_default_str();
   app.add_option("--chunk", o.chunk, "--max-chunk of the kvd it starts (default: kvd's, 4GiB)");
   app.add_option("--reps", o.reps, "Repetitions of each measurement")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  app.add_option("--deadline-s", o.deadline_s,
+                 "Start no lifecycle repetition after the first that would end more than this many seconds after "
+                 "the start, by the longest one so far (0: none); config.lifecycle_reps says how many ran")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 86400));
   app.add_option("--fragments", o.fragments, "Grows of the fragmented shape (default 16 on a GPU, 8 on host)");
   app.add_option("--compact-grows", o.compact_grows,
                  "Grows of equal size that fragment the compact line's pool of half --bytes (default 64 on a GPU, 8 "
@@ -2285,6 +3027,16 @@ int main(int argc, char** argv) {
   app.add_flag("--torch,!--no-torch", o.torch, "Compare with torch.zeros when python3 imports torch (CUDA)")
       ->capture_default_str();
   app.add_flag("--json", o.json, "One JSON document on stdout (the table goes to stderr)");
+  app.add_flag("--chunk-sweep", o.chunk_sweep,
+               "Instead of the rest: time create, map, export, import, map and release of --sweep-bytes as chunks of "
+               "each --sweep-sizes through the device layer, after a release and after --pause-ms (no kvd)");
+  app.add_option("--sweep-bytes", o.sweep_bytes, "Bytes of every round of the chunk sweep (default 32GiB / 256MiB)");
+  app.add_option("--sweep-sizes", o.sweep_sizes,
+                 "Chunk sizes of the sweep, comma-separated (default 2MiB,8MiB,32MiB,128MiB,512MiB,1GiB,2GiB,4GiB,8GiB,"
+                 "16GiB on a GPU; 2MiB,8MiB,32MiB,128MiB on host)");
+  app.add_option("--sweep-reps", o.sweep_reps, "Repetitions of each variant of each size in the chunk sweep")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   app.add_option("--child-fd", o.child_fd, "internal: run as the second process on this socket")->group("");
   app.add_option("--child-granularity", o.child_granularity, "internal")->group("");
   CLI11_PARSE(app, argc, argv);

@@ -294,6 +294,8 @@ struct Flags {
   int64_t expected_version = -1;
   bool whole_chunks = false;         // shrink --whole-chunks
   bool live_given = false;           // shrink --live-blocks (an empty list is a compaction shrink too)
+  bool keep = false;                 // sleep --keep, group sleep --keep
+  std::string keep_live;             // sleep --live-blocks
   std::string live_blocks;           // "1,2,5-9" or "@FILE"
   std::string pause_timeout;         // shrink, compact: empty for the daemon's --pause-timeout
   bool detach_unresponsive = false;  // shrink, compact
@@ -460,6 +462,7 @@ absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
   std::printf("committed    %lu/%lu blocks, %s", p.committed_blocks, p.geometry.dims.capacity_blocks,
               FormatBytes(p.committed_bytes).c_str());
   if (p.state == PoolState::kSleeping) std::printf(" (wakes to %lu blocks)", p.wake_blocks);
+  if (p.kept_bytes > 0) std::printf("\nkept         %s in the host tier (Wake copies them back)", FormatBytes(p.kept_bytes).c_str());
   std::printf("\npending      %s\n", FormatBytes(p.pending_release_bytes).c_str());
   if (!p.missing_chunk_ids.empty()) {
     std::printf("missing      %zu chunks no client has given back yet (recovering after a restart): %s\n",
@@ -608,9 +611,13 @@ absl::Status CompactVerb(Client& client, const Flags& f, const Replies& replies)
 absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, bool sleep) {
   if (f.pool.empty() == !f.all) return absl::InvalidArgumentError("give exactly one of POOL and --all");
   Timer t;
-  SleepOptions options{.wait = f.wait, .force = f.force};
+  SleepOptions options{.wait = f.wait, .force = f.force, .keep = f.keep};
   if (sleep) {
     KVD_ASSIGN_OR_RETURN(options.pause, Pause(f));
+    if (!f.keep_live.empty()) {
+      if (!f.keep) return absl::InvalidArgumentError("--live-blocks: give --keep too (they name what the sleep keeps)");
+      KVD_ASSIGN_OR_RETURN(options.live_blocks, LiveBlocks(f.keep_live));
+    }
   }
   absl::StatusOr<std::vector<PoolChange>> changes = sleep ? client.Sleep(f.pool, options) : client.Wake(f.pool);
   KVD_RETURN_IF_ERROR(changes.status());
@@ -619,8 +626,10 @@ absl::Status SleepWake(Client& client, const Flags& f, const Replies& replies, b
   if (changes->empty()) std::printf("no pool to %s\n", sleep ? "put to sleep" : "wake");
   for (const PoolChange& c : *changes) {
     if (sleep) {
-      std::printf("%s is sleeping: released %zu chunks, wakes to %lu blocks, %s pending release\n", c.pool.name.c_str(),
+      std::printf("%s is sleeping: released %zu chunks, wakes to %lu blocks, %s pending release", c.pool.name.c_str(),
                   c.released_chunk_ids.size(), c.pool.wake_blocks, FormatBytes(c.pool.pending_release_bytes).c_str());
+      if (c.pool.kept_bytes > 0) std::printf(", %s kept in the host tier", FormatBytes(c.pool.kept_bytes).c_str());
+      std::printf("\n");
     } else {
       std::printf("%s is awake: %lu blocks (%s) in %zu chunks\n", c.pool.name.c_str(), c.pool.committed_blocks,
                   FormatBytes(c.pool.committed_bytes).c_str(), c.added.size());
@@ -907,7 +916,7 @@ absl::Status GroupChangeVerb(Group& group, const Flags& f, Replies& replies, Gro
       change = group.Shrink(target, f.wait, f.force);
       break;
     case GroupOp::kSleep:
-      change = group.Sleep(f.wait, f.force);
+      change = group.Sleep(f.wait, f.force, f.keep);
       break;
     case GroupOp::kWake:
       change = group.Wake();
@@ -1051,6 +1060,10 @@ int Main(int argc, char** argv) {
     sub->add_flag("--all", f.all, "Every pool");
   }
   sleep->add_flag("--wait", f.wait, "Return once every attached client unmapped the released chunks");
+  sleep->add_flag("--keep", f.keep,
+                  "Keep the contents in the daemon's host tier (--host-tier-bytes); wake copies them back");
+  sleep->add_option("--live-blocks", f.keep_live,
+                    "With --keep: keep only these blocks, e.g. 0,4,8-15, or @FILE with such a list");
 
   CLI::App* del = app.add_subcommand("delete", "Delete a pool");
   del->add_option("pool", f.pool, "Pool name")->required();
@@ -1107,6 +1120,7 @@ int Main(int argc, char** argv) {
   CLI::App* group_shrink = group->add_subcommand("shrink", "Shrink every rank to --blocks or --bytes, or none");
   CLI::App* group_sleep = group->add_subcommand("sleep", "Put every rank to sleep, or none");
   CLI::App* group_wake = group->add_subcommand("wake", "Wake every rank, or none");
+  group_sleep->add_flag("--keep", f.keep, "Every rank keeps its contents in its daemon's host tier, or none sleeps");
   for (CLI::App* sub : {group_status, group_grow, group_shrink, group_sleep, group_wake}) {
     sub->add_option("group", f.pool, "Group name (the pools' --group)")->required();
     sub->add_option("--sockets", f.sockets,

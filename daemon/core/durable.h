@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/core/geometry.h"
+#include "daemon/core/host_tier.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
@@ -43,6 +45,7 @@ struct SavedPool {
   std::vector<ChunkInfo> chunks;       // by (segment, offset)
   uint64_t pending_release_bytes = 0;  // released chunks clients still mapped when saved
   PoolMetadata metadata;
+  std::optional<KeptContents> kept;  // sleeping with its contents in the host tier
 };
 
 // Thread-safe: the PoolManager calls it from many threads (one pool's calls in order, under its op_mu).

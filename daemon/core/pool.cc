@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <tuple>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -26,10 +25,6 @@ absl::Status Recovering(absl::string_view pool, size_t missing) {
                                              " chunks not yet given back by the clients that map them; retry"));
 }
 
-bool ByPlace(const ChunkRecord& a, const ChunkRecord& b) {
-  return std::tie(a.info.segment, a.info.offset) < std::tie(b.info.segment, b.info.offset);
-}
-
 }  // namespace
 
 absl::Status PoolGone(absl::string_view pool) {
@@ -44,7 +39,9 @@ Pool::Pool(const PoolSpec& spec, PoolPlan plan, uint32_t owner_uid, const PoolSh
       group_(spec.group),
       created_at_(absl::Now()),
       shared_(shared),
-      peer_devices_(spec.peer_devices) {}
+      table_(&plan_.geometry),
+      peer_devices_(spec.peer_devices),
+      releases_(shared.budget) {}
 
 Pool::Pool(const SavedPool& saved, PoolPlan plan, const PoolShared& shared)
     : name_(saved.name),
@@ -55,13 +52,14 @@ Pool::Pool(const SavedPool& saved, PoolPlan plan, const PoolShared& shared)
       created_at_(saved.created_at),
       shared_(shared),
       state_(saved.state),
-      prefix_bytes_(saved.prefix_bytes),
       wake_blocks_(saved.wake_blocks),
+      kept_(saved.kept),
+      table_(&plan_.geometry, saved.prefix_bytes),
       generation_(saved.generation),
       peer_devices_(saved.peer_devices),
+      releases_(shared.budget, saved.pending_release_bytes),
       metadata_(saved.metadata),
-      resume_state_(saved.state),
-      restart_pending_bytes_(saved.pending_release_bytes) {}
+      resume_state_(saved.state) {}
 
 bool Pool::Allows(uint32_t uid) const {
   return uid == 0 || uid == shared_.daemon_uid || uid == owner_uid_ ||
@@ -81,6 +79,11 @@ PoolState Pool::state() const {
   return state_;
 }
 
+std::optional<KeptContents> Pool::kept() const {
+  absl::MutexLock lock(&mu_);
+  return kept_;
+}
+
 bool Pool::deleted() const {
   absl::MutexLock lock(&mu_);
   return deleted_;
@@ -88,23 +91,7 @@ bool Pool::deleted() const {
 
 uint64_t Pool::pending_bytes() const {
   absl::MutexLock lock(&mu_);
-  return PendingBytesLocked();
-}
-
-uint64_t Pool::PendingBytesLocked() const {
-  uint64_t sum = restart_pending_bytes_;
-  for (const auto& [id, r] : releases_) sum += r.bytes;
-  return sum;
-}
-
-uint64_t Pool::TailBytesLocked() const {
-  uint64_t sum = 0;
-  for (const ChunkRecord& r : chunks_) {
-    const uint64_t start = r.info.offset - plan_.geometry.SegmentOffset(r.info.segment);
-    const uint64_t end = start + r.info.bytes;
-    if (end > prefix_bytes_) sum += end - std::max(start, prefix_bytes_);
-  }
-  return sum;
+  return releases_.PendingBytes();
 }
 
 PoolView Pool::ViewLocked(ViewClients clients) const {
@@ -115,8 +102,9 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
              .committed_blocks = committed_blocks(),
              .committed_bytes = committed_bytes(),
              .reserved_bytes = plan_.geometry.reserved_bytes(),
-             .pending_release_bytes = PendingBytesLocked(),
+             .pending_release_bytes = releases_.PendingBytes(),
              .wake_blocks = wake_blocks_,
+             .kept_bytes = kept_ ? kept_->bytes : 0,
              .owner_uid = owner_uid_,
              .allowed_uids = allowed_uids_,
              .generation = generation_,
@@ -127,7 +115,7 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
              .epoch = shared_.epoch,
              .metadata_version = metadata_.version,
              .metadata_bytes = metadata_.data.size(),
-             .missing_chunk_ids = {missing_.begin(), missing_.end()},
+             .missing_chunk_ids = {table_.missing().begin(), table_.missing().end()},
              .client_count = clients_.size()};
   for (const auto& [id, c] : clients_) {
     if (clients == ViewClients::kCounted) break;
@@ -142,7 +130,7 @@ PoolView Pool::ViewLocked(ViewClients clients) const {
                          .device_uuid = c.device_uuid,
                          .pausable = c.pausable});
   }
-  for (const ChunkRecord& r : chunks_) v.chunks.push_back(r.info);
+  v.chunks = table_.Infos();
   return v;
 }
 
@@ -159,12 +147,19 @@ PoolEvent Pool::EventLocked(EventType type) {
 // ---------------------------------------------------------------------------------------------
 // The resize state machine
 
-absl::Status Pool::CheckNotHeldLocked() const {
-  if (!txn_.has_value()) return absl::OkStatus();
-  return absl::AbortedError(
-      absl::StrCat("pool ", name_, " is held by group transaction ", txn_->id, " (", GroupOpName(txn_->change.op),
-                   ", prepared by pid ", txn_->pid, ") until it commits or aborts (at the latest in ",
-                   absl::FormatDuration(absl::Trunc(txn_->expires - absl::Now(), absl::Milliseconds(1))), ")"));
+absl::Status Pool::RequireLocked(unsigned needs) const {
+  if (deleted_) return PoolGone(name_);
+  if ((needs & (kNotRecovering | kAwake)) != 0 && state_ == PoolState::kRecovering) {
+    return Recovering(name_, table_.missing().size());
+  }
+  if ((needs & kNotHeld) != 0 && txn_.has_value()) {
+    return absl::AbortedError(
+        absl::StrCat("pool ", name_, " is held by group transaction ", txn_->id, " (", GroupOpName(txn_->change.op),
+                     ", prepared by pid ", txn_->pid, ") until it commits or aborts (at the latest in ",
+                     absl::FormatDuration(absl::Trunc(txn_->expires - absl::Now(), absl::Milliseconds(1))), ")"));
+  }
+  if ((needs & kAwake) != 0 && state_ != PoolState::kAwake) return Sleeping(name_);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
@@ -173,15 +168,13 @@ absl::StatusOr<Change> Pool::Check(GroupOp op, uint64_t target_blocks) const {
 }
 
 absl::StatusOr<Change> Pool::CheckLocked(GroupOp op, uint64_t target_blocks, bool tails_ok) const {
-  if (deleted_) return PoolGone(name_);
-  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
-  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
+  KVD_RETURN_IF_ERROR(RequireLocked(kNotRecovering | kNotHeld));
   const uint64_t committed = committed_blocks();
   const bool awake = state_ == PoolState::kAwake;
   // A grow would plan new chunks over the tails, a release of whole chunks would keep them: both wait
   // until the tails are replaced (see the invariants in pool.h).
   if (awake && !tails_ok && (op == GroupOp::kGrow || op == GroupOp::kShrink)) {
-    if (const uint64_t tails = TailBytesLocked(); tails > 0) {
+    if (const uint64_t tails = table_.TailBytes(); tails > 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("pool ", name_, ": an exact shrink stopped between its steps, and ", tails, " bytes (",
                        FormatBytes(tails), ") of chunks still run past its ", committed,
@@ -226,14 +219,15 @@ absl::StatusOr<uint64_t> Pool::GrowBytes(uint64_t target_blocks) const {
   const uint64_t to = g.PrefixBytes(target_blocks);
   absl::MutexLock lock(&mu_);
   // Both prefixes lie inside the reservation, so the product cannot overflow.
-  return to > prefix_bytes_ ? (to - prefix_bytes_) * g.segments() : 0;
+  const uint64_t prefix = table_.prefix_bytes();
+  return to > prefix ? (to - prefix) * g.segments() : 0;
 }
 
 absl::StatusOr<std::vector<PlannedChunk>> Pool::PlanGrow(uint64_t target_blocks, uint64_t max_chunk_bytes) const {
   uint64_t prefix = 0;
   {
     absl::MutexLock lock(&mu_);
-    prefix = prefix_bytes_;
+    prefix = table_.prefix_bytes();
   }
   // Planned outside the state lock: readers (views, the handle channel, metrics) never wait for it.
   return plan_.geometry.PlanGrow(prefix, target_blocks, max_chunk_bytes);
@@ -249,6 +243,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
       // whole previous size: sleep and wake also defragment.
       state_ = PoolState::kAwake;
       wake_blocks_ = 0;
+      if (change.restored) kept_.reset();
       if (change.target_blocks > 0) return PublishLocked(std::move(change.staged), change.target_blocks, session);
       return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
     case GroupOp::kShrink:
@@ -256,6 +251,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
     case GroupOp::kSleep:
       wake_blocks_ = committed_blocks();
       state_ = PoolState::kSleeping;
+      kept_ = std::move(change.kept);
       return ReleaseLocked(0, released, session, change.forced);
   }
   return PoolUpdate{.pool = ViewLocked(ViewClients::kCounted)};
@@ -263,12 +259,7 @@ PoolUpdate Pool::Apply(Change change, absl::string_view session, std::vector<Chu
 
 PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session) {
   PoolUpdate update;
-  for (ChunkRecord& r : staged.chunks) {
-    update.added.push_back(r.info);
-    chunks_.push_back(std::move(r));
-  }
-  std::sort(chunks_.begin(), chunks_.end(), ByPlace);
-  prefix_bytes_ = plan_.geometry.PrefixBytes(target_blocks);
+  update.added = table_.Publish(std::move(staged.chunks), plan_.geometry.PrefixBytes(target_blocks));
   ++generation_;
   std::vector<uint64_t> ids;
   for (const ChunkInfo& c : update.added) ids.push_back(c.id);
@@ -295,33 +286,11 @@ PoolUpdate Pool::PublishLocked(Staged staged, uint64_t target_blocks, absl::stri
 PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session,
                                bool forced) {
   PoolUpdate update;
-  // Whole chunks only: a chunk that straddles the new prefix stays, and the prefix ends after it — after
-  // the one that ends first, where segments' chunks end at different places (a partial compaction), so that
-  // every segment still covers the prefix; a longer one keeps a tail past it (TailBytesLocked).
-  std::vector<ChunkRecord> kept;
-  const size_t first_released = released->size();
-  std::map<uint64_t, uint64_t> kept_end;  // segment -> the end of its last kept chunk
-  for (uint64_t segment = 0; segment < plan_.geometry.segments(); ++segment) kept_end[segment] = 0;
-  for (ChunkRecord& r : chunks_) {
-    const uint64_t start_in_segment = r.info.offset - plan_.geometry.SegmentOffset(r.info.segment);
-    if (start_in_segment >= prefix_bytes) {
-      released->push_back(std::move(r));
-    } else {
-      uint64_t& end = kept_end[r.info.segment];
-      end = std::max(end, start_in_segment + r.info.bytes);
-      kept.push_back(std::move(r));
-    }
-  }
-  chunks_.swap(kept);
-  uint64_t kept_prefix = UINT64_MAX;
-  for (const auto& [segment, end] : kept_end) kept_prefix = std::min(kept_prefix, end);
-  prefix_bytes_ = kept_prefix == UINT64_MAX ? 0 : kept_prefix;
   Release release;
-  if (released->size() > first_released) {
+  release.chunks = table_.TakeFrom(prefix_bytes, released);
+  if (!release.chunks.empty()) {
     ++generation_;
-    for (size_t i = first_released; i < released->size(); ++i) {
-      const ChunkInfo& info = (*released)[i].info;
-      release.chunks.push_back(info);
+    for (const ChunkInfo& info : release.chunks) {
       release.bytes += info.bytes;
       update.released_chunk_ids.push_back(info.id);
     }
@@ -332,13 +301,10 @@ PoolUpdate Pool::ReleaseLocked(uint64_t prefix_bytes, std::vector<ChunkRecord>* 
 }
 
 uint64_t Pool::AnnounceReleaseLocked(Release release, absl::string_view session, bool forced) {
-  const uint64_t id = release.chunks.empty() ? 0 : next_release_id_++;
-  const std::optional<Pause> pause = std::move(pause_);
-  pause_.reset();
+  const uint64_t id = release.chunks.empty() ? 0 : releases_.NextId();
+  const std::optional<Pause> pause = pause_.End();
   for (auto& [client_id, client] : clients_) {
-    const std::map<uint64_t, uint64_t>& handed = client.handed;  // clang 14 cannot capture a binding
-    const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
-                                   [&](const ChunkInfo& c) { return handed.contains(c.id); });
+    const bool holds = ReleaseLedger::Holds(client.handed, release.chunks);
     if (holds) release.waiting.insert(client_id);
     if (pause.has_value() && pause->asked.contains(client_id)) {
       // Paused for this release: it unmaps the chunks and then resumes.
@@ -357,19 +323,7 @@ uint64_t Pool::AnnounceReleaseLocked(Release release, absl::string_view session,
     e.forced = forced && client.session != session;
     client.events->Push(std::move(e));
   }
-  // A detached client still holding some of the chunks is waited for too; it has no stream to be told
-  // on, so its session's end (or an acknowledgement of an earlier release) settles it.
-  for (const auto& [holder_id, holder] : holders_) {
-    const std::map<uint64_t, uint64_t>& handed = holder.handed;
-    if (std::any_of(release.chunks.begin(), release.chunks.end(),
-                    [&](const ChunkInfo& c) { return handed.contains(c.id); })) {
-      release.waiting.insert(holder_id);
-    }
-  }
-  if (id == 0) return 0;
-  releases_.emplace(id, std::move(release));
-  SettleReleasesLocked();
-  return releases_.contains(id) ? id : 0;
+  return releases_.Open(id, std::move(release));
 }
 
 Pool::Bystanders Pool::BystandersOf(absl::string_view session) const {
@@ -388,21 +342,16 @@ Pool::Bystanders Pool::BystandersOf(absl::string_view session) const {
 
 std::vector<ChunkInfo> Pool::Leaving(uint64_t prefix_bytes) const {
   absl::MutexLock lock(&mu_);
-  std::vector<ChunkInfo> out;
-  for (const ChunkRecord& r : chunks_) {
-    if (missing_.contains(r.info.id)) continue;
-    if (r.info.offset - plan_.geometry.SegmentOffset(r.info.segment) >= prefix_bytes) out.push_back(r.info);
-  }
-  return out;
+  return table_.Leaving(prefix_bytes);
 }
 
 size_t Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
   if (release_id == 0) return 0;
   absl::MutexLock lock(&mu_);
-  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return deleted_ || !releases_.contains(release_id); };
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return deleted_ || !releases_.Pending(release_id); };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
-  auto r = releases_.find(release_id);
-  return r == releases_.end() ? 0 : r->second.waiting.size();
+  const Release* r = releases_.Find(release_id);
+  return r == nullptr ? 0 : r->waiting.size();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -411,102 +360,15 @@ size_t Pool::AwaitRelease(uint64_t release_id, absl::Time deadline) {
 absl::StatusOr<ReshapePlan> Pool::PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
                                              const std::optional<std::vector<uint64_t>>& live,
                                              std::optional<uint64_t> max_added_bytes) const {
-  const Geometry& g = plan_.geometry;
-  const uint64_t to = g.PrefixBytes(target_blocks);
   absl::MutexLock lock(&mu_);
-  KVD_ASSIGN_OR_RETURN(Change change, CheckLocked(GroupOp::kShrink, target_blocks, /*tails_ok=*/!whole_chunks_only));
-  (void)change;
-  if (whole_chunks_only && live.has_value()) {
-    return absl::InvalidArgumentError("live: a compaction shrink moves bytes and cannot be whole_chunks_only");
-  }
-  ReshapePlan plan{.prefix_bytes = to, .chunks_before = static_cast<uint32_t>(chunks_.size())};
-  if (live.has_value()) {
-    const uint64_t committed = committed_blocks();
-    std::set<uint64_t> used;
-    for (size_t i = 0; i < live->size(); ++i) {
-      const uint64_t b = (*live)[i];
-      if (b >= committed) {
-        return absl::InvalidArgumentError(absl::StrCat("live.blocks[", i, "]: block ", b, " is not committed (pool ",
-                                                       name_, " has ", committed, " blocks)"));
-      }
-      if (!used.insert(b).second) {
-        return absl::InvalidArgumentError(absl::StrCat("live.blocks[", i, "]: block ", b, " is listed twice"));
-      }
-    }
-    if (used.size() > target_blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("live: ", used.size(), " live blocks do not fit in target_blocks ", target_blocks));
-    }
-    // The live blocks past the target, in order, into the free blocks below it, in order.
-    uint64_t free = 0;
-    for (auto it = used.lower_bound(target_blocks); it != used.end(); ++it) {
-      while (used.contains(free)) ++free;
-      plan.moves.push_back({.src = *it, .dst = free++});
-    }
-  }
-  uint64_t added_bytes = 0;
-  bool full = false;  // a replacement did not fit in max_added_bytes: the later ones wait for a later step
-  // Chunk ends at or past the target, by place in a segment: how many segments have each.
-  std::map<uint64_t, uint32_t> ends;
-  for (const ChunkRecord& r : chunks_) {
-    const uint64_t start = r.info.offset - g.SegmentOffset(r.info.segment);
-    if (start + r.info.bytes >= to) ++ends[start + r.info.bytes];
-    if (start >= to) {
-      plan.released.push_back(r.info.id);
-    } else if (start + r.info.bytes > to) {
-      if (whole_chunks_only) {
-        plan.prefix_bytes = std::max(plan.prefix_bytes, start + r.info.bytes);
-        plan.target_reached = false;
-        continue;
-      }
-      // The kept bytes of a chunk that straddles the new prefix move into a chunk of just their size.
-      const uint64_t kept = to - start;
-      if (max_added_bytes.has_value() && (full || added_bytes + kept > *max_added_bytes)) {
-        full = true;
-        continue;
-      }
-      added_bytes += kept;
-      plan.replaced.push_back(r.info.id);
-      plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = kept});
-    }
-  }
-  // The first end every segment has (the prefix's end at the latest) is at or past every straddling chunk's.
-  plan.release_first_from = prefix_bytes_;
-  for (const auto& [end, segments] : ends) {
-    if (segments == g.segments()) {
-      plan.release_first_from = end;
-      break;
-    }
-  }
-  for (const ChunkRecord& r : chunks_) {
-    if (r.info.offset - g.SegmentOffset(r.info.segment) >= plan.release_first_from) {
-      plan.release_first_bytes += r.info.bytes;
-    }
-  }
-  return plan;
+  KVD_RETURN_IF_ERROR(CheckLocked(GroupOp::kShrink, target_blocks, /*tails_ok=*/!whole_chunks_only).status());
+  return daemon::PlanShrink(table_, name_, target_blocks, whole_chunks_only, live, max_added_bytes);
 }
 
 absl::StatusOr<ReshapePlan> Pool::PlanTails(std::optional<uint64_t> max_added_bytes) const {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
-  if (state_ != PoolState::kAwake) return Sleeping(name_);
-  const Geometry& g = plan_.geometry;
-  ReshapePlan plan{.prefix_bytes = prefix_bytes_, .chunks_before = static_cast<uint32_t>(chunks_.size())};
-  uint64_t added_bytes = 0;
-  for (const ChunkRecord& r : chunks_) {
-    const uint64_t start = r.info.offset - g.SegmentOffset(r.info.segment);
-    if (start + r.info.bytes <= prefix_bytes_) continue;
-    if (start >= prefix_bytes_) {  // not left by a shrink's steps, but released all the same
-      plan.released.push_back(r.info.id);
-      continue;
-    }
-    const uint64_t kept = prefix_bytes_ - start;
-    if (max_added_bytes.has_value() && added_bytes + kept > *max_added_bytes) break;
-    added_bytes += kept;
-    plan.replaced.push_back(r.info.id);
-    plan.added.push_back({.segment = r.info.segment, .offset = r.info.offset, .bytes = kept});
-  }
-  return plan;
+  KVD_RETURN_IF_ERROR(RequireLocked(kAwake));
+  return daemon::PlanTails(table_, max_added_bytes);
 }
 
 PoolUpdate Pool::ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session) {
@@ -517,55 +379,8 @@ PoolUpdate Pool::ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* re
 absl::StatusOr<ReshapePlan> Pool::PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced,
                                               std::optional<uint64_t> max_added_bytes, bool smaller) const {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
-  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
-  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
-  if (state_ != PoolState::kAwake) return Sleeping(name_);
-  const Geometry& g = plan_.geometry;
-  ReshapePlan plan{.prefix_bytes = prefix_bytes_, .chunks_before = static_cast<uint32_t>(chunks_.size())};
-  KVD_ASSIGN_OR_RETURN(std::vector<PlannedChunk> shape, g.PlanRange(0, prefix_bytes_, max_chunk_bytes));
-  // A planned chunk that is already one chunk stays; every other one replaces the chunks it overlaps.
-  // Those overlap no chunk that stays (chunks that stay match a planned chunk exactly), so the
-  // replacements cover the replaced chunks exactly, but for the tail of a chunk past the prefix (left by
-  // an exact shrink that stopped between its steps), which goes with it.
-  std::set<uint64_t> replaced;
-  uint64_t room = max_added_bytes.value_or(UINT64_MAX);
-  for (const PlannedChunk& p : shape) {
-    auto first = std::lower_bound(chunks_.begin(), chunks_.end(), p.offset,
-                                  [](const ChunkRecord& r, uint64_t at) { return r.info.offset + r.info.bytes <= at; });
-    if (first != chunks_.end() && first->info.offset == p.offset && first->info.bytes == p.bytes) continue;
-    auto last = first;
-    while (last != chunks_.end() && last->info.offset < p.offset + p.bytes) ++last;
-    const size_t overlapped = static_cast<size_t>(last - first);
-    if (max_replaced.has_value() && !plan.added.empty() && replaced.size() + overlapped > *max_replaced) break;
-    if (p.bytes <= room) {
-      room -= p.bytes;
-      for (auto it = first; it != last; ++it) replaced.insert(it->info.id);
-      plan.added.push_back(p);
-      continue;
-    }
-    if (!smaller) break;
-    // Runs of consecutive old chunks of this planned chunk, each as one new chunk that fits the room left.
-    const uint64_t p_end = p.offset + p.bytes;
-    auto kept = [&](decltype(first) it) { return std::min(it->info.offset + it->info.bytes, p_end) - it->info.offset; };
-    for (auto it = first; it != last;) {
-      uint64_t bytes = 0;
-      auto end = it;
-      while (end != last && bytes + kept(end) <= room) bytes += kept(end++);
-      const size_t run = static_cast<size_t>(end - it);
-      // Two chunks or more become one; a lone chunk only sheds a tail past the prefix.
-      if (run >= 2 || (run == 1 && kept(it) < it->info.bytes)) {
-        room -= bytes;
-        plan.added.push_back({.segment = p.segment, .offset = it->info.offset, .bytes = bytes});
-        for (; it != end; ++it) replaced.insert(it->info.id);
-        plan.target_reached = false;
-      } else {
-        ++it;
-      }
-    }
-  }
-  plan.replaced.assign(replaced.begin(), replaced.end());
-  return plan;
+  KVD_RETURN_IF_ERROR(RequireLocked(kNotHeld | kAwake));
+  return daemon::PlanCompact(table_, max_chunk_bytes, max_replaced, max_added_bytes, smaller);
 }
 
 absl::Status Pool::CheckPausable(absl::string_view what) const {
@@ -583,13 +398,9 @@ absl::Status Pool::CheckPausable(absl::string_view what) const {
 size_t Pool::BeginPause(const std::vector<ChunkRecord>& added, const std::set<std::string>* only,
                         std::vector<ByteRange> ranges) {
   absl::MutexLock lock(&mu_);
-  Pause pause{.id = next_pause_id_++, .ranges = std::move(ranges)};
+  const Pause& pause = pause_.Begin(added, std::move(ranges));
   std::vector<uint64_t> ids;
-  for (const ChunkRecord& r : added) {
-    pause.added.push_back(r.info);
-    pause.fds[r.info.id] = r.fd.get();
-    ids.push_back(r.info.id);
-  }
+  for (const ChunkRecord& r : added) ids.push_back(r.info.id);
   for (auto& [id, client] : clients_) {
     if (only != nullptr && !only->contains(id)) continue;
     PoolEvent e = EventLocked(EventType::kPause);
@@ -599,26 +410,24 @@ size_t Pool::BeginPause(const std::vector<ChunkRecord>& added, const std::set<st
     if (!ids.empty()) e.lease = shared_.leases->Issue(name_, client.session, id, ids);
     for (const ChunkInfo& c : pause.added) client.handed[c.id] = c.bytes;
     client.events->Push(std::move(e));
-    pause.asked.insert(id);
+    pause_.Ask(id);
   }
-  pause.waiting = pause.asked;
-  const size_t asked = pause.asked.size();
-  pause_ = std::move(pause);
-  return asked;
+  return pause_.Seal();
 }
 
 Pool::PauseOutcome Pool::AwaitPause(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !pause_.has_value() || pause_->waiting.empty(); };
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return pause_.Settled(); };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
   PauseOutcome outcome;
-  if (!pause_.has_value()) return outcome;
-  for (const std::string& id : pause_->waiting) {
+  const Pause* pause = pause_.get();
+  if (pause == nullptr) return outcome;
+  for (const std::string& id : pause->waiting) {
     const Client& c = clients_.at(id);
     outcome.late.push_back({.id = c.id, .name = c.name, .uid = c.uid, .pid = c.pid});
   }
   // A client that acknowledged and then went away (its session ended) no longer counts.
-  for (const std::string& id : pause_->acknowledged) {
+  for (const std::string& id : pause->acknowledged) {
     if (clients_.contains(id)) outcome.paused.insert(id);
   }
   return outcome;
@@ -628,10 +437,10 @@ size_t Pool::AwaitClients(uint64_t release_id, const std::set<std::string>& clie
   if (release_id == 0 || clients.empty()) return 0;
   absl::MutexLock lock(&mu_);
   auto still = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) -> size_t {
-    auto r = releases_.find(release_id);
-    if (deleted_ || r == releases_.end()) return 0;
-    return static_cast<size_t>(std::count_if(clients.begin(), clients.end(),
-                                             [&](const std::string& id) { return r->second.waiting.contains(id); }));
+    const Release* r = releases_.Find(release_id);
+    if (deleted_ || r == nullptr) return 0;
+    return static_cast<size_t>(
+        std::count_if(clients.begin(), clients.end(), [&](const std::string& id) { return r->waiting.contains(id); }));
   };
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return still() == 0; };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
@@ -646,37 +455,32 @@ void Pool::DetachUnresponsive(const std::string& client_id) {
 absl::Status Pool::AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id) {
   absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(Client * c, OwnClientLocked(caller, client_id));
-  if (!pause_.has_value() || pause_->id != pause_id || !pause_->waiting.contains(c->id)) {
+  if (!pause_.Acknowledge(c->id, pause_id)) {
     return absl::NotFoundError(
         absl::StrCat("pause_id: ", pause_id, " is not awaiting an acknowledgement from client ", client_id));
   }
-  pause_->waiting.erase(c->id);
-  pause_->acknowledged.insert(c->id);
   return absl::OkStatus();
 }
 
 void Pool::CancelPause() {
   absl::MutexLock lock(&mu_);
-  if (!pause_.has_value()) return;
-  for (const std::string& id : pause_->asked) {
+  const std::optional<Pause> pause = pause_.End();
+  if (!pause.has_value()) return;
+  for (const std::string& id : pause->asked) {
     auto it = clients_.find(id);
     if (it == clients_.end()) continue;
-    for (const ChunkInfo& c : pause_->added) it->second.handed.erase(c.id);
+    for (const ChunkInfo& c : pause->added) it->second.handed.erase(c.id);
     PoolEvent e = EventLocked(EventType::kResume);
-    e.pause_id = pause_->id;
+    e.pause_id = pause->id;
     e.applied = false;
     it->second.events->Push(std::move(e));
   }
-  pause_.reset();
 }
 
 std::vector<ChunkRecord*> Pool::ChunksById(const std::vector<uint64_t>& ids) {
   absl::MutexLock lock(&mu_);
   std::vector<ChunkRecord*> out;
-  for (uint64_t id : ids) {
-    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
-    out.push_back(r == chunks_.end() ? nullptr : &*r);
-  }
+  for (uint64_t id : ids) out.push_back(table_.Find(id));
   return out;
 }
 
@@ -686,42 +490,18 @@ PoolUpdate Pool::ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> 
   std::set<uint64_t> gone(plan.replaced.begin(), plan.replaced.end());
   gone.insert(plan.released.begin(), plan.released.end());
   PoolUpdate update;
-  std::vector<ChunkRecord> kept;
+  for (const ChunkRecord& r : added) update.added.push_back(r.info);
   Release release;
-  for (ChunkRecord& r : chunks_) {
-    if (!gone.contains(r.info.id)) {
-      kept.push_back(std::move(r));
-      continue;
-    }
-    release.chunks.push_back(r.info);
-    release.bytes += r.info.bytes;
-    update.released_chunk_ids.push_back(r.info.id);
-    removed->push_back(std::move(r));
+  release.chunks = table_.Replace(gone, std::move(added), removed, plan.prefix_bytes);
+  for (const ChunkInfo& c : release.chunks) {
+    release.bytes += c.bytes;
+    update.released_chunk_ids.push_back(c.id);
   }
-  for (ChunkRecord& r : added) {
-    update.added.push_back(r.info);
-    kept.push_back(std::move(r));
-  }
-  std::sort(kept.begin(), kept.end(), ByPlace);
-  chunks_.swap(kept);
-  prefix_bytes_ = plan.prefix_bytes;
   ++generation_;
   // Every attached client was asked to pause (Attach waits for op_mu): each gets its RESUME.
   update.release_id = AnnounceReleaseLocked(std::move(release), /*session=*/{}, /*forced=*/false);
   update.pool = ViewLocked(ViewClients::kCounted);
   return update;
-}
-
-// See Note [Who holds a released chunk] in docs/architecture.md.
-void Pool::SettleReleasesLocked() {
-  for (auto it = releases_.begin(); it != releases_.end();) {
-    if (it->second.waiting.empty()) {
-      shared_.budget->Give(it->second.bytes);
-      it = releases_.erase(it);
-    } else {
-      ++it;
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -762,8 +542,7 @@ std::optional<std::string> Pool::HeldBy(absl::string_view session) const {
 absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_view client_name,
                                           absl::string_view peer_device, bool pausable, const SessionTable& sessions) {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
-  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
+  KVD_RETURN_IF_ERROR(RequireLocked(kNotRecovering));
   if (!peer_device.empty() && std::none_of(peer_devices_.begin(), peer_devices_.end(),
                                            [&](const std::string& d) { return d == "*" || d == peer_device; })) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -786,32 +565,20 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
            .device_uuid = std::string(peer_device),
            .pausable = pausable};
   std::vector<uint64_t> ids;
-  for (const ChunkRecord& r : chunks_) {
+  for (const ChunkRecord& r : table_.chunks()) {
     ids.push_back(r.info.id);
     c.handed[r.info.id] = r.info.bytes;
   }
   // The session's detached clients of this pool (a follower whose stream broke, re-attaching) hand what
   // they still hold to the new client: it is told of their unsettled releases, so that its
   // acknowledgement, not the session's end, settles them.
-  for (auto h = holders_.begin(); h != holders_.end();) {
-    if (h->second.session != caller.session) {
-      ++h;
-      continue;
-    }
-    for (const auto& [chunk, bytes] : h->second.handed) {
-      c.handed[chunk] = bytes;
-      c.fetched.insert(chunk);
-    }
-    for (auto& [release_id, release] : releases_) {
-      if (release.waiting.erase(h->first) == 0) continue;
-      release.waiting.insert(c.id);
-      PoolEvent e = EventLocked(EventType::kChunksReleased);
-      e.chunks = release.chunks;
-      e.release_id = release_id;
-      c.events->Push(std::move(e));
-    }
-    h = holders_.erase(h);
-  }
+  releases_.HandOver(caller.session, c.id, &c.handed, &c.fetched,
+                     [&](uint64_t release_id, const Release& release) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                       PoolEvent e = EventLocked(EventType::kChunksReleased);
+                       e.chunks = release.chunks;
+                       e.release_id = release_id;
+                       c.events->Push(std::move(e));
+                     });
   AttachResult result{.client_id = c.id};
   result.lease = shared_.leases->Issue(name_, caller.session, c.id, std::move(ids));
   clients_.emplace(c.id, std::move(c));
@@ -822,36 +589,23 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
 // See Note [A detached client still holds its chunks] in docs/architecture.md.
 void Pool::DetachLocked(const std::string& client_id, bool keep_holding) {
   shared_.leases->DropClient(client_id);
-  if (pause_.has_value()) {
-    pause_->waiting.erase(client_id);
-    pause_->asked.erase(client_id);
-  }
+  pause_.Forget(client_id);
   auto it = clients_.find(client_id);
-  if (it != clients_.end()) {
-    Client& c = it->second;
-    c.events->Close();
-    // What it may still map: the chunks it was handed and whose FDs it fetched. A chunk whose lease it
-    // never redeemed (it expired, say) was never in its hands.
-    std::map<uint64_t, uint64_t> held;
-    for (const auto& [id, bytes] : c.handed) {
-      if (c.fetched.contains(id)) held[id] = bytes;
-    }
-    for (auto& [id, release] : releases_) {
-      const bool holds = std::any_of(release.chunks.begin(), release.chunks.end(),
-                                     [&](const ChunkInfo& chunk) { return held.contains(chunk.id); });
-      if (!keep_holding || !holds) release.waiting.erase(client_id);
-    }
-    if (keep_holding && !held.empty()) {
-      // Its releases keep waiting for it: only the session's end proves the memory unmapped.
-      holders_[client_id] = Holder{.session = c.session, .handed = std::move(held)};
-    }
-    clients_.erase(it);
-    SettleReleasesLocked();
+  if (it == clients_.end()) {
+    releases_.Forget(client_id);
     return;
   }
-  holders_.erase(client_id);
-  for (auto& [id, release] : releases_) release.waiting.erase(client_id);
-  SettleReleasesLocked();
+  Client& c = it->second;
+  c.events->Close();
+  // What it may still map: the chunks it was handed and whose FDs it fetched. A chunk whose lease it
+  // never redeemed (it expired, say) was never in its hands.
+  Handed held;
+  for (const auto& [id, bytes] : c.handed) {
+    if (c.fetched.contains(id)) held[id] = bytes;
+  }
+  // Before the erase: `client_id` may be the map's own key.
+  releases_.Detach(client_id, c.session, std::move(held), keep_holding);
+  clients_.erase(it);
 }
 
 absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id, bool released) {
@@ -859,10 +613,9 @@ absl::Status Pool::Detach(const Caller& caller, absl::string_view client_id, boo
   auto it = clients_.find(client_id);
   if (it == clients_.end()) {
     // A client the daemon detached already (its Watch stream ended) declares what it held unmapped.
-    auto h = holders_.find(client_id);
-    if (released && h != holders_.end() && h->second.session == caller.session) {
-      // A copy: DetachLocked erases the holder, and with it h->first, before it is done with the id.
-      DetachLocked(std::string(h->first), /*keep_holding=*/false);
+    const Holder* h = releases_.FindHolder(client_id);
+    if (released && h != nullptr && h->session == caller.session) {
+      DetachLocked(std::string(client_id), /*keep_holding=*/false);
       return absl::OkStatus();
     }
     return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
@@ -881,10 +634,7 @@ std::vector<std::string> Pool::DetachSession(absl::string_view session) {
   for (const auto& [id, client] : clients_) {
     if (client.session == session) gone.push_back(id);
   }
-  std::vector<std::string> held;
-  for (const auto& [id, holder] : holders_) {
-    if (holder.session == session) held.push_back(id);
-  }
+  std::vector<std::string> held = releases_.HoldersOf(session);
   for (const std::string& id : gone) DetachLocked(id, /*keep_holding=*/false);
   for (const std::string& id : held) DetachLocked(id, /*keep_holding=*/false);
   gone.insert(gone.end(), held.begin(), held.end());
@@ -893,7 +643,7 @@ std::vector<std::string> Pool::DetachSession(absl::string_view session) {
 
 bool Pool::IsHolder(absl::string_view client_id) const {
   absl::MutexLock lock(&mu_);
-  return holders_.contains(client_id);
+  return releases_.IsHolder(client_id);
 }
 
 absl::StatusOr<Pool::Client*> Pool::OwnClientLocked(const Caller& caller, absl::string_view client_id) {
@@ -918,30 +668,20 @@ absl::StatusOr<std::shared_ptr<EventQueue>> Pool::Watch(const Caller& caller, ab
 
 absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_view client_id, uint64_t release_id) {
   absl::MutexLock lock(&mu_);
-  if (auto h = holders_.find(client_id); h != holders_.end() && h->second.session == caller.session) {
+  if (const Holder* h = releases_.FindHolder(client_id); h != nullptr && h->session == caller.session) {
     // A detached client acknowledging a release it was told of before it detached.
-    auto r = releases_.find(release_id);
-    if (r == releases_.end() || !r->second.waiting.contains(h->first)) {
+    if (!releases_.HolderAcknowledge(release_id, client_id)) {
       return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is detached and release_id ", release_id,
                                               " is not awaiting its acknowledgement"));
     }
-    r->second.waiting.erase(h->first);
-    for (const ChunkInfo& chunk : r->second.chunks) h->second.handed.erase(chunk.id);
-    if (h->second.handed.empty()) holders_.erase(h);
-    SettleReleasesLocked();
-    return PendingBytesLocked();
+    return releases_.PendingBytes();
   }
-  KVD_ASSIGN_OR_RETURN(Client * found, OwnClientLocked(caller, client_id));
-  Client& c = *found;
-  auto r = releases_.find(release_id);
-  if (r == releases_.end() || !r->second.waiting.contains(c.id)) {
+  KVD_ASSIGN_OR_RETURN(Client * c, OwnClientLocked(caller, client_id));
+  if (!releases_.Acknowledge(release_id, c->id, &c->handed)) {
     return absl::NotFoundError(
         absl::StrCat("release_id: ", release_id, " is not awaiting an acknowledgement from client ", client_id));
   }
-  r->second.waiting.erase(c.id);
-  for (const ChunkInfo& chunk : r->second.chunks) c.handed.erase(chunk.id);
-  SettleReleasesLocked();
-  return PendingBytesLocked();
+  return releases_.PendingBytes();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -949,7 +689,7 @@ absl::StatusOr<uint64_t> Pool::Acknowledge(const Caller& caller, absl::string_vi
 
 absl::StatusOr<PoolView> Pool::GrantPeerAccess(absl::string_view device_uuid, bool revoke) {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
+  KVD_RETURN_IF_ERROR(RequireLocked(kExists));
   auto it = std::find(peer_devices_.begin(), peer_devices_.end(), device_uuid);
   if (revoke) {
     if (it == peer_devices_.end()) {
@@ -964,9 +704,8 @@ absl::StatusOr<PoolView> Pool::GrantPeerAccess(absl::string_view device_uuid, bo
 
 absl::Status Pool::CheckDeletable(bool force) const {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
+  KVD_RETURN_IF_ERROR(RequireLocked(force ? kExists : kNotHeld));
   if (force) return absl::OkStatus();
-  KVD_RETURN_IF_ERROR(CheckNotHeldLocked());
   if (!clients_.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("pool ", name_, " has ", clients_.size(), " attached clients: detach them or delete with force"));
@@ -976,9 +715,7 @@ absl::Status Pool::CheckDeletable(bool force) const {
 
 absl::StatusOr<BlockSpan> Pool::AwakeSpan() const {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
-  if (state_ == PoolState::kSleeping) return Sleeping(name_);
-  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
+  KVD_RETURN_IF_ERROR(RequireLocked(kAwake));
   return plan_.geometry.Span(base_, committed_blocks());
 }
 
@@ -993,20 +730,17 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
   }
   const Geometry& g = plan_.geometry;
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
-  auto it = clients_.find(client_id);
-  if (it == clients_.end()) return absl::NotFoundError(absl::StrCat("client_id: ", client_id, " is not attached"));
-  if (it->second.session != caller.session) {
-    return absl::PermissionDeniedError(absl::StrCat("client_id: ", client_id, " belongs to another session"));
-  }
-  if (state_ == PoolState::kSleeping) return Sleeping(name_);
-  if (state_ == PoolState::kRecovering) return Recovering(name_, missing_.size());
+  KVD_RETURN_IF_ERROR(RequireLocked(kExists));
+  KVD_RETURN_IF_ERROR(OwnClientLocked(caller, client_id).status());
+  KVD_RETURN_IF_ERROR(RequireLocked(kAwake));
+  const uint64_t prefix_bytes = table_.prefix_bytes();
+  const std::vector<ChunkRecord>& chunks = table_.chunks();
 
   // The requested ranges, each inside one segment's committed prefix.
   std::vector<ByteRange> wanted;
   if (ranges.empty()) {
-    if (prefix_bytes_ > 0) {
-      for (uint64_t s = 0; s < g.segments(); ++s) wanted.push_back({s, g.SegmentOffset(s), prefix_bytes_});
+    if (prefix_bytes > 0) {
+      for (uint64_t s = 0; s < g.segments(); ++s) wanted.push_back({s, g.SegmentOffset(s), prefix_bytes});
     }
   }
   for (size_t i = 0; i < ranges.size(); ++i) {
@@ -1019,9 +753,9 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
     }
     const uint64_t segment = (r.offset - g.offset()) / g.segment_stride();
     const uint64_t start = segment < g.segments() ? g.SegmentOffset(segment) : 0;
-    if (segment >= g.segments() || r.bytes > prefix_bytes_ || r.offset - start > prefix_bytes_ - r.bytes) {
+    if (segment >= g.segments() || r.bytes > prefix_bytes || r.offset - start > prefix_bytes - r.bytes) {
       return absl::InvalidArgumentError(absl::StrCat("ranges[", i, "]: [", r.offset, ", +", r.bytes,
-                                                     ") is not inside one segment's committed prefix (", prefix_bytes_,
+                                                     ") is not inside one segment's committed prefix (", prefix_bytes,
                                                      " bytes at offset s * ", g.segment_stride(), ")"));
     }
     wanted.push_back({segment, r.offset, r.bytes});
@@ -1033,12 +767,12 @@ absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::st
   for (const ByteRange& r : wanted) {
     const uint64_t end = r.offset + r.bytes;
     RangeHandle whole{.segment = r.segment, .offset = r.offset, .bytes = r.bytes};
-    // chunks_ is sorted by (segment, offset) and offsets grow with the segment: start at the last chunk
+    // The table is sorted by (segment, offset) and offsets grow with the segment: start at the last chunk
     // that begins at or before the range.
-    auto first = std::upper_bound(chunks_.begin(), chunks_.end(), r.offset,
+    auto first = std::upper_bound(chunks.begin(), chunks.end(), r.offset,
                                   [](uint64_t offset, const ChunkRecord& c) { return offset < c.info.offset; });
-    if (first != chunks_.begin()) --first;
-    for (auto c_it = first; c_it != chunks_.end() && c_it->info.offset < end; ++c_it) {
+    if (first != chunks.begin()) --first;
+    for (auto c_it = first; c_it != chunks.end() && c_it->info.offset < end; ++c_it) {
       const ChunkRecord& c = *c_it;
       const uint64_t c_end = c.info.offset + c.info.bytes;
       if (c.info.segment != r.segment || c_end <= r.offset) continue;
@@ -1064,7 +798,7 @@ absl::Status Pool::CheckChunksLive(absl::string_view client_id, const std::vecto
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
   KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
   for (uint64_t id : chunk_ids) {
-    if (std::none_of(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; })) {
+    if (table_.Find(id) == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
     }
@@ -1094,12 +828,12 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
     for (const LeasedFd& f : out) close(f.fd);
   };
   for (uint64_t id : chunk_ids) {
-    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
+    const ChunkRecord* r = table_.Find(id);
     int own = -1;
-    if (r != chunks_.end() && !missing_.contains(id)) {
+    if (r != nullptr && !table_.IsMissing(id)) {
       own = r->fd.get();
-    } else if (pause_.has_value() && pause_->fds.contains(id)) {
-      own = pause_->fds.at(id);  // a new chunk of the pause under way (the PAUSE's lease)
+    } else if (pause_.FdOf(id) >= 0) {
+      own = pause_.FdOf(id);  // a new chunk of the pause under way (the PAUSE's lease)
     } else {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
@@ -1117,10 +851,10 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
 std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held,
                                        absl::string_view session, bool forced) {
   absl::MutexLock lock(&mu_);
-  const std::set<std::string> paused = pause_.has_value() ? pause_->asked : std::set<std::string>{};
-  pause_.reset();
+  const std::optional<Pause> pause = pause_.End();
+  const std::set<std::string> paused = pause.has_value() ? pause->asked : std::set<std::string>{};
   deleted_ = true;
-  uint64_t bytes = committed_bytes() + TailBytesLocked() + PendingBytesLocked();
+  uint64_t bytes = committed_bytes() + table_.TailBytes() + releases_.PendingBytes();
   if (held != nullptr) {
     // Each chunk some client fetched (and may map still) is counted once, until every such client let go.
     std::map<uint64_t, uint64_t> fetched;
@@ -1131,7 +865,7 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
         held->clients[id] = c.session;
       }
     }
-    for (const auto& [id, h] : holders_) {
+    for (const auto& [id, h] : releases_.holders()) {
       for (const auto& [chunk, chunk_bytes] : h.handed) fetched[chunk] = chunk_bytes;
       if (!h.handed.empty()) held->clients[id] = h.session;
     }
@@ -1153,17 +887,10 @@ std::vector<std::string> Pool::Destroy(EventType why, std::vector<ChunkRecord>* 
     ids.push_back(id);
   }
   clients_.clear();
-  for (const auto& [id, holder] : holders_) ids.push_back(id);
-  holders_.clear();
+  for (const auto& [id, holder] : releases_.holders()) ids.push_back(id);
   // Clients still mapping released chunks free them when they unmap; the daemon stops counting.
-  releases_.clear();
-  restart_pending_bytes_ = 0;
-  for (ChunkRecord& r : chunks_) {
-    if (!missing_.contains(r.info.id)) chunks->push_back(std::move(r));
-  }
-  chunks_.clear();
-  missing_.clear();
-  prefix_bytes_ = 0;
+  releases_.Clear();
+  table_.TakeAll(chunks);
   shared_.budget->Give(bytes);
   shared_.leases->DropPool(name_);
   return ids;
@@ -1184,26 +911,25 @@ SavedPool Pool::Saved() const {
                   .peer_devices = peer_devices_,
                   .created_at = created_at_,
                   .state = state_ == PoolState::kRecovering ? resume_state_ : state_,
-                  .prefix_bytes = prefix_bytes_,
+                  .prefix_bytes = table_.prefix_bytes(),
                   .wake_blocks = wake_blocks_,
                   .generation = generation_,
-                  .pending_release_bytes = PendingBytesLocked(),
-                  .metadata = metadata_};
-  for (const ChunkRecord& r : chunks_) saved.chunks.push_back(r.info);
+                  .pending_release_bytes = releases_.PendingBytes(),
+                  .metadata = metadata_,
+                  .kept = kept_};
+  saved.chunks = table_.Infos();
   return saved;
 }
 
 void Pool::Recover(std::vector<ChunkRecord> chunks, std::set<uint64_t> missing) {
   absl::MutexLock lock(&mu_);
-  chunks_ = std::move(chunks);
-  std::sort(chunks_.begin(), chunks_.end(), ByPlace);
-  missing_ = std::move(missing);
-  if (!missing_.empty()) state_ = PoolState::kRecovering;
+  table_.Recover(std::move(chunks), std::move(missing));
+  if (!table_.missing().empty()) state_ = PoolState::kRecovering;
 }
 
 absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<uint64_t>& chunk_ids) const {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
+  KVD_RETURN_IF_ERROR(RequireLocked(kExists));
   std::vector<Returned> out;
   std::set<uint64_t> seen;
   for (size_t i = 0; i < chunk_ids.size(); ++i) {
@@ -1211,12 +937,12 @@ absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<u
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is given twice"));
     }
-    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == id; });
-    if (r == chunks_.end()) {
+    const ChunkRecord* r = table_.Find(id);
+    if (r == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is not in pool ", name_, "'s chunk table"));
     }
-    const bool missing = missing_.contains(id);
+    const bool missing = table_.IsMissing(id);
     out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd.get()});
   }
   return out;
@@ -1224,37 +950,27 @@ absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<u
 
 std::vector<uint64_t> Pool::Adopt(std::vector<ChunkRecord> adopted) {
   absl::MutexLock lock(&mu_);
-  for (ChunkRecord& a : adopted) {
-    auto r = std::find_if(chunks_.begin(), chunks_.end(), [&](const ChunkRecord& c) { return c.info.id == a.info.id; });
-    if (r == chunks_.end() || !missing_.erase(a.info.id)) continue;
-    *r = std::move(a);
-  }
-  if (missing_.empty() && state_ == PoolState::kRecovering) state_ = resume_state_;
-  return {missing_.begin(), missing_.end()};
+  for (ChunkRecord& a : adopted) table_.Adopt(a);
+  if (table_.missing().empty() && state_ == PoolState::kRecovering) state_ = resume_state_;
+  return {table_.missing().begin(), table_.missing().end()};
 }
 
 std::vector<ChunkInfo> Pool::GiveUpRecovery(std::vector<ChunkRecord>* present) {
   absl::MutexLock lock(&mu_);
   std::vector<ChunkInfo> lost;
   if (state_ != PoolState::kRecovering) return lost;
+  wake_blocks_ = resume_state_ == PoolState::kSleeping ? wake_blocks_ : committed_blocks();
+  const size_t first_present = present->size();
+  lost = table_.TakeAll(present);
   Release release;
-  uint64_t lost_bytes = 0;
-  for (ChunkRecord& r : chunks_) {
-    if (missing_.contains(r.info.id)) {
-      lost.push_back(r.info);
-      lost_bytes += r.info.bytes;
-    } else {
-      release.chunks.push_back(r.info);
-      release.bytes += r.info.bytes;
-      present->push_back(std::move(r));
-    }
+  for (size_t i = first_present; i < present->size(); ++i) {
+    release.chunks.push_back((*present)[i].info);
+    release.bytes += (*present)[i].info.bytes;
   }
+  uint64_t lost_bytes = 0;
+  for (const ChunkInfo& c : lost) lost_bytes += c.bytes;
   // The present chunks' bytes stay counted until the clients that map them let go (a release).
   shared_.budget->Give(lost_bytes);
-  wake_blocks_ = resume_state_ == PoolState::kSleeping ? wake_blocks_ : committed_blocks();
-  chunks_.clear();
-  missing_.clear();
-  prefix_bytes_ = 0;
   state_ = PoolState::kSleeping;
   ++generation_;
   AnnounceReleaseLocked(std::move(release), /*session=*/{}, /*forced=*/true);
@@ -1263,10 +979,7 @@ std::vector<ChunkInfo> Pool::GiveUpRecovery(std::vector<ChunkRecord>* present) {
 
 uint64_t Pool::ForgetRestartPending() {
   absl::MutexLock lock(&mu_);
-  const uint64_t bytes = restart_pending_bytes_;
-  restart_pending_bytes_ = 0;
-  shared_.budget->Give(bytes);
-  return bytes;
+  return releases_.ForgetRestartPending();
 }
 
 PoolMetadata Pool::metadata() const {
@@ -1276,7 +989,7 @@ PoolMetadata Pool::metadata() const {
 
 absl::StatusOr<PoolMetadata> Pool::SetMetadata(uint64_t expected_version, std::string data) {
   absl::MutexLock lock(&mu_);
-  if (deleted_) return PoolGone(name_);
+  KVD_RETURN_IF_ERROR(RequireLocked(kExists));
   if (expected_version != metadata_.version) {
     return absl::AbortedError(absl::StrCat("expected_version: pool ", name_, "'s metadata is at version ",
                                            metadata_.version, ", not ", expected_version, "; read it again"));

@@ -1,9 +1,12 @@
 // Pool: one pool's state, its invariants and the resize state machine's bookkeeping, behind the
 // pool's own locks. PoolManager (pool_manager.h) finds pools, makes and releases their memory on the
-// device and drives the state machine; everything here is bookkeeping and never calls the device.
+// device and drives the state machine, and Reshaper (reshaper.h) runs its reshapes; everything here is
+// bookkeeping and never calls the device. What a pool holds lives in rooms of its own, each guarded by the
+// state lock: the chunk table (chunk_table.h), the release ledger and its holders (release_ledger.h), the
+// pause under way (pause_scope.h); the reshape planner (reshape_plan.h) plans from the table.
 //
 // Two locks (Note [Lock order] in docs/architecture.md).
-// - `op_mu` serialises the changes of this pool and is held across the device calls that make or
+// - `op_mu()` serialises the changes of this pool and is held across the device calls that make or
 //   release its memory, so requests on one pool are ordered while other pools proceed in parallel.
 // - The state lock (private) guards the chunk table, clients, releases and the held transaction. It
 //   is held for bookkeeping only, never across a device call; readers (views, the handle channel,
@@ -12,12 +15,10 @@
 // manager's maps). No lock is taken while a leaf lock is held.
 //
 // Invariants, under the state lock:
-// - chunks_ are sorted by (segment, offset) and cover [0, prefix_bytes_) of every segment exactly, but
-//   for tails: from the first step of an exact shrink in steps on, the prefix is the target's while a
-//   segment's last chunk may still run past it until a later step replaces it (Note [Chunks are replaced,
-//   not cut] in docs/architecture.md); only a step that failed leaves tails behind its op_mu, and then
-//   Grow and whole-chunk shrinks refuse until a Compact or an exact Shrink has replaced them;
-// - the budget holds committed_bytes() + TailBytesLocked() + pending_bytes() + the held transaction's
+// - the chunk table's (chunk_table.h), with tails: only a step of an exact shrink that failed leaves tails
+//   behind its op_mu, and then Grow and whole-chunk shrinks refuse until a Compact or an exact Shrink has
+//   replaced them;
+// - the budget holds the table's committed bytes and tails + pending_bytes() + the held transaction's
 //   staged bytes;
 // - a sleeping pool has no chunks and remembers the blocks it wakes to;
 // - every chunk id in a client's `handed` is in chunks_ or in an unsettled release;
@@ -40,24 +41,20 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/core/budget.h"
+#include "daemon/core/chunk_table.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
 #include "daemon/core/limits.h"
+#include "daemon/core/pause_scope.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
+#include "daemon/core/release_ledger.h"
+#include "daemon/core/reshape_plan.h"
 #include "daemon/core/sessions.h"
 #include "daemon/core/transfer.h"
 #include "kvd/device.h"
-#include "kvd/unique_fd.h"
 
 namespace kvd::daemon {
-
-// One physical allocation of a pool, as the daemon holds it.
-struct ChunkRecord {
-  ChunkInfo info;
-  Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
-  UniqueFd fd;  // exported once at creation; consumers get dup()s
-};
 
 // Memory made for a grow or wake that no client can see yet; its bytes are already in the budget.
 struct Staged {
@@ -72,6 +69,10 @@ struct Change {
   Staged staged;               // grow and wake
   // Shrink and sleep: forced past the clients that are not pausable (Note [Releases pause first]).
   bool forced = false;
+  // Sleep keeping the contents: what the sleep copied into the host tier (the pool keeps it until its
+  // wake). Wake: whether the staged chunks hold the kept contents already (the pool then lets them go).
+  std::optional<KeptContents> kept;
+  bool restored = false;
 };
 
 // A prepared group resize holding its pool until Commit, Abort, its session's end or its ttl.
@@ -81,28 +82,6 @@ struct Transaction {
   int32_t pid = 0;
   absl::Time expires;
   Change change;
-};
-
-// A change of a pool's physical shape (shrink, compact): new chunks that take over the bytes at their
-// places from the old chunks they overlap, the old chunks wholly past the new prefix, and the prefix after.
-// See Note [Chunks are replaced, not cut] in docs/architecture.md.
-struct ReshapePlan {
-  std::vector<PlannedChunk> added;  // every byte of each was committed before: all of it is copied
-  std::vector<uint64_t> replaced;   // old chunks an added chunk overlaps (covered exactly by `added`)
-  std::vector<uint64_t> released;   // old chunks at or past the new prefix
-  uint64_t prefix_bytes = 0;        // every segment's committed prefix after
-  std::vector<BlockCopy> moves;     // compaction shrink: live blocks copied below the target first
-  uint32_t chunks_before = 0;
-  // Shrink: the prefix is the target's (false only for whole chunks). Compact: every new chunk has the
-  // shape's size (false when free memory allowed only smaller ones).
-  bool target_reached = true;
-  // Exact shrink: the lowest place (in every segment) at or past every straddling chunk's end where every
-  // segment has a chunk boundary, and the bytes of the chunks at or past it: whole chunks that a plain
-  // release can give back first, leaving every segment's prefix there.
-  uint64_t release_first_from = 0;
-  uint64_t release_first_bytes = 0;
-  // Whether clients must pause: bytes move between chunks or blocks while they could touch them.
-  bool moves_bytes() const { return !added.empty() || !moves.empty(); }
 };
 
 // What the pools of one manager share: leaf-locked rooms and the daemon-wide chunk id counter.
@@ -132,7 +111,7 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   // Serialises changes of this pool; held across device calls. Taken before the state lock.
-  absl::Mutex op_mu;
+  absl::Mutex& op_mu() const ABSL_LOCK_RETURNED(op_mu_) { return op_mu_; }
 
   // Immutable after construction: no lock.
   const std::string& name() const { return name_; }
@@ -143,11 +122,13 @@ class Pool {
   bool Allows(uint32_t uid) const;
 
   // The VA reservation: set once, while creating the pool, before any chunk exists.
-  uint64_t base() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) { return base_; }
-  void set_base(uint64_t base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) { base_ = base; }
+  uint64_t base() const ABSL_SHARED_LOCKS_REQUIRED(op_mu_) { return base_; }
+  void set_base(uint64_t base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) { base_ = base; }
 
   PoolView View(ViewClients clients = ViewClients::kListed) const ABSL_LOCKS_EXCLUDED(mu_);
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
+  // While sleeping with its contents: what it keeps in the host tier (Note [The host tier]).
+  std::optional<KeptContents> kept() const ABSL_LOCKS_EXCLUDED(mu_);
   bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -158,7 +139,7 @@ class Pool {
   // Installs a restored pool's table: `chunks` in table order, where the ids in `missing` are placeholders
   // (no memory, no FD) that clients may still give back. With none missing the pool is as saved; otherwise
   // it is kRecovering. The budget already holds the saved committed and pending bytes.
-  void Recover(std::vector<ChunkRecord> chunks, std::set<uint64_t> missing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+  void Recover(std::vector<ChunkRecord> chunks, std::set<uint64_t> missing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // ReturnHandles: the table's entry of each of `chunk_ids` and whether it is missing. INVALID_ARGUMENT
   // naming chunk_ids[i] for an id not in the table or given twice.
@@ -168,17 +149,17 @@ class Pool {
     int fd = -1;  // the daemon's FD of a chunk it has (borrowed)
   };
   [[nodiscard]] absl::StatusOr<std::vector<Returned>> PlanReturn(const std::vector<uint64_t>& chunk_ids) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Fills missing entries with `adopted` (imported and mapped by the manager); once none is missing the
   // pool returns to its saved state. Returns the ids still missing.
-  std::vector<uint64_t> Adopt(std::vector<ChunkRecord> adopted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+  std::vector<uint64_t> Adopt(std::vector<ChunkRecord> adopted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The recovery grace passed with chunks still missing: those are lost. The chunks present go to
   // `*present` for the caller to unmap and release, and to the clients that map them as a release (a
   // RESUME to those a pause holds, a forced CHUNKS_RELEASED to the others), counted until they let go; the
   // lost bytes leave the budget, and the pool sleeps with wake_blocks = the blocks it had. Returns the
   // lost chunks.
-  std::vector<ChunkInfo> GiveUpRecovery(std::vector<ChunkRecord>* present) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+  std::vector<ChunkInfo> GiveUpRecovery(std::vector<ChunkRecord>* present) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The recovery grace passed: bytes released before the restart stop counting. Returns them.
   uint64_t ForgetRestartPending() ABSL_LOCKS_EXCLUDED(mu_);
@@ -188,25 +169,25 @@ class Pool {
   PoolMetadata metadata() const ABSL_LOCKS_EXCLUDED(mu_);
   // Compare-and-set: ABORTED naming the current version unless it is `expected_version`.
   [[nodiscard]] absl::StatusOr<PoolMetadata> SetMetadata(uint64_t expected_version, std::string data)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- The resize state machine. Check, then (grow, wake) the manager stages memory, then Apply. ---
 
   // Whether `op` may start now: NOT_FOUND once deleted, ABORTED while a transaction holds the pool,
   // FAILED_PRECONDITION for the wrong state, INVALID_ARGUMENT for a target on the wrong side of the
   // committed blocks. Returns the change with the blocks a wake recommits.
-  [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+  [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The bytes a grow to `target_blocks` commits (0 when not above the prefix), computed without
   // planning: the budget is checked against it before any plan is built. INVALID_ARGUMENT past the
   // capacity.
-  [[nodiscard]] absl::StatusOr<uint64_t> GrowBytes(uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+  [[nodiscard]] absl::StatusOr<uint64_t> GrowBytes(uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The chunks that take every segment's prefix from where it is to `target_blocks` (planned outside
   // the state lock).
   [[nodiscard]] absl::StatusOr<std::vector<PlannedChunk>> PlanGrow(uint64_t target_blocks,
                                                                    uint64_t max_chunk_bytes) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes a checked (and staged) change visible. Grow and wake publish the staged chunks: ids, the
   // prefix, the generation, a lease in the reply for `session`'s client and CHUNKS_ADDED for the
   // others. Shrink and sleep take every chunk at or past the new prefix out of the table and ask the
@@ -214,7 +195,7 @@ class Pool {
   // forced past those of other sessions when change.forced); the caller unmaps and releases the daemon's
   // references to `*released` (no lock but op_mu held).
   PoolUpdate Apply(Change change, absl::string_view session, std::vector<ChunkRecord>* released)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // --- Releases: Note [Releases pause first] in docs/architecture.md ---
 
   // The attached clients a release asked by `session` takes memory from: every client of another
@@ -233,38 +214,24 @@ class Pool {
 
   // --- Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md ---
 
-  // A shrink to `target_blocks` (Check's errors first): exact, replacing a chunk that straddles the new
-  // prefix, unless `whole_chunks_only`. `live` (compaction shrink): the blocks still used; those at or
-  // past the target move to free blocks below it, in increasing order of both. INVALID_ARGUMENT naming
-  // live.blocks[i] for an id not committed or given twice, or for more live blocks than the target.
-  // With `max_added_bytes` (one step of an exact shrink in steps): only the straddling chunks, by place,
-  // whose replacements fit in it together (maybe none); the chunks past the target are all released and
-  // the prefix is the target's either way, so the straddling chunks left out keep tails past it.
+  // The reshape planner's plans (reshape_plan.h) of this pool as it is now, after the checks: PlanShrink's are
+  // Check's (tails allowed for an exact shrink); PlanTails's FAILED_PRECONDITION unless awake, NOT_FOUND once
+  // deleted; PlanCompact's those and ABORTED while held.
   [[nodiscard]] absl::StatusOr<ReshapePlan> PlanShrink(uint64_t target_blocks, bool whole_chunks_only,
                                                        const std::optional<std::vector<uint64_t>>& live,
                                                        std::optional<uint64_t> max_added_bytes = std::nullopt) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
-  // The next step of an exact shrink in steps: the chunks that run past the prefix (tails), by place, each
-  // replaced by a chunk of its bytes below the prefix, as many as fit in `max_added_bytes` together (all
-  // without it). Empty when no chunk has a tail. FAILED_PRECONDITION unless awake, NOT_FOUND once deleted.
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] absl::StatusOr<ReshapePlan> PlanTails(std::optional<uint64_t> max_added_bytes) const
-      ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // A plain release of every chunk at or past `prefix_bytes` in its segment, which must be a chunk
   // boundary of every segment (ReshapePlan::release_first_from): the chunks go to `*released` for the
   // caller to unmap and release, clients holding them are told (a RESUME to those a pause holds,
   // CHUNKS_RELEASED to the others: see Apply) and the prefix is there.
   PoolUpdate ReleaseFrom(uint64_t prefix_bytes, std::vector<ChunkRecord>* released, absl::string_view session)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
-  // Every segment's prefix as one chunk per `max_chunk_bytes` (as a single grow makes it); chunks already
-  // in place stay, and a chunk with a tail past the prefix is replaced. With `max_replaced`, only the first
-  // new chunks (by place) that replace at most that many old ones, but at least one: one step of a
-  // compaction in steps. With `max_added_bytes`, only the first new chunks (by place) that fit in it
-  // together (maybe none); with `smaller` too, a new chunk that does not fit is replaced instead by new
-  // chunks of runs of its old ones that do, each merging at least two (the plan's target_reached is then
-  // false). FAILED_PRECONDITION unless awake, ABORTED while held.
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] absl::StatusOr<ReshapePlan> PlanCompact(uint64_t max_chunk_bytes, std::optional<size_t> max_replaced,
                                                         std::optional<uint64_t> max_added_bytes = std::nullopt,
-                                                        bool smaller = false) const ABSL_SHARED_LOCKS_REQUIRED(op_mu)
+                                                        bool smaller = false) const ABSL_SHARED_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION naming the first attached client that did not opt in to pauses; `what` says what
   // needed the pause.
@@ -275,7 +242,7 @@ class Pool {
   // added, the bytes go away). Returns how many clients were asked (0: nobody to wait for). A release's
   // pause ends in Apply (or Destroy, GiveUpRecovery), which sends the asked clients their RESUME.
   size_t BeginPause(const std::vector<ChunkRecord>& added, const std::set<std::string>* only = nullptr,
-                    std::vector<ByteRange> ranges = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+                    std::vector<ByteRange> ranges = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until every client asked acknowledged the pause (or detached), or `deadline`.
   struct PauseOutcome {
     std::vector<ClientView> late;  // attached, asked, and not acknowledged
@@ -289,14 +256,14 @@ class Pool {
   // Detaches `client_id` for not acknowledging the pause (it keeps holding what it fetched).
   void DetachUnresponsive(const std::string& client_id) ABSL_LOCKS_EXCLUDED(mu_);
   // The pause is called off and nothing changed: a RESUME (not applied) to every client asked.
-  void CancelPause() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  void CancelPause() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The bytes have moved and the daemon maps `added` in place of `plan.replaced`: the table changes, the
   // replaced and released chunks go to `*removed` (already unmapped by the caller) and into one release,
   // and every client asked to pause gets the RESUME (applied) naming them.
   PoolUpdate ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> added, std::vector<ChunkRecord>* removed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The daemon's chunks with these ids (for the manager's copy and remap), in the order asked.
-  std::vector<ChunkRecord*> ChunksById(const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+  std::vector<ChunkRecord*> ChunksById(const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Transactions ---
@@ -304,12 +271,12 @@ class Pool {
   // Installs `txn` if `sessions` still has its session (checked under the state lock, so that a
   // session closing concurrently finds it); otherwise gives it back.
   [[nodiscard]] std::optional<Transaction> Hold(Transaction txn, const SessionTable& sessions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes the held transaction out if it is `id` and was prepared by `session` (any session when
   // nullopt: the daemon's own aborts): NOT_FOUND when the pool holds another (or none),
   // PERMISSION_DENIED for another session.
   [[nodiscard]] absl::StatusOr<Transaction> Unhold(absl::string_view id, std::optional<absl::string_view> session)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The held transaction's id if `session` prepared it.
   std::optional<std::string> HeldBy(absl::string_view session) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -320,7 +287,7 @@ class Pool {
   // RESOURCE_EXHAUSTED when the pool has its share of --max-clients-per-pool (limits.h).
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view client_name,
                                                     absl::string_view peer_device, bool pausable,
-                                                    const SessionTable& sessions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu)
+                                                    const SessionTable& sessions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND when not attached; PERMISSION_DENIED unless `caller` is its session or may use the pool.
   // The client's unredeemed leases are revoked. Its session still owes what the client was handed (see
@@ -352,7 +319,7 @@ class Pool {
   // FAILED_PRECONDITION while clients are attached unless `force`; ABORTED while held unless `force`.
   [[nodiscard]] absl::Status CheckDeletable(bool force) const ABSL_LOCKS_EXCLUDED(mu_);
   // The committed blocks for block operations: NOT_FOUND once deleted, FAILED_PRECONDITION asleep.
-  [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id` (which is
   // then known to hold them): NOT_FOUND once that client detached; FAILED_PRECONDITION for a chunk
   // released since (naming it). The caller owns the FDs.
@@ -394,7 +361,7 @@ class Pool {
   };
   std::vector<std::string> Destroy(EventType why, std::vector<ChunkRecord>* chunks, Held* held = nullptr,
                                    absl::string_view session = {}, bool forced = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu) ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Client {
@@ -405,50 +372,30 @@ class Pool {
     std::string session;
     absl::Time attached_at;
     std::string device_uuid;
-    std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes, until acknowledged as released
-    std::set<uint64_t> fetched;           // chunk ids whose FDs a lease of this client yielded
+    Handed handed;               // chunk id -> bytes, until acknowledged as released
+    std::set<uint64_t> fetched;  // chunk ids whose FDs a lease of this client yielded
     std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
     bool watching = false;
     bool pausable = false;
   };
-  // A pause under way: the clients asked, those yet to acknowledge, and the new chunks they may fetch.
-  struct Pause {
-    uint64_t id = 0;
-    std::vector<ChunkInfo> added;
-    std::map<uint64_t, int> fds;  // borrowed from the manager's records
-    std::set<std::string> asked;
-    std::set<std::string> waiting;
-    std::set<std::string> acknowledged;
-    std::vector<ByteRange> ranges;  // a release's: the bytes going away
+  // What an operation needs of the pool's state, checked in one place (RequireLocked), in this order: the
+  // pool exists (NOT_FOUND), is not recovering (UNAVAILABLE), is not held by a transaction (ABORTED), is
+  // awake (FAILED_PRECONDITION "sleeping").
+  enum Need : unsigned {
+    kExists = 0,
+    kNotRecovering = 1u << 0,
+    kNotHeld = 1u << 1,
+    kAwake = 1u << 2,  // implies kNotRecovering
   };
-  // A client that detached (Detach, or its Watch stream ended) while its session lives: as far as the
-  // daemon knows it still maps the chunks it fetched, so releases of those chunks wait for it.
-  struct Holder {
-    std::string session;
-    std::map<uint64_t, uint64_t> handed;  // chunk id -> bytes
-  };
-  struct Release {
-    std::vector<ChunkInfo> chunks;
-    uint64_t bytes = 0;
-    std::set<std::string> waiting;  // client ids that still map some of the chunks
-  };
+  [[nodiscard]] absl::Status RequireLocked(unsigned needs) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  uint64_t committed_blocks() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return plan_.geometry.BlocksInPrefix(prefix_bytes_);
-  }
-  uint64_t committed_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return plan_.geometry.CommittedBytes(prefix_bytes_);
-  }
-  uint64_t PendingBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The bytes of chunks past the prefix (see the invariants at the top of this file); 0 but between the
-  // steps of an exact shrink, or after one of them failed.
-  uint64_t TailBytesLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint64_t committed_blocks() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return table_.committed_blocks(); }
+  uint64_t committed_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return table_.committed_bytes(); }
   // Check's checks; `tails_ok`: an exact shrink, which replaces tails past the prefix.
   [[nodiscard]] absl::StatusOr<Change> CheckLocked(GroupOp op, uint64_t target_blocks, bool tails_ok) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolView ViewLocked(ViewClients clients = ViewClients::kListed) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolEvent EventLocked(EventType type) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckNotHeldLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   PoolUpdate PublishLocked(Staged staged, uint64_t target_blocks, absl::string_view session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the chunks at or past `prefix_bytes` out of the table (every chunk for `all`, a prefix of 0)
@@ -469,8 +416,6 @@ class Pool {
   // The attached client `client_id` a lease was issued to: NOT_FOUND (naming the lease) once detached.
   [[nodiscard]] absl::StatusOr<Client*> LeaseClientLocked(absl::string_view client_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Forgets completed releases; their bytes leave the budget.
-  void SettleReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string name_;
   const PoolPlan plan_;
@@ -479,30 +424,25 @@ class Pool {
   const GroupMembership group_;
   const absl::Time created_at_;
   const PoolShared shared_;
-  uint64_t base_ ABSL_GUARDED_BY(op_mu) = 0;
+  mutable absl::Mutex op_mu_;
+  uint64_t base_ ABSL_GUARDED_BY(op_mu_) = 0;
 
-  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(op_mu);
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(op_mu_);
   bool deleted_ ABSL_GUARDED_BY(mu_) = false;
   PoolState state_ ABSL_GUARDED_BY(mu_) = PoolState::kAwake;
-  uint64_t prefix_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // committed bytes of every segment
   uint64_t wake_blocks_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<ChunkRecord> chunks_ ABSL_GUARDED_BY(mu_);  // by (segment, offset)
+  std::optional<KeptContents> kept_ ABSL_GUARDED_BY(mu_);
+  ChunkTable table_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t event_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> peer_devices_ ABSL_GUARDED_BY(mu_);
   std::optional<Transaction> txn_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Client, std::less<>> clients_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Holder, std::less<>> holders_ ABSL_GUARDED_BY(mu_);  // detached clients, by id
-  std::map<uint64_t, Release> releases_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_release_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::optional<Pause> pause_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_pause_id_ ABSL_GUARDED_BY(mu_) = 1;
+  ReleaseLedger releases_ ABSL_GUARDED_BY(mu_);
+  PauseScope pause_ ABSL_GUARDED_BY(mu_);
   PoolMetadata metadata_ ABSL_GUARDED_BY(mu_);
-  // After a restart: chunks of the table no client has given back yet (kRecovering), the state to
-  // resume, and the bytes released before the restart that clients may still map.
-  std::set<uint64_t> missing_ ABSL_GUARDED_BY(mu_);
+  // After a restart: the state to resume once no chunk is missing (the table's missing()).
   PoolState resume_state_ ABSL_GUARDED_BY(mu_) = PoolState::kAwake;
-  uint64_t restart_pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvd::daemon

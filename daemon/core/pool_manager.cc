@@ -46,18 +46,6 @@ uint64_t AddressSpaceFree() {
   return used < limit ? limit - used : 0;
 }
 
-// Whether `fd` can be chunk memory of `bytes` (restore, ReturnHandles). On the host backend a chunk is a
-// memfd of exactly its size; a GPU driver's FD is checked by importing and mapping it.
-absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
-  if (backend != BackendKind::kHost) return absl::OkStatus();
-  struct stat st {};
-  if (fstat(fd, &st) != 0) return absl::InvalidArgumentError("cannot be examined (fstat failed)");
-  if (static_cast<uint64_t>(st.st_size) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("has ", st.st_size, " bytes, the chunk ", bytes));
-  }
-  return absl::OkStatus();
-}
-
 ManagerOptions WithDaemonUid(ManagerOptions options) {
   options.limits.daemon_uid = options.daemon_uid;
   return options;
@@ -109,6 +97,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
       device_info_(ReadInfo(device)),
       capabilities_(device->Capabilities()),
       budget_(options_.budget_bytes != 0 ? options_.budget_bytes : device_info_.total_bytes),
+      host_tier_(options_.host_tier),
       sessions_(options_.limits),
       leases_(options_.lease_ttl),
       shared_{.leases = &leases_,
@@ -117,7 +106,12 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
               .daemon_uid = options_.daemon_uid,
               .device_uuid = device_info_.uuid,
               .epoch = options_.epoch,
-              .limits = &options_.limits} {
+              .limits = &options_.limits},
+      maker_(device, store_, &next_chunk_id_, capabilities_.fabric.supported),
+      reshaper_(device, &budget_, &maker_, this,
+                {.max_chunk_bytes = options_.max_chunk_bytes,
+                 .pause_timeout = options_.pause_timeout,
+                 .compact_chunks_per_pause = options_.compact_chunks_per_pause}) {
   // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
   next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
@@ -207,7 +201,7 @@ void PoolManager::CloseSession(absl::string_view session) {
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
-      absl::MutexLock op(&pool->op_mu);
+      absl::MutexLock op(&pool->op_mu());
       AbortLocked(*pool, *id, session, "its session closed (the coordinator ended or died) before Commit");
     }
   }
@@ -280,53 +274,8 @@ void PoolManager::ForgetClients(const std::vector<std::string>& ids) {
 // ---------------------------------------------------------------------------------------------
 // Chunks
 
-absl::StatusOr<std::vector<ChunkRecord>> PoolManager::MakeChunks(uint64_t base, const std::vector<PlannedChunk>& plan) {
-  std::vector<ChunkRecord> made;
-  absl::Cleanup undo = [&] {
-    for (ChunkRecord& r : made) DiscardChunk(base, r);
-  };
-  made.reserve(plan.size());
-  for (const PlannedChunk& p : plan) {
-    ChunkRecord r;
-    r.info = {.id = next_chunk_id_.fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
-    KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
-    if (absl::Status s = device_->Map(base + p.offset, r.chunk, Access::kReadWrite); !s.ok()) {
-      device_->Release(r.chunk).IgnoreError();
-      return s;
-    }
-    absl::StatusOr<int> fd = device_->Export(r.chunk);
-    if (!fd.ok()) {
-      device_->Unmap(base + p.offset, p.bytes).IgnoreError();
-      device_->Release(r.chunk).IgnoreError();
-      return fd.status();
-    }
-    r.fd.reset(*fd);
-    if (capabilities_.fabric.supported) {
-      // Export once, like the FD: every reply and event then carries the same bytes.
-      absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
-      if (!fabric.ok()) {
-        DiscardChunk(base, r);
-        return fabric.status();
-      }
-      r.info.fabric_handle = *std::move(fabric);
-    }
-    made.push_back(std::move(r));
-  }
-  std::move(undo).Cancel();
-  return made;
-}
-
-void PoolManager::DiscardChunk(uint64_t base, ChunkRecord& r) {
-  device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
-  device_->Release(r.chunk).IgnoreError();
-  r.fd.reset();
-}
-
 absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return Stopping();
-  }
+  KVD_RETURN_IF_ERROR(CheckRunning());
   Staged staged;
   // The budget first, from arithmetic alone: a plan is built only for bytes the budget holds, so its
   // size is bounded by the budget (at most budget / max chunk chunks plus one per segment).
@@ -343,36 +292,21 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
     budget_.Give(staged.bytes);
     return plan.status();
   }
-  absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(pool.base(), *plan);
+  absl::StatusOr<std::vector<ChunkRecord>> made =
+      maker_.Make(pool.base(), *plan,
+                  absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes,
+                               " bytes (", FormatBytes(staged.bytes), ")"));
   if (!made.ok()) {
     budget_.Give(staged.bytes);
-    // Out of memory is worded with the bytes asked and free; out of file descriptors is not about memory
-    // and passes as the device said it.
-    if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
-      absl::StatusOr<DeviceInfo> info = device_->Info();
-      return absl::ResourceExhaustedError(
-          absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes, " bytes (",
-                       FormatBytes(staged.bytes), ") but the device has ", info.ok() ? info->free_bytes : 0,
-                       " bytes free: ", made.status().message()));
-    }
     return made.status();
   }
   staged.chunks = *std::move(made);
-  // Into the FD store before any client can see them: a restart after the commit finds them there.
-  if (absl::Status kept = KeepFds(staged.chunks); !kept.ok()) {
-    for (ChunkRecord& r : staged.chunks) DiscardChunk(pool.base(), r);
-    budget_.Give(staged.bytes);
-    return kept;
-  }
   return staged;
 }
 
 void PoolManager::Unstage(Pool& pool, Staged& staged) {
   pool.CancelPause();  // a prepared shrink's or sleep's pause, called off
-  for (ChunkRecord& r : staged.chunks) {
-    store_->DropChunkFd(r.info.id);
-    DiscardChunk(pool.base(), r);
-  }
+  for (ChunkRecord& r : staged.chunks) maker_.Discard(pool.base(), r);
   staged.chunks.clear();
   budget_.Give(staged.bytes);
   staged.bytes = 0;
@@ -386,7 +320,7 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
                                                {.granularity = device_->granularity(),
                                                 .max_reserved_bytes = options_.max_pool_reserved_bytes}));
   auto pool = std::make_shared<Pool>(spec, std::move(plan), caller.uid, shared_);
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return Stopping();
@@ -431,7 +365,7 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
     reserved_total_ += reserved;
   }
   // On failure the pool leaves the map again; requests that found it meanwhile find it deleted.
-  auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu) {
+  auto forget = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool->op_mu()) {
     std::vector<ChunkRecord> none;
     pool->Destroy(EventType::kPoolDeleted, &none);
     absl::MutexLock lock(&mu_);
@@ -505,7 +439,7 @@ PoolPage PoolManager::ListPools(const Caller& caller, absl::string_view after, s
 absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::string_view name, bool force,
                                                  PauseOptions pause) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_RETURN_IF_ERROR(pool->CheckDeletable(force));
   if (force) {
     KVD_RETURN_IF_ERROR(QuiesceLocked(*pool, caller.session, "deleting", pool->Leaving(0),
@@ -573,6 +507,9 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   }
   const bool forget = why != EventType::kDaemonRestarting;
   if (forget) Forget(pool);
+  if (std::optional<KeptContents> kept = pool.kept(); forget && kept.has_value()) {
+    host_tier_->Give(kept->tier_offset, kept->extent_bytes);
+  }
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
@@ -586,8 +523,7 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   }
   ForgetClients(gone);
   for (ChunkRecord& r : chunks) {
-    if (forget) store_->DropChunkFd(r.info.id);
-    DiscardChunk(pool.base(), r);
+    maker_.Discard(pool.base(), r, forget ? ChunkMaker::StoreFd::kForget : ChunkMaker::StoreFd::kLeave);
   }
   if (pool.base() != 0) device_->Free(pool.base(), pool.geometry().reserved_bytes()).IgnoreError();
   pool.set_base(0);
@@ -603,7 +539,7 @@ absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::str
   const bool peer = !device_uuid.empty() && device_uuid != device_info_.uuid;
   if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   absl::StatusOr<AttachResult> attached =
       pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), pausable, sessions_);
   if (!attached.ok()) return Refused(attached.status());
@@ -632,7 +568,7 @@ absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_
     // Its pool is being deleted (the client was told before the delete finished): once the delete is done
     // (it holds op_mu), what the client held is an orphan to let go of.
     if (!released || !pool->deleted()) return detached;
-    { absl::MutexLock op(&pool->op_mu); }
+    { absl::MutexLock op(&pool->op_mu()); }
     return let_go() ? absl::OkStatus() : detached;
   }
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
@@ -660,11 +596,30 @@ absl::Status PoolManager::AcknowledgePause(const Caller& caller, absl::string_vi
 // The resize state machine: grow, shrink, sleep, wake, plain or in two phases
 
 absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
-                                                  absl::string_view session, const ReleaseOptions& release) {
+                                                  absl::string_view session, const ReleaseOptions& release,
+                                                  const KeepOptions& keep) {
   KVD_ASSIGN_OR_RETURN(Change change, pool.Check(op, target_blocks));
   if ((op == GroupOp::kGrow || op == GroupOp::kWake) && change.target_blocks > 0) {
     KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks));
+    // Note [The host tier]: the kept contents land in the new chunks before any client sees them.
+    if (std::optional<KeptContents> kept = pool.kept(); op == GroupOp::kWake && kept.has_value()) {
+      if (absl::Status copied = host_tier_->CopyIn(pool.base(), *kept); !copied.ok()) {
+        Unstage(pool, change.staged);
+        return absl::Status(copied.code(), absl::StrCat("pool ", pool.name(), ": copying its kept contents back: ",
+                                                        copied.message(), "; it still sleeps with them"));
+      }
+      change.restored = true;
+    }
   }
+  if (op == GroupOp::kSleep && keep.keep) {
+    KVD_ASSIGN_OR_RETURN(change.kept, PlanKeep(pool, keep));
+  } else if (!keep.live_blocks.empty()) {
+    return absl::InvalidArgumentError("live_blocks: only a sleep that keeps its contents (keep) names live blocks");
+  }
+  absl::Cleanup give_back = [&] {
+    pool.op_mu().AssertHeld();  // the lambda runs in this scope, under the caller's hold of op_mu
+    Unprepare(pool, change);
+  };
   if (op == GroupOp::kShrink || op == GroupOp::kSleep) {
     const uint64_t prefix = op == GroupOp::kSleep ? 0 : pool.geometry().PrefixBytes(target_blocks);
     KVD_RETURN_IF_ERROR(QuiesceLocked(
@@ -672,15 +627,88 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
         pool.Leaving(prefix), release));
     change.forced = release.force;
   }
+  if (change.kept.has_value()) {
+    // Under the pause: no client of another session writes while the bytes are copied.
+    if (absl::Status copied = host_tier_->CopyOut(pool.base(), *change.kept); !copied.ok()) {
+      return absl::Status(copied.code(), absl::StrCat("pool ", pool.name(), ": copying its contents to the host tier: ",
+                                                      copied.message(), "; nothing changed"));
+    }
+  }
+  std::move(give_back).Cancel();
   return change;
 }
+
+absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, const KeepOptions& keep) {
+  if (host_tier_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "keep: pool ", pool.name(), " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
+  }
+  const PoolView view = pool.View(ViewClients::kCounted);
+  const Geometry& g = view.geometry;
+  KeptContents kept;
+  if (keep.live_blocks.empty()) {
+    const uint64_t prefix = g.segments() == 0 ? 0 : view.committed_bytes / g.segments();
+    if (prefix > 0) {
+      for (uint64_t s = 0; s < g.segments(); ++s) kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
+    }
+  } else {
+    std::vector<uint64_t> live = keep.live_blocks;
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (live[i] >= view.committed_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i], " is not committed (pool ",
+                                                       pool.name(), " has ", view.committed_blocks, ")"));
+      }
+    }
+    std::sort(live.begin(), live.end());
+    if (auto dup = std::adjacent_find(live.begin(), live.end()); dup != live.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("live_blocks: block ", *dup, " is named more than once"));
+    }
+    kept.live_blocks = live.size();
+    const uint64_t block = g.block_stride();
+    for (uint64_t s = 0; s < g.segments(); ++s) {
+      for (size_t i = 0; i < live.size();) {
+        size_t j = i + 1;
+        while (j < live.size() && live[j] == live[j - 1] + 1) ++j;
+        kept.runs.push_back({.pool_offset = g.SegmentOffset(s) + live[i] * block, .bytes = (j - i) * block});
+        i = j;
+      }
+    }
+  }
+  for (const KeptRun& run : kept.runs) kept.bytes += run.bytes;
+  if (kept.bytes == 0) return std::nullopt;
+  KVD_ASSIGN_OR_RETURN(kept.tier_offset, host_tier_->Take(pool.name(), kept.bytes, &kept.extent_bytes));
+  return kept;
+}
+
+void PoolManager::Unprepare(Pool& pool, Change& change) {
+  Unstage(pool, change.staged);
+  if (change.kept.has_value()) host_tier_->Give(change.kept->tier_offset, change.kept->extent_bytes);
+  change.kept.reset();
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::SleepKeeping(absl::string_view name, PauseOptions pause) {
+  std::shared_ptr<Pool> pool;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pools_.find(name);
+    if (it == pools_.end()) return absl::NotFoundError(absl::StrCat("pool: ", name, " does not exist"));
+    pool = it->second;
+  }
+  return Resize(Caller{.uid = options_.daemon_uid}, pool, GroupOp::kSleep, 0, false, absl::InfinitePast(),
+                ReleaseOptions{.force = true, .pause = pause}, KeepOptions{.keep = true});
+}
+
+HostTierStats PoolManager::HostTierUsage() const { return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{}; }
 
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
   const GroupOp op = change.op;
   const uint64_t target_blocks = change.target_blocks;
   const size_t chunks_before = pool.View(ViewClients::kCounted).chunks.size();
+  const std::optional<KeptContents> restored = change.restored ? pool.kept() : std::nullopt;
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
+  // Woken with its contents: the tier's copy is no longer needed.
+  if (restored.has_value()) host_tier_->Give(restored->tier_offset, restored->extent_bytes);
   if (op == GroupOp::kShrink) {
     // Whole chunks only: say whether that reached the target.
     const Geometry& g = pool.geometry();
@@ -691,22 +719,19 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
   }
   Save(pool);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
-  for (ChunkRecord& r : released) {
-    store_->DropChunkFd(r.info.id);
-    DiscardChunk(pool.base(), r);
-  }
+  for (ChunkRecord& r : released) maker_.Discard(pool.base(), r);
   update.elapsed = absl::Now() - start;
   return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
                                                uint64_t target_blocks, bool wait, absl::Time deadline,
-                                               const ReleaseOptions& release) {
+                                               const ReleaseOptions& release, const KeepOptions& keep) {
   PoolUpdate update;
   {
-    absl::MutexLock lock(&pool->op_mu);
+    absl::MutexLock lock(&pool->op_mu());
     const absl::Time start = absl::Now();
-    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release));
+    KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(*pool, op, target_blocks, caller.session, release, keep));
     update = CommitLocked(*pool, std::move(change), caller.session, start);
   }
   if (wait && update.release_id != 0) {
@@ -730,20 +755,24 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
 }
 
 absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller, absl::string_view name, bool wait,
-                                                           absl::Time deadline, const ReleaseOptions& release) {
+                                                           absl::Time deadline, const ReleaseOptions& release,
+                                                           const KeepOptions& keep) {
   std::vector<PoolUpdate> updates;
   if (!name.empty()) {
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline, release));
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Resize(caller, pool, GroupOp::kSleep, 0, wait, deadline, release, keep));
     updates.push_back(std::move(update));
     return updates;
   }
   // --all: every awake pool the caller may change. Releases are started on every pool first, then
   // awaited together. A pool that went to sleep or away meanwhile is skipped.
+  if (!keep.live_blocks.empty()) {
+    return absl::InvalidArgumentError("live_blocks: name the pool they belong to (not all)");
+  }
   std::vector<std::shared_ptr<Pool>> slept;
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     if (!pool->Allows(caller.uid) || pool->state() != PoolState::kAwake) continue;
-    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline, release);
+    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, GroupOp::kSleep, 0, false, deadline, release, keep);
     if (!update.ok()) {
       // Gone or asleep meanwhile: skipped. Any other refusal (a client that is not pausable) stops here, the
       // pools before it asleep.
@@ -784,72 +813,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Reshaping: see Note [Chunks are replaced, not cut] in docs/architecture.md.
-
-absl::StatusOr<PoolManager::StepRoom> PoolManager::Room() const {
-  KVD_ASSIGN_OR_RETURN(DeviceInfo info, device_->Info());
-  const uint64_t committed = budget_.committed();
-  StepRoom room{.budget_free = committed < budget_.limit() ? budget_.limit() - committed : 0,
-                .device_free = info.free_bytes,
-                .margin = std::max<uint64_t>(kReshapeDeviceMargin, device_->granularity())};
-  room.bytes = std::min(room.budget_free, room.device_free > room.margin ? room.device_free - room.margin : 0);
-  return room;
-}
-
-absl::Status PoolManager::NoRoom(const Pool& pool, absl::string_view what, uint64_t needed, absl::string_view for_what,
-                                 const StepRoom& room, uint64_t freed_first) const {
-  return absl::ResourceExhaustedError(
-      absl::StrCat("pool ", pool.name(), ": ", what, " needs ", needed, " bytes (", FormatBytes(needed), ") free for ",
-                   for_what, " while the chunks it replaces still hold theirs, but only ", room.budget_free, " bytes (",
-                   FormatBytes(room.budget_free), ") of the daemon's budget of ", FormatBytes(budget_.limit()),
-                   " are free and the device has ", room.device_free, " bytes (", FormatBytes(room.device_free),
-                   ") free, less ", room.margin, " bytes (", FormatBytes(room.margin), ") kept for its own use",
-                   freed_first > 0 ? absl::StrCat(", even with the ", freed_first, " bytes (", FormatBytes(freed_first),
-                                                  ") of the whole chunks past the target released first")
-                                   : ""));
-}
-
-namespace {
-
-// Adds one step of a reshape in steps to the sum of those before: chunks_before is the first step's,
-// chunks_after, the clients and the release the last one's, the rest summed (max_pause the longest).
-void AddStep(std::optional<PoolUpdate>& total, PoolUpdate step) {
-  if (!total.has_value()) {
-    total = std::move(step);
-    return;
-  }
-  ReshapeReport& sum = *total->reshape;
-  const ReshapeReport& r = *step.reshape;
-  sum.chunks_after = r.chunks_after;
-  sum.chunks_replaced += r.chunks_replaced;
-  sum.chunks_added += r.chunks_added;
-  sum.copied_bytes += r.copied_bytes;
-  sum.copy += r.copy;
-  sum.paused_clients = r.paused_clients;
-  sum.pause += r.pause;
-  sum.max_pause = std::max(sum.max_pause, r.max_pause);
-  sum.resumed_clients = r.resumed_clients;
-  sum.detached_client_ids.insert(sum.detached_client_ids.end(), r.detached_client_ids.begin(),
-                                 r.detached_client_ids.end());
-  sum.moved_blocks.insert(sum.moved_blocks.end(), r.moved_blocks.begin(), r.moved_blocks.end());
-  sum.target_reached = sum.target_reached && r.target_reached;
-  sum.steps += r.steps;
-  total->pool = std::move(step.pool);
-  total->added.insert(total->added.end(), step.added.begin(), step.added.end());
-  total->released_chunk_ids.insert(total->released_chunk_ids.end(), step.released_chunk_ids.begin(),
-                                   step.released_chunk_ids.end());
-  total->release_id = step.release_id;
-}
-
-// A step's error once steps before it changed the pool: they stay done, and the error says so.
-absl::Status StepsStayDone(const absl::Status& failed, absl::string_view kind, uint32_t steps, size_t chunks_before,
-                           size_t chunks_now, absl::string_view go_on) {
-  return absl::Status(failed.code(),
-                      absl::StrCat(failed.message(), "; what the ", kind, " steps before it did stays done (", steps,
-                                   " of them: ", chunks_before, " -> ", chunks_now, " chunks): ", go_on));
-}
-
-}  // namespace
+// Reshaping: the Reshaper's (reshaper.h), with the services it is handed
 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                const ShrinkOptions& options) {
@@ -857,248 +821,25 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live.blocks", options.live->size(), caller.uid, options_.limits)));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  const absl::Time start = absl::Now();
-  const absl::Duration timeout =
-      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
-  PoolUpdate update;
-  absl::Time paused_at = absl::InfinitePast();
-  std::set<std::string> paused;
-  OldView old;
-  std::optional<std::vector<uint64_t>> stepped;  // an exact shrink in steps: the releases of its steps
-  {
-    absl::MutexLock lock(&pool->op_mu);
-    KVD_ASSIGN_OR_RETURN(ReshapePlan plan, pool->PlanShrink(target_blocks, options.whole_chunks_only, options.live));
-    if (!plan.moves_bytes()) {
-      // Whole chunks go and nothing moves: the plain resize, which needs no pause.
-      KVD_ASSIGN_OR_RETURN(Change change,
-                           PrepareLocked(*pool, GroupOp::kShrink, target_blocks, caller.session,
-                                         ReleaseOptions{.force = options.force, .pause = options.pause}));
-      update = CommitLocked(*pool, std::move(change), caller.session, start);
-    } else {
-      KVD_ASSIGN_OR_RETURN(StepRoom room, Room());
-      uint64_t bytes = 0;
-      for (const PlannedChunk& p : plan.added) bytes += p.bytes;
-      if (bytes > room.bytes) {
-        // Not in one step: see Note [Chunks are replaced, not cut] in docs/architecture.md.
-        stepped.emplace();
-        KVD_ASSIGN_OR_RETURN(
-            update, ShrinkInStepsLocked(*pool, caller.session, target_blocks, options, plan, room, start, &*stepped));
-      } else {
-        KVD_ASSIGN_OR_RETURN(
-            update, ReshapeLocked(*pool, plan, options.pause, absl::StrCat("shrinking to ", target_blocks, " blocks"),
-                                  &paused_at, &paused, &old, nullptr));
-      }
-    }
-  }
-  if (stepped.has_value()) {
-    // Each step was finished under op_mu; with wait, every step's release is awaited.
-    if (options.wait) {
-      for (uint64_t id : *stepped) pool->AwaitRelease(id, options.deadline);
-      if (!stepped->empty()) update.pool = pool->View(ViewClients::kCounted);
-    }
-    update.elapsed = absl::Now() - start;
-    return update;
-  }
-  // Replied once the paused clients resumed (so that the caller's own Mapping has remapped), at most a
-  // pause timeout later; with wait, once every release is acknowledged or the caller's deadline passed.
-  FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout,
-                options.wait ? std::optional<absl::Time>(options.deadline) : std::nullopt, start);
-  TakeDown(old);
-  if (update.reshape.has_value() && update.reshape->steps > 0) ObserveStep(*update.reshape);
-  return update;
-}
-
-absl::StatusOr<PoolUpdate> PoolManager::ShrinkInStepsLocked(Pool& pool, absl::string_view session,
-                                                            uint64_t target_blocks, const ShrinkOptions& options,
-                                                            const ReshapePlan& whole, const StepRoom& room,
-                                                            absl::Time start, std::vector<uint64_t>* releases) {
-  const std::string what = absl::StrCat("shrinking to ", target_blocks, " blocks");
-  const absl::Duration timeout =
-      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return Stopping();
-  }
-  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
-  // Nothing changed yet: refuse unless the largest replacement (one segment's) fits once the whole chunks
-  // past the target are released. Free memory only grows from step to step (each gives back at least
-  // what it takes), so every later step fits one too unless someone else takes the memory meanwhile.
-  uint64_t largest = 0, all = 0;
-  for (const PlannedChunk& p : whole.added) {
-    largest = std::max(largest, p.bytes);
-    all += p.bytes;
-  }
-  if (largest > room.bytes + whole.release_first_bytes) {
-    return NoRoom(pool, what, largest,
-                  absl::StrCat("the new chunk of one segment (", all, " bytes for all ", whole.added.size(), ")"), room,
-                  whole.release_first_bytes);
-  }
-
-  // First the whole chunks at or past a boundary every segment shares: a plain release (the clients of other
-  // sessions paused for it first: Note [Releases pause first]), whose memory is free for the steps once the
-  // clients that map it acknowledged.
-  std::vector<uint64_t> released_first;
-  if (whole.release_first_bytes > 0) {
-    KVD_RETURN_IF_ERROR(QuiesceLocked(pool, session, what, pool.Leaving(whole.release_first_from),
-                                      ReleaseOptions{.pause = options.pause}));
-    std::vector<ChunkRecord> released;
-    PoolUpdate freed = pool.ReleaseFrom(whole.release_first_from, &released, session);
-    Save(pool);
-    for (ChunkRecord& r : released) {
-      store_->DropChunkFd(r.info.id);
-      DiscardChunk(pool.base(), r);
-    }
-    if (freed.release_id != 0) {
-      releases->push_back(freed.release_id);
-      pool.AwaitRelease(freed.release_id, absl::Now() + timeout);
-    }
-    released_first = std::move(freed.released_chunk_ids);
-  }
-
-  // Then the straddling chunks, as many segments' a step as the free memory holds. The first step also
-  // releases every chunk past the target and moves the live blocks; from it on the prefix is the target's
-  // and the segments not yet replaced keep tails past it (the invariants in pool.h) until a later step.
-  std::optional<PoolUpdate> total;
-  OldView spare;  // the view the step before left, to be the next one (ReshapeLocked)
-  absl::Cleanup take_down_spare = [&] { TakeDown(spare); };
-  for (bool first = true;; first = false) {
-    absl::Time paused_at = absl::InfinitePast();
-    std::set<std::string> paused;
-    OldView old;
-    const absl::Time step_start = absl::Now();
-    absl::StatusOr<PoolUpdate> made;
-    // What is left first (after the first step: no tail left, done), then what of it fits now.
-    absl::StatusOr<ReshapePlan> rest =
-        first ? pool.PlanShrink(target_blocks, false, options.live) : pool.PlanTails(std::nullopt);
-    absl::Status failed = rest.status();
-    if (failed.ok() && !first && !rest->moves_bytes()) break;
-    absl::StatusOr<StepRoom> now = failed.ok() ? Room() : absl::StatusOr<StepRoom>(failed);
-    failed = now.status();
-    if (failed.ok()) {
-      absl::StatusOr<ReshapePlan> plan =
-          first ? pool.PlanShrink(target_blocks, false, options.live, now->bytes) : pool.PlanTails(now->bytes);
-      failed = plan.status();
-      if (failed.ok() && plan->added.empty()) {
-        // Memory not given back yet (a client slow to acknowledge), or taken by others meanwhile.
-        failed = NoRoom(pool, what, rest->added.empty() ? 0 : rest->added.front().bytes, "the new chunk of one segment",
-                        *now, 0);
-      }
-      if (failed.ok()) {
-        made = ReshapeLocked(pool, *plan, options.pause, what, &paused_at, &paused, &old, &spare);
-        failed = made.status();
-      }
-    }
-    if (!failed.ok()) {
-      if (!total.has_value() && released_first.empty()) return failed;
-      const size_t chunks_now = pool.View(ViewClients::kCounted).chunks.size();
-      return StepsStayDone(
-          failed, "shrink", total.has_value() ? total->reshape->steps : 0, whole.chunks_before, chunks_now,
-          total.has_value()
-              ? "the pool has the target's blocks committed, but the chunks of the segments not yet replaced still "
-                "run past them: Compact the pool (or shrink it exactly again) to replace them"
-              : "whole chunks past the target were released first; shrink again to go on");
-    }
-    PoolUpdate update = *std::move(made);
-    FinishReshape(pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
-    if (update.release_id != 0) releases->push_back(update.release_id);
-    KeepForNextStep(old, update.pool, spare);
-    ObserveStep(*update.reshape);
-    AddStep(total, std::move(update));
-  }
-  total->reshape->chunks_before = whole.chunks_before;
-  total->released_chunk_ids.insert(total->released_chunk_ids.begin(), released_first.begin(), released_first.end());
-  std::set<uint64_t> now;
-  for (const ChunkInfo& c : total->pool.chunks) now.insert(c.id);
-  std::erase_if(total->added, [&](const ChunkInfo& c) { return !now.contains(c.id); });
-  total->elapsed = absl::Now() - start;
-  return *std::move(total);
+  return reshaper_.Shrink(*pool, caller.session, target_blocks, options);
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::string_view name,
                                                 const CompactOptions& options) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  const absl::Time start = absl::Now();
-  const absl::Duration timeout =
-      options.pause.timeout > absl::ZeroDuration() ? options.pause.timeout : options_.pause_timeout;
-  const size_t per_pause =
-      options.max_chunks_per_pause > 0 ? options.max_chunks_per_pause : options_.compact_chunks_per_pause;
-  // Each step: plan the next new chunks (at most per_pause old ones replaced with clients to pause, and
-  // no more bytes than are free), reshape under op_mu, let the clients resume without it. Planned afresh
-  // each time, from the memory the step before gave back, so that a grow between steps is compacted too.
-  std::optional<PoolUpdate> total;
-  OldView spare;  // the view the step before left, to be the next one (ReshapeLocked)
-  absl::Cleanup take_down_spare = [&] { TakeDown(spare); };
-  for (;;) {
-    PoolUpdate update;
-    absl::Time paused_at = absl::InfinitePast();
-    std::set<std::string> paused;
-    OldView old;
-    const absl::Time step_start = absl::Now();
-    {
-      absl::MutexLock lock(&pool->op_mu);
-      // With nobody attached the daemon is the only mapper: a new chunk that does not fit may be made of
-      // runs of the old ones that do (fewer chunks, if not one a segment).
-      const bool alone = pool->View(ViewClients::kCounted).client_count == 0;
-      // What is left to do first (nothing: in shape), then what of it fits now: no look at the device
-      // once the work is done.
-      absl::StatusOr<ReshapePlan> rest = pool->PlanCompact(options_.max_chunk_bytes, std::nullopt);
-      absl::Status failed = rest.status();
-      if (failed.ok() && !rest->moves_bytes()) {
-        if (!total.has_value()) {  // already in shape
-          total.emplace();
-          total->pool = pool->View(ViewClients::kCounted);
-          total->reshape = ReshapeReport{.chunks_before = rest->chunks_before,
-                                         .chunks_after = static_cast<uint32_t>(total->pool.chunks.size()),
-                                         .target_reached = true};
-        }
-        break;
-      }
-      absl::StatusOr<StepRoom> room = failed.ok() ? Room() : absl::StatusOr<StepRoom>(failed);
-      failed = room.status();
-      absl::StatusOr<ReshapePlan> plan = ReshapePlan{};
-      if (failed.ok()) {
-        plan = pool->PlanCompact(options_.max_chunk_bytes, alone ? std::nullopt : std::optional<size_t>(per_pause),
-                                 room->bytes, /*smaller=*/alone);
-        failed = plan.status();
-      }
-      if (failed.ok() && !plan->moves_bytes()) {
-        // The next new chunk does not fit; after smaller ones, that is as far as the free memory goes.
-        if (total.has_value() && !total->reshape->target_reached) break;
-        failed = NoRoom(*pool, "compacting", rest->added.front().bytes,
-                        alone ? "a new chunk of at least two old ones" : "its next new chunk", *room, 0);
-      }
-      if (failed.ok() && total.has_value()) {
-        if (absl::Now() >= options.interrupt.deadline) {
-          failed = absl::DeadlineExceededError(absl::StrCat("pool ", name, ": the deadline of the call passed"));
-        } else if (options.interrupt.cancelled && options.interrupt.cancelled()) {
-          failed = absl::CancelledError(absl::StrCat("pool ", name, ": the caller cancelled the call"));
-        }
-      }
-      if (failed.ok()) {
-        absl::StatusOr<PoolUpdate> made =
-            ReshapeLocked(*pool, *plan, options.pause, "compacting", &paused_at, &paused, &old, &spare);
-        failed = made.status();
-        if (made.ok()) update = *std::move(made);
-      }
-      if (!failed.ok()) {
-        if (!total.has_value()) return failed;
-        // The steps before stay done: the pool is whole, only less fragmented than asked.
-        return StepsStayDone(failed, "compaction", total->reshape->steps, total->reshape->chunks_before,
-                             pool->View(ViewClients::kCounted).chunks.size(), "Compact again to go on");
-      }
-    }
-    FinishReshape(*pool, update, paused_at, paused, absl::Now() + timeout, std::nullopt, step_start);
-    KeepForNextStep(old, update.pool, spare);
-    ObserveStep(*update.reshape);
-    AddStep(total, std::move(update));
-  }
-  // A later step may have replaced a chunk an earlier one added (a grow between them moved the last
-  // chunk's end): `added` names only the new chunks in the table.
-  std::set<uint64_t> now;
-  for (const ChunkInfo& c : total->pool.chunks) now.insert(c.id);
-  std::erase_if(total->added, [&](const ChunkInfo& c) { return !now.contains(c.id); });
-  total->elapsed = absl::Now() - start;
-  return *std::move(total);
+  return reshaper_.Compact(*pool, options);
+}
+
+absl::Status PoolManager::CheckRunning() const {
+  absl::MutexLock lock(&mu_);
+  return stopping_ ? Stopping() : absl::OkStatus();
+}
+
+absl::StatusOr<PoolUpdate> PoolManager::ReleaseWholeChunksLocked(Pool& pool, absl::string_view session,
+                                                                 uint64_t target_blocks,
+                                                                 const ReleaseOptions& release, absl::Time start) {
+  KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(pool, GroupOp::kShrink, target_blocks, session, release));
+  return CommitLocked(pool, std::move(change), session, start);
 }
 
 void PoolManager::Observe(Observers observers) {
@@ -1110,198 +851,6 @@ void PoolManager::Observe(Observers observers) {
 void PoolManager::ObserveStep(const ReshapeReport& step) {
   absl::MutexLock lock(&observer_mu_);
   if (observers_.reshape_step) observers_.reshape_step(step);
-}
-
-absl::StatusOr<PoolUpdate> PoolManager::ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
-                                                      absl::string_view what, absl::Time* paused_at,
-                                                      std::set<std::string>* paused, OldView* teardown,
-                                                      OldView* spare) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return Stopping();
-  }
-  KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
-  const absl::Duration timeout = pause.timeout > absl::ZeroDuration() ? pause.timeout : options_.pause_timeout;
-  ReshapeReport report{.chunks_before = plan.chunks_before,
-                       .chunks_replaced = static_cast<uint32_t>(plan.replaced.size()),
-                       .chunks_added = static_cast<uint32_t>(plan.added.size()),
-                       .moved_blocks = plan.moves,
-                       .target_reached = plan.target_reached,
-                       .steps = 1};
-
-  // The new chunks hold their bytes before the old ones give theirs back.
-  uint64_t bytes = 0;
-  for (const PlannedChunk& p : plan.added) bytes += p.bytes;
-  if (uint64_t free = 0; !budget_.TryTake(bytes, &free)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (", FormatBytes(bytes),
-                     ") for new chunks while the chunks they replace still hold theirs, but only ", free, " bytes (",
-                     FormatBytes(free), ") of the daemon's budget of ", FormatBytes(budget_.limit()), " are free"));
-  }
-  absl::Cleanup give_back = [&] { budget_.Give(bytes); };
-
-  std::set<uint64_t> leaving(plan.replaced.begin(), plan.replaced.end());
-  leaving.insert(plan.released.begin(), plan.released.end());
-  std::vector<uint64_t> staying_ids;
-  const PoolView now = pool.View(ViewClients::kCounted);
-  std::vector<ChunkInfo> mapped = now.chunks;
-  for (const ChunkInfo& c : mapped) {
-    if (!leaving.contains(c.id)) staying_ids.push_back(c.id);
-  }
-
-  // The daemon's next view of the pool: a reservation of the pool's size where the new chunks are made and
-  // the chunks that stay are mapped again. After the copy the daemon switches its base to it, instead of
-  // unmapping and mapping chunk by chunk while the clients wait (its base is its own; clients map at
-  // theirs). The old view is taken down after the clients resumed (FinishReshape's caller), or handed
-  // back in `*spare` for the next step of a compaction, which brings it up to date (Recycle) rather than
-  // mapping every chunk of the pool again.
-  const uint64_t reserved = pool.geometry().reserved_bytes();
-  std::set<uint64_t> in_view;  // staying chunks `next` already maps
-  uint64_t next = 0;
-  if (spare != nullptr && spare->base != 0) {
-    // Only a view of the table as this pool has it now: no other change came between the steps.
-    if (spare->generation == now.generation && spare->bytes == reserved &&
-        Recycle(*spare, std::set<uint64_t>(staying_ids.begin(), staying_ids.end()))) {
-      next = spare->base;
-      for (const ChunkInfo& c : spare->mapped) in_view.insert(c.id);
-      *spare = OldView{};
-    } else {
-      TakeDown(*spare);
-    }
-  }
-  if (next == 0) {
-    KVD_ASSIGN_OR_RETURN(next, device_->Reserve(reserved));
-  }
-  absl::Cleanup free_next = [&] { device_->Free(next, reserved).IgnoreError(); };
-  std::vector<ChunkRecord> added;
-  {
-    absl::StatusOr<std::vector<ChunkRecord>> made = MakeChunks(next, plan.added);
-    if (!made.ok()) {
-      if (absl::IsResourceExhausted(made.status()) && !IsOutOfFileDescriptors(made.status())) {
-        absl::StatusOr<DeviceInfo> info = device_->Info();
-        return absl::ResourceExhaustedError(absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (",
-                                                         FormatBytes(bytes), ") of new chunks but the device has ",
-                                                         info.ok() ? info->free_bytes : 0,
-                                                         " bytes free: ", made.status().message()));
-      }
-      return made.status();
-    }
-    added = *std::move(made);
-  }
-  bool fds_kept = false;
-  // Until applied, the new chunks are the daemon's alone: a failure unmaps and releases them.
-  absl::Cleanup discard = [&] {
-    for (ChunkRecord& r : added) {
-      if (fds_kept) store_->DropChunkFd(r.info.id);
-      DiscardChunk(next, r);
-    }
-  };
-  KVD_RETURN_IF_ERROR(KeepFds(added));
-  fds_kept = true;
-  const std::vector<ChunkRecord*> staying = pool.ChunksById(staying_ids);
-  size_t remapped = 0;
-  absl::Cleanup unmap_staying = [&] {
-    for (size_t i = 0; i < staying.size(); ++i) {
-      if (i >= remapped && !in_view.contains(staying[i]->info.id)) continue;
-      device_->Unmap(next + staying[i]->info.offset, staying[i]->info.bytes).IgnoreError();
-    }
-  };
-  for (; remapped < staying.size(); ++remapped) {
-    const ChunkRecord& r = *staying[remapped];
-    if (in_view.contains(r.info.id)) continue;
-    KVD_RETURN_IF_ERROR(device_->Map(next + r.info.offset, r.chunk, Access::kReadWrite));
-  }
-
-  // The pause: every attached client imports the new chunks and stops touching the pool.
-  const size_t asked = pool.BeginPause(added);
-  absl::Cleanup resume = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu) { pool.CancelPause(); };
-  if (asked > 0) {
-    Pool::PauseOutcome outcome = pool.AwaitPause(absl::Now() + timeout);
-    KVD_RETURN_IF_ERROR(
-        SettleLatePause(pool, what, outcome, timeout, pause.detach_unresponsive, &report.detached_client_ids));
-    report.paused_clients = static_cast<uint32_t>(outcome.paused.size());
-    *paused = std::move(outcome.paused);
-  }
-  *paused_at = absl::Now();
-
-  // The copies: live blocks first (they may land in a chunk that is replaced next), then every new chunk
-  // from the bytes now at its place in the current view.
-  const absl::Time copy_start = absl::Now();
-  if (!plan.moves.empty()) {
-    KVD_ASSIGN_OR_RETURN(BlockSpan span, pool.AwakeSpan());
-    KVD_RETURN_IF_ERROR(device_->CopyBlocks(span, plan.moves));
-  }
-  const uint64_t base = pool.base();
-  for (const PlannedChunk& p : plan.added) {
-    KVD_RETURN_IF_ERROR(device_->CopyRange(next + p.offset, base + p.offset, p.bytes));
-    report.copied_bytes += p.bytes;
-  }
-  report.copy = absl::Now() - copy_start;
-
-  // Applied: nothing below can fail. The next view becomes the daemon's.
-  std::move(resume).Cancel();
-  std::move(unmap_staying).Cancel();
-  std::move(discard).Cancel();
-  std::move(free_next).Cancel();
-  std::move(give_back).Cancel();
-  pool.set_base(next);
-  PoolUpdate update = pool.ApplyReshape(plan, std::move(added), &teardown->chunks);
-  Save(pool);
-  // The record no longer names them (Note [Durable pools]); their memory goes with the old view.
-  for (const ChunkRecord& r : teardown->chunks) store_->DropChunkFd(r.info.id);
-  teardown->base = base;
-  teardown->bytes = reserved;
-  teardown->mapped = std::move(mapped);
-  report.chunks_after = static_cast<uint32_t>(update.pool.chunks.size());
-  update.reshape = std::move(report);
-  return update;
-}
-
-bool PoolManager::Recycle(OldView& old, const std::set<uint64_t>& staying) {
-  std::vector<ChunkInfo> kept;
-  for (size_t i = 0; i < old.mapped.size(); ++i) {
-    const ChunkInfo& c = old.mapped[i];
-    if (staying.contains(c.id)) {
-      kept.push_back(c);
-      continue;
-    }
-    if (!device_->Unmap(old.base + c.offset, c.bytes).ok()) {
-      // TakeDown unmaps what is still mapped: the ones kept, this one (it may be), and the rest.
-      kept.insert(kept.end(), old.mapped.begin() + static_cast<ptrdiff_t>(i), old.mapped.end());
-      old.mapped = std::move(kept);
-      return false;
-    }
-  }
-  old.mapped = std::move(kept);
-  for (ChunkRecord& r : old.chunks) {
-    device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
-  }
-  old.chunks.clear();
-  return true;
-}
-
-void PoolManager::KeepForNextStep(OldView& old, const PoolView& pool, OldView& spare) {
-  std::set<uint64_t> table;
-  for (const ChunkInfo& c : pool.chunks) table.insert(c.id);
-  if (Recycle(old, table)) {
-    old.generation = pool.generation;
-    spare = std::move(old);
-  } else {
-    TakeDown(old);
-  }
-}
-
-void PoolManager::TakeDown(OldView& old) {
-  if (old.base != 0) {
-    for (const ChunkInfo& c : old.mapped) device_->Unmap(old.base + c.offset, c.bytes).IgnoreError();
-    device_->Free(old.base, old.bytes).IgnoreError();
-  }
-  for (ChunkRecord& r : old.chunks) {
-    device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
-  }
-  old = OldView{};
 }
 
 void PoolManager::CompactLaterIfFragmented(const PoolView& pool) {
@@ -1346,129 +895,6 @@ void PoolManager::CompactInBackground() {
   }
 }
 
-void PoolManager::FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at,
-                                const std::set<std::string>& paused, absl::Time resume_deadline,
-                                std::optional<absl::Time> release_deadline, absl::Time start) {
-  if (!paused.empty()) {
-    // Only the paused clients' RESUME acknowledgements: a detached holder of the old chunks keeps them
-    // counted, but nobody waits for it here.
-    const size_t still = pool.AwaitClients(update.release_id, paused, resume_deadline);
-    update.reshape->resumed_clients = static_cast<uint32_t>(paused.size() - std::min(still, paused.size()));
-    update.reshape->pause = absl::Now() - paused_at;
-    update.reshape->max_pause = update.reshape->pause;
-  }
-  if (release_deadline.has_value()) pool.AwaitRelease(update.release_id, *release_deadline);
-  if (update.release_id != 0) update.pool = pool.View(ViewClients::kCounted);
-  update.elapsed = absl::Now() - start;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Engine groups: the same state machine, split at the RPC boundary
-
-absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::string_view name, GroupOp op,
-                                                uint64_t target_blocks, absl::Duration ttl, bool force) {
-  const absl::Time start = absl::Now();
-  if ((op == GroupOp::kSleep || op == GroupOp::kWake) && target_blocks != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target_blocks: must be unset for ", GroupOpName(op), " (it applies to grow and shrink)"));
-  }
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op_lock(&pool->op_mu);
-  // A shrink or sleep pauses the pausable clients of other sessions until the commit or abort.
-  KVD_ASSIGN_OR_RETURN(Change change,
-                       PrepareLocked(*pool, op, target_blocks, caller.session, ReleaseOptions{.force = force}));
-  const uint64_t prepared_bytes = change.staged.bytes;
-  Transaction txn{.id = RandomToken("t-"),
-                  .session = caller.session,
-                  .pid = caller.pid,
-                  .expires = absl::Now() + ttl,
-                  .change = std::move(change)};
-  const std::string id = txn.id;
-  const absl::Time expires = txn.expires;
-  if (std::optional<Transaction> refused = pool->Hold(std::move(txn), sessions_); refused.has_value()) {
-    // The session closed (or the pool was deleted) while the memory was made: nobody could commit this.
-    Unstage(*pool, refused->change.staged);
-    if (pool->deleted()) return PoolGone(name);
-    return absl::UnauthenticatedError("kvd-session: the session has closed");
-  }
-  transactions_.Add(id, pool->name(), expires);
-  PreparedOp prepared{.transaction = id,
-                      .pool = pool->View(ViewClients::kCounted),
-                      .prepared_bytes = prepared_bytes,
-                      .expires = expires};
-  prepared.elapsed = absl::Now() - start;
-  return prepared;
-}
-
-absl::StatusOr<std::shared_ptr<Pool>> PoolManager::FindTransaction(absl::string_view transaction) const {
-  KVD_ASSIGN_OR_RETURN(const std::string name, transactions_.Lookup(transaction));
-  absl::MutexLock lock(&mu_);
-  auto p = pools_.find(name);
-  if (p == pools_.end()) {
-    return absl::NotFoundError(absl::StrCat("transaction: ", transaction, " ended with its pool ", name));
-  }
-  return p->second;
-}
-
-uint64_t PoolManager::AbortLocked(Pool& pool, absl::string_view id, std::optional<absl::string_view> session,
-                                  absl::string_view why) {
-  absl::StatusOr<Transaction> txn = pool.Unhold(id, session);
-  if (!txn.ok()) return 0;
-  transactions_.Remove(id, why);
-  const uint64_t bytes = txn->change.staged.bytes;
-  Unstage(pool, txn->change.staged);
-  return bytes;
-}
-
-absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::string_view transaction, bool wait,
-                                                absl::Time deadline) {
-  const absl::Time start = absl::Now();
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindTransaction(transaction));
-  CommittedOp result;
-  {
-    absl::MutexLock op(&pool->op_mu);
-    // Ended (reaper, a closed session, a forced delete) between the lookup and op_mu: Lookup says why.
-    absl::StatusOr<Transaction> txn = pool->Unhold(transaction, caller.session);
-    if (!txn.ok()) {
-      if (absl::IsPermissionDenied(txn.status())) return txn.status();
-      KVD_RETURN_IF_ERROR(transactions_.Lookup(transaction).status());
-      return txn.status();
-    }
-    if (const absl::Duration late = absl::Now() - txn->expires; late > absl::ZeroDuration()) {
-      transactions_.Remove(transaction, "not committed within its ttl");
-      Unstage(*pool, txn->change.staged);
-      return absl::AbortedError(absl::StrCat("transaction: ", transaction, " expired ",
-                                             absl::FormatDuration(absl::Trunc(late, absl::Milliseconds(1))),
-                                             " ago and was aborted; prepare again"));
-    }
-    transactions_.Remove(transaction, "");
-    result.op = txn->change.op;
-    result.update = CommitLocked(*pool, std::move(txn->change), caller.session, start);
-  }
-  if (wait && result.update.release_id != 0) {
-    pool->AwaitRelease(result.update.release_id, deadline);
-    result.update.pool = pool->View(ViewClients::kCounted);
-  }
-  if (result.op == GroupOp::kGrow) CompactLaterIfFragmented(result.update.pool);
-  result.update.elapsed = absl::Now() - start;
-  return result;
-}
-
-absl::StatusOr<uint64_t> PoolManager::Abort(const Caller& caller, absl::string_view transaction) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindTransaction(transaction));
-  absl::MutexLock op(&pool->op_mu);
-  absl::StatusOr<Transaction> txn = pool->Unhold(transaction, caller.session);
-  if (!txn.ok()) {
-    if (absl::IsPermissionDenied(txn.status())) return txn.status();
-    KVD_RETURN_IF_ERROR(transactions_.Lookup(transaction).status());
-    return txn.status();
-  }
-  transactions_.Remove(transaction, "");
-  const uint64_t bytes = txn->change.staged.bytes;
-  Unstage(*pool, txn->change.staged);
-  return bytes;
-}
-
 void PoolManager::ReapExpired() {
   while (std::optional<std::vector<std::pair<std::string, std::string>>> expired = transactions_.AwaitExpired()) {
     for (const auto& [id, name] : *expired) {
@@ -1482,7 +908,7 @@ void PoolManager::ReapExpired() {
         transactions_.Remove(id, "its pool was deleted");
         continue;
       }
-      absl::MutexLock op(&pool->op_mu);
+      absl::MutexLock op(&pool->op_mu());
       if (AbortLocked(*pool, id, std::nullopt, "not committed within its ttl") == 0) {
         // Committed, aborted or gone since AwaitExpired looked; make sure the reaper does not see it again.
         transactions_.Remove(id, "");
@@ -1495,415 +921,10 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
                                                       absl::string_view device_uuid, bool revoke) {
   KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", true));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
+  absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(PoolView view, pool->GrantPeerAccess(device_uuid, revoke));
   Save(*pool);
   return view;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Block operations
-
-absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
-                                                           absl::Span<const uint64_t> block_ids) const {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", block_ids.size(), caller.uid, options_.limits)));
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  const PoolView view = pool->View(ViewClients::kCounted);
-  if (view.state == PoolState::kSleeping) {
-    return absl::FailedPreconditionError(absl::StrCat("pool ", name, " is sleeping: it has no committed blocks"));
-  }
-  if (view.state == PoolState::kRecovering) {
-    return absl::UnavailableError(absl::StrCat("pool ", name,
-                                               " is recovering after a kvd restart: ", view.missing_chunk_ids.size(),
-                                               " chunks not yet given back by the clients that map them; retry"));
-  }
-  TransferPlan plan;
-  KVD_ASSIGN_OR_RETURN(plan.descriptors,
-                       ::kvd::daemon::DescribeTransfer(view.geometry, view.committed_blocks, block_ids));
-  plan.blocks = block_ids.empty() ? view.committed_blocks : block_ids.size();
-  for (const TransferDescriptor& d : plan.descriptors) plan.bytes += d.bytes * d.count;
-  plan.committed_blocks = view.committed_blocks;
-  plan.generation = view.generation;
-  return plan;
-}
-
-absl::Status PoolManager::CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
-                                         size_t total) const {
-  const std::string progress = absl::StrCat(" after ", done, " of ", total, " entries (those are done, the rest not)");
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError(absl::StrCat("kvd is shutting down: ", call, " stopped", progress));
-  }
-  // The deadline first: gRPC also cancels a call whose deadline passed.
-  if (absl::Now() >= interrupt.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat(call, ": the deadline of the call passed", progress));
-  }
-  if (interrupt.cancelled && interrupt.cancelled()) {
-    return absl::CancelledError(absl::StrCat(call, ": the caller cancelled the call", progress));
-  }
-  return absl::OkStatus();
-}
-
-size_t PoolManager::SliceEntries(const BlockSpan& span) const {
-  const uint64_t per_entry = std::max<uint64_t>(1, span.segments * span.block_bytes);
-  return static_cast<size_t>(std::max<uint64_t>(1, options_.block_slice_bytes / per_entry));
-}
-
-absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks,
-                                     const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", blocks.size(), caller.uid, options_.limits)));
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  // Only this pool's op_mu is held across the slices: other pools, and the device's VA book that their
-  // grows need, are free between slices.
-  absl::MutexLock op(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
-  // Everything is checked before any work: the ids, and that none repeats (bounding the work by the
-  // pool's committed blocks).
-  KVD_RETURN_IF_ERROR(ValidateBlocks(span, blocks));
-  absl::flat_hash_map<uint64_t, size_t> first;
-  first.reserve(blocks.size());
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    if (auto [it, inserted] = first.try_emplace(blocks[i], i); !inserted) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("block_ids[", i, "]: block ", blocks[i], " repeats block_ids[", it->second, "]"));
-    }
-  }
-  const size_t slice = SliceEntries(span);
-  for (size_t done = 0; done < blocks.size(); done += slice) {
-    KVD_RETURN_IF_ERROR(CheckInterrupt("ZeroBlocks", interrupt, done, blocks.size()));
-    KVD_RETURN_IF_ERROR(device_->ZeroBlocks(span, blocks.subspan(done, slice)));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies,
-                                     const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("copies", copies.size(), caller.uid, options_.limits)));
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());
-  // The whole request is checked first: no destination twice (which bounds the work by the committed
-  // blocks), and none also a source, so the slices may run in any order.
-  KVD_RETURN_IF_ERROR(ValidateCopies(span, copies));
-  const size_t slice = SliceEntries(span);
-  for (size_t done = 0; done < copies.size(); done += slice) {
-    KVD_RETURN_IF_ERROR(CheckInterrupt("CopyBlocks", interrupt, done, copies.size()));
-    KVD_RETURN_IF_ERROR(device_->CopyBlocks(span, copies.subspan(done, slice)));
-  }
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Handle channel and shutdown
-
-absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl::string_view session,
-                                                                            absl::string_view lease_token,
-                                                                            uint32_t peer_uid) {
-  absl::StatusOr<Caller> owner = sessions_.Authenticate(session);
-  if (!owner.ok()) return absl::UnauthenticatedError("session_token: unknown or closed session");
-  if (owner->uid != peer_uid) {
-    return absl::PermissionDeniedError(absl::StrCat("uid ", peer_uid, " may not use the session of uid ", owner->uid));
-  }
-  KVD_ASSIGN_OR_RETURN(const LeaseRecord lease, leases_.Redeem(session, lease_token));
-  std::shared_ptr<Pool> pool;
-  {
-    absl::MutexLock lock(&mu_);
-    auto p = pools_.find(lease.pool);
-    if (p != pools_.end()) pool = p->second;
-  }
-  if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
-  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids);
-  return RedeemRanges(*pool, lease);
-}
-
-absl::StatusOr<RangeExport> PoolManager::ExportRanges(const Caller& caller, absl::string_view client_id,
-                                                      const std::vector<ByteRange>& ranges) {
-  if (!capabilities_.dma_buf.supported) {
-    return absl::UnimplementedError(absl::StrCat("ExportRanges: the ", BackendName(device_->kind()),
-                                                 " backend has no range export: ", capabilities_.dma_buf.detail));
-  }
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
-  if (!pool->Allows(caller.uid)) {
-    return absl::PermissionDeniedError(absl::StrCat("uid ", caller.uid, " may not use pool ", pool->name()));
-  }
-  return pool->PlanRangeExport(caller, client_id, ranges, capabilities_.range_spans_chunks);
-}
-
-absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Pool& pool, const LeaseRecord& lease) {
-  std::vector<LeasedFd> out;
-  absl::Cleanup close_all = [&] {
-    for (const LeasedFd& f : out) close(f.fd);
-  };
-  if (!lease.ranges_span_chunks) {
-    // One chunk per range: its exported FD, which the handle's fd_offset points into.
-    for (size_t i = 0; i < lease.ranges.size(); ++i) {
-      KVD_ASSIGN_OR_RETURN(std::vector<LeasedFd> one, pool.DupFds(lease.client, lease.ranges[i].chunk_ids));
-      for (LeasedFd& f : one) out.push_back({.chunk_id = i, .fd = f.fd});
-    }
-  } else {
-    // op_mu keeps every covered chunk mapped in the daemon while the device exports the range.
-    absl::ReaderMutexLock op(&pool.op_mu);
-    for (size_t i = 0; i < lease.ranges.size(); ++i) {
-      const RangeHandle& r = lease.ranges[i];
-      KVD_RETURN_IF_ERROR(pool.CheckChunksLive(lease.client, r.chunk_ids));
-      KVD_ASSIGN_OR_RETURN(const int fd, device_->ExportRange(pool.base() + r.offset, r.bytes));
-      out.push_back({.chunk_id = i, .fd = fd});
-    }
-  }
-  std::move(close_all).Cancel();
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Durability: see Note [Durable pools] in docs/architecture.md.
-
-void PoolManager::Save(Pool& pool) { NoteSaved(pool.name(), store_->SavePool(pool.Saved()), "written"); }
-
-void PoolManager::Forget(Pool& pool) { NoteSaved(pool.name(), store_->ForgetPool(pool.name()), "removed"); }
-
-void PoolManager::NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what) {
-  bool degraded = false;
-  {
-    absl::MutexLock lock(&state_mu_);
-    const bool was = !stale_.empty();
-    if (written.ok()) {
-      if (auto it = stale_.find(pool); it != stale_.end()) stale_.erase(it);
-    } else {
-      ++save_failures_;
-      stale_[std::string(pool)] = {
-          .error = absl::StrCat("pool ", pool, ": its saved record could not be ", what, ": ", written.message()),
-          .sequence = save_failures_};
-    }
-    degraded = !stale_.empty();
-    if (degraded == was && written.ok()) return;
-    state_degraded_.store(degraded, std::memory_order_release);
-  }
-  if (!written.ok()) {
-    Warn(absl::StrCat("pool ", pool, ": its saved record could not be ", what, " (", written.message(),
-                      "): a restart now would restore it as its last saved record says; kvd reports the state as "
-                      "degraded until a later save of the pool succeeds"));
-  }
-  absl::MutexLock lock(&observer_mu_);
-  if (observers_.state_degraded) observers_.state_degraded(state_degraded_.load(std::memory_order_acquire));
-}
-
-StateHealth PoolManager::state_health() const {
-  absl::MutexLock lock(&state_mu_);
-  StateHealth health{.save_failures = save_failures_, .stale_pools = static_cast<uint32_t>(stale_.size())};
-  uint64_t latest = 0;
-  for (const auto& [name, stale] : stale_) {
-    if (stale.sequence > latest) {
-      latest = stale.sequence;
-      health.error = stale.error;
-    }
-  }
-  return health;
-}
-
-absl::Status PoolManager::KeepFds(absl::Span<const ChunkRecord> chunks) {
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (absl::Status kept = store_->KeepChunkFd(chunks[i].info.id, chunks[i].fd.get()); !kept.ok()) {
-      for (size_t j = 0; j < i; ++j) store_->DropChunkFd(chunks[j].info.id);
-      return kept;
-    }
-  }
-  return absl::OkStatus();
-}
-
-RestoreReport PoolManager::Restore(SavedState saved) {
-  RestoreReport report;
-  for (const SavedPool& record : saved.pools) {
-    std::shared_ptr<Pool> pool = RestorePool(record, saved.fds, report);
-    if (pool == nullptr) continue;
-    // Counted against the owner's limits like a pool it creates, but never refused: it exists already.
-    const uint64_t reserved = pool->geometry().reserved_bytes();
-    absl::MutexLock lock(&mu_);
-    pools_[pool->name()] = pool;
-    ++pools_by_uid_[pool->owner_uid()];
-    reserved_by_uid_[pool->owner_uid()] += reserved;
-    reserved_total_ += reserved;
-  }
-  // FDs no record accounts for: chunks of a grow or group prepare that never committed, or of a pool
-  // whose record was lost. Nobody can map them through this daemon; keeping them would hide memory.
-  for (auto& [id, fd] : saved.fds) {
-    report.lines.push_back(absl::StrCat("chunk ", id,
-                                        ": its FD was in the store but no saved pool has it "
-                                        "(an uncommitted grow or prepare): released"));
-    store_->DropChunkFd(id);
-    ++report.fds_released;
-  }
-  for (const std::string& line : report.lines) Warn(line);
-  recovery_ = std::thread([this, deadline = absl::Now() + options_.recovery_grace] { ExpireRecovery(deadline); });
-  return report;
-}
-
-std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<uint64_t, UniqueFd>& fds,
-                                               RestoreReport& report) {
-  auto fail = [&](absl::string_view why) -> std::shared_ptr<Pool> {
-    report.lines.push_back(absl::StrCat("pool ", saved.name, ": not restored: ", why));
-    return nullptr;
-  };
-  if (saved.granularity != device_->granularity()) {
-    return fail(
-        absl::StrCat("saved with granularity ", saved.granularity, ", the device has ", device_->granularity()));
-  }
-  absl::StatusOr<Geometry> geometry = Geometry::Compute(saved.layout.layout, saved.dims, saved.granularity);
-  if (!geometry.ok()) return fail(geometry.status().message());
-  auto pool = std::make_shared<Pool>(saved, PoolPlan{saved.layout, *std::move(geometry)}, shared_);
-  absl::MutexLock op(&pool->op_mu);
-  absl::StatusOr<uint64_t> base = device_->Reserve(pool->geometry().reserved_bytes());
-  if (!base.ok()) return fail(base.status().ToString());
-  pool->set_base(*base);
-  uint64_t bytes = 0;
-  std::vector<ChunkRecord> chunks;
-  std::set<uint64_t> missing;
-  for (const ChunkInfo& info : saved.chunks) {
-    bytes += info.bytes;
-    ChunkRecord r{.info = info};
-    auto fd = fds.extract(info.id);
-    absl::Status adopted =
-        !fd.empty() ? absl::OkStatus()
-        : store_->durability() == Durability::kFdStore
-            ? absl::NotFoundError("no FD for it in the service manager's store")
-            : absl::NotFoundError("no FD store: waiting for the clients that map it to give it back");
-    if (adopted.ok()) adopted = CheckChunkFd(device_->kind(), fd.mapped().get(), info.bytes);
-    if (adopted.ok()) {
-      absl::StatusOr<Chunk> chunk = device_->Import(fd.mapped().get(), info.bytes);
-      adopted = chunk.status();
-      if (adopted.ok()) {
-        adopted = device_->Map(*base + info.offset, *chunk, Access::kReadWrite);
-        if (!adopted.ok()) device_->Release(*chunk).IgnoreError();
-      }
-      if (adopted.ok()) {
-        r.chunk = *chunk;
-        r.fd = std::move(fd.mapped());
-      }
-    }
-    // An FD that is not the chunk leaves the store: a client may give the real one back.
-    if (!adopted.ok() && !fd.empty()) store_->DropChunkFd(info.id);
-    if (adopted.ok()) {
-      ++report.chunks_adopted;
-      report.bytes_adopted += info.bytes;
-    } else {
-      ++report.chunks_missing;
-      missing.insert(info.id);
-      report.lines.push_back(absl::StrCat("pool ", saved.name, ": chunk ", info.id, " (segment ", info.segment,
-                                          ", offset ", info.offset, ", ", FormatBytes(info.bytes),
-                                          ") not restored: ", adopted.message()));
-    }
-    chunks.push_back(std::move(r));
-  }
-  // Counted whether or not the memory came back: clients may still map what is missing.
-  budget_.Take(bytes + saved.pending_release_bytes);
-  if (missing.empty()) {
-    ++report.pools_restored;
-  } else {
-    ++report.pools_recovering;
-  }
-  pool->Recover(std::move(chunks), std::move(missing));
-  return pool;
-}
-
-void PoolManager::ExpireRecovery(absl::Time deadline) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
-    if (mu_.AwaitWithDeadline(absl::Condition(&stopping), deadline)) return;
-  }
-  for (const std::shared_ptr<Pool>& pool : Snapshot()) {
-    absl::MutexLock op(&pool->op_mu);
-    if (pool->state() != PoolState::kRecovering) {
-      pool->ForgetRestartPending();
-      continue;
-    }
-    // The clients that gave chunks back map them: the pausable ones pause before the pool sleeps, the
-    // others are forced past (Note [Releases pause first]).
-    QuiesceLocked(*pool, /*session=*/{}, "the recovery grace's end", pool->Leaving(0), ReleaseOptions{.force = true})
-        .IgnoreError();
-    std::vector<ChunkRecord> present;
-    const std::vector<ChunkInfo> lost = pool->GiveUpRecovery(&present);
-    for (const ChunkInfo& c : lost) {
-      Warn(absl::StrCat("pool ", pool->name(), ": chunk ", c.id, " (", FormatBytes(c.bytes),
-                        ") was not given back within the recovery grace: lost; the pool sleeps"));
-    }
-    for (ChunkRecord& r : present) {
-      store_->DropChunkFd(r.info.id);
-      DiscardChunk(pool->base(), r);
-    }
-    if (!lost.empty()) Save(*pool);
-    pool->ForgetRestartPending();
-  }
-}
-
-absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_view session, uint32_t peer_uid,
-                                                                 absl::string_view pool_name,
-                                                                 std::vector<std::pair<uint64_t, UniqueFd>> fds) {
-  absl::StatusOr<Caller> caller = sessions_.Authenticate(session);
-  if (!caller.ok()) return absl::UnauthenticatedError("return_handles.session_token: unknown or closed session");
-  if (caller->uid != peer_uid) {
-    return absl::PermissionDeniedError(absl::StrCat("uid ", peer_uid, " may not use the session of uid ", caller->uid));
-  }
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(*caller, pool_name));
-  absl::MutexLock op(&pool->op_mu);
-  std::vector<uint64_t> ids;
-  for (const auto& [id, fd] : fds) ids.push_back(id);
-  KVD_ASSIGN_OR_RETURN(std::vector<Pool::Returned> plan, pool->PlanReturn(ids));
-  std::vector<ChunkRecord> adopted;
-  const uint64_t base = pool->base();
-  absl::Cleanup undo = [&] {
-    for (ChunkRecord& r : adopted) DiscardChunk(base, r);
-  };
-  const bool host = device_->kind() == BackendKind::kHost;
-  for (size_t i = 0; i < plan.size(); ++i) {
-    const ChunkInfo& info = plan[i].info;
-    const int fd = fds[i].second.get();
-    auto wrong = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk_ids[", i, "]: the FD given for chunk ", info.id, " of pool ", pool->name(), " ", why));
-    };
-    if (!plan[i].missing) {
-      struct stat given {};
-      struct stat held {};
-      if (host && (fstat(fd, &given) != 0 || fstat(plan[i].fd, &held) != 0 || held.st_dev != given.st_dev ||
-                   held.st_ino != given.st_ino)) {
-        return wrong("is not that chunk's memory");
-      }
-      continue;
-    }
-    if (absl::Status fits = CheckChunkFd(device_->kind(), fd, info.bytes); !fits.ok()) return wrong(fits.message());
-    absl::StatusOr<Chunk> chunk = device_->Import(fd, info.bytes);
-    if (!chunk.ok()) return wrong(absl::StrCat("cannot be imported: ", chunk.status().message()));
-    if (absl::Status mapped = device_->Map(base + info.offset, *chunk, Access::kReadWrite); !mapped.ok()) {
-      device_->Release(*chunk).IgnoreError();
-      return wrong(absl::StrCat("cannot be mapped: ", mapped.message()));
-    }
-    adopted.push_back({.info = info, .chunk = *chunk, .fd = std::move(fds[i].second)});
-  }
-  KVD_RETURN_IF_ERROR(KeepFds(adopted));  // on failure `undo` releases what was adopted
-  std::move(undo).Cancel();
-  Returned out;
-  for (const ChunkRecord& r : adopted) out.adopted.push_back(r.info.id);
-  out.missing = pool->Adopt(std::move(adopted));
-  out.state = pool->state();
-  return out;
-}
-
-absl::StatusOr<PoolMetadata> PoolManager::GetPoolMetadata(const Caller& caller, absl::string_view name) const {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return pool->metadata();
-}
-
-absl::StatusOr<PoolMetadata> PoolManager::SetPoolMetadata(const Caller& caller, absl::string_view name,
-                                                          uint64_t expected_version, std::string data) {
-  if (data.size() > options_.max_metadata_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("data: ", data.size(), " bytes, at most ",
-                                                   options_.max_metadata_bytes, " allowed (--max-metadata-bytes)"));
-  }
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu);
-  KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, pool->SetMetadata(expected_version, std::move(data)));
-  Save(*pool);
-  return metadata;
 }
 
 void PoolManager::Shutdown(bool keep_pools) {
@@ -1921,7 +942,7 @@ void PoolManager::Shutdown(bool keep_pools) {
   if (reaper_.joinable()) reaper_.join();
   if (compactor_.joinable()) compactor_.join();
   for (const std::shared_ptr<Pool>& pool : pools) {
-    absl::MutexLock op(&pool->op_mu);
+    absl::MutexLock op(&pool->op_mu());
     Destroy(*pool, keep_pools ? EventType::kDaemonRestarting : EventType::kDaemonStopping);
   }
 }

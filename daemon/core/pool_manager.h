@@ -2,11 +2,16 @@
 // every pool of one device: their VA reservations, chunks (created, mapped into the daemon's own address space,
 // exported once), attached clients, leases for the handle channel, release acknowledgements and the budget.
 //
-// Rooms. The manager finds pools and makes and releases their memory on the device; the state lives
-// in rooms with their own locks: each Pool (pool.h: its table, clients, releases and held transaction,
-// and the resize state machine's bookkeeping), the SessionTable and LeaseTable (sessions.h), the
-// Budget (budget.h), the TransactionTable (transactions.h) and each client's EventQueue. The manager's
-// own lock guards only its maps of pools and clients. Note [Lock order] in docs/architecture.md.
+// Rooms. The manager finds pools and drives their changes; the state lives in rooms with their own locks:
+// each Pool (pool.h: its clients and held transaction, the resize state machine's bookkeeping, and what it
+// holds — chunk_table.h, release_ledger.h, pause_scope.h — under its state lock), the SessionTable and
+// LeaseTable (sessions.h), the Budget (budget.h), the TransactionTable (transactions.h) and each client's
+// EventQueue. On the device, chunks are made and given back by one ChunkMaker (chunk_maker.h), and shrinks
+// that move bytes and compactions are the Reshaper's (reshaper.h), which the manager hands the services it
+// needs (ReshapeServices, which it implements). The manager's own lock guards only its maps of pools and
+// clients. Note [Lock order] in docs/architecture.md. Its implementation is in three files: pool_manager.cc
+// (sessions, pools, the resize state machine, groups), pool_manager_blocks.cc (block operations, connectors,
+// the handle channel) and pool_manager_durable.cc (records, restore, ReturnHandles, the recovery grace).
 //
 // One resize state machine (Note [One resize state machine]). Grow, Shrink, Sleep and Wake are a Prepare
 // and a Commit in one call:
@@ -60,33 +65,23 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "daemon/core/budget.h"
+#include "daemon/core/chunk_maker.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/event_queue.h"
 #include "daemon/core/geometry.h"
+#include "daemon/core/host_tier.h"
 #include "daemon/core/layout_chain.h"
 #include "daemon/core/limits.h"
 #include "daemon/core/pool.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
+#include "daemon/core/reshaper.h"
 #include "daemon/core/sessions.h"
 #include "daemon/core/transactions.h"
 #include "daemon/core/transfer.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
-
-// How a long request learns that its caller gave up; consulted between slices of work.
-struct Interrupt {
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;  // may be empty: never cancelled
-};
-
-// Device memory a reshape step leaves free beside its new chunks (or the granularity, if larger): the
-// driver's page tables for mapping them and the staying chunks into the next view, the copy's launch,
-// and what other processes on the device (the engines) allocate between the look at the free bytes and
-// the creation. Page tables take 8 bytes per 2 MiB page, so mapping a 140 GiB device twice needs under
-// 1.2 MiB of them; the rest is headroom for the others, and 64 MiB is under 0.05% of an H200.
-inline constexpr uint64_t kReshapeDeviceMargin = uint64_t{64} << 20;
 
 struct ManagerOptions {
   uint64_t budget_bytes = 0;                             // 0: the device's total memory
@@ -118,6 +113,9 @@ struct ManagerOptions {
   // How many chunks a compaction replaces under one pause, at most (CompactRequest.max_chunks_per_pause):
   // a client unmaps each old chunk before it maps the new ones, ~17 us a chunk on an H200.
   uint32_t compact_chunks_per_pause = 512;
+  // Host memory where sleeps keep pools' contents (not owned, outlives the manager); null: none, and a
+  // keeping sleep is FAILED_PRECONDITION.
+  HostTier* host_tier = nullptr;
   // Where the manager reports what it did on its own that is not a problem (background compactions).
   std::function<void(const std::string&)> info;
   // Where the manager reports what it did on its own (restore, lost chunks), one line each.
@@ -126,13 +124,11 @@ struct ManagerOptions {
   Limits limits;
 };
 
-// How a release treats the attached clients of other sessions (Note [Releases pause first] in
-// docs/architecture.md): pausable ones are paused first (within `pause`); one that is not pausable makes
-// the release FAILED_PRECONDITION naming it unless `force`, which also detaches a pausable client that
-// does not acknowledge in time (as pause.detach_unresponsive does).
-struct ReleaseOptions {
-  bool force = false;
-  PauseOptions pause;
+// A sleep that keeps the pool's contents in the host tier (Note [The host tier] in docs/architecture.md):
+// every committed byte, or with `live_blocks` only those blocks (each committed, none repeated).
+struct KeepOptions {
+  bool keep = false;
+  std::vector<uint64_t> live_blocks;  // empty: every committed byte
 };
 // One page of ListPools: pools by name, after the page before.
 struct PoolPage {
@@ -147,12 +143,12 @@ struct TenantUsage {
   std::map<uint32_t, uint64_t> sessions;
 };
 
-class PoolManager {
+class PoolManager : private ReshapeServices {
  public:
   // `device` must outlive the manager.
   PoolManager(Device* device, ManagerOptions options);
   // Releases every chunk and reservation (as Shutdown).
-  ~PoolManager();
+  ~PoolManager() override;
   PoolManager(const PoolManager&) = delete;
   PoolManager& operator=(const PoolManager&) = delete;
 
@@ -225,36 +221,35 @@ class PoolManager {
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   bool wait, absl::Time deadline);
   // Shrink as the proto's ShrinkRequest says: exact unless `whole_chunks_only` (Pool::PlanShrink), pausing
-  // the attached clients when bytes move (see Reshape below), all or nothing when the replacements fit the
-  // free memory (Room) at once; otherwise whole chunks past the target first, then steps of as many
-  // replacements as fit (ShrinkInStepsLocked), each all or nothing, the steps before a failed one done.
-  struct ShrinkOptions {
-    bool wait = false;
-    absl::Time deadline = absl::InfiniteFuture();
-    bool whole_chunks_only = false;
-    std::optional<std::vector<uint64_t>> live;
-    PauseOptions pause;
-    bool force = false;  // a release of whole chunks only (ReleaseOptions)
-  };
+  // the attached clients when bytes move, all or nothing when the replacements fit the free memory
+  // (Reshaper::Room) at once; otherwise whole chunks past the target first, then steps of as many
+  // replacements as fit, each all or nothing, the steps before a failed one done (Reshaper::Shrink).
+  using ShrinkOptions = daemon::ShrinkOptions;
   [[nodiscard]] absl::StatusOr<PoolUpdate> Shrink(const Caller& caller, absl::string_view pool, uint64_t target_blocks,
                                                   const ShrinkOptions& options);
   // One chunk per segment per --max-chunk, as a single grow makes it (Pool::PlanCompact). In steps that
-  // each make no more new chunks than the free memory holds (Room), and with clients attached replace at
+  // each make no more new chunks than the free memory holds (Reshaper::Room), and with clients attached replace at
   // most `max_chunks_per_pause` chunks (0: the manager's compact_chunks_per_pause) under a pause of their
   // own, the clients running between them. RESOURCE_EXHAUSTED when not even one new chunk fits, but with
   // no client attached, when runs of old chunks merged into smaller ones that fit (target_reached false).
   // Each step is all or nothing; a step that fails leaves the steps before it done and says so in its
   // error; so does a caller that gives up between steps (`interrupt`).
-  struct CompactOptions {
-    PauseOptions pause;
-    uint32_t max_chunks_per_pause = 0;
-    Interrupt interrupt;
-  };
+  using CompactOptions = daemon::CompactOptions;
   [[nodiscard]] absl::StatusOr<PoolUpdate> Compact(const Caller& caller, absl::string_view pool,
                                                    const CompactOptions& options);
   // `pool` empty: every awake (Sleep) or sleeping (Wake) pool the caller may change.
+  // With `keep.keep` the contents go to the host tier first (under the release's pause) and Wake copies them
+  // back: RESOURCE_EXHAUSTED naming the bytes, before any pause, when the tier cannot hold them; live blocks
+  // only with a named pool.
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Sleep(const Caller& caller, absl::string_view pool, bool wait,
-                                                              absl::Time deadline, const ReleaseOptions& release = {});
+                                                              absl::Time deadline, const ReleaseOptions& release = {},
+                                                              const KeepOptions& keep = {});
+  // The arbitration's reclaim action (docs/api.md, "Sleep that keeps the contents"): sleeps `pool` as the
+  // daemon, keeping its contents in the host tier, the clients paused first and forced past those that are
+  // not pausable. Sleep's errors.
+  [[nodiscard]] absl::StatusOr<PoolUpdate> SleepKeeping(absl::string_view pool, PauseOptions pause = {});
+  // The host tier's size, use and copies (all zero without one).
+  HostTierStats HostTierUsage() const;
   [[nodiscard]] absl::StatusOr<std::vector<PoolUpdate>> Wake(const Caller& caller, absl::string_view pool);
 
   // Two-phase resizes for engine groups (see the top of this file). `target_blocks` is for kGrow and
@@ -262,7 +257,8 @@ class PoolManager {
   // A shrink or sleep quiesces the clients of other sessions first (ReleaseOptions, with `force`), and the
   // pausable ones stay paused until the Commit or Abort.
   [[nodiscard]] absl::StatusOr<PreparedOp> Prepare(const Caller& caller, absl::string_view pool, GroupOp op,
-                                                   uint64_t target_blocks, absl::Duration ttl, bool force = false);
+                                                   uint64_t target_blocks, absl::Duration ttl, bool force = false,
+                                                   const KeepOptions& keep = {});
   // Only the preparing session may commit or abort. NOT_FOUND (with the reason when the daemon aborted
   // it) for a transaction that is unknown or ended; ABORTED when its ttl passed. `wait` and `deadline`
   // are Shrink's, for shrink and sleep.
@@ -361,14 +357,22 @@ class PoolManager {
   // references to released chunks go. Prepare and Commit split it at Stage.
   // A shrink or sleep first quiesces the clients of sessions other than `session` (QuiesceLocked).
   [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
-                                                     absl::string_view session, const ReleaseOptions& release)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+                                                     absl::string_view session, const ReleaseOptions& release,
+                                                     const KeepOptions& keep = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+  // The runs a keeping sleep of `pool` copies and the tier extent for them (nullopt: nothing committed).
+  // FAILED_PRECONDITION without a tier, INVALID_ARGUMENT naming live_blocks[i], RESOURCE_EXHAUSTED when the
+  // tier has no room.
+  [[nodiscard]] absl::StatusOr<std::optional<KeptContents>> PlanKeep(Pool& pool, const KeepOptions& keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+  // Gives back what a prepared change holds and did not apply: its staged memory and a sleep's tier extent.
+  void Unprepare(Pool& pool, Change& change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   PoolUpdate CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // A plain resize: PrepareLocked and CommitLocked under one hold of op_mu, then the wait.
   [[nodiscard]] absl::StatusOr<PoolUpdate> Resize(const Caller& caller, const std::shared_ptr<Pool>& pool, GroupOp op,
                                                   uint64_t target_blocks, bool wait, absl::Time deadline,
-                                                  const ReleaseOptions& release = {});
+                                                  const ReleaseOptions& release = {}, const KeepOptions& keep = {});
   // Before a release of `leaving` asked by `session` (empty: the daemon's own): refuses for a client of
   // another session that is not pausable unless forced, then pauses the pausable ones and waits for their
   // acknowledgements; the pause stays for Pool::Apply, Destroy or GiveUpRecovery to end (or Unstage to
@@ -378,118 +382,58 @@ class PoolManager {
   // `*detached`. The caller calls the pause off on an error.
   [[nodiscard]] absl::Status SettleLatePause(Pool& pool, absl::string_view what, const Pool::PauseOutcome& outcome,
                                              absl::Duration timeout, bool detach, std::vector<std::string>* detached)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   [[nodiscard]] absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
                                            const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+  // ReshapeServices: what the reshaper is handed (reshaper.h).
+  [[nodiscard]] absl::Status CheckRunning() const override ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::StatusOr<PoolUpdate> ReleaseWholeChunksLocked(Pool& pool, absl::string_view session,
+                                                                    uint64_t target_blocks,
+                                                                    const ReleaseOptions& release, absl::Time start)
+      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
 
   // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
   // in the daemon and exported, but not in the table. On failure nothing is left.
   [[nodiscard]] absl::StatusOr<Staged> Stage(Pool& pool, uint64_t target_blocks)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Gives staged memory back: the chunks and their budget.
-  void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // Creates, maps and exports the planned chunks; on failure releases every one of them.
-  // Moves bytes between chunks under a pause (Note [Chunks are replaced, not cut]): makes `plan.added` in a
-  // reservation of their own, asks the clients to pause, copies (block moves first), maps the new chunks
-  // in place of the replaced ones and applies the plan. On any failure nothing changed: the clients are
-  // resumed, the new chunks released, the budget as before. `what` names the change in errors. Returns
-  // the update with its report, less what only waiting for the RESUME acknowledgements tells (the caller
-  // waits, without op_mu; `*paused_at` is when every client had paused).
-  // `*paused` are the clients that acknowledged the PAUSE. The daemon's previous view of the pool (its old
-  // base and the chunks that left the table) goes to `*old`, for TakeDown once the clients resumed.
-  struct OldView {
-    uint64_t base = 0;
-    uint64_t bytes = 0;
-    std::vector<ChunkInfo> mapped;    // every chunk mapped in it
-    std::vector<ChunkRecord> chunks;  // the chunks that left the table
-    uint64_t generation = 0;          // a spare view (Compact's steps): the pool's when it was last brought up to date
-  };
-  // `spare` (may be null): the view a step before left, whose clients resumed; brought up to date and
-  // used as the next view (it is consumed either way).
-  [[nodiscard]] absl::StatusOr<PoolUpdate> ReshapeLocked(Pool& pool, const ReshapePlan& plan, const PauseOptions& pause,
-                                                         absl::string_view what, absl::Time* paused_at,
-                                                         std::set<std::string>* paused, OldView* old, OldView* spare)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // What one step of a reshape may make (Note [Chunks are replaced, not cut] in docs/architecture.md):
-  // `bytes` is the lower of the budget's free bytes and the device's free bytes less `margin`, the device
-  // memory a step needs beside its chunks and that others may take meanwhile (kReshapeDeviceMargin).
-  struct StepRoom {
-    uint64_t budget_free = 0;
-    uint64_t device_free = 0;
-    uint64_t margin = 0;
-    uint64_t bytes = 0;
-  };
-  // The device's errors (Info) as they are.
-  [[nodiscard]] absl::StatusOr<StepRoom> Room() const;
-  // RESOURCE_EXHAUSTED: `what` needs `needed` bytes for `for_what` and `room` has less; `freed_first`: the
-  // bytes a shrink would release before its steps.
-  absl::Status NoRoom(const Pool& pool, absl::string_view what, uint64_t needed, absl::string_view for_what,
-                      const StepRoom& room, uint64_t freed_first) const;
-  // An exact shrink whose replacements (`whole`, planned for the whole change) do not fit in `room` at
-  // once: whole chunks released first, then steps of as many replacements as fit, each a reshape under a
-  // pause of its own that is finished (the clients resumed, the old chunks released) before the next is
-  // planned, all under op_mu. Refuses, changing nothing, when even the largest one replacement cannot
-  // fit. `*releases` gets the release of each step, for the caller to await without op_mu.
-  // `session` is the caller's: its own clients are not paused for the whole chunks that go first.
-  [[nodiscard]] absl::StatusOr<PoolUpdate> ShrinkInStepsLocked(Pool& pool, absl::string_view session,
-                                                               uint64_t target_blocks, const ShrinkOptions& options,
-                                                               const ReshapePlan& whole, const StepRoom& room,
-                                                               absl::Time start, std::vector<uint64_t>* releases)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
-  // Unmaps and frees the old view's reservation and releases its chunks (no pool lock needed: nothing
-  // else refers to them).
-  void TakeDown(OldView& old);
-  // After a step whose clients resumed: the old view becomes `spare`, the next step's next view, less the
-  // chunks that left `pool`'s table (released now, so that their memory is free for the next step's new
-  // chunks); taken down instead when that fails.
-  void KeepForNextStep(OldView& old, const PoolView& pool, OldView& spare);
-  // Readies an old view to be the next one: unmaps every chunk but `staying` from it and releases the
-  // chunks that left the table. False (the view still to be taken down) when an unmap failed.
-  bool Recycle(OldView& old, const std::set<uint64_t>& staying);
-  // The end of a reshape, without op_mu: waits for the RESUME acknowledgements of the `paused` clients
-  // (at most until `resume_deadline`; with `release_deadline`, until the whole release completed or it
-  // passed) and fills in the report.
-  void FinishReshape(Pool& pool, PoolUpdate& update, absl::Time paused_at, const std::set<std::string>& paused,
-                     absl::Time resume_deadline, std::optional<absl::Time> release_deadline, absl::Time start);
+  void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // After a grow: queues the pool for compactor_ when it has more chunks than compact_above_chunks.
   void CompactLaterIfFragmented(const PoolView& pool);
   // compactor_'s loop: compacts the queued pools as the daemon, one at a time, until Shutdown.
   void CompactInBackground();
-  [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> MakeChunks(uint64_t base,
-                                                                    const std::vector<PlannedChunk>& plan);
-  void DiscardChunk(uint64_t base, ChunkRecord& record);
   // Aborts transaction `id` of `pool` (op_mu held) if the pool still holds it, recording `why` (when not
   // empty) for a later Commit. Returns the prepared bytes given back.
   uint64_t AbortLocked(Pool& pool, absl::string_view id, std::optional<absl::string_view> session,
-                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+                       absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // The pool holding `transaction`, found through the transaction table.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Pool>> FindTransaction(absl::string_view transaction) const;
   // A range lease's FDs (RedeemLease).
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemRanges(Pool& pool, const LeaseRecord& lease)
-      ABSL_LOCKS_EXCLUDED(pool.op_mu);
+      ABSL_LOCKS_EXCLUDED(pool.op_mu());
   // The reaper thread: aborts transactions whose ttl passed.
   void ReapExpired();
   // Unmaps and releases everything of a pool being deleted or shut down (op_mu held, pool out of pools_).
   // kDaemonRestarting keeps its record and FDs in the store; anything else forgets them.
   // A delete is forced past the clients of sessions other than `session` that no pause holds.
-  void Destroy(Pool& pool, EventType why, absl::string_view session = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Destroy(Pool& pool, EventType why, absl::string_view session = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // OK to go on with a sliced operation after `done` of `total` entries; else why not (see ZeroBlocks).
   [[nodiscard]] absl::Status CheckInterrupt(absl::string_view call, const Interrupt& interrupt, size_t done,
                                             size_t total) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Entries per slice of a block operation on `span` (at least one).
-  size_t SliceEntries(const BlockSpan& span) const;
+  // The one slice loop of the block operations: `op` on at most ManagerOptions::block_slice_bytes of `span`'s
+  // blocks' worth of `entries` (at least one entry) at a time, with CheckInterrupt before each slice.
+  template <typename Entry, typename Op>
+  [[nodiscard]] absl::Status InSlices(absl::string_view call, const Interrupt& interrupt, const BlockSpan& span,
+                                      absl::Span<const Entry> entries, Op op) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the pool's record (op_mu held, so one pool's records are written in order). A failure is
   // sticky: the pool is stale (StateHealth) until a later save of it succeeds.
-  void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Save(Pool& pool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Removes the pool's record (op_mu held); a failure leaves the pool stale as a failed Save does.
-  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu);
+  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Notes the outcome of writing or removing `pool`'s record; tells the observer when degraded changes.
   void NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(state_mu_, observer_mu_);
-  // Hands each chunk's FD to the store before any client can see the chunk; on a failure takes back the
-  // ones it handed and returns why (the chunks stay the caller's to discard). Note [Durable pools].
-  [[nodiscard]] absl::Status KeepFds(absl::Span<const ChunkRecord> chunks);
   // Rebuilds one saved pool; nullptr (with the reasons in `report`) when it cannot be.
   std::shared_ptr<Pool> RestorePool(const SavedPool& saved, std::map<uint64_t, UniqueFd>& fds, RestoreReport& report);
   // The recovery grace: at `deadline` (or the daemon's stop) pools still recovering lose their missing chunks.
@@ -503,11 +447,14 @@ class PoolManager {
   DeviceInfo device_info_;
   DeviceCapabilities capabilities_;  // probed when the device opened
   Budget budget_;
+  HostTier* const host_tier_;  // options_.host_tier
   SessionTable sessions_;
   LeaseTable leases_;
   TransactionTable transactions_;
   std::atomic<uint64_t> next_chunk_id_{1};
   PoolShared shared_;
+  ChunkMaker maker_;
+  Reshaper reshaper_;
 
   // Guards the maps of pools and of clients; a leaf: no pool lock is taken while it is held.
   mutable absl::Mutex mu_;
@@ -550,7 +497,7 @@ class PoolManager {
   // A leaf: held only while calling an observer.
   absl::Mutex observer_mu_;
   Observers observers_ ABSL_GUARDED_BY(observer_mu_);
-  void ObserveStep(const ReshapeReport& step) ABSL_LOCKS_EXCLUDED(observer_mu_);
+  void ObserveStep(const ReshapeReport& step) override ABSL_LOCKS_EXCLUDED(observer_mu_);
 };
 
 }  // namespace kvd::daemon

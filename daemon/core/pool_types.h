@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,6 +101,7 @@ struct PoolView {
   uint64_t reserved_bytes = 0;
   uint64_t pending_release_bytes = 0;
   uint64_t wake_blocks = 0;
+  uint64_t kept_bytes = 0;  // while sleeping: bytes kept in the host tier for Wake to copy back
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
   std::vector<ClientView> clients;  // empty when the view only counts them (ViewClients::kCounted)
@@ -130,6 +132,21 @@ struct RangeExport {
 struct PauseOptions {
   absl::Duration timeout = absl::ZeroDuration();  // zero: the manager's default (--pause-timeout)
   bool detach_unresponsive = false;
+};
+
+// How a release treats the attached clients of other sessions (Note [Releases pause first] in
+// docs/architecture.md): pausable ones are paused first (within `pause`); one that is not pausable makes
+// the release FAILED_PRECONDITION naming it unless `force`, which also detaches a pausable client that
+// does not acknowledge in time (as pause.detach_unresponsive does).
+struct ReleaseOptions {
+  bool force = false;
+  PauseOptions pause;
+};
+
+// How a long request learns that its caller gave up; consulted between slices of work.
+struct Interrupt {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty: never cancelled
 };
 
 // What a shrink or compact did to a pool's physical shape (proto Reshape).

@@ -4,6 +4,7 @@
 #include <exception>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -94,6 +95,47 @@ class SnapshotCollector final : public prometheus::Collectable {
       Add(epoch, labels, static_cast<double>(device->epoch));
       Add(started, labels, absl::ToDoubleSeconds(device->started_at - absl::UnixEpoch()));
       for (auto* f : {&total, &free, &committed, &budget, &epoch, &started}) out.push_back(std::move(*f));
+    }
+
+    // The host tier (docs/metrics.md, "Host tier"): present only with --host-tier-bytes.
+    if (const HostTierStats tier = manager_->HostTierUsage(); tier.bytes > 0) {
+      const std::vector<prometheus::ClientMetric::Label> labels = {{"device", build_.device}};
+      prometheus::MetricFamily size = Gauge("kvd_host_tier_bytes", "Host memory of the host tier (--host-tier-bytes).");
+      prometheus::MetricFamily used =
+          Gauge("kvd_host_tier_used_bytes", "Host tier bytes holding sleeping pools' kept contents.");
+      prometheus::MetricFamily registered =
+          Gauge("kvd_host_tier_registered",
+                "1 once the host tier is allocated and registered with the driver; 0 before, or when registration "
+                "failed (the log says why).");
+      prometheus::MetricFamily node =
+          Gauge("kvd_host_tier_numa_node", "The NUMA node the host tier is bound to; -1: not bound.");
+      Add(size, labels, static_cast<double>(tier.bytes));
+      Add(used, labels, static_cast<double>(tier.used_bytes));
+      Add(registered, labels, tier.ready && tier.registered ? 1 : 0);
+      Add(node, labels, tier.numa_node);
+      for (auto* f : {&size, &used, &registered, &node}) out.push_back(std::move(*f));
+      prometheus::MetricFamily copied;
+      copied.name = "kvd_host_tier_copied_bytes_total";
+      copied.help = "Bytes copied between pools and the host tier (direction=to_host: keeping sleeps; to_device: wakes).";
+      copied.type = prometheus::MetricType::Counter;
+      prometheus::MetricFamily seconds;
+      seconds.name = "kvd_host_tier_copy_seconds_total";
+      seconds.help = "Time spent in those copies; the copy rate is the ratio of the two counters' rates.";
+      seconds.type = prometheus::MetricType::Counter;
+      for (const auto& [direction, bytes, secs] :
+           {std::tuple{"to_host", tier.copied_to_host_bytes, tier.copy_to_host_seconds},
+            std::tuple{"to_device", tier.copied_to_device_bytes, tier.copy_to_device_seconds}}) {
+        prometheus::ClientMetric b;
+        b.label = {{"device", build_.device}, {"direction", direction}};
+        b.counter.value = static_cast<double>(bytes);
+        copied.metric.push_back(b);
+        prometheus::ClientMetric s;
+        s.label = b.label;
+        s.counter.value = secs;
+        seconds.metric.push_back(std::move(s));
+      }
+      out.push_back(std::move(copied));
+      out.push_back(std::move(seconds));
     }
 
     // The saved state (docs/operations.md, "When saving the state fails"): present even when the device

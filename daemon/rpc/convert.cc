@@ -141,6 +141,7 @@ v1::Pool ToProto(const PoolView& pool) {
   p.set_reserved_bytes(pool.reserved_bytes);
   p.set_pending_release_bytes(pool.pending_release_bytes);
   p.set_wake_blocks(pool.wake_blocks);
+  p.set_kept_bytes(pool.kept_bytes);
   p.set_owner_uid(pool.owner_uid);
   for (uint32_t uid : pool.allowed_uids) p.add_allowed_uids(uid);
   for (const ClientView& c : pool.clients) *p.add_clients() = ToProto(c);

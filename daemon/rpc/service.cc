@@ -562,6 +562,16 @@ grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::Compact
   });
 }
 
+namespace {
+
+// SleepRequest's and PrepareRequest's keep and live_blocks.
+absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live) {
+  if (!keep && !live.empty()) return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
+  return KeepOptions{.keep = keep, .live_blocks = {live.begin(), live.end()}};
+}
+
+}  // namespace
+
 grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
                                v1::PoolUpdates* response) {
   return Serve("Sleep", *context, {}, [&](const Caller& caller) -> absl::Status {
@@ -578,9 +588,10 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
     }
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+    KVD_ASSIGN_OR_RETURN(const KeepOptions keep, KeepFromProto(request->keep(), request->live_blocks()));
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kSleep, [&] {
                            return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context),
-                                                  {.force = request->force(), .pause = pause});
+                                                  {.force = request->force(), .pause = pause}, keep);
                          }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
@@ -697,8 +708,12 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
     }
     const absl::Duration ttl =
         absl::Milliseconds(request->ttl_ms() == 0 ? kDefaultTransactionTtlMs : request->ttl_ms());
+    if (request->keep() && op != GroupOp::kSleep) {
+      return absl::InvalidArgumentError("keep: applies to OPERATION_SLEEP only");
+    }
+    KVD_ASSIGN_OR_RETURN(const KeepOptions keep, KeepFromProto(request->keep(), request->live_blocks()));
     KVD_ASSIGN_OR_RETURN(PreparedOp prepared, manager_->Prepare(caller, request->pool(), op, request->target_blocks(),
-                                                                ttl, request->force()));
+                                                                ttl, request->force(), keep));
     response->set_transaction(prepared.transaction);
     *response->mutable_pool() = ToProto(prepared.pool);
     response->set_prepared_bytes(prepared.prepared_bytes);

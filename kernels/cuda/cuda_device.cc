@@ -557,27 +557,63 @@ absl::StatusOr<Chunk> CudaDevice::ImportFabric(const FabricHandle& fabric, uint6
   return Record(Chunk{handle, bytes}, ChunkOrigin::kImported);
 }
 
+// Each CopyToHost/CopyFromHost issues its copy on a stream of its
+// own and waits for that stream only, so that the host tier's copy threads (docs/architecture.md, Note [The
+// host tier]) overlap on the copy engines; a blocking copy on the legacy stream, or a cuCtxSynchronize, would
+// serialise them. The wait also covers a copy from pageable memory, which returns once the source is staged:
+// the range is written before the book lets an Unmap of it proceed (an unmap under a landing DMA faults the
+// context, seen on an H200).
+template <typename Issue>
+absl::Status CudaDevice::OnOwnStream(const char* what, Issue issue) {
+  KVD_RETURN_IF_ERROR(MakeCurrent());
+  CUstream stream = nullptr;
+  KVD_RETURN_IF_ERROR(CudaStatus(driver_, driver_.cuStreamCreate_(&stream, CU_STREAM_NON_BLOCKING),
+                                 absl::StrCat("cuStreamCreate(", what, ")")));
+  absl::Status status = issue(stream);
+  const CUresult synced = driver_.cuStreamSynchronize_(stream);
+  if (status.ok()) status = CudaStatus(driver_, synced, absl::StrCat("cuStreamSynchronize(", what, ")"));
+  (void)driver_.cuStreamDestroy_(stream);
+  return status;
+}
+
 absl::Status CudaDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("CopyToHost: dst is null");
   return book_->UseRange("CopyToHost", src_va, bytes, /*write=*/false, [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(MakeCurrent());
-    return CudaStatusLazy(driver_, driver_.cuMemcpyDtoH_(dst, src_va, bytes),
-                          [&] { return absl::StrCat("cuMemcpyDtoH(", Range(src_va, bytes), ")"); });
+    return OnOwnStream("cuMemcpyDtoHAsync", [&](CUstream stream) {
+      return CudaStatusLazy(driver_, driver_.cuMemcpyDtoHAsync_(dst, src_va, bytes, stream),
+                            [&] { return absl::StrCat("cuMemcpyDtoHAsync(", Range(src_va, bytes), ")"); });
+    });
   });
+}
+
+absl::Status CudaDevice::RegisterHost(void* host, uint64_t bytes) {
+  KVD_RETURN_IF_ERROR(Device::RegisterHost(host, bytes));
+  KVD_RETURN_IF_ERROR(MakeCurrent());
+  return CudaStatusLazy(driver_, driver_.cuMemHostRegister_(host, bytes, CU_MEMHOSTREGISTER_PORTABLE),
+                        [&] { return absl::StrCat("cuMemHostRegister(", bytes, " bytes)"); });
+}
+
+absl::Status CudaDevice::UnregisterHost(void* host) {
+  KVD_RETURN_IF_ERROR(Device::UnregisterHost(host));
+  KVD_RETURN_IF_ERROR(MakeCurrent());
+  return CudaStatus(driver_, driver_.cuMemHostUnregister_(host), "cuMemHostUnregister");
+}
+
+int CudaDevice::NumaNode() const {
+  char bus_id[32] = {};
+  if (driver_.cuDeviceGetPCIBusId_(bus_id, sizeof(bus_id), device_) != CUDA_SUCCESS) return -1;
+  return PciNumaNode(bus_id);
 }
 
 absl::Status CudaDevice::CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (src == nullptr) return absl::InvalidArgumentError("CopyFromHost: src is null");
   return book_->UseRange("CopyFromHost", dst_va, bytes, /*write=*/true, [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(MakeCurrent());
-    KVD_RETURN_IF_ERROR(CudaStatusLazy(driver_, driver_.cuMemcpyHtoD_(dst_va, src, bytes),
-                                       [&] { return absl::StrCat("cuMemcpyHtoD(", Range(dst_va, bytes), ")"); }));
-    // From pageable memory cuMemcpyHtoD returns once the source is staged, before the DMA has landed:
-    // wait for it, so that the range is written before the book lets an Unmap of it proceed (an unmap
-    // under a landing DMA faults the context, seen on an H200).
-    return CudaStatus(driver_, driver_.cuCtxSynchronize_(), "cuCtxSynchronize after cuMemcpyHtoD");
+    return OnOwnStream("cuMemcpyHtoDAsync", [&](CUstream stream) {
+      return CudaStatusLazy(driver_, driver_.cuMemcpyHtoDAsync_(dst_va, src, bytes, stream),
+                            [&] { return absl::StrCat("cuMemcpyHtoDAsync(", Range(dst_va, bytes), ")"); });
+    });
   });
 }
 

@@ -107,6 +107,11 @@ class CudaDevice final : public Device {
   [[nodiscard]] absl::Status UnpackBlocks(const BlockSpan& span, uint64_t src,
                                           absl::Span<const uint64_t> blocks) override;
 
+  // cuMemHostRegister(PORTABLE) / cuMemHostUnregister; NumaNode from cuDeviceGetPCIBusId and sysfs.
+  [[nodiscard]] absl::Status RegisterHost(void* host, uint64_t bytes) override;
+  [[nodiscard]] absl::Status UnregisterHost(void* host) override;
+  int NumaNode() const override;
+
   // The owner is this device (by UUID), or a CUDA device of this process for which
   // cuDeviceCanAccessPeer(this device, owner) is 1. Map's cuMemSetAccess for this device's ordinal is
   // then the whole grant: with VMM no cuCtxEnablePeerAccess is needed. NOT_FOUND (naming
@@ -143,6 +148,9 @@ class CudaDevice final : public Device {
 
   // Makes the primary context current on this thread.
   absl::Status MakeCurrent() const;
+  // Runs issue(stream) on a new non-blocking stream and waits for it (the comment above OnOwnStream in cuda_device.cc).
+  template <typename Issue>
+  absl::Status OnOwnStream(const char* what, Issue issue);
   // Open's probes (Capabilities()): a failed DMA-BUF probe is recorded, not returned.
   void ProbeRangeExport(bool attribute);
   absl::Status ProbePeers();

@@ -44,6 +44,7 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuDeviceGetCount)                   \
   X(cuDeviceGetName)                    \
   X(cuDeviceGetUuid)                    \
+  X(cuDeviceGetPCIBusId)                \
   X(cuDeviceGetAttribute)               \
   X(cuDeviceTotalMem)                   \
   X(cuDeviceCanAccessPeer)              \
@@ -65,9 +66,12 @@ inline constexpr int kCudaAbiVersion = 12000;
   X(cuMemGetHandleForAddressRange)      \
   X(cuMemAlloc)                         \
   X(cuMemFree)                          \
+  X(cuMemHostRegister)                  \
+  X(cuMemHostUnregister)                \
   X(cuMemcpyHtoD)                       \
   X(cuMemcpyDtoH)                       \
   X(cuMemcpyHtoDAsync)                  \
+  X(cuMemcpyDtoHAsync)                  \
   X(cuMemcpyDtoD)                       \
   X(cuMemsetD8)                         \
   X(cuStreamCreate)                     \

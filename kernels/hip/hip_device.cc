@@ -518,6 +518,31 @@ absl::StatusOr<Chunk> HipDevice::Import(int fd, uint64_t bytes) {
   return Record(Chunk{.handle = reinterpret_cast<uintptr_t>(handle), .bytes = bytes}, ChunkOrigin::kImported);
 }
 
+absl::Status HipDevice::RegisterHost(void* host, uint64_t bytes) {
+  KVD_RETURN_IF_ERROR(Device::RegisterHost(host, bytes));
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  constexpr unsigned int kHipHostRegisterPortable = 0x1;
+  if (HipError e = hip_.hipHostRegister(host, bytes, kHipHostRegisterPortable); e != kHipSuccess) {
+    return Error(e, "hipHostRegister");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HipDevice::UnregisterHost(void* host) {
+  KVD_RETURN_IF_ERROR(Device::UnregisterHost(host));
+  ScopedCurrentDevice current(hip_, index_);
+  KVD_RETURN_IF_ERROR(current.status());
+  if (HipError e = hip_.hipHostUnregister(host); e != kHipSuccess) return Error(e, "hipHostUnregister");
+  return absl::OkStatus();
+}
+
+int HipDevice::NumaNode() const {
+  char bus_id[32] = {};
+  if (hip_.hipDeviceGetPCIBusId(bus_id, sizeof(bus_id), index_) != kHipSuccess) return -1;
+  return PciNumaNode(bus_id);
+}
+
 absl::Status HipDevice::CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr) {

@@ -117,6 +117,10 @@ class HipDevice final : public Device {
   // UUID; FAILED_PRECONDITION for a non-HIP UUID or a pair without peer access.
   [[nodiscard]] absl::Status CheckPeerAccess(absl::string_view owner_uuid) override;
   DeviceCapabilities Capabilities() const override;
+  // hipHostRegister(Portable) / hipHostUnregister; NumaNode from hipDeviceGetPCIBusId and sysfs.
+  [[nodiscard]] absl::Status RegisterHost(void* host, uint64_t bytes) override;
+  [[nodiscard]] absl::Status UnregisterHost(void* host) override;
+  int NumaNode() const override;
 
  private:
   HipDevice(const HipRuntimeTable& hip, int index, int runtime_version, int driver_version);

@@ -38,6 +38,9 @@ namespace kvd::hip {
   X(hipDeviceGet, HipError, (HipDeviceHandle * device, int ordinal))                                                   \
   X(hipDeviceGetName, HipError, (char* name, int len, HipDeviceHandle device))                                         \
   X(hipDeviceGetUuid, HipError, (HipUuid * uuid, HipDeviceHandle device))                                              \
+  X(hipDeviceGetPCIBusId, HipError, (char* bus_id, int len, int device))                                               \
+  X(hipHostRegister, HipError, (void* host, size_t bytes, unsigned int flags))                                         \
+  X(hipHostUnregister, HipError, (void* host))                                                                         \
   X(hipDeviceTotalMem, HipError, (size_t * bytes, HipDeviceHandle device))                                             \
   X(hipDeviceCanAccessPeer, HipError, (int* can_access_peer, int device, int peer_device))                             \
   X(hipMemGetInfo, HipError, (size_t * free, size_t * total))                                                          \

@@ -6,14 +6,22 @@ set -euo pipefail
 kvd=$1 bench=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$bench" --help | grep -q -- "--bytes"
+"$bench" --help >"$dir/help"  # not into grep -q: it would close the pipe before the help is written (pipefail)
+grep -q -- "--bytes" "$dir/help"
+grep -q -- "--chunk-sweep" "$dir/help"
 "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --compact-chunks-per-pause=8 --rpc-calls=200 \
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
-for line in grow attach sleep wake shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
+for line in grow attach grow_mapped sleep wake wake_mapped shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
   shrink_to_half control_rpc concurrent_resize_grow concurrent_resize_shrink concurrent_raw_grow concurrent_raw_shrink \
   granule_design torch_zeros; do
   grep -q "^$line " "$dir/table.txt" || { echo "no $line row in the table"; exit 1; }
+done
+for line in grow attach grow_mapped sleep wake wake_mapped shrink; do
+  for variant in after_release after_pause; do
+    grep -q "^  $line $variant in-process, kvd/in-process p50: single (1 allocation) p50 .*; per_segment (8 allocations) p50 " \
+      "$dir/table.txt" || { echo "no in-process row under $line $variant"; exit 1; }
+  done
 done
 python3 - "$dir/out.json" <<'PY'
 import json, math, sys
@@ -22,7 +30,8 @@ assert d["program"] == "kvd_bench" and d["device"]["backend"] == "host", d["devi
 for key in ("bytes", "segments", "chunks", "reps", "pause_ms", "compact_grows", "compact_bytes", "shrink_bytes"):
     assert d["config"][key] >= 0, key
 want = {("grow", v) for v in ("after_release", "after_pause")}
-want |= {(op, v) for op in ("attach", "sleep", "wake", "shrink") for v in ("after_release", "after_pause")}
+lifecycle = ("grow", "attach", "grow_mapped", "sleep", "wake", "wake_mapped", "shrink")
+want |= {(op, v) for op in lifecycle for v in ("after_release", "after_pause")}
 want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
          ("compact", "4_grows"), ("compact_pause", "4_grows"), ("compact_attach", "before_compact"),
          ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
@@ -46,6 +55,25 @@ for key, l in got.items():
         for v in [s["p50_ms"], s["p99_ms"]] + s["samples_ms"]:
             assert v is not None and v >= 0 and math.isfinite(v), (key, side, v)
     assert l["ratio"] is not None and l["ratio"] >= 0, (key, l["ratio"])
+# Every lifecycle line has both in-process peers, one sample per repetition, with a ratio; the issue-25
+# target (<= 1.2 of one allocation per segment, for a layer-outermost pool) on giving, releasing and taking
+# back the memory.
+assert d["config"]["reps"] == 3 and d["config"]["lifecycle_reps"] == 3 and d["config"]["deadline_s"] == 0, d["config"]
+for op in lifecycle:
+    for v in ("after_release", "after_pause"):
+        l = got[(op, v)]
+        peers = l["in_process"]
+        assert set(peers) == {"single", "per_segment"}, (op, v, peers.keys())
+        assert peers["single"]["allocations"] == 1 and peers["per_segment"]["allocations"] == d["config"]["segments"], peers
+        for name, p in peers.items():
+            assert p["n"] == l["kvd"]["n"] == 3 and len(p["samples_ms"]) == p["n"], (op, v, name, p)
+            for x in [p["p50_ms"], p["p99_ms"], p["ratio"]] + p["samples_ms"]:
+                assert x is not None and x >= 0 and math.isfinite(x), (op, v, name, x)
+            assert p["what"].startswith("in this process"), p["what"]
+            want_target = "<= 1.2" if name == "per_segment" and op in ("grow_mapped", "sleep", "wake_mapped") else ""
+            assert p["target"] == want_target, (op, v, name, p["target"])
+for key, l in got.items():
+    assert ("in_process" in l) == (key[0] in lifecycle), key
 # attach and sleep carry a per-phase breakdown on both sides, one sample per repetition.
 for op in ("attach", "sleep"):
     for v in ("after_release", "after_pause"):
@@ -100,6 +128,76 @@ assert [(l["name"], l["variant"]) for l in d["lines"]] == [("shrink_to_half", "o
 assert "skipped" not in d["lines"][0] and d["lines"][0]["kvd"]["n"] == 1, d["lines"][0]
 assert d["bookkeeping"] == {"skipped": "not in --sections"}, d["bookkeeping"]
 PY
+# A block-outermost pool: one segment, so one in-process peer (one allocation), which carries the target.
+"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --chunk=16MiB --reps=1 --layout=BLHNC --sections=lifecycle --json \
+  >"$dir/blhnc.json" 2>"$dir/blhnc.txt"
+python3 - "$dir/blhnc.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+c = d["config"]
+assert c["layout"] == "BLHNC" and c["segments"] == 1 and c["layers"] == 8 and c["chunks"] == 4, c
+for l in d["lines"]:
+    peers = l["in_process"]
+    assert list(peers) == ["single"] and peers["single"]["allocations"] == 1 and peers["single"]["n"] == 1, (l["name"], peers)
+    want = "<= 1.2" if l["name"] in ("grow_mapped", "sleep", "wake_mapped") else ""
+    assert peers["single"]["target"] == want, (l["name"], peers["single"]["target"])
+PY
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --layout=BLHNC --sections=lifecycle,compact 2>"$dir/err"; then
+  echo "--layout=BLHNC with compact must fail"; exit 1
+fi
+grep -q -- "--layout: BLHNC measures the lifecycle" "$dir/err"
+# --deadline-s stops the lifecycle's repetitions (the first always runs) and says how many ran.
+"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --reps=200 --deadline-s=1 --sections=lifecycle --json \
+  >"$dir/deadline.json" 2>"$dir/deadline.txt"
+python3 - "$dir/deadline.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+n = d["config"]["lifecycle_reps"]
+assert d["config"]["reps"] == 200 and 1 <= n < 200, d["config"]
+assert all(l["kvd"]["n"] == n and l["baseline"]["n"] == n for l in d["lines"]), [(l["name"], l["kvd"]["n"]) for l in d["lines"]]
+PY
+grep -q "^lifecycle: [0-9]* of 200 repetitions ran (--deadline-s 1)" "$dir/deadline.txt"
+# The chunk sweep: every size, both variants, every phase and sum, per GiB and per handle; the scrub; the
+# fastest size of each sum is one of the sizes.
+"$bench" --backend=host --chunk-sweep --sweep-bytes=64MiB --sweep-sizes=2MiB,8MiB,32MiB --sweep-reps=2 --json \
+  >"$dir/sweep.json" 2>"$dir/sweep.txt"
+cat "$dir/sweep.txt"
+for size in "2.00 MiB  *32" "8.00 MiB  *8" "32.0 MiB  *2"; do
+  for variant in after_release after_pause scrub; do
+    [[ $(grep -c "^$size $variant " "$dir/sweep.txt") == 2 ]] || { echo "no $size $variant rows in both sweep tables"; exit 1; }
+  done
+done
+grep -q "^fastest per GiB, after_pause: grow .*, attach .*, release_all .*, total " "$dir/sweep.txt"
+python3 - "$dir/sweep.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+assert d["program"] == "kvd_bench" and d["mode"] == "chunk_sweep" and d["device"]["backend"] == "host", d["device"]
+c = d["config"]
+sizes = [2 << 20, 8 << 20, 32 << 20]
+assert c["bytes"] == 64 << 20 and c["reps"] == 2 and c["chunk_sizes"] == sizes, c
+assert [s["chunk_bytes"] for s in d["sizes"]] == sizes, d["sizes"]
+phases = {"create", "map", "export", "import", "import_map", "import_release", "release", "free_wait"}
+sums = {"grow", "attach", "release_all", "total"}
+finite = lambda x: x is not None and math.isfinite(x)
+for s in d["sizes"]:
+    assert "skipped" not in s and s["handles"] == c["bytes"] // s["chunk_bytes"], s
+    for v in ("after_release", "after_pause"):
+        assert set(s[v]) == phases | sums, (s["chunk_bytes"], v, s[v].keys())
+        for name, p in s[v].items():
+            assert p["n"] == 2 and len(p["samples_ms"]) == 2, (s["chunk_bytes"], v, name, p)
+            for x in p["samples_ms"] + [p["p50_ms"], p["p99_ms"], p["per_gib_ms"], p["per_handle_us"]]:
+                assert finite(x) and x >= 0, (s["chunk_bytes"], v, name, x)
+        total = sum(s[v][p]["samples_ms"][0] for p in phases)
+        assert abs(total - s[v]["total"]["samples_ms"][0]) < 1e-3 * max(1, total), (s["chunk_bytes"], v, total)
+    assert all(finite(s["scrub"][k]) for k in ("ms", "per_gib_ms", "per_handle_us")), s["scrub"]
+for v in ("after_release", "after_pause"):
+    assert set(d["fastest"][v]) == sums and all(x in sizes for x in d["fastest"][v].values()), d["fastest"]
+print("kvd_bench chunk sweep JSON: %d sizes complete" % len(d["sizes"]))
+PY
+if "$bench" --backend=host --chunk-sweep --sweep-bytes=64MiB --sweep-sizes=2MiB,3MiB 2>"$dir/err"; then
+  echo "a chunk size off the granularity must fail"; exit 1
+fi
+grep -q -- "--sweep-sizes: 3.00 MiB is not a multiple of the granularity" "$dir/err"
 if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope 2>"$dir/err"; then
   echo "an unknown section must fail"; exit 1
 fi

@@ -3,8 +3,8 @@
 # build bundled by tests/gpu/bundle.sh (see docs/gpu.md). Writes logs to $OUT (or ./gpu-out).
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
 # STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
-# "bench" (kvd_bench, 5 minutes and more) and "engines" (kvd.torch, kvd.transformers: docs/engines.md) run only when
-# named: STEPS=bench, STEPS=engines.
+# "bench" (kvd_bench's chunk sweep and lifecycle, the step's 9 minutes) and "engines" (kvd.torch,
+# kvd.transformers: docs/engines.md) run only when named: STEPS=bench, STEPS=engines.
 #
 # Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
 # STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
@@ -206,10 +206,26 @@ step_engines() {
 }
 
 step_bench() {
-  # The whole path against the bare driver calls (docs/benchmarks.md): kvd_bench starts its own kvd on
-  # CUDA (128 GiB as 80 segments by default; KVD_BENCH_ARGS adds flags). About 5 minutes; the table goes to
-  # the log, the JSON to kvd_bench.json.
-  TAIL=40 run kvd_bench bash -c "kvd_bench --backend=cuda --json ${KVD_BENCH_ARGS:-} >$out/kvd_bench.json"
+  # docs/benchmarks.md. BENCH_PARTS (default "sweep main") picks the parts, in this order:
+  #   sweep  kvd_bench --chunk-sweep: the chunk sizes through the device layer, no kvd (KVD_SWEEP_ARGS adds
+  #          flags); at most 200 s; table in kvd_chunk_sweep.log, JSON in kvd_chunk_sweep.json.
+  #   main   kvd_bench against its own kvd on CUDA (128 GiB as 80 segments), --sections=KVD_BENCH_SECTIONS
+  #          (default lifecycle: the lifecycle lines with the raw calls and the in-process peers, 9 repetitions),
+  #          KVD_BENCH_ARGS adds flags; --deadline-s is what the step has left less 30 s, so that it stops
+  #          starting repetitions in time (config.lifecycle_reps says how many ran). Table in kvd_bench.log,
+  #          JSON in kvd_bench.json.
+  local parts=" ${BENCH_PARTS:-sweep main} "
+  if [[ $parts == *" sweep "* ]]; then
+    local sweep_s=$(($(left) < 200 ? $(left) : 200))
+    TAIL=50 run kvd_chunk_sweep timeout "$sweep_s" bash -c \
+      "kvd_bench --backend=cuda --chunk-sweep --json ${KVD_SWEEP_ARGS:-} >$out/kvd_chunk_sweep.json"
+  fi
+  if [[ $parts == *" main "* ]]; then
+    local deadline=$(($(left) - 30))
+    TAIL=80 run kvd_bench timeout "$(left)" bash -c "kvd_bench --backend=cuda --json \
+      --sections=${KVD_BENCH_SECTIONS:-lifecycle} --deadline-s=$((deadline > 1 ? deadline : 1)) ${KVD_BENCH_ARGS:-} \
+      >$out/kvd_bench.json"
+  fi
 }
 
 step_connectors() {

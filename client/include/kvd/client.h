@@ -240,6 +240,7 @@ struct PoolInfo {
   uint64_t reserved_bytes = 0;
   uint64_t pending_release_bytes = 0;
   uint64_t wake_blocks = 0;
+  uint64_t kept_bytes = 0;  // while sleeping: bytes kept in the host tier that Wake copies back
   uint32_t owner_uid = 0;
   std::vector<uint32_t> allowed_uids;
   // Listed by GetPool, ListPools and CreatePool; empty in the pool of Attach's and resizes' replies.
@@ -343,6 +344,10 @@ struct SleepOptions {
   bool wait = false;   // reply once every attached client acknowledged the release
   bool force = false;  // as ShrinkOptions::force
   PauseOptions pause;  // for the pausable clients of other sessions, which pause first
+  // Keep the contents in the daemon's host tier; Wake copies them back (docs/api.md, "Sleep that keeps the
+  // contents"). With a named pool, `live_blocks` (non-empty) keeps only those blocks.
+  bool keep = false;
+  std::vector<uint64_t> live_blocks;
 };
 
 struct CompactOptions {
@@ -602,8 +607,9 @@ class Client {
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.
   // `force`: a shrink or sleep goes on past attached clients of other sessions that are not pausable
   // (SleepOptions::force); the pausable ones are paused until the Commit or Abort.
+  // `keep`: a sleep keeps the contents (SleepOptions::keep), copied at the Prepare.
   [[nodiscard]] absl::StatusOr<PreparedChange> Prepare(absl::string_view pool, GroupOp op, uint64_t target_blocks,
-                                                       absl::Duration ttl, bool force = false);
+                                                       absl::Duration ttl, bool force = false, bool keep = false);
   // Commit maps this client's new chunks into its Mapping of the pool, as Grow does.
   [[nodiscard]] absl::StatusOr<PoolChange> Commit(absl::string_view transaction, bool wait);
   // Returns the prepared bytes given back.

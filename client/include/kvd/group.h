@@ -78,7 +78,8 @@ class Group {
   // one that is not pausable refuses them unless `force` (docs/api.md, "Releases and running engines").
   [[nodiscard]] absl::StatusOr<GroupChange> Grow(uint64_t target_blocks);
   [[nodiscard]] absl::StatusOr<GroupChange> Shrink(uint64_t target_blocks, bool wait, bool force = false);
-  [[nodiscard]] absl::StatusOr<GroupChange> Sleep(bool wait, bool force = false);
+  // `keep`: every rank keeps its contents in its daemon's host tier (SleepOptions::keep), or none sleeps.
+  [[nodiscard]] absl::StatusOr<GroupChange> Sleep(bool wait, bool force = false, bool keep = false);
   [[nodiscard]] absl::StatusOr<GroupChange> Wake();
 
  private:
@@ -88,7 +89,8 @@ class Group {
   };
   Group(std::string name, GroupOptions options, std::vector<Member> members)
       : name_(std::move(name)), options_(std::move(options)), members_(std::move(members)) {}
-  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false);
+  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false,
+                                  bool keep = false);
 
   const std::string name_;
   const GroupOptions options_;

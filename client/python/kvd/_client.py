@@ -546,12 +546,16 @@ class Client:
         raise KvdError("DEADLINE_EXCEEDED", f"pool {update.pool.name} changed but this client's Mapping of it did "
                        f"not remap within {timeout:g}s")
 
-    def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False):
+    def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False, keep=False,
+              live_blocks=None):
         """Sleep one pool, or every awake pool (name None or "") -> [kvd.v1.PoolUpdate]. The Mappings
         learn of it from their release events (with wait: before this returns). The pausable Mappings of
         other sessions are paused first (pause_timeout and detach_unresponsive as shrink's); one that is not
-        pausable refuses the sleep unless force (docs/api.md, "Releases and running engines")."""
-        req = pb.SleepRequest(wait_for_release=wait, force=force,
+        pausable refuses the sleep unless force (docs/api.md, "Releases and running engines").
+        keep: the contents go to the daemon's host tier and wake() brings them back at the same addresses;
+        live_blocks (with keep and a named pool): only those blocks are kept (docs/api.md, "Sleep that keeps
+        the contents")."""
+        req = pb.SleepRequest(wait_for_release=wait, force=force, keep=keep, live_blocks=list(live_blocks or []),
                               pause=_pause_options(pause_timeout, detach_unresponsive))
         if not name:
             req.all = True
@@ -599,16 +603,17 @@ class Client:
         return self._call("GrantPeerAccess", pb.GrantPeerAccessRequest(pool=name, device_uuid=device_uuid,
                                                                         revoke=revoke))
 
-    def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False):
+    def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False, keep=False):
         """Phase one of a group operation on this daemon -> kvd.v1.PrepareResponse (transaction,
         pool as it is now, prepared_bytes, expires_at_unix_ms). op: "grow", "shrink", "sleep", "wake"
         (or a kvd.v1 Operation); target_blocks for grow and shrink. The daemon does everything that
         can fail and holds the pool (other resizes get ABORTED) until commit() or abort() from this
         Client, `ttl` seconds, or the end of this Client's session. kvd.Group drives it on every rank.
         A shrink or sleep pauses the pausable Mappings of other sessions until the commit or abort; one that
-        is not pausable refuses it unless force (docs/api.md, "Releases and running engines")."""
+        is not pausable refuses it unless force (docs/api.md, "Releases and running engines"). keep: a sleep
+        keeps the contents in the host tier (sleep()'s keep), copied here."""
         req = pb.PrepareRequest(pool=name, operation=_operation(op), target_blocks=target_blocks,
-                                ttl_ms=max(int(round(ttl * 1000)), 1), force=force)
+                                ttl_ms=max(int(round(ttl * 1000)), 1), force=force, keep=keep)
         releases = req.operation in (pb.OPERATION_SHRINK, pb.OPERATION_SLEEP)
         return self._call("Prepare", req, timeout=_reshape_call_timeout(self.timeout, None) if releases else None)
 

@@ -255,14 +255,15 @@ class Group:
         refuses it unless force (docs/api.md, "Releases and running engines")."""
         return self._run("shrink", blocks, wait, force)
 
-    def sleep(self, wait=False, force=False):
-        """Sleeps every rank; wait and force as shrink's."""
-        return self._run("sleep", 0, wait, force)
+    def sleep(self, wait=False, force=False, keep=False):
+        """Sleeps every rank; wait and force as shrink's; keep: every rank keeps its contents in its daemon's
+        host tier (Client.sleep's keep), or none sleeps."""
+        return self._run("sleep", 0, wait, force, keep)
 
     def wake(self):
         return self._run("wake", 0, False)
 
-    def _run(self, op, target_blocks, wait, force=False):
+    def _run(self, op, target_blocks, wait, force=False, keep=False):
         with self._lock:
             members = self._members
             if not members:
@@ -274,7 +275,7 @@ class Group:
 
             # Phase 1: every daemon does what can fail and holds its pool.
             prepared = _each(n, lambda i: members[i][1].prepare(members[i][0].pool.name, op, target_blocks,
-                                                                  self._ttl, force))
+                                                                  self._ttl, force, keep))
             prepared_at = time.monotonic()
             failed = next((i for i, (_, err) in enumerate(prepared) if err is not None), None)
             if failed is not None:

@@ -31,8 +31,11 @@ import contextlib
 import json
 import math
 import threading
+import time
 
 from . import CudaArray, KvdError, v1_pb2
+
+ATTACH_RETRY_S = 60.0  # how long a new cache waits for a pool that is recovering after a kvd restart
 
 METADATA_FORMAT = "kvd.transformers/1"
 LAYOUT = "LHBNC"
@@ -81,8 +84,19 @@ class KvdKVStore:
                 raise
             self._check_adoptable(client.pool(pool))
             self.adopted = True
-        self.mapping = client.attach(pool, on_pause=self._on_pause, on_resume=self._on_resume, on_grow=self._on_grow,
-                                     on_release=self._on_release, on_restart=self._on_restart, device=device)
+        # A pool still recovering after a kvd restart (its chunks not yet handed back by the clients that map
+        # them, docs/reliability.md) answers UNAVAILABLE "retry": wait for it, as long as the grace lasts.
+        deadline = time.monotonic() + ATTACH_RETRY_S
+        while True:
+            try:
+                self.mapping = client.attach(pool, on_pause=self._on_pause, on_resume=self._on_resume,
+                                             on_grow=self._on_grow, on_release=self._on_release,
+                                             on_restart=self._on_restart, device=device)
+                break
+            except KvdError as e:
+                if e.code != "UNAVAILABLE" or "recovering" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         g = self.mapping.geometry
         if g.layout != LAYOUT:
             raise KvdError("FAILED_PRECONDITION", f"pool {pool} has layout {g.layout}; kvd.transformers needs {LAYOUT} "
@@ -374,12 +388,17 @@ def _make_cache_classes():
             return self.keys, self.values
 
         def get_mask_sizes(self, cache_position):
-            return self.store.length(self.layer) + cache_position.shape[0], 0
+            # transformers 5 passes the query length, earlier releases the cache positions.
+            queries = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
+            return self.store.length(self.layer) + queries, 0
 
         def get_seq_length(self):
             return self.store.length(self.layer)
 
         def get_max_cache_shape(self):
+            return -1
+
+        def get_max_length(self):  # what transformers releases before get_max_cache_shape call it
             return -1
 
         def crop(self, max_length):

@@ -185,6 +185,18 @@ class Device {
   // chunk's bytes into its replacement with it (Note [Chunks are replaced, not cut] in docs/architecture.md).
   [[nodiscard]] virtual absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) = 0;
 
+  // Host memory the daemon keeps (the host tier, docs/operations.md "The host tier"), registered with the driver
+  // once so that CopyToHost and CopyFromHost to it run at DMA speed with no pinning on the copy's path
+  // (CUDA: cuMemHostRegister, portable; HIP: hipHostRegister, portable; host: nothing to do, OK). `host` and
+  // `bytes` are page-aligned, `bytes` > 0 (INVALID_ARGUMENT otherwise). RESOURCE_EXHAUSTED when the driver
+  // cannot pin that much. UnregisterHost takes exactly the `host` a RegisterHost was given.
+  [[nodiscard]] virtual absl::Status RegisterHost(void* host, uint64_t bytes);
+  [[nodiscard]] virtual absl::Status UnregisterHost(void* host);
+  // The host NUMA node the device is attached to, from the PCI device's sysfs numa_node
+  // (/sys/bus/pci/devices/<bus id>/numa_node); -1 when the machine does not say (no NUMA, a host backend,
+  // sysfs unreadable).
+  virtual int NumaNode() const;
+
   // Block operations (Note [Block operations see runs, not dims] in docs/architecture.md). Block ids must be <
   // span.blocks; in CopyBlocks no dst may repeat or also be a src. Pack writes blocks.size() packed blocks to device
   // memory at `dst`; Unpack reads them from `src`. Each returns once the device has finished. Every run the call reads
@@ -256,6 +268,10 @@ struct DeviceOptions {
 // with "device <selector>: ", so that a caller can prefix its flag's dashes ("--device 3: this node has
 // 1 CUDA device ...").
 [[nodiscard]] absl::StatusOr<int> ResolveDeviceSelector(const DeviceOptions& options, absl::string_view selector);
+
+// The numa_node sysfs gives for PCI device `bus_id` ("0000:3b:00.0", any case); -1 when it says -1 or
+// cannot be read.
+int PciNumaNode(absl::string_view bus_id);
 
 // Checks block ids and copy pairs against `span` (shared by every backend): INVALID_ARGUMENT naming
 // the offending id.

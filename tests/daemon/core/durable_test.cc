@@ -435,7 +435,7 @@ TEST_F(DurableTest, AnFdTheStoreRefusesLeavesNothingBehindWhereverAChunkIsMade) 
   EXPECT_THAT(manager_->Grow(alice_, "p", 128),
               StatusIs(absl::StatusCode::kResourceExhausted, "chunks: the FD store is full"));
   unchanged("grow");
-  // A compaction (ReshapeLocked): its new chunks, one per segment.
+  // A compaction (Reshaper::RunLocked): its new chunks, one per segment.
   faulty.FailNth(FaultStore::Op::kKeep, 2, full);
   EXPECT_THAT(manager_->Compact(alice_, "p", {}), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("full")));
   unchanged("compact");

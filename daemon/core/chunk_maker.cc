@@ -1,0 +1,110 @@
+#include "daemon/core/chunk_maker.h"
+
+#include <sys/stat.h>
+
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "kvd/status.h"
+
+namespace kvd::daemon {
+namespace {
+
+// Whether `fd` can be chunk memory of `bytes`. On the host backend a chunk is a memfd of exactly its size;
+// a GPU driver's FD is checked by importing and mapping it.
+absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
+  if (backend != BackendKind::kHost) return absl::OkStatus();
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return absl::InvalidArgumentError("cannot be examined (fstat failed)");
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("has ", st.st_size, " bytes, the chunk ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p) {
+  ChunkRecord r;
+  r.info = {.id = next_id_->fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
+  KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
+  if (absl::Status s = device_->Map(base + p.offset, r.chunk, Access::kReadWrite); !s.ok()) {
+    device_->Release(r.chunk).IgnoreError();
+    return s;
+  }
+  absl::StatusOr<int> fd = device_->Export(r.chunk);
+  if (!fd.ok()) {
+    device_->Unmap(base + p.offset, p.bytes).IgnoreError();
+    device_->Release(r.chunk).IgnoreError();
+    return fd.status();
+  }
+  r.fd.reset(*fd);
+  if (fabric_) {
+    // Export once, like the FD: every reply and event then carries the same bytes.
+    absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
+    if (!fabric.ok()) {
+      Discard(base, r, StoreFd::kLeave);
+      return fabric.status();
+    }
+    r.info.fabric_handle = *std::move(fabric);
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const std::vector<PlannedChunk>& plan,
+                                                          absl::string_view needs) {
+  std::vector<ChunkRecord> made;
+  absl::Cleanup undo = [&] {
+    for (ChunkRecord& r : made) Discard(base, r, StoreFd::kLeave);
+  };
+  made.reserve(plan.size());
+  for (const PlannedChunk& p : plan) {
+    absl::StatusOr<ChunkRecord> r = MakeOne(base, p);
+    if (!r.ok()) {
+      // Out of memory is worded with the bytes asked and free; out of file descriptors is not about memory
+      // and passes as the device said it.
+      if (!absl::IsResourceExhausted(r.status()) || IsOutOfFileDescriptors(r.status())) return r.status();
+      absl::StatusOr<DeviceInfo> info = device_->Info();
+      return absl::ResourceExhaustedError(absl::StrCat(needs, " but the device has ", info.ok() ? info->free_bytes : 0,
+                                                       " bytes free: ", r.status().message()));
+    }
+    made.push_back(*std::move(r));
+  }
+  // Into the FD store before any client can see them: a restart after the commit finds them there.
+  KVD_RETURN_IF_ERROR(Keep(made));
+  std::move(undo).Cancel();
+  return made;
+}
+
+absl::StatusOr<Chunk> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& info, int fd) {
+  KVD_RETURN_IF_ERROR(CheckChunkFd(device_->kind(), fd, info.bytes));
+  absl::StatusOr<Chunk> chunk = device_->Import(fd, info.bytes);
+  if (!chunk.ok()) {
+    return absl::Status(chunk.status().code(), absl::StrCat("cannot be imported: ", chunk.status().message()));
+  }
+  if (absl::Status mapped = device_->Map(base + info.offset, *chunk, Access::kReadWrite); !mapped.ok()) {
+    device_->Release(*chunk).IgnoreError();
+    return absl::Status(mapped.code(), absl::StrCat("cannot be mapped: ", mapped.message()));
+  }
+  return chunk;
+}
+
+absl::Status ChunkMaker::Keep(absl::Span<const ChunkRecord> chunks) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (absl::Status kept = store_->KeepChunkFd(chunks[i].info.id, chunks[i].fd.get()); !kept.ok()) {
+      for (size_t j = 0; j < i; ++j) store_->DropChunkFd(chunks[j].info.id);
+      return kept;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ChunkMaker::Discard(uint64_t base, ChunkRecord& r, StoreFd store_fd) {
+  if (store_fd == StoreFd::kForget) store_->DropChunkFd(r.info.id);
+  device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
+  device_->Release(r.chunk).IgnoreError();
+  r.fd.reset();
+}
+
+}  // namespace kvd::daemon

@@ -1,0 +1,61 @@
+// ChunkMaker: the one place a pool's chunks are made and given back on the device — for a grow or wake
+// (staging), a reshape's new chunks, and chunks adopted from an FD (a restore, ReturnHandles). A chunk is
+// made by creating it, mapping it into the daemon's view at `base`, exporting it once (its FD, and its
+// fabric handle where the device has them) and keeping its FD in the state store before any client can
+// see it (Note [Durable pools] in docs/architecture.md); a failure at any step undoes every step before it.
+// Thread-safe as the device and the store are; callers hold the pool's op_mu.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "daemon/core/chunk_table.h"
+#include "daemon/core/durable.h"
+#include "daemon/core/geometry.h"
+#include "kvd/device.h"
+
+namespace kvd::daemon {
+
+class ChunkMaker {
+ public:
+  // Everything must outlive the maker. `next_id` numbers the chunks (never reused: Note [Durable pools]).
+  ChunkMaker(Device* device, StateStore* store, std::atomic<uint64_t>* next_id, bool fabric)
+      : device_(device), store_(store), next_id_(next_id), fabric_(fabric) {}
+
+  // Makes the chunks of `plan` in the view at `base`, their FDs kept in the store. All or nothing. A device
+  // out of memory (not of file descriptors) is RESOURCE_EXHAUSTED "<needs> but the device has N bytes free:
+  // <the device's words>"; every other failure (a store that refuses an FD too) passes as it is.
+  [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> Make(uint64_t base, const std::vector<PlannedChunk>& plan,
+                                                              absl::string_view needs);
+  // The memory of chunk `info` from `fd` (a dup the caller keeps), imported and mapped at `base`:
+  // INVALID_ARGUMENT when the FD cannot be that chunk (on the host backend, a memfd of another size), and
+  // the device's own codes worded "cannot be imported: ..." or "cannot be mapped: ...". Nothing is left on
+  // a failure.
+  [[nodiscard]] absl::StatusOr<Chunk> Adopt(uint64_t base, const ChunkInfo& info, int fd);
+  // Hands each chunk's FD to the store; on a refusal takes back the ones it handed and returns why.
+  [[nodiscard]] absl::Status Keep(absl::Span<const ChunkRecord> chunks);
+
+  // Whether a discarded chunk's FD leaves the store (kForget) or stays for the next daemon (kLeave: a
+  // restart, or a chunk whose FD was never kept).
+  enum class StoreFd { kForget, kLeave };
+  // Unmaps the chunk from the view at `base`, releases the daemon's handle and closes its FD.
+  void Discard(uint64_t base, ChunkRecord& chunk, StoreFd store_fd = StoreFd::kForget);
+  // The pool's record no longer names chunk `id`: its FD leaves the store (its memory goes later).
+  void ForgetFd(uint64_t id) { store_->DropChunkFd(id); }
+
+ private:
+  // Create, map and export, without the store.
+  [[nodiscard]] absl::StatusOr<ChunkRecord> MakeOne(uint64_t base, const PlannedChunk& planned);
+
+  Device* const device_;
+  StateStore* const store_;
+  std::atomic<uint64_t>* const next_id_;
+  const bool fabric_;
+};
+
+}  // namespace kvd::daemon

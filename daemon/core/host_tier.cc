@@ -1,0 +1,202 @@
+#include "daemon/core/host_tier.h"
+
+#include <fcntl.h>
+#include <linux/mempolicy.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvd/status.h"
+#include "kvd/units.h"
+
+namespace kvd::daemon {
+namespace {
+
+absl::Status Errno(int error, absl::string_view call) {
+  return absl::Status(error == ENOMEM || error == ENOSPC ? absl::StatusCode::kResourceExhausted
+                                                          : absl::StatusCode::kInternal,
+                      absl::StrCat(call, ": ", std::strerror(error)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(Device* device, const HostTierOptions& options,
+                                                           uint64_t alignment) {
+  if (options.bytes == 0 || options.bytes % alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--host-tier-bytes: ", options.bytes,
+                                                   " is not a positive multiple of the device granularity (",
+                                                   alignment, " bytes)"));
+  }
+  UniqueFd fd(memfd_create("kvd-host-tier", MFD_CLOEXEC));
+  if (!fd) return Errno(errno, "memfd_create(kvd-host-tier)");
+  if (ftruncate(fd.get(), static_cast<off_t>(options.bytes)) != 0) {
+    return Errno(errno, absl::StrCat("ftruncate(host tier, ", options.bytes, ")"));
+  }
+  void* map = mmap(nullptr, options.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (map == MAP_FAILED) return Errno(errno, absl::StrCat("mmap(host tier, ", options.bytes, ")"));
+  return std::unique_ptr<HostTier>(
+      new HostTier(device, options, alignment, std::move(fd), static_cast<uint8_t*>(map)));
+}
+
+HostTier::HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map)
+    : device_(device), options_(options), alignment_(alignment), bytes_(options.bytes), fd_(std::move(fd)), map_(map) {
+  free_[0] = bytes_;
+  preparer_ = std::thread([this] { Prepare(); });
+}
+
+HostTier::~HostTier() {
+  if (preparer_.joinable()) preparer_.join();
+  bool registered = false;
+  {
+    absl::MutexLock lock(&mu_);
+    registered = registered_;
+  }
+  if (registered) device_->UnregisterHost(map_).IgnoreError();
+  munmap(map_, bytes_);
+}
+
+// Note [The host tier]: bound to the GPU's node before any page exists (the memfd's shared policy then
+// places every page), allocated whole, then registered; all before the first sleep needs it.
+void HostTier::Prepare() {
+  auto info = [&](const std::string& line) {
+    if (options_.info) options_.info(line);
+  };
+  const int node = device_->NumaNode();
+  bool bound = false;
+  if (node >= 0 && node < 64) {
+    // MPOL_PREFERRED: the node's memory first, another node's rather than failing when it runs out.
+    const unsigned long mask = 1UL << node;
+    if (syscall(SYS_mbind, map_, bytes_, MPOL_PREFERRED, &mask, 64, 0) == 0) {
+      bound = true;
+    } else {
+      info(absl::StrCat("host tier: mbind to NUMA node ", node, " failed (", std::strerror(errno),
+                        "); its pages go where the kernel puts them"));
+    }
+  } else {
+    info("host tier: the device's NUMA node is unknown (no NUMA, or sysfs does not say): not bound to a node");
+  }
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  if (fallocate(fd_.get(), 0, 0, static_cast<off_t>(bytes_)) != 0) {
+    status = Errno(errno, absl::StrCat("fallocate(host tier, ", bytes_, ")"));
+  }
+  if (status.ok()) status = device_->RegisterHost(map_, bytes_);
+  info(status.ok() ? absl::StrCat("host tier: ", FormatBytes(bytes_), " allocated",
+                                  bound ? absl::StrCat(" on NUMA node ", node) : "", " and registered in ",
+                                  absl::FormatDuration(absl::Now() - start))
+                   : absl::StrCat("host tier: ", FormatBytes(bytes_), " not registered (", status.message(),
+                                  "); sleeps keep their contents there at pageable-copy speed"));
+  absl::MutexLock lock(&mu_);
+  registered_ = status.ok();
+  numa_node_ = bound ? node : -1;
+  ready_ = true;
+}
+
+absl::StatusOr<uint64_t> HostTier::Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes) {
+  const uint64_t want = (bytes + alignment_ - 1) / alignment_ * alignment_;
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(&ready_));
+  uint64_t largest = 0;
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    largest = std::max(largest, it->second);
+    if (it->second < want) continue;
+    const uint64_t offset = it->first;
+    const uint64_t left = it->second - want;
+    free_.erase(it);
+    if (left > 0) free_[offset + want] = left;
+    used_ += want;
+    *extent_bytes = want;
+    return offset;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "pool ", pool, ": keeping its contents needs ", bytes, " bytes (", FormatBytes(bytes), ") of the host tier, but ",
+      "its largest free extent is ", largest, " bytes (", FormatBytes(largest), ") of ", bytes_, " (",
+      FormatBytes(bytes_), ", --host-tier-bytes); nothing changed"));
+}
+
+void HostTier::Give(uint64_t offset, uint64_t extent_bytes) {
+  if (extent_bytes == 0) return;
+  absl::MutexLock lock(&mu_);
+  used_ -= extent_bytes;
+  auto [it, inserted] = free_.emplace(offset, extent_bytes);
+  if (auto next = std::next(it); next != free_.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_.erase(next);
+  }
+  if (it != free_.begin()) {
+    if (auto prev = std::prev(it); prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_.erase(it);
+    }
+  }
+}
+
+absl::Status HostTier::CopyPieces(uint64_t base, const KeptContents& kept, bool out) {
+  struct Piece {
+    uint64_t va = 0;
+    uint8_t* host = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::vector<Piece> pieces;
+  uint64_t at = kept.tier_offset;
+  for (const KeptRun& run : kept.runs) {
+    for (uint64_t done = 0; done < run.bytes;) {
+      const uint64_t n = std::min(options_.copy_piece_bytes, run.bytes - done);
+      pieces.push_back({.va = base + run.pool_offset + done, .host = map_ + at + done, .bytes = n});
+      done += n;
+    }
+    at += run.bytes;
+  }
+  const absl::Time start = absl::Now();
+  std::atomic<size_t> next{0};
+  absl::Mutex error_mu;
+  absl::Status first;
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < pieces.size(); i = next.fetch_add(1)) {
+      const Piece& p = pieces[i];
+      absl::Status s = out ? device_->CopyToHost(p.host, p.va, p.bytes) : device_->CopyFromHost(p.va, p.host, p.bytes);
+      if (!s.ok()) {
+        absl::MutexLock lock(&error_mu);
+        if (first.ok()) first = std::move(s);
+        next.store(pieces.size());  // the others stop at their next piece
+      }
+    }
+  };
+  const size_t threads = std::min<size_t>(std::max<uint32_t>(options_.copy_threads, 1), pieces.size());
+  std::vector<std::thread> workers;
+  for (size_t t = 1; t < threads; ++t) workers.emplace_back(work);
+  work();
+  for (std::thread& w : workers) w.join();
+  const absl::Duration took = absl::Now() - start;
+  absl::MutexLock lock(&mu_);
+  if (first.ok()) {
+    (out ? copied_out_ : copied_in_) += kept.bytes;
+    (out ? out_time_ : in_time_) += took;
+  }
+  return first;
+}
+
+absl::Status HostTier::CopyOut(uint64_t base, const KeptContents& kept) { return CopyPieces(base, kept, true); }
+
+absl::Status HostTier::CopyIn(uint64_t base, const KeptContents& kept) { return CopyPieces(base, kept, false); }
+
+HostTierStats HostTier::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return HostTierStats{.bytes = bytes_,
+                       .used_bytes = used_,
+                       .ready = ready_,
+                       .registered = registered_,
+                       .numa_node = numa_node_,
+                       .copied_to_host_bytes = copied_out_,
+                       .copied_to_device_bytes = copied_in_,
+                       .copy_to_host_seconds = absl::ToDoubleSeconds(out_time_),
+                       .copy_to_device_seconds = absl::ToDoubleSeconds(in_time_)};
+}
+
+}  // namespace kvd::daemon

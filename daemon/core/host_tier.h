@@ -1,0 +1,122 @@
+// HostTier: host memory kvd owns, where a sleeping pool keeps its contents (Note [The host tier] in
+// docs/architecture.md; operators: docs/operations.md, "The host tier").
+//
+// One memfd of --host-tier-bytes, mapped once into the daemon, bound to the GPU's NUMA node where the
+// machine says which it is, its pages allocated (fallocate) and registered with the driver
+// (Device::RegisterHost) in the background after start, so that neither the sleep nor the wake path pins
+// or faults in anything. Pools take extents of it (first fit, granularity-aligned) for their kept bytes
+// and give them back on wake or delete. Copies between a pool's mapped memory and its extent are split
+// into pieces copied by several threads at once.
+//
+// Threads. Every method is thread-safe. mu_ is a leaf: it is never held across a device call or a copy.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvd/device.h"
+#include "kvd/unique_fd.h"
+
+namespace kvd::daemon {
+
+// One run of a pool's bytes kept in the tier: `bytes` at `pool_offset` from the pool's base. A pool's
+// runs lie back to back in its extent, in order.
+struct KeptRun {
+  uint64_t pool_offset = 0;
+  uint64_t bytes = 0;
+};
+
+// What a sleeping pool keeps in the tier.
+struct KeptContents {
+  uint64_t tier_offset = 0;   // its extent's start in the tier
+  uint64_t extent_bytes = 0;  // the extent taken (bytes, rounded up to the tier's alignment)
+  uint64_t bytes = 0;         // the sum of the runs' bytes
+  std::vector<KeptRun> runs;
+  uint64_t live_blocks = 0;   // blocks kept when the engine named them; 0: every committed byte
+};
+
+struct HostTierOptions {
+  uint64_t bytes = 0;                             // 0: no tier
+  uint32_t copy_threads = 4;                      // copies in flight at once per sleep or wake
+  uint64_t copy_piece_bytes = uint64_t{256} << 20;  // each copy is at most this large
+  std::function<void(const std::string&)> info;   // where the background preparation reports
+};
+
+// What the tier has done, for metrics.
+struct HostTierStats {
+  uint64_t bytes = 0;        // the tier's size
+  uint64_t used_bytes = 0;   // taken by kept contents
+  bool ready = false;        // pages allocated and registered (or registration failed and said so)
+  bool registered = false;   // registered with the driver (host backend: true, nothing to do)
+  int numa_node = -1;        // the node it is bound to; -1: not bound (the machine did not say)
+  uint64_t copied_to_host_bytes = 0;
+  uint64_t copied_to_device_bytes = 0;
+  double copy_to_host_seconds = 0;
+  double copy_to_device_seconds = 0;
+};
+
+class HostTier {
+ public:
+  // Creates the memfd and its mapping (`device` must outlive the tier) and starts the background
+  // preparation. INVALID_ARGUMENT for a size that is not a multiple of `alignment` (a power of two);
+  // the system's errors for memfd_create, ftruncate and mmap.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<HostTier>> Create(Device* device, const HostTierOptions& options,
+                                                                        uint64_t alignment);
+  // Waits for the preparation, unregisters and unmaps.
+  ~HostTier();
+  HostTier(const HostTier&) = delete;
+  HostTier& operator=(const HostTier&) = delete;
+
+  uint64_t bytes() const { return bytes_; }
+  // An extent for `bytes` bytes of `pool` (waits for the background preparation first).
+  // RESOURCE_EXHAUSTED naming the bytes asked, the tier's size and the largest free extent when none fits.
+  [[nodiscard]] absl::StatusOr<uint64_t> Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives an extent Take returned back.
+  void Give(uint64_t offset, uint64_t extent_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies the runs of the pool mapped at `base` into `kept`'s extent, or back. Each returns once every
+  // byte is in place; on an error (the device's, of the first piece that failed) some pieces may have
+  // been copied.
+  [[nodiscard]] absl::Status CopyOut(uint64_t base, const KeptContents& kept) ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::Status CopyIn(uint64_t base, const KeptContents& kept) ABSL_LOCKS_EXCLUDED(mu_);
+  HostTierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map);
+  // The background preparation: NUMA binding, page allocation, registration.
+  void Prepare();
+  // Copies every piece of `kept`'s runs, several at once: to the host (`out`) or back.
+  absl::Status CopyPieces(uint64_t base, const KeptContents& kept, bool out);
+
+  Device* const device_;
+  const HostTierOptions options_;
+  const uint64_t alignment_;
+  const uint64_t bytes_;
+  const UniqueFd fd_;
+  uint8_t* const map_;
+  std::thread preparer_;
+
+  mutable absl::Mutex mu_;
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  int numa_node_ ABSL_GUARDED_BY(mu_) = -1;
+  std::map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> bytes, coalesced
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t copied_out_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t copied_in_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration out_time_ ABSL_GUARDED_BY(mu_);
+  absl::Duration in_time_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvd::daemon

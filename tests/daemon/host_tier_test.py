@@ -1,0 +1,224 @@
+"""Sleep that keeps the contents (docs/api.md, "Sleep that keeps the contents"): on the real kvd (host backend,
+a memfd device) with --host-tier-bytes, through the Python package and kvctl. Every byte of every segment is
+written with a pattern, the pool sleeps keeping it (all of it, or named live blocks), wakes, and two clients of
+two sessions read it back at the same addresses; a sleep the tier cannot hold is refused and changes nothing;
+a group's two-phase sleep keeps them at Prepare and an Abort gives the tier back; an engine that exits while the
+pool sleeps finds its bytes when it attaches again; pausable engines of other sessions pause before the copy.
+
+Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl \
+     PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python \
+     /usr/bin/python3 host_tier_test.py -v
+"""
+
+import os
+import subprocess
+import threading
+import unittest
+
+import numpy as np
+
+import kvd
+from kvd_daemon import KvdDaemonCase
+
+# 2 layers, 8 heads, 16 tokens, 128 channels, fp16: 32 KiB per block and segment.
+DIMS = dict(layers=2, capacity_blocks=2048, heads=8, block_tokens=16, channels=128, element_bytes=2)
+BLOCKS = 512  # 16 MiB per segment, 32 MiB committed
+TIER = "48MiB"
+AWAKE, SLEEPING = kvd.v1_pb2.POOL_STATE_AWAKE, kvd.v1_pb2.POOL_STATE_SLEEPING
+
+
+def pattern(layer, blocks, shape, seed=0):
+    b = np.asarray(blocks, dtype=np.uint64)
+    word = (b * np.uint64(2654435761) + np.uint64(layer * 40503 + 17 + seed)) & np.uint64(0xFFFFFFFF)
+    idx = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    return ((word[:, None] + idx[None, :]) & np.uint64(0xFFFF)).astype(np.uint16).reshape(len(b), *shape)
+
+
+class HostTierTest(KvdDaemonCase):
+    def kvd_args(self):
+        return [f"--host-tier-bytes={TIER}"]
+
+    def setUp(self):
+        super().setUp()
+        self.c = kvd.connect(self.socket, client_name="engine")
+        self.addCleanup(self.c.close)
+        self.c.create_pool("kv", **DIMS)
+        for step in range(1, 5):  # several chunks per segment: wake recommits one per segment
+            self.c.grow("kv", BLOCKS * step // 4)
+        self.m = self.c.attach("kv", client_name="engine")
+        d = self.m.geometry.dims
+        self.shape = (d["heads"], d["block_tokens"], d["channels"])
+        self.layers = d["layers"]
+        self.write(self.m)
+
+    def write(self, m, seed=0):
+        for layer in range(self.layers):
+            m.layer(layer, "uint16")[:BLOCKS] = pattern(layer, range(BLOCKS), self.shape, seed)
+
+    def assert_blocks(self, m, blocks, seed=0, what=""):
+        for layer in range(self.layers):
+            got = m.layer(layer, "uint16")[list(blocks)]
+            want = pattern(layer, blocks, self.shape, seed)
+            self.assertEqual(int(np.count_nonzero(got != want)), 0, f"layer {layer}: bytes differ {what}")
+
+    def assert_zero(self, m, blocks):
+        for layer in range(self.layers):
+            self.assertFalse(m.layer(layer, "uint16")[list(blocks)].any(), f"layer {layer}: not fresh memory")
+
+    def kvctl(self, *args):
+        return subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={self.socket}", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    def test_every_byte_comes_back_at_the_same_addresses_for_two_clients(self):
+        other = kvd.connect(self.socket, client_name="reader")
+        self.addCleanup(other.close)
+        paused = []
+        m2 = other.attach("kv", client_name="reader", on_pause=lambda ranges: paused.append(True))
+        base = self.m.base if hasattr(self.m, "base") else None
+        pool = self.c.sleep("kv", wait=True, keep=True)[0].pool
+        self.assertEqual(pool.state, SLEEPING)
+        committed = self.c.pool("kv").wake_blocks
+        self.assertEqual(committed, BLOCKS)
+        self.assertEqual(self.c.pool("kv").kept_bytes, 2 * 16 << 20)
+        self.assertTrue(paused, "the reader of another session was not paused before the copy")
+        woke = self.c.wake("kv")[0].pool
+        self.assertEqual(woke.kept_bytes, 0)
+        self.assertEqual(woke.committed_blocks, BLOCKS)
+        self.assertEqual(len(woke.chunks), self.layers)  # one chunk per segment, as a plain wake
+        if base is not None:
+            self.assertEqual(self.m.base, base)
+        self.assert_blocks(self.m, range(BLOCKS), what="for the sleeping client")
+        # The other session's Mapping maps the woken chunks from its events.
+        from scrape import poll
+        poll(lambda: m2.state == AWAKE and m2.committed_blocks == BLOCKS, lambda: f"reader state {m2.state}")
+        self.assert_blocks(m2, range(BLOCKS), what="for the reader of another session")
+        # The tier is empty again: a second keeping sleep of the whole pool fits.
+        self.c.sleep("kv", keep=True)
+        self.c.wake("kv")
+        self.assert_blocks(self.m, range(BLOCKS), what="after a second round")
+
+    def test_only_the_live_blocks_are_kept(self):
+        live = [0, 1, 2, 3, 7, 100, 101, 511]
+        self.c.sleep("kv", keep=True, live_blocks=live)
+        self.assertEqual(self.c.pool("kv").kept_bytes, len(live) * self.layers * (32 << 10))
+        self.c.wake("kv")
+        self.assert_blocks(self.m, live, what="in a live block")
+        self.assert_zero(self.m, [b for b in range(BLOCKS) if b not in live])
+
+    def test_bad_live_blocks_are_refused_naming_the_field_and_nothing_changes(self):
+        for live, field in (([0, BLOCKS], "live_blocks[1]"), ([3, 3], "live_blocks")):
+            with self.assertRaises(kvd.KvdError) as e:
+                self.c.sleep("kv", keep=True, live_blocks=live)
+            self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+            self.assertIn(field, e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep("kv", live_blocks=[1])  # without keep
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertEqual(self.c.pool("kv").state, AWAKE)
+        self.assert_blocks(self.m, range(BLOCKS))
+
+    def test_a_sleep_the_tier_cannot_hold_is_refused_and_changes_nothing(self):
+        self.c.create_pool("big", **DIMS)
+        self.c.grow("big", BLOCKS)  # 32 MiB more: the tier (48 MiB) holds one of the two pools, not both
+        self.c.sleep("kv", keep=True)
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep("big", keep=True)
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn(str(2 * 16 << 20), e.exception.message)  # the bytes asked
+        big = self.c.pool("big")
+        self.assertEqual((big.state, big.committed_blocks, big.kept_bytes), (AWAKE, BLOCKS, 0))
+        self.c.wake("kv")
+        self.assert_blocks(self.m, range(BLOCKS), what="of the pool that kept its contents")
+        self.c.sleep("big", keep=True)  # the tier is free again
+        self.assertEqual(self.c.pool("big").kept_bytes, 2 * 16 << 20)
+
+    def test_the_engine_exits_while_the_pool_sleeps_and_finds_its_bytes_after_wake(self):
+        self.c.sleep("kv", keep=True)
+        self.m.close()
+        self.c.close()
+        c = kvd.connect(self.socket, client_name="engine-2")
+        self.addCleanup(c.close)
+        self.assertEqual(c.pool("kv").kept_bytes, 2 * 16 << 20)
+        c.wake("kv")
+        self.assert_blocks(c.attach("kv", client_name="engine-2"), range(BLOCKS), what="after the engine restart")
+
+    def test_group_sleep_keeps_at_prepare_and_abort_gives_the_tier_back(self):
+        prepared = self.c.prepare("kv", "sleep", keep=True)
+        self.assertEqual(self.c.pool("kv").state, AWAKE)
+        self.c.abort(prepared.transaction)
+        self.assertEqual(self.c.pool("kv").kept_bytes, 0)
+        self.assert_blocks(self.m, range(BLOCKS), what="after an aborted keeping sleep")
+        prepared = self.c.prepare("kv", "sleep", keep=True)
+        self.c.commit(prepared.transaction)
+        self.assertEqual(self.c.pool("kv").kept_bytes, 2 * 16 << 20)
+        self.c.commit(self.c.prepare("kv", "wake").transaction)
+        self.assert_blocks(self.m, range(BLOCKS), what="after a two-phase sleep and wake")
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.prepare("kv", "shrink", target_blocks=10, keep=True)
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+
+    def test_a_writing_engine_of_another_session_pauses_before_the_copy(self):
+        writer = kvd.connect(self.socket, client_name="writer")
+        self.addCleanup(writer.close)
+        state = {"paused": False, "seed": 0}
+        lock = threading.Condition()
+        stop = threading.Event()
+
+        def on_pause(ranges):
+            with lock:
+                state["paused"] = True  # the writer finishes its pass first (it holds the lock through it)
+
+        m2 = writer.attach("kv", client_name="writer", on_pause=on_pause)
+
+        def write_loop():
+            while not stop.is_set():
+                with lock:
+                    if state["paused"] or m2.state != AWAKE:
+                        lock.wait(0.01)
+                        continue
+                    state["seed"] += 1
+                    self.write(m2, state["seed"])
+
+        t = threading.Thread(target=write_loop, daemon=True)
+        t.start()
+        self.addCleanup(stop.set)
+        from scrape import poll
+        poll(lambda: state["seed"] >= 3, lambda: "the writer to write")
+        self.c.sleep("kv", keep=True)
+        with lock:
+            last = state["seed"]
+        stop.set()
+        t.join()
+        self.c.wake("kv")
+        self.assert_blocks(self.m, range(BLOCKS), seed=last, what="as the writer last wrote them")
+
+    def test_kvctl_sleep_keep_and_describe(self):
+        self.m.close()  # kvctl is another session: a Mapping that is not pausable would refuse the sleep
+        r = self.kvctl("sleep", "kv", "--keep")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("MiB kept in the host tier", r.stdout)
+        r = self.kvctl("describe", "kv")
+        self.assertIn("kept", r.stdout)
+        r = self.kvctl("wake", "kv")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assert_blocks(self.c.attach("kv"), range(BLOCKS), what="after kvctl sleep --keep")
+        r = self.kvctl("sleep", "kv", "--live-blocks", "1,2")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--keep", r.stderr)
+
+
+class NoHostTierTest(KvdDaemonCase):
+    def test_keep_without_a_tier_is_refused_and_nothing_changes(self):
+        c = kvd.connect(self.socket)
+        self.addCleanup(c.close)
+        c.create_pool("kv", **DIMS)
+        c.grow("kv", 64)
+        with self.assertRaises(kvd.KvdError) as e:
+            c.sleep("kv", keep=True)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("--host-tier-bytes", e.exception.message)
+        self.assertEqual(c.pool("kv").state, AWAKE)
+
+
+if __name__ == "__main__":
+    unittest.main()
