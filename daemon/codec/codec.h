@@ -6,12 +6,16 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
+#include "google/protobuf/any.pb.h"
+#include "google/protobuf/repeated_ptr_field.h"
 #include "kvd/device.h"
 #include "kvd/v1/kvd.pb.h"
 
@@ -32,5 +36,10 @@ v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
 PoolMetadata FromProto(const v1::PoolMetadata& proto);
 v1::Chunk ToProto(const ChunkInfo& chunk);
 ChunkInfo FromProto(const v1::Chunk& proto);
+v1::LimitExceeded ToProto(const LimitRefusal& refusal);
+
+// What `status` says in numbers, appended to `details` (an RpcStatus's or a HandleChannelError's): a
+// kvd.v1.LimitExceeded for a limit's refusal (LimitRefusalOf); nothing for any other status.
+void AppendDetails(const absl::Status& status, google::protobuf::RepeatedPtrField<google::protobuf::Any>* details);
 
 }  // namespace kvd::daemon

@@ -552,8 +552,9 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
   // Checked under this lock for the same reason as in Hold: a closing session detaches what it finds.
   if (!sessions.Contains(caller.session)) return absl::UnauthenticatedError("kvd-session: the session has closed");
   if (shared_.limits != nullptr) {
-    KVD_RETURN_IF_ERROR(CheckCount(absl::StrCat("clients of pool ", name_), caller.uid, 0, 0, "", clients_.size(),
-                                   shared_.limits->max_clients_per_pool, "--max-clients-per-pool", *shared_.limits));
+    KVD_RETURN_IF_ERROR(CheckCount(absl::StrCat("clients of pool ", name_), caller.uid, 0, 0, std::nullopt,
+                                   clients_.size(), shared_.limits->max_clients_per_pool, Limit::kMaxClientsPerPool,
+                                   *shared_.limits));
   }
   Client c{.id = RandomToken("c-"),
            .name = client_name.empty() ? caller.name : std::string(client_name),

@@ -51,14 +51,6 @@ ManagerOptions WithDaemonUid(ManagerOptions options) {
   return options;
 }
 
-// The flag a limit's RESOURCE_EXHAUSTED names: "--max-pools" in "... (--max-pools=1024, less ...)".
-std::string LimitFlag(absl::string_view message) {
-  const size_t at = message.rfind("(--");
-  if (at == absl::string_view::npos) return "";
-  absl::string_view flag = message.substr(at + 1);
-  return std::string(flag.substr(0, flag.find_first_of("=,) ")));
-}
-
 void Decrement(std::map<uint32_t, uint64_t>& counts, uint32_t uid, uint64_t by) {
   auto it = counts.find(uid);
   if (it == counts.end()) return;
@@ -142,10 +134,8 @@ absl::StatusOr<std::string> PoolManager::OpenSession(uint32_t uid, int32_t pid, 
 }
 
 absl::Status PoolManager::Refused(absl::Status status) const {
-  if (!absl::IsResourceExhausted(status)) return status;
-  const std::string flag = LimitFlag(status.message());
-  for (size_t i = 0; i < kLimitFlags.size(); ++i) {
-    if (flag == kLimitFlags[i]) refusals_[i].fetch_add(1, std::memory_order_relaxed);
+  if (const std::optional<LimitRefusal> refusal = LimitRefusalOf(status); refusal.has_value()) {
+    refusals_[static_cast<size_t>(refusal->limit)].fetch_add(1, std::memory_order_relaxed);
   }
   return status;
 }
@@ -345,13 +335,13 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
       return it == m.end() ? uint64_t{0} : it->second;
     };
     KVD_RETURN_IF_ERROR(
-        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, "--max-pools-per-uid",
-                           pools_.size(), limits.max_pools, "--max-pools", limits)));
+        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, Limit::kMaxPoolsPerUid,
+                           pools_.size(), limits.max_pools, Limit::kMaxPools, limits)));
     const uint64_t reserved = pool->geometry().reserved_bytes();
     KVD_RETURN_IF_ERROR(
         Refused(CheckBytes(absl::StrCat("reserved address space (pool ", spec.name, ")"), uid, reserved,
-                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, "--max-reserved-per-uid",
-                           reserved_total_, limits.max_reserved_bytes, "--max-reserved", limits)));
+                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, Limit::kMaxReservedPerUid,
+                           reserved_total_, limits.max_reserved_bytes, Limit::kMaxReserved, limits)));
     if (!spec.group.name.empty()) {
       for (const auto& [other_name, other] : pools_) {
         if (other->group().name != spec.group.name) continue;
@@ -833,7 +823,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                const ShrinkOptions& options) {
   if (options.live.has_value()) {
-    KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("live.blocks", options.live->size(), options_.limits)));
+    KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live.blocks", options.live->size(), caller.uid, options_.limits)));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   return reshaper_.Shrink(*pool, caller.session, target_blocks, options);
