@@ -25,8 +25,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client/handle_client.h"
 #include "client/phase_marks.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "kvd/device.h"
 #include "kvd/fd_passing.h"
@@ -304,13 +308,15 @@ absl::StatusOr<std::vector<std::string>> NodeSockets(absl::string_view directory
   return sockets;
 }
 
-absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory) {
+absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory,
+                                       absl::Duration timeout) {
   if (device_uuid.empty()) return absl::InvalidArgumentError("device_uuid: must not be empty");
   const std::string want = absl::AsciiStrToLower(device_uuid);
   KVD_ASSIGN_OR_RETURN(std::vector<std::string> sockets, NodeSockets(directory));
   std::vector<std::string> seen, matches;
   for (const std::string& socket : sockets) {
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect({.socket = socket, .client_name = "find-socket"});
+    absl::StatusOr<std::unique_ptr<Client>> c =
+        Client::Connect({.socket = socket, .client_name = "find-socket", .timeout = timeout});
     absl::StatusOr<DeviceStatus> d = c.ok() ? (*c)->DeviceInfo() : c.status();
     if (!d.ok()) {
       seen.push_back(absl::StrCat(socket, " (not answering)"));
@@ -548,13 +554,20 @@ struct Mapping::Impl {
   struct Mapped {
     ChunkInfo info;
     Chunk chunk;
-    UniqueFd fd;  // kept open so that the chunk can be handed back after a daemon restart
+    // Kept open so that the chunk can be handed back after a daemon restart; empty where the imported
+    // chunk is an FD itself (keep_fds false).
+    UniqueFd fd;
   };
   using Conn = Client::Impl::Conn;
   using Reader = grpc::ClientReader<v1::PoolEvent>;
 
   std::shared_ptr<Client::Impl> client;
   Device* device = nullptr;
+  Mapping::MappedDevice mapped_device;  // `device`, as Mapping::device() reports it
+  // Whether a mapped chunk keeps its FD (Mapped::fd). On host an imported chunk is a dup of the memfd that
+  // the device layer holds, so the Mapping keeps no second FD and exports the chunk when it hands it back
+  // (Note [FD hygiene] in docs/architecture.md): one FD per chunk either way.
+  bool keep_fds = true;
   std::string peer_uuid;  // the AttachRequest's device_uuid
   std::string pool;
   Geometry geometry;
@@ -569,6 +582,8 @@ struct Mapping::Impl {
   std::map<uint64_t, Mapped> chunks ABSL_GUARDED_BY(mu);  // by chunk id
   uint64_t committed_blocks ABSL_GUARDED_BY(mu) = 0;
   Mapping::State state ABSL_GUARDED_BY(mu) = Mapping::State::kAwake;
+  Mapping::State pool_state_when_lost ABSL_GUARDED_BY(mu) = Mapping::State::kAwake;
+  Mapping::Counts counts ABSL_GUARDED_BY(mu);
   bool closing ABSL_GUARDED_BY(mu) = false;
   std::unique_ptr<grpc::ClientContext> watch_ctx ABSL_GUARDED_BY(mu);
 
@@ -613,6 +628,10 @@ struct Mapping::Impl {
   absl::StatusOr<bool> MapLeaseUnlessReleased(const std::string& lease,
                                               const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The FD a chunk keeps, or none (keep_fds).
+  UniqueFd Keep(UniqueFd fd) const { return keep_fds ? std::move(fd) : UniqueFd(); }
+  // A new FD of a mapped chunk, for ReturnHandles: a dup of the one it keeps, else the device's export.
+  UniqueFd NewFd(const Mapped& m) const;
   void UnmapOne(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Unmaps every chunk and releases the chunks of every pause in progress.
   void UnmapAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -708,7 +727,7 @@ absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const st
           device->Release(chunk).IgnoreError();
           return s;
         }
-        chunks[info.id] = Mapped{info, chunk, std::move(fd)};
+        chunks[info.id] = Mapped{info, chunk, Keep(std::move(fd))};
         return absl::OkStatus();
       });
 }
@@ -729,6 +748,12 @@ absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& le
     }
   }
   return false;
+}
+
+UniqueFd Mapping::Impl::NewFd(const Mapped& m) const {
+  if (m.fd) return UniqueFd(fcntl(m.fd.get(), F_DUPFD_CLOEXEC, 0));
+  absl::StatusOr<int> exported = device->Export(m.chunk);
+  return UniqueFd(exported.ok() ? *exported : -1);
 }
 
 void Mapping::Impl::UnmapOne(uint64_t id) {
@@ -761,7 +786,7 @@ absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const
     KVD_RETURN_IF_ERROR(FetchLeased(c, ev.lease().token(), ev.chunks(), /*all=*/true,
                                     [&](const ChunkInfo& info, UniqueFd fd) -> absl::Status {
                                       KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
-                                      pause.chunks.push_back(Imported{info, chunk, std::move(fd)});
+                                      pause.chunks.push_back(Imported{info, chunk, Keep(std::move(fd))});
                                       return absl::OkStatus();
                                     }));
   }
@@ -892,6 +917,7 @@ void Mapping::Impl::Lose(const absl::Status& why, bool engine_done, bool forced)
     if (closing || state == Mapping::State::kLost) return;
     released = engine_done || options.on_pause != nullptr || !forced || chunks.empty();
     if (released) UnmapAll();
+    pool_state_when_lost = state;
     state = Mapping::State::kLost;
     committed_blocks = 0;
     // Ending the watch detaches this client in the daemon: a lost Mapping acknowledges nothing, so it
@@ -921,7 +947,10 @@ bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
     absl::MutexLock lock(&mu);
     if (closing || state == Mapping::State::kLost) return false;
     imported = ImportPause(*conn, ev);
-    if (imported.ok()) ranges = pauses[ev.pause_id()].ranges;
+    if (imported.ok()) {
+      ranges = pauses[ev.pause_id()].ranges;
+      ++counts.pauses;
+    }
   }
   if (!imported.ok()) {
     Lose(absl::Status(imported.code(), absl::StrCat("pausing pool ", pool, " (pause ", ev.pause_id(),
@@ -948,6 +977,7 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
         DropPause(it->second);
         pauses.erase(it);
       }
+      ++counts.resumes;
     }
     // Nothing moved: connectors register again what they deregistered at the PAUSE.
     if (options.on_ranges_added && !ranges.empty()) options.on_ranges_added(ranges);
@@ -1000,6 +1030,7 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
       before = committed_blocks;
       committed_blocks = committed = ev.committed_blocks();
       if (ev.state() == v1::POOL_STATE_SLEEPING) state = Mapping::State::kSleeping;  // a sleep's pause
+      ++counts.resumes;
     }
   }
   if (!remapped.ok()) {
@@ -1026,6 +1057,10 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
   v1::PoolEvent ev;
   bool restarting = false;
   while (!restarting && reader.Read(&ev)) {
+    {
+      absl::MutexLock lock(&mu);
+      ++counts.events;
+    }
     switch (ev.type()) {
       case v1::EVENT_TYPE_CHUNKS_ADDED: {
         absl::StatusOr<bool> mapped;
@@ -1236,8 +1271,8 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       absl::MutexLock lock(&mu);
       for (uint64_t id : now.missing_chunk_ids()) {
         auto it = chunks.find(id);
-        if (it == chunks.end() || !it->second.fd) continue;
-        UniqueFd dup(fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0));
+        if (it == chunks.end()) continue;
+        UniqueFd dup = NewFd(it->second);
         if (!dup) continue;
         mine.emplace_back(id, dup.get());
         dups.push_back(std::move(dup));
@@ -1517,6 +1552,18 @@ uint64_t Mapping::committed_blocks() const {
 Mapping::State Mapping::state() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->state;
+}
+
+Mapping::State Mapping::pool_state() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->state == State::kLost ? impl_->pool_state_when_lost : impl_->state;
+}
+
+const Mapping::MappedDevice& Mapping::device() const { return impl_->mapped_device; }
+
+Mapping::Counts Mapping::counts() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->counts;
 }
 
 std::vector<ChunkInfo> Mapping::chunks() const {
@@ -1818,9 +1865,12 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   impl_->Observe(resp);
   internal::MarkPhase("attach.rpc");
 
+  KVD_ASSIGN_OR_RETURN(kvd::DeviceInfo local_info, device->Info());
   auto m = std::make_shared<Mapping::Impl>();
   m->client = impl_;
   m->device = device;
+  m->mapped_device = {.backend = BackendName(local_info.backend), .index = local_info.index, .uuid = local_info.uuid};
+  m->keep_fds = local_info.backend != BackendKind::kHost;
   m->peer_uuid = local.peer_uuid;
   m->pool = name;
   m->geometry = FromProto(resp.pool().geometry());
@@ -1961,7 +2011,9 @@ absl::Status Client::ReportUsage(absl::string_view pool, uint64_t live_blocks, u
   req.set_evictable_blocks(evictable_blocks);
   req.set_used_blocks(used_blocks);
   v1::ReportUsageResponse resp;
-  return impl_->Call(&v1::Kvd::Stub::ReportUsage, req, &resp);
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ReportUsage, req, &resp));
+  impl_->Observe(resp);
+  return absl::OkStatus();
 }
 
 absl::Status Client::DeclineReclaim(const ReclaimRequest& request, absl::string_view reason) {
@@ -1970,7 +2022,9 @@ absl::Status Client::DeclineReclaim(const ReclaimRequest& request, absl::string_
   req.set_reclaim_id(request.reclaim_id);
   req.set_reason(std::string(reason));
   v1::DeclineReclaimResponse resp;
-  return impl_->Call(&v1::Kvd::Stub::DeclineReclaim, req, &resp);
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::DeclineReclaim, req, &resp));
+  impl_->Observe(resp);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PoolChange> Client::ShrinkForReclaim(const ReclaimRequest& request,
@@ -2020,8 +2074,12 @@ absl::StatusOr<PoolChange> Client::ShrinkForReclaim(const ReclaimRequest& reques
 }
 
 absl::StatusOr<RangeExport> Client::ExportRanges(const Mapping& mapping, const std::vector<ByteRange>& ranges) {
+  return ExportRanges(mapping.client_id(), ranges);
+}
+
+absl::StatusOr<RangeExport> Client::ExportRanges(absl::string_view client_id, const std::vector<ByteRange>& ranges) {
   v1::ExportRangesRequest req;
-  req.set_client_id(mapping.client_id());
+  req.set_client_id(std::string(client_id));
   for (const ByteRange& r : ranges) {
     v1::ByteRange* p = req.add_ranges();
     p->set_segment(r.segment);
@@ -2113,6 +2171,82 @@ absl::StatusOr<uint64_t> Client::Abort(absl::string_view transaction) {
   KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::Abort, req, &resp));
   impl_->Observe(resp);
   return resp.released_bytes();
+}
+
+absl::Status Client::ZeroBlocks(absl::string_view pool, const std::vector<uint64_t>& block_ids) {
+  v1::ZeroBlocksRequest req;
+  req.set_pool(std::string(pool));
+  req.mutable_block_ids()->Add(block_ids.begin(), block_ids.end());
+  v1::ZeroBlocksResponse resp;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::ZeroBlocks, req, &resp));
+  impl_->Observe(resp);
+  return absl::OkStatus();
+}
+
+absl::Status Client::CopyBlocks(absl::string_view pool, const std::vector<BlockMove>& copies) {
+  v1::CopyBlocksRequest req;
+  req.set_pool(std::string(pool));
+  for (const BlockMove& c : copies) {
+    v1::BlockCopy* p = req.add_copies();
+    p->set_src(c.src);
+    p->set_dst(c.dst);
+  }
+  v1::CopyBlocksResponse resp;
+  KVD_RETURN_IF_ERROR(impl_->Call(&v1::Kvd::Stub::CopyBlocks, req, &resp));
+  impl_->Observe(resp);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Client::CallMethod(absl::string_view method, absl::string_view request,
+                                               absl::Duration timeout) {
+  const google::protobuf::ServiceDescriptor* kvd = v1::DeviceInfo::descriptor()->file()->FindServiceByName("Kvd");
+  const google::protobuf::MethodDescriptor* m = kvd->FindMethodByName(std::string(method));
+  if (m == nullptr || m->client_streaming() || m->server_streaming()) {
+    return absl::InvalidArgumentError(absl::StrCat("method: ", method, " is not a unary RPC of kvd.v1.Kvd"));
+  }
+  google::protobuf::MessageFactory* factory = google::protobuf::MessageFactory::generated_factory();
+  std::unique_ptr<google::protobuf::Message> req(factory->GetPrototype(m->input_type())->New());
+  if (!req->ParseFromArray(request.data(), static_cast<int>(request.size()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request: not a serialized ", m->input_type()->full_name(), " (", request.size(), " bytes)"));
+  }
+  KVD_ASSIGN_OR_RETURN(const Impl::Conn c, impl_->Live());
+  std::unique_ptr<grpc::ClientContext> ctx =
+      Impl::Context(*c, timeout > absl::ZeroDuration() ? timeout : impl_->options.timeout);
+  grpc::Slice slice(request.data(), request.size());
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::GenericStub stub(c->channel);
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(ctx.get(), absl::StrCat("/", m->service()->full_name(), "/", m->name()), grpc::StubOptions(), &in,
+                 &out, [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  absl::Status s = FromGrpc(status);
+  if (absl::IsUnavailable(s) && !c->session.Alive()) s = impl_->NotAnswering(s);
+  KVD_RETURN_IF_ERROR(s);
+  std::vector<grpc::Slice> slices;
+  if (!out.Dump(&slices).ok()) return absl::InternalError(absl::StrCat(method, ": the reply could not be read"));
+  std::string reply;
+  for (const grpc::Slice& part : slices) reply.append(reinterpret_cast<const char*>(part.begin()), part.size());
+  std::unique_ptr<google::protobuf::Message> parsed(factory->GetPrototype(m->output_type())->New());
+  if (!parsed->ParseFromString(reply)) {
+    return absl::InternalError(absl::StrCat(method, ": the reply is not a ", m->output_type()->full_name()));
+  }
+  impl_->Observe(*parsed);
+  return reply;
+}
+
+absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Client::FetchLease(absl::string_view lease_token) {
+  KVD_ASSIGN_OR_RETURN(const Impl::Conn c, impl_->Live());
+  return c->session.Fetch(lease_token);
+}
+
+absl::StatusOr<Client::Session> Client::CurrentSession() {
+  KVD_ASSIGN_OR_RETURN(const Impl::Conn c, impl_->Live());
+  return Session{.token = c->session.token(), .uid = c->session.uid(), .pid = c->session.pid()};
 }
 
 }  // namespace kvd

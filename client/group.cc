@@ -169,7 +169,8 @@ absl::StatusOr<GroupChange> Group::Run(GroupOp op, uint64_t target_blocks, bool 
   for (size_t i = 0; i < n && !failed.has_value(); ++i) {
     if (!prepared[i].ok()) failed = i;
   }
-  if (failed.has_value()) {
+  // Aborts every prepared rank; `where` and `cause` say why, and the error says what came of the aborts.
+  auto abort_all = [&](absl::string_view where, const absl::Status& cause) {
     std::vector<uint32_t> rolled_back;
     std::vector<std::string> stuck;
     std::vector<absl::Status> aborted = ForEachRank<absl::Status>(n, [&](size_t i) -> absl::Status {
@@ -185,17 +186,21 @@ absl::StatusOr<GroupChange> Group::Run(GroupOp op, uint64_t target_blocks, bool 
         stuck.push_back(absl::StrCat("rank ", members_[i].rank.rank, ": ", aborted[i].message()));
       }
     }
-    const absl::Status& cause = prepared[*failed].status();
     return absl::Status(cause.code(),
-                        absl::StrCat(what, " failed on ", RankName(members_[*failed].rank), ": ", cause.message(),
+                        absl::StrCat(what, where, cause.message(),
                                      "; no rank changed (prepared ranks rolled back: ", RankList(rolled_back), ")",
                                      stuck.empty() ? ""
                                                    : absl::StrCat("; abort failed on ", absl::StrJoin(stuck, "; "),
                                                                   " (the daemon aborts it at its ttl)")));
+  };
+  if (failed.has_value()) {
+    return abort_all(absl::StrCat(" failed on ", RankName(members_[*failed].rank), ": "), prepared[*failed].status());
   }
 
   // Phase 2: every daemon makes its change visible.
-  if (options_.before_commit) options_.before_commit();
+  if (options_.before_commit) {
+    if (absl::Status s = options_.before_commit(); !s.ok()) return abort_all(": before the commit: ", s);
+  }
   std::vector<absl::StatusOr<PoolChange>> committed = ForEachRank<absl::StatusOr<PoolChange>>(
       n, [&](size_t i) { return members_[i].client->Commit(prepared[i]->transaction, wait); });
   const absl::Time committed_at = absl::Now();

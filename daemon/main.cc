@@ -566,11 +566,13 @@ absl::Status Run(const Flags& f) {
   std::string selected_by;
   KVD_ASSIGN_OR_RETURN(device_options.index, ResolveDevice(f, device_options, &selected_by));
   if (!f.socket.empty() && (!f.socket_dir.empty() || f.socket_name != "index")) {
-    return absl::InvalidArgumentError("--socket names the socket's path: --socket-dir and --socket-name apply without it");
+    return absl::InvalidArgumentError(
+        "--socket names the socket's path: --socket-dir and --socket-name apply without it");
   }
   // Named by UUID, the sockets are known once the device is open (below).
-  std::string socket_path =
-      !f.socket.empty() ? f.socket : f.socket_name == "uuid" ? "" : DefaultSocketPath(f, device_options.index, "");
+  std::string socket_path = !f.socket.empty()         ? f.socket
+                            : f.socket_name == "uuid" ? ""
+                                                      : DefaultSocketPath(f, device_options.index, "");
   if (!socket_path.empty()) {
     spdlog::info("--device={} selects device #{} (by {}); sockets {} and {}", f.device, device_options.index,
                  selected_by, socket_path, wire::HandlesPathFor(socket_path));
@@ -672,12 +674,12 @@ absl::Status Run(const Flags& f) {
   std::unique_ptr<HostTier> host_tier;
   if (host_tier_bytes > 0) {
     if (f.host_tier_copy_threads == 0) return absl::InvalidArgumentError("--host-tier-copy-threads: must be > 0");
-    KVD_ASSIGN_OR_RETURN(host_tier,
-                         HostTier::Create(device.get(),
-                                          HostTierOptions{.bytes = host_tier_bytes,
-                                                          .copy_threads = f.host_tier_copy_threads,
-                                                          .info = [](const std::string& line) { spdlog::info("{}", line); }},
-                                          granularity));
+    KVD_ASSIGN_OR_RETURN(
+        host_tier, HostTier::Create(device.get(),
+                                    HostTierOptions{.bytes = host_tier_bytes,
+                                                    .copy_threads = f.host_tier_copy_threads,
+                                                    .info = [](const std::string& line) { spdlog::info("{}", line); }},
+                                    granularity));
   }
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,

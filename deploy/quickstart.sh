@@ -38,7 +38,7 @@ packages=(
   libabsl-dev libspdlog-dev libcli11-dev prometheus-cpp-dev libsystemd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   hipcc libamdhip64-dev
-  python3 python3-grpcio python3-protobuf python3-numpy
+  python3 python3-protobuf python3-numpy python3-venv  # python3-venv: the install test pip-installs the package
   prometheus  # promtool and a real Prometheus server for the metrics tests
   systemd yamllint  # tests/deploy/validate.sh: systemd-analyze, systemd-sysusers, yamllint
 )

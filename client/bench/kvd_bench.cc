@@ -66,6 +66,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "client/handle_client.h"
 #include "client/phase_marks.h"
 #include "grpcpp/grpcpp.h"
 #include "kvd/client.h"
@@ -75,6 +76,7 @@
 #include "kvd/unique_fd.h"
 #include "kvd/units.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "kvd/wire.h"
 #ifdef KVD_WITH_CUDA
 #include "cuda/cuda_driver.h"
 #endif
@@ -952,6 +954,7 @@ struct Options {
   int pause_ms = -1;
   int threads = 4;
   int rpc_calls = 0;
+  int watch_streams = 200;
   std::string bookkeeping_bytes;
   uint64_t bookkeeping_pools = 64;
   int granule_reps = 0;
@@ -1123,6 +1126,7 @@ class Bench {
   absl::Status Compact();
   absl::Status ShrinkToHalf();
   absl::Status ControlRpc();
+  absl::Status ControlRpcWithWatchers(const std::string& pool, const std::vector<double>& idle);
   absl::Status Concurrent();
   absl::Status Reclaim();
   absl::Status Saturate();
@@ -1985,6 +1989,7 @@ absl::Status Bench::ControlRpc() {
   if (during.kvd.empty()) during.skipped = "no call started during a grow (grows too short to sample)";
   during.note = absl::StrFormat("%d calls during %d grows", during.kvd.size(), grows.size());
   during.ratio = P99(during.kvd) / P99(during.base);
+  KVD_RETURN_IF_ERROR(ControlRpcWithWatchers(ctl.name, idle.kvd));
   return client_->DeletePool(ctl.name, true).status();
 }
 
@@ -2226,6 +2231,132 @@ absl::Status Bench::Saturate() {
     KVD_RETURN_IF_ERROR(client_->DeletePool(name, true).status());
     pools_.erase(std::remove(pools_.begin(), pools_.end(), name), pools_.end());
   }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The threads of process `pid`; 0 when it cannot be read.
+size_t ThreadsOf(pid_t pid) {
+  std::error_code ec;
+  size_t n = 0;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// The CPU time process `pid` has used (user + system, /proc/<pid>/stat), in ms; -1 when it cannot be read.
+double CpuMs(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t end = stat.rfind(')');  // the command may hold spaces
+  if (end == std::string::npos) return -1;
+  const std::vector<std::string> fields = absl::StrSplit(stat.substr(end + 2), ' ');
+  uint64_t user = 0, system = 0;
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &user) || !absl::SimpleAtoi(fields[12], &system)) return -1;
+  return (user + system) * 1e3 / sysconf(_SC_CLK_TCK);
+}
+
+}  // namespace
+
+// GetPool of the small pool while --watch-streams Watch streams are open (clients of another pool, in a
+// session of their own, none reading), against GetPool idle: what open streams cost the daemon's other RPCs
+// (Note [Watch streams are pushed] in docs/architecture.md). The note has the daemon's threads before and
+// with the streams open, and the CPU time it spends in a second of idling with them open.
+absl::Status Bench::ControlRpcWithWatchers(const std::string& pool, const std::vector<double>& idle) {
+  const int n = o_.watch_streams;
+  Line& line = GetLine("control_rpc", "watch_streams");
+  line.kvd_what = absl::StrCat("libkvd GetPool with ", n, " Watch streams open");
+  line.base_what = "libkvd GetPool idle";
+  line.ratio_means = "kvd/idle p50";
+  line.base = idle;
+  KVD_ASSIGN_OR_RETURN(PoolInfo watched, CreatePool("watched", 1));
+  absl::Cleanup delete_watched = [&] { client_->DeletePool(watched.name, true).IgnoreError(); };
+  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(wire::HandlesPathFor(socket_), "watchers"));
+  std::unique_ptr<kvd::v1::Kvd::Stub> stub =
+      kvd::v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
+  const auto context = [&session] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->AddMetadata(wire::kSessionMetadataKey, session.token());
+    return c;
+  };
+  const size_t threads_before = daemon_pid_ > 0 ? ThreadsOf(daemon_pid_) : 0;
+
+  struct Stream {
+    std::unique_ptr<grpc::ClientContext> context;
+    std::unique_ptr<grpc::ClientAsyncReader<kvd::v1::PoolEvent>> reader;
+    grpc::Status finished;
+  };
+  grpc::CompletionQueue cq;
+  std::vector<Stream> streams(n);
+  int pending = 0;  // operations started on `cq` and not yet completed
+  const auto await = [&](int count) -> absl::Status {
+    for (; count > 0; --count, --pending) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, std::chrono::system_clock::now() + std::chrono::seconds(30)) !=
+          grpc::CompletionQueue::GOT_EVENT) {
+        return absl::DeadlineExceededError("a Watch stream did not start within 30 s");
+      }
+      if (!ok) return absl::UnavailableError("a Watch stream failed to start");
+    }
+    return absl::OkStatus();
+  };
+  absl::Cleanup hang_up = [&] {
+    for (Stream& st : streams) {
+      if (st.reader == nullptr) continue;
+      st.context->TryCancel();
+      st.reader->Finish(&st.finished, &st);
+      ++pending;
+    }
+    cq.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq.Next(&tag, &ok)) {
+    }
+  };
+  for (Stream& st : streams) {
+    kvd::v1::AttachRequest attach;
+    attach.set_pool(watched.name);
+    attach.set_client_name("watcher");
+    kvd::v1::AttachResponse attached;
+    auto attach_context = context();
+    attach_context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (grpc::Status s = stub->Attach(attach_context.get(), attach, &attached); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("attaching a watcher: ", s.error_message()));
+    }
+    kvd::v1::WatchRequest watch;
+    watch.set_client_id(attached.client_id());
+    st.context = context();
+    st.reader = stub->PrepareAsyncWatch(st.context.get(), watch, &cq);
+    st.reader->StartCall(&st);
+    ++pending;
+  }
+  KVD_RETURN_IF_ERROR(await(n));
+  // The daemon sends a stream's initial metadata once the stream is registered.
+  for (Stream& st : streams) {
+    st.reader->ReadInitialMetadata(&st);
+    ++pending;
+  }
+  KVD_RETURN_IF_ERROR(await(n));
+  if (daemon_pid_ > 0) {
+    const size_t threads_open = ThreadsOf(daemon_pid_);
+    const double cpu_before = CpuMs(daemon_pid_);
+    absl::SleepFor(absl::Seconds(1));
+    const double cpu_after = CpuMs(daemon_pid_);
+    line.note = absl::StrFormat("daemon threads %d -> %d; %.0f ms CPU in 1 s idle with the streams open",
+                                threads_before, threads_open, cpu_after - cpu_before);
+  } else {
+    line.note = "the daemon's threads and CPU: unknown (its pid is not known)";
+  }
+  for (int i = 0; i < o_.rpc_calls; ++i) {
+    const int64_t t = NowNs();
+    KVD_RETURN_IF_ERROR(client_->GetPool(pool).status());
+    line.kvd.push_back(MsSince(t));
+  }
+  line.ratio = P50(line.kvd) / P50(line.base);
   return absl::OkStatus();
 }
 
@@ -2911,13 +3042,14 @@ std::string Bench::Json() const {
       "\"largest_chunk_bytes\": %d, \"reps\": %d, "
       "\"pause_ms\": %d, \"fragments\": %d, \"compact_grows\": %d, \"compact_chunks_per_pause\": %d, "
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
-      "\"threads\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, \"sections\": %s, "
+      "\"threads\": %d, \"watch_streams\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, "
+      "\"sections\": %s, "
       "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
       layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_,
-      o_.compact_chunks_per_pause, compact_bytes_, shrink_bytes_, o_.threads, o_.granule_reps, Quote(torch_version_),
-      free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
+      o_.compact_chunks_per_pause, compact_bytes_, shrink_bytes_, o_.threads, o_.watch_streams, o_.granule_reps,
+      Quote(torch_version_), free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -3269,6 +3401,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(2, 64));
   app.add_option("--rpc-calls", o.rpc_calls, "Idle control RPCs of each kind (default 2000 on a GPU, 400 on host)");
+  app.add_option("--watch-streams", o.watch_streams,
+                 "Watch streams open during the control_rpc watch_streams line (clients of one pool)")
+      ->check(CLI::Range(1, 256));
   app.add_option("--bookkeeping-bytes", o.bookkeeping_bytes,
                  "Pool grown one granule per segment at a time for the per-chunk bookkeeping (default 16GiB / 1GiB)");
   app.add_option("--bookkeeping-pools", o.bookkeeping_pools, "Empty pools for the per-pool bookkeeping")

@@ -632,7 +632,8 @@ absl::Status Describe(Client& client, const Flags& f, const Replies& replies) {
   std::printf("committed    %lu/%lu blocks, %s", p.committed_blocks, p.geometry.dims.capacity_blocks,
               FormatBytes(p.committed_bytes).c_str());
   if (p.state == PoolState::kSleeping) std::printf(" (wakes to %lu blocks)", p.wake_blocks);
-  if (p.kept_bytes > 0) std::printf("\nkept         %s in the host tier (Wake copies them back)", FormatBytes(p.kept_bytes).c_str());
+  if (p.kept_bytes > 0)
+    std::printf("\nkept         %s in the host tier (Wake copies them back)", FormatBytes(p.kept_bytes).c_str());
   std::printf("\npending      %s\n", FormatBytes(p.pending_release_bytes).c_str());
   if (!p.missing_chunk_ids.empty()) {
     std::printf("missing      %zu chunks no client has given back yet (recovering after a restart): %s\n",

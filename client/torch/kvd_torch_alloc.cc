@@ -147,11 +147,11 @@ class Allocator {
     if (!found.ok() && found.status().code() != absl::StatusCode::kNotFound) return found.status();
     if (found.ok()) {
       if (!IsFlat(found->geometry, dims)) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "pool ", name, " exists with another geometry (", found->geometry.dims.capacity_blocks, " blocks of ",
-            found->geometry.block_stride, " bytes) than this allocation of ", size, " bytes needs (",
-            dims.capacity_blocks, " blocks of ", dims.channels, " bytes): delete it (kvctl delete ", name,
-            ") or configure another prefix"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("pool ", name, " exists with another geometry (", found->geometry.dims.capacity_blocks,
+                         " blocks of ", found->geometry.block_stride, " bytes) than this allocation of ", size,
+                         " bytes needs (", dims.capacity_blocks, " blocks of ", dims.channels,
+                         " bytes): delete it (kvctl delete ", name, ") or configure another prefix"));
       }
       // Only an awake pool with every block committed still holds the previous owner's bytes.
       a->adopted = found->state == PoolState::kAwake && found->committed_blocks >= dims.capacity_blocks;
@@ -183,7 +183,8 @@ class Allocator {
     absl::MutexLock lock(&mu_);
     auto it = allocations_.find(reinterpret_cast<uint64_t>(ptr));
     if (it == allocations_.end()) {
-      return absl::NotFoundError(absl::StrCat("kvd_torch_free: 0x", absl::Hex(reinterpret_cast<uint64_t>(ptr)), " is not an allocation of this library"));
+      return absl::NotFoundError(absl::StrCat("kvd_torch_free: 0x", absl::Hex(reinterpret_cast<uint64_t>(ptr)),
+                                              " is not an allocation of this library"));
     }
     std::unique_ptr<Allocation> a = std::move(it->second);
     allocations_.erase(it);
@@ -219,8 +220,8 @@ class Allocator {
       o.committed_bytes = a.mapping->committed_blocks() * a.block_bytes;
       o.adopted = a.adopted ? 1 : 0;
       o.state = a.health->lost.load() || a.mapping->state() == Mapping::State::kLost ? 2
-                : a.mapping->state() == Mapping::State::kSleeping                     ? 1
-                                                                                      : 0;
+                : a.mapping->state() == Mapping::State::kSleeping                    ? 1
+                                                                                     : 0;
     }
     return static_cast<int>(order.size());
   }
@@ -234,7 +235,9 @@ class Allocator {
       for (auto& [base, a] : allocations_) targets.push_back(a.get());
     } else {
       Allocation* a = FindLocked(ptr);
-      if (a == nullptr) return absl::NotFoundError(absl::StrCat("0x", absl::Hex(reinterpret_cast<uint64_t>(ptr)), " is in no allocation of this library"));
+      if (a == nullptr)
+        return absl::NotFoundError(
+            absl::StrCat("0x", absl::Hex(reinterpret_cast<uint64_t>(ptr)), " is in no allocation of this library"));
       targets.push_back(a);
     }
     if (control == Control::kResize && ptr == nullptr) {
@@ -341,8 +344,8 @@ int Done(const absl::Status& status) {
 }  // namespace kvd
 
 KVD_TORCH_EXPORT int kvd_torch_configure(const char* socket, const char* prefix, int flags) {
-  return kvd::Done(kvd::Allocator::Get().Configure(socket == nullptr ? "" : socket, prefix == nullptr ? "" : prefix,
-                                                   flags));
+  return kvd::Done(
+      kvd::Allocator::Get().Configure(socket == nullptr ? "" : socket, prefix == nullptr ? "" : prefix, flags));
 }
 
 KVD_TORCH_EXPORT int kvd_torch_set_pause_hooks(kvd_torch_pause_hook on_pause, kvd_torch_resume_hook on_resume,

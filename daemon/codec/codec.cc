@@ -1,6 +1,8 @@
 #include "daemon/codec/codec.h"
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -188,6 +190,22 @@ v1::Chunk ToProto(const ChunkInfo& chunk) {
   p.set_bytes(chunk.bytes);
   if (!chunk.fabric_handle.empty()) p.set_fabric_handle(chunk.fabric_handle);
   return p;
+}
+
+v1::LimitExceeded ToProto(const LimitRefusal& refusal) {
+  v1::LimitExceeded p;
+  p.set_limit(std::string(LimitFlag(refusal.limit)).substr(2));  // the flag without "--"
+  p.set_uid(refusal.uid);
+  p.set_allowed(refusal.allowed);
+  p.set_used(refusal.used);
+  p.set_asked(refusal.asked);
+  return p;
+}
+
+void AppendDetails(const absl::Status& status, google::protobuf::RepeatedPtrField<google::protobuf::Any>* details) {
+  if (const std::optional<LimitRefusal> refusal = LimitRefusalOf(status); refusal.has_value()) {
+    details->Add()->PackFrom(ToProto(*refusal));
+  }
 }
 
 }  // namespace kvd::daemon

@@ -6,12 +6,16 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/core/layout_chain.h"
+#include "daemon/core/limits.h"
 #include "daemon/core/pool_spec.h"
 #include "daemon/core/pool_types.h"
+#include "google/protobuf/any.pb.h"
+#include "google/protobuf/repeated_ptr_field.h"
 #include "kvd/device.h"
 #include "kvd/v1/kvd.pb.h"
 
@@ -40,5 +44,11 @@ v1::PoolPolicy ToProto(const PoolPolicy& policy);
 // INVALID_ARGUMENT naming "<field>.<member>" for an unknown on_reclaim_timeout or a timeout past 64 bits of
 // milliseconds; the values are the Arbiter's to check (ValidatePolicy).
 absl::StatusOr<PoolPolicy> FromProto(const v1::PoolPolicy& proto, absl::string_view field);
+
+v1::LimitExceeded ToProto(const LimitRefusal& refusal);
+
+// What `status` says in numbers, appended to `details` (an RpcStatus's or a HandleChannelError's): a
+// kvd.v1.LimitExceeded for a limit's refusal (LimitRefusalOf); nothing for any other status.
+void AppendDetails(const absl::Status& status, google::protobuf::RepeatedPtrField<google::protobuf::Any>* details);
 
 }  // namespace kvd::daemon

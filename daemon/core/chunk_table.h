@@ -73,8 +73,8 @@ class ChunkTable {
 
  private:
   const Geometry* geometry_;
-  uint64_t prefix_bytes_ = 0;              // committed bytes of every segment
-  std::vector<ChunkRecord> chunks_;        // by (segment, offset)
+  uint64_t prefix_bytes_ = 0;        // committed bytes of every segment
+  std::vector<ChunkRecord> chunks_;  // by (segment, offset)
   std::set<uint64_t> missing_;
 };
 

@@ -5,13 +5,24 @@
 namespace kvd::daemon {
 
 void EventQueue::Push(PoolEvent event) {
-  absl::MutexLock lock(&mu_);
-  if (!closed_) events_.push_back(std::move(event));
+  std::shared_ptr<Listener> listener;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    events_.push_back(std::move(event));
+    listener = listener_.lock();
+  }
+  if (listener != nullptr) listener->Ready();
 }
 
 void EventQueue::Close() {
-  absl::MutexLock lock(&mu_);
-  closed_ = true;
+  std::shared_ptr<Listener> listener;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    listener = listener_.lock();
+  }
+  if (listener != nullptr) listener->Ready();
 }
 
 std::optional<PoolEvent> EventQueue::Pop(absl::Duration timeout) {
@@ -24,9 +35,23 @@ std::optional<PoolEvent> EventQueue::Pop(absl::Duration timeout) {
   return e;
 }
 
+std::optional<PoolEvent> EventQueue::TryPop(bool* ended) {
+  absl::MutexLock lock(&mu_);
+  *ended = events_.empty() && closed_;
+  if (events_.empty()) return std::nullopt;
+  PoolEvent e = std::move(events_.front());
+  events_.pop_front();
+  return e;
+}
+
 bool EventQueue::closed() const {
   absl::MutexLock lock(&mu_);
   return closed_;
+}
+
+void EventQueue::Listen(std::weak_ptr<Listener> listener) {
+  absl::MutexLock lock(&mu_);
+  listener_ = std::move(listener);
 }
 
 }  // namespace kvd::daemon

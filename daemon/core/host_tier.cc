@@ -19,9 +19,9 @@ namespace kvd::daemon {
 namespace {
 
 absl::Status Errno(int error, absl::string_view call) {
-  return absl::Status(error == ENOMEM || error == ENOSPC ? absl::StatusCode::kResourceExhausted
-                                                          : absl::StatusCode::kInternal,
-                      absl::StrCat(call, ": ", std::strerror(error)));
+  return absl::Status(
+      error == ENOMEM || error == ENOSPC ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal,
+      absl::StrCat(call, ": ", std::strerror(error)));
 }
 
 }  // namespace
@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(Device* device, const
                                                            uint64_t alignment) {
   if (options.bytes == 0 || options.bytes % alignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--host-tier-bytes: ", options.bytes,
-                                                   " is not a positive multiple of the device granularity (",
-                                                   alignment, " bytes)"));
+                                                   " is not a positive multiple of the device granularity (", alignment,
+                                                   " bytes)"));
   }
   UniqueFd fd(memfd_create("kvd-host-tier", MFD_CLOEXEC));
   if (!fd) return Errno(errno, "memfd_create(kvd-host-tier)");
@@ -40,8 +40,7 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(Device* device, const
   }
   void* map = mmap(nullptr, options.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (map == MAP_FAILED) return Errno(errno, absl::StrCat("mmap(host tier, ", options.bytes, ")"));
-  return std::unique_ptr<HostTier>(
-      new HostTier(device, options, alignment, std::move(fd), static_cast<uint8_t*>(map)));
+  return std::unique_ptr<HostTier>(new HostTier(device, options, alignment, std::move(fd), static_cast<uint8_t*>(map)));
 }
 
 HostTier::HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map)
@@ -114,10 +113,10 @@ absl::StatusOr<uint64_t> HostTier::Take(absl::string_view pool, uint64_t bytes, 
     *extent_bytes = want;
     return offset;
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "pool ", pool, ": keeping its contents needs ", bytes, " bytes (", FormatBytes(bytes), ") of the host tier, but ",
-      "its largest free extent is ", largest, " bytes (", FormatBytes(largest), ") of ", bytes_, " (",
-      FormatBytes(bytes_), ", --host-tier-bytes); nothing changed"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("pool ", pool, ": keeping its contents needs ", bytes, " bytes (", FormatBytes(bytes),
+                   ") of the host tier, but ", "its largest free extent is ", largest, " bytes (", FormatBytes(largest),
+                   ") of ", bytes_, " (", FormatBytes(bytes_), ", --host-tier-bytes); nothing changed"));
 }
 
 void HostTier::Give(uint64_t offset, uint64_t extent_bytes) {

@@ -43,23 +43,23 @@ struct KeptContents {
   uint64_t extent_bytes = 0;  // the extent taken (bytes, rounded up to the tier's alignment)
   uint64_t bytes = 0;         // the sum of the runs' bytes
   std::vector<KeptRun> runs;
-  uint64_t live_blocks = 0;   // blocks kept when the engine named them; 0: every committed byte
+  uint64_t live_blocks = 0;  // blocks kept when the engine named them; 0: every committed byte
 };
 
 struct HostTierOptions {
-  uint64_t bytes = 0;                             // 0: no tier
-  uint32_t copy_threads = 4;                      // copies in flight at once per sleep or wake
+  uint64_t bytes = 0;                               // 0: no tier
+  uint32_t copy_threads = 4;                        // copies in flight at once per sleep or wake
   uint64_t copy_piece_bytes = uint64_t{256} << 20;  // each copy is at most this large
-  std::function<void(const std::string&)> info;   // where the background preparation reports
+  std::function<void(const std::string&)> info;     // where the background preparation reports
 };
 
 // What the tier has done, for metrics.
 struct HostTierStats {
-  uint64_t bytes = 0;        // the tier's size
-  uint64_t used_bytes = 0;   // taken by kept contents
-  bool ready = false;        // pages allocated and registered (or registration failed and said so)
-  bool registered = false;   // registered with the driver (host backend: true, nothing to do)
-  int numa_node = -1;        // the node it is bound to; -1: not bound (the machine did not say)
+  uint64_t bytes = 0;       // the tier's size
+  uint64_t used_bytes = 0;  // taken by kept contents
+  bool ready = false;       // pages allocated and registered (or registration failed and said so)
+  bool registered = false;  // registered with the driver (host backend: true, nothing to do)
+  int numa_node = -1;       // the node it is bound to; -1: not bound (the machine did not say)
   uint64_t copied_to_host_bytes = 0;
   uint64_t copied_to_device_bytes = 0;
   double copy_to_host_seconds = 0;

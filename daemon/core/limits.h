@@ -7,14 +7,18 @@
 // `kvctl status`, probes and an operator's repair always get in when one uid holds every ordinary slot.
 //
 // An exhausted limit is RESOURCE_EXHAUSTED naming the limit and its flag, built by the functions below:
-//   "pools of uid 1000: 256 of 256 (--max-pools-per-uid)".
+//   "pools of uid 1000: 256 of 256 (--max-pools-per-uid)",
+// and carrying the same as a LimitRefusal (Note [Typed refusals] in docs/architecture.md), which the
+// refusal counters and the RPC edge read (the reply's kvd.v1.LimitExceeded; docs/api.md, "Errors").
 // Plain values and pure functions; the rooms that count usage enforce them (PoolManager, SessionTable,
 // Pool, the handle channel).
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -50,10 +54,39 @@ struct Limits {
   }
 };
 
-// The flags of the limits the core enforces, as their RESOURCE_EXHAUSTED messages name them.
+// The limits the core enforces, in the order of kLimitFlags.
+enum class Limit : uint8_t {
+  kMaxPools,
+  kMaxPoolsPerUid,
+  kMaxSessions,
+  kMaxSessionsPerUid,
+  kMaxReserved,
+  kMaxReservedPerUid,
+  kMaxClientsPerPool,
+  kMaxBlockIds,
+};
+
+// Their flags, as their RESOURCE_EXHAUSTED messages name them.
 inline constexpr std::array<const char*, 8> kLimitFlags = {
     "--max-pools",    "--max-pools-per-uid",    "--max-sessions",         "--max-sessions-per-uid",
     "--max-reserved", "--max-reserved-per-uid", "--max-clients-per-pool", "--max-block-ids"};
+
+inline const char* LimitFlag(Limit limit) { return kLimitFlags[static_cast<size_t>(limit)]; }
+
+// Why a request was refused by a limit, in numbers: used + asked > allowed.
+struct LimitRefusal {
+  Limit limit = Limit::kMaxPools;
+  uint32_t uid = 0;      // the caller's
+  uint64_t allowed = 0;  // what `uid` may have: a per-uid limit, or UsableShare of a total
+  uint64_t used = 0;     // in use: of `uid` for a per-uid limit, of every uid for a total; 0 for max-block-ids
+  uint64_t asked = 0;    // 1 more pool, session or client; bytes to reserve; the block ids of one request
+};
+
+// RESOURCE_EXHAUSTED with `message`, carrying `refusal` (an absl::Status payload, read by LimitRefusalOf).
+[[nodiscard]] absl::Status LimitExceeded(absl::string_view message, const LimitRefusal& refusal);
+
+// The refusal a status carries; nullopt for every other status.
+std::optional<LimitRefusal> LimitRefusalOf(const absl::Status& status);
 
 // Root and the daemon's own uid.
 inline bool IsOperatorUid(uint32_t uid, uint32_t daemon_uid) { return uid == 0 || uid == daemon_uid; }
@@ -65,21 +98,23 @@ uint64_t OperatorShare(uint64_t total, uint32_t percent);
 uint64_t UsableShare(uint64_t total, const Limits& limits, uint32_t uid);
 
 // Checks that one more of a counted resource fits: `used` of `uid` against the per-uid limit (skipped
-// for operator uids) and `used_total` against the total. RESOURCE_EXHAUSTED otherwise, e.g.
+// for operator uids) and `used_total` against the total. RESOURCE_EXHAUSTED otherwise (LimitExceeded), e.g.
 //   "pools of uid 1000: 256 of 256 (--max-pools-per-uid)"
 //   "pools of all uids: 972 of 972 for uid 1000 (--max-pools=1024, less 52 kept for root and uid 990 by
 //    --operator-reserve=5%)"
-// `per_uid_flag` may be empty for a resource with no per-uid limit.
+// `per_uid` is nullopt for a resource with no per-uid limit.
 [[nodiscard]] absl::Status CheckCount(absl::string_view what, uint32_t uid, uint64_t used, uint64_t per_uid_limit,
-                                      absl::string_view per_uid_flag, uint64_t used_total, uint64_t total_limit,
-                                      absl::string_view total_flag, const Limits& limits);
+                                      std::optional<Limit> per_uid, uint64_t used_total, uint64_t total_limit,
+                                      Limit total, const Limits& limits);
 
 // The same for bytes: `asked` more bytes on top of `used` (of `uid`) and `used_total`; the message states
 // the bytes asked and free.
 [[nodiscard]] absl::Status CheckBytes(absl::string_view what, uint32_t uid, uint64_t asked, uint64_t used,
-                                      uint64_t per_uid_limit, absl::string_view per_uid_flag, uint64_t used_total,
-                                      uint64_t total_limit, absl::string_view total_flag, const Limits& limits);
-// RESOURCE_EXHAUSTED naming `field` when one request names more than --max-block-ids blocks (or copies).
-[[nodiscard]] absl::Status CheckBlockCount(absl::string_view field, size_t count, const Limits& limits);
+                                      uint64_t per_uid_limit, std::optional<Limit> per_uid, uint64_t used_total,
+                                      uint64_t total_limit, Limit total, const Limits& limits);
+
+// RESOURCE_EXHAUSTED when one request of `uid` names more than --max-block-ids blocks (or copies) in
+// `field`: "block_ids: 70000 in one request, more than 65536 (--max-block-ids)".
+[[nodiscard]] absl::Status CheckBlockIds(absl::string_view field, size_t count, uint32_t uid, const Limits& limits);
 
 }  // namespace kvd::daemon

@@ -182,8 +182,8 @@ class Pool {
   // Whether `op` may start now: NOT_FOUND once deleted, ABORTED while a transaction holds the pool,
   // FAILED_PRECONDITION for the wrong state, INVALID_ARGUMENT for a target on the wrong side of the
   // committed blocks. Returns the change with the blocks a wake recommits.
-  [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const ABSL_SHARED_LOCKS_REQUIRED(op_mu_)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::StatusOr<Change> Check(GroupOp op, uint64_t target_blocks) const
+      ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The bytes a grow to `target_blocks` commits (0 when not above the prefix), computed without
   // planning: the budget is checked against it before any plan is built. INVALID_ARGUMENT past the
   // capacity.

@@ -51,14 +51,6 @@ ManagerOptions WithDaemonUid(ManagerOptions options) {
   return options;
 }
 
-// The flag a limit's RESOURCE_EXHAUSTED names: "--max-pools" in "... (--max-pools=1024, less ...)".
-std::string LimitFlag(absl::string_view message) {
-  const size_t at = message.rfind("(--");
-  if (at == absl::string_view::npos) return "";
-  absl::string_view flag = message.substr(at + 1);
-  return std::string(flag.substr(0, flag.find_first_of("=,) ")));
-}
-
 void Decrement(std::map<uint32_t, uint64_t>& counts, uint32_t uid, uint64_t by) {
   auto it = counts.find(uid);
   if (it == counts.end()) return;
@@ -149,10 +141,8 @@ absl::StatusOr<std::string> PoolManager::OpenSession(uint32_t uid, int32_t pid, 
 }
 
 absl::Status PoolManager::Refused(absl::Status status) const {
-  if (!absl::IsResourceExhausted(status)) return status;
-  const std::string flag = LimitFlag(status.message());
-  for (size_t i = 0; i < kLimitFlags.size(); ++i) {
-    if (flag == kLimitFlags[i]) refusals_[i].fetch_add(1, std::memory_order_relaxed);
+  if (const std::optional<LimitRefusal> refusal = LimitRefusalOf(status); refusal.has_value()) {
+    refusals_[static_cast<size_t>(refusal->limit)].fetch_add(1, std::memory_order_relaxed);
   }
   return status;
 }
@@ -366,13 +356,13 @@ absl::StatusOr<PoolView> PoolManager::CreatePool(const Caller& caller, const Poo
       return it == m.end() ? uint64_t{0} : it->second;
     };
     KVD_RETURN_IF_ERROR(
-        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, "--max-pools-per-uid",
-                           pools_.size(), limits.max_pools, "--max-pools", limits)));
+        Refused(CheckCount("pools", uid, of(pools_by_uid_), limits.max_pools_per_uid, Limit::kMaxPoolsPerUid,
+                           pools_.size(), limits.max_pools, Limit::kMaxPools, limits)));
     const uint64_t reserved = pool->geometry().reserved_bytes();
     KVD_RETURN_IF_ERROR(
         Refused(CheckBytes(absl::StrCat("reserved address space (pool ", spec.name, ")"), uid, reserved,
-                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, "--max-reserved-per-uid",
-                           reserved_total_, limits.max_reserved_bytes, "--max-reserved", limits)));
+                           of(reserved_by_uid_), limits.max_reserved_bytes_per_uid, Limit::kMaxReservedPerUid,
+                           reserved_total_, limits.max_reserved_bytes, Limit::kMaxReserved, limits)));
     if (!spec.group.name.empty()) {
       for (const auto& [other_name, other] : pools_) {
         if (other->group().name != spec.group.name) continue;
@@ -676,8 +666,9 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
 
 absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, const KeepOptions& keep) {
   if (host_tier_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "keep: pool ", pool.name(), " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("keep: pool ", pool.name(),
+                     " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
   }
   const PoolView view = pool.View(ViewClients::kCounted);
   const Geometry& g = view.geometry;
@@ -685,14 +676,16 @@ absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, co
   if (keep.live_blocks.empty()) {
     const uint64_t prefix = g.segments() == 0 ? 0 : view.committed_bytes / g.segments();
     if (prefix > 0) {
-      for (uint64_t s = 0; s < g.segments(); ++s) kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
+      for (uint64_t s = 0; s < g.segments(); ++s)
+        kept.runs.push_back({.pool_offset = g.SegmentOffset(s), .bytes = prefix});
     }
   } else {
     std::vector<uint64_t> live = keep.live_blocks;
     for (size_t i = 0; i < live.size(); ++i) {
       if (live[i] >= view.committed_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i], " is not committed (pool ",
-                                                       pool.name(), " has ", view.committed_blocks, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("live_blocks[", i, "]: block ", live[i],
+                                                       " is not committed (pool ", pool.name(), " has ",
+                                                       view.committed_blocks, ")"));
       }
     }
     std::sort(live.begin(), live.end());
@@ -734,7 +727,9 @@ absl::StatusOr<PoolUpdate> PoolManager::SleepKeeping(absl::string_view name, Pau
                 ReleaseOptions{.force = true, .pause = pause}, KeepOptions{.keep = true});
 }
 
-HostTierStats PoolManager::HostTierUsage() const { return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{}; }
+HostTierStats PoolManager::HostTierUsage() const {
+  return host_tier_ != nullptr ? host_tier_->Stats() : HostTierStats{};
+}
 
 PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_view session, absl::Time start) {
   std::vector<ChunkRecord> released;
@@ -783,26 +778,6 @@ absl::StatusOr<PoolUpdate> PoolManager::Grow(const Caller& caller, absl::string_
   KVD_ASSIGN_OR_RETURN(PoolUpdate update, ResizeWaiting(caller, pool, GroupOp::kGrow, target_blocks, wait));
   CompactLaterIfFragmented(update.pool);
   return update;
-}
-
-absl::StatusOr<PoolUpdate> PoolManager::ResizeWaiting(const Caller& caller, const std::shared_ptr<Pool>& pool,
-                                                      GroupOp op, uint64_t target_blocks, const WaitOptions& wait) {
-  if (!wait.wait) return Resize(caller, pool, op, target_blocks, false, absl::InfinitePast());
-  // In the queue from the start, so that its place is its arrival's; it waits holding no lock of the pool's.
-  const Arbiter::Ticket ticket = arbiter_.Join(
-      pool->name(), caller.uid,
-      op == GroupOp::kGrow ? absl::StrCat("growing to ", target_blocks, " blocks") : std::string("waking"));
-  const Arbiter::Retry retry(ticket);
-  while (true) {
-    absl::StatusOr<PoolUpdate> update = Resize(caller, pool, op, target_blocks, false, absl::InfinitePast());
-    if (update.ok() || !Arbiter::IsShortOfMemory(update.status())) return update;
-    absl::Status waited = arbiter_.AwaitRoom(ticket, wait.deadline, wait.cancelled);
-    if (absl::IsUnavailable(waited)) return waited;
-    if (!waited.ok()) {
-      return arbiter_.WaitFailed(ticket, update.status(),
-                                 [&](const std::string& other) { return Find(caller, other).ok(); });
-    }
-  }
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
@@ -878,7 +853,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Wake(const Caller& caller, 
 absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::string_view name, uint64_t target_blocks,
                                                const ShrinkOptions& options) {
   if (options.live.has_value()) {
-    KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("live.blocks", options.live->size(), options_.limits)));
+    KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live.blocks", options.live->size(), caller.uid, options_.limits)));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   return reshaper_.Shrink(*pool, caller.session, target_blocks, options);
@@ -896,8 +871,8 @@ absl::Status PoolManager::CheckRunning() const {
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::ReleaseWholeChunksLocked(Pool& pool, absl::string_view session,
-                                                                 uint64_t target_blocks,
-                                                                 const ReleaseOptions& release, absl::Time start) {
+                                                                 uint64_t target_blocks, const ReleaseOptions& release,
+                                                                 absl::Time start) {
   KVD_ASSIGN_OR_RETURN(Change change, PrepareLocked(pool, GroupOp::kShrink, target_blocks, session, release));
   return CommitLocked(pool, std::move(change), session, start);
 }
@@ -985,106 +960,6 @@ absl::StatusOr<PoolView> PoolManager::GrantPeerAccess(const Caller& caller, absl
   KVD_ASSIGN_OR_RETURN(PoolView view, pool->GrantPeerAccess(device_uuid, revoke));
   Save(*pool);
   return view;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Arbitration: policies, usage reports, reclaims (arbiter.h; Note [Arbitration] in docs/architecture.md)
-
-ArbiterStats PoolManager::ArbitrationStats() const {
-  ArbiterStats stats = arbiter_.Stats();
-  stats.driver_out_of_memory = maker_.out_of_memory();
-  return stats;
-}
-
-Caller PoolManager::DaemonCaller() const {
-  return Caller{.uid = options_.daemon_uid, .pid = getpid(), .session = "", .name = "kvd"};
-}
-
-absl::StatusOr<PoolView> PoolManager::SetPoolPolicy(const Caller& caller, absl::string_view name,
-                                                    const PolicyChange& change) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  absl::MutexLock op(&pool->op_mu());  // one pool's records are written in order (Note [Durable pools])
-  if (pool->deleted()) return PoolGone(name);
-  const Geometry& g = pool->geometry();
-  KVD_RETURN_IF_ERROR(arbiter_
-                          .Change(pool->name(), change, caller.uid,
-                                  g.CommittedBytes(g.PrefixBytes(g.dims().capacity_blocks)), options_.limits)
-                          .status());
-  Save(*pool);
-  return pool->View();
-}
-
-absl::Status PoolManager::ReportUsage(const Caller& caller, absl::string_view name, UsageReport usage) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  usage.reported_at = absl::Now();
-  return arbiter_.Report(pool->name(), usage, pool->View(ViewClients::kCounted).committed_blocks);
-}
-
-absl::Status PoolManager::DeclineReclaim(const Caller& caller, absl::string_view name, uint64_t reclaim_id,
-                                         std::string reason) {
-  KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return arbiter_.Decline(pool->name(), reclaim_id, std::move(reason));
-}
-
-Arbiter::Hooks PoolManager::ArbiterHooks() {
-  Arbiter::Hooks hooks;
-  hooks.loads = [this] {
-    std::vector<PoolLoad> loads;
-    for (const std::shared_ptr<Pool>& pool : Snapshot()) {
-      const PoolView v = pool->View(ViewClients::kCounted);
-      loads.push_back({.name = v.name,
-                       .owner_uid = v.owner_uid,
-                       .state = v.state,
-                       .committed_blocks = v.committed_blocks,
-                       .committed_bytes = v.committed_bytes,
-                       .clients = v.client_count,
-                       .geometry = v.geometry});
-    }
-    return loads;
-  };
-  hooks.ask = [this](const std::string& name, uint64_t id, uint64_t bytes, absl::Time deadline) -> size_t {
-    absl::StatusOr<std::shared_ptr<Pool>> pool = Find(DaemonCaller(), name);
-    return pool.ok() ? (*pool)->AskReclaim(id, bytes, deadline) : 0;
-  };
-  // The deadline actions are the daemon's own releases: every attached client is paused first, or the
-  // release is refused for one that is not pausable (Note [Releases pause first]).
-  hooks.shrink = [this](const std::string& name, uint64_t used_blocks, uint64_t min_bytes) -> absl::Status {
-    const Caller daemon = DaemonCaller();
-    KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(daemon, name));
-    const PoolView v = pool->View(ViewClients::kCounted);
-    const Geometry& g = v.geometry;
-    // The fewest blocks that hold min_bytes: the guarantee is never shrunk away.
-    uint64_t lo = 0;
-    uint64_t hi = v.committed_blocks;
-    while (lo < hi) {
-      const uint64_t mid = lo + (hi - lo) / 2;
-      if (g.CommittedBytes(g.PrefixBytes(mid)) >= min_bytes) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    const uint64_t target = std::max(used_blocks, lo);
-    if (target >= v.committed_blocks) return absl::OkStatus();
-    return Shrink(daemon, name, target, ShrinkOptions{}).status();
-  };
-  // A sleep keeps the pool's contents where the host tier can hold them (SleepKeeping), else loses them.
-  hooks.sleep = [this](const std::string& name) -> absl::StatusOr<std::string> {
-    if (host_tier_ != nullptr) {
-      absl::StatusOr<PoolUpdate> kept = SleepKeeping(name);
-      if (kept.ok()) return std::string("its contents kept in the host tier");
-      if (!absl::IsResourceExhausted(kept.status())) return kept.status();
-      KVD_RETURN_IF_ERROR(Sleep(DaemonCaller(), name, false, absl::InfinitePast()).status());
-      return absl::StrCat("its contents lost (", kept.status().message(), ")");
-    }
-    KVD_RETURN_IF_ERROR(Sleep(DaemonCaller(), name, false, absl::InfinitePast()).status());
-    return std::string("its contents lost (no host tier: --host-tier-bytes)");
-  };
-  hooks.observe = [this](const ArbiterEvent& event) {
-    absl::MutexLock lock(&observer_mu_);
-    if (observers_.arbitration) observers_.arbitration(event);
-  };
-  return hooks;
 }
 
 void PoolManager::Shutdown(bool keep_pools) {

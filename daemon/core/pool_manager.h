@@ -413,17 +413,20 @@ class PoolManager : private ReshapeServices {
   // each of them detached (it keeps what it fetched, counted, as any holder), logged and added to
   // `*detached`. The caller calls the pause off on an error.
   [[nodiscard]] absl::Status SettleLatePause(Pool& pool, absl::string_view what, const Pool::PauseOutcome& outcome,
-                                             absl::Duration timeout, bool detach, std::vector<std::string>* detached)
-      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+                                             absl::Duration timeout, bool detach,
+                                             std::vector<std::string>* detached) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   [[nodiscard]] absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
-                                           const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
-      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+                                           const std::vector<ChunkInfo>& leaving,
+                                           const ReleaseOptions& options) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // ReshapeServices: what the reshaper is handed (reshaper.h).
   [[nodiscard]] absl::Status CheckRunning() const override ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] absl::StatusOr<PoolUpdate> ReleaseWholeChunksLocked(Pool& pool, absl::string_view session,
                                                                     uint64_t target_blocks,
-                                                                    const ReleaseOptions& release, absl::Time start)
-      override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+                                                                    const ReleaseOptions& release,
+                                                                    absl::Time start) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
 
   // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
   // in the daemon and exported, but not in the table. On failure nothing is left.

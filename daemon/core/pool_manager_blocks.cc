@@ -18,7 +18,7 @@ namespace kvd::daemon {
 
 absl::StatusOr<TransferPlan> PoolManager::DescribeTransfer(const Caller& caller, absl::string_view name,
                                                            absl::Span<const uint64_t> block_ids) const {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", block_ids.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", block_ids.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   const PoolView view = pool->View(ViewClients::kCounted);
   if (view.state == PoolState::kSleeping) {
@@ -70,7 +70,7 @@ absl::Status PoolManager::InSlices(absl::string_view call, const Interrupt& inte
 
 absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view name, absl::Span<const uint64_t> blocks,
                                      const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("block_ids", blocks.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("block_ids", blocks.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   // Only this pool's op_mu is held across the slices: other pools, and the device's VA book that their
   // grows need, are free between slices.
@@ -93,7 +93,7 @@ absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view nam
 
 absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view name, absl::Span<const BlockCopy> copies,
                                      const Interrupt& interrupt) {
-  KVD_RETURN_IF_ERROR(Refused(CheckBlockCount("copies", copies.size(), options_.limits)));
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("copies", copies.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op(&pool->op_mu());
   KVD_ASSIGN_OR_RETURN(const BlockSpan span, pool->AwakeSpan());

@@ -67,14 +67,14 @@ class Reshaper::Staging {
  public:
   explicit Staging(Reshaper& reshaper) : r_(reshaper) {}
 
-  uint64_t budget = 0;                 // taken from the budget
-  uint64_t next = 0;                   // the next view's base (0: none yet)
-  uint64_t reserved = 0;               // its bytes
-  std::set<uint64_t> in_view;          // staying chunks the next view mapped already (a spare's)
-  std::vector<ChunkRecord> added;      // the new chunks, mapped in the next view, their FDs kept
-  std::vector<ChunkRecord*> staying;   // the table's chunks that stay
-  size_t remapped = 0;                 // how many of `staying` this step mapped into the next view
-  bool paused = false;                 // the clients were asked to pause
+  uint64_t budget = 0;                // taken from the budget
+  uint64_t next = 0;                  // the next view's base (0: none yet)
+  uint64_t reserved = 0;              // its bytes
+  std::set<uint64_t> in_view;         // staying chunks the next view mapped already (a spare's)
+  std::vector<ChunkRecord> added;     // the new chunks, mapped in the next view, their FDs kept
+  std::vector<ChunkRecord*> staying;  // the table's chunks that stay
+  size_t remapped = 0;                // how many of `staying` this step mapped into the next view
+  bool paused = false;                // the clients were asked to pause
 
   // `pool` is the step's.
   void Undo(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) {
@@ -164,10 +164,10 @@ absl::StatusOr<PoolUpdate> Reshaper::Shrink(Pool& pool, absl::string_view sessio
   return std::move(step.update);
 }
 
-absl::StatusOr<PoolUpdate> Reshaper::ShrinkInStepsLocked(Pool& pool, absl::string_view session,
-                                                         uint64_t target_blocks, const ShrinkOptions& options,
-                                                         const ReshapePlan& whole, const StepRoom& room,
-                                                         absl::Time start, std::vector<uint64_t>* releases) {
+absl::StatusOr<PoolUpdate> Reshaper::ShrinkInStepsLocked(Pool& pool, absl::string_view session, uint64_t target_blocks,
+                                                         const ShrinkOptions& options, const ReshapePlan& whole,
+                                                         const StepRoom& room, absl::Time start,
+                                                         std::vector<uint64_t>* releases) {
   const std::string what = absl::StrCat("shrinking to ", target_blocks, " blocks");
   const absl::Duration timeout = PauseTimeout(options.pause);
   KVD_RETURN_IF_ERROR(services_->CheckRunning());
@@ -178,10 +178,10 @@ absl::StatusOr<PoolUpdate> Reshaper::ShrinkInStepsLocked(Pool& pool, absl::strin
   uint64_t largest = 0;
   for (const PlannedChunk& p : whole.added) largest = std::max(largest, p.bytes);
   if (largest > room.bytes + whole.release_first_bytes) {
-    return NoRoom(pool, what, largest,
-                  absl::StrCat("the new chunk of one segment (", whole.added_bytes(), " bytes for all ",
-                               whole.added.size(), ")"),
-                  room, whole.release_first_bytes);
+    return NoRoom(
+        pool, what, largest,
+        absl::StrCat("the new chunk of one segment (", whole.added_bytes(), " bytes for all ", whole.added.size(), ")"),
+        room, whole.release_first_bytes);
   }
 
   // First the whole chunks at or past a boundary every segment shares: a plain release (the clients of other

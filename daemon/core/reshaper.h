@@ -69,8 +69,7 @@ class ReshapeServices {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) = 0;
   // Before a release of `leaving` asked by `session`: Note [Releases pause first] (PoolManager::QuiesceLocked).
   [[nodiscard]] virtual absl::Status QuiesceLocked(Pool& pool, absl::string_view session, absl::string_view what,
-                                                   const std::vector<ChunkInfo>& leaving,
-                                                   const ReleaseOptions& options)
+                                                   const std::vector<ChunkInfo>& leaving, const ReleaseOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) = 0;
   // After a pause's wait: DEADLINE_EXCEEDED naming a late client, or with `detach` each of them detached
   // (into `*detached`).

@@ -29,7 +29,7 @@ absl::StatusOr<std::string> SessionTable::Open(uint32_t uid, int32_t pid, std::s
   auto used = per_uid_.find(uid);
   if (absl::Status fits =
           CheckCount("sessions", uid, used == per_uid_.end() ? 0 : used->second, limits_.max_sessions_per_uid,
-                     "--max-sessions-per-uid", sessions_.size(), limits_.max_sessions, "--max-sessions", limits_);
+                     Limit::kMaxSessionsPerUid, sessions_.size(), limits_.max_sessions, Limit::kMaxSessions, limits_);
       !fits.ok()) {
     return fits;
   }

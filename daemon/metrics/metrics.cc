@@ -146,7 +146,8 @@ class SnapshotCollector final : public prometheus::Collectable {
       for (auto* f : {&size, &used, &registered, &node}) out.push_back(std::move(*f));
       prometheus::MetricFamily copied;
       copied.name = "kvd_host_tier_copied_bytes_total";
-      copied.help = "Bytes copied between pools and the host tier (direction=to_host: keeping sleeps; to_device: wakes).";
+      copied.help =
+          "Bytes copied between pools and the host tier (direction=to_host: keeping sleeps; to_device: wakes).";
       copied.type = prometheus::MetricType::Counter;
       prometheus::MetricFamily seconds;
       seconds.name = "kvd_host_tier_copy_seconds_total";

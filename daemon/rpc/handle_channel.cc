@@ -11,7 +11,6 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
-#include <cstring>
 #include <list>
 #include <map>
 #include <optional>
@@ -22,6 +21,7 @@
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "daemon/codec/codec.h"
 #include "kvd/fd_passing.h"
 #include "kvd/status.h"
 #include "kvd/v1/kvd.pb.h"
@@ -85,46 +85,15 @@ void CloseFds(absl::Span<const int> fds) {
   }
 }
 
-// Takes the FDs of every SCM_RIGHTS message in `msg` (a peer may attach FDs to anything it sends) into
-// `*fds`, or closes them when `fds` is null.
-void TakeReceivedFds(msghdr& msg, std::vector<UniqueFd>* fds) {
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      UniqueFd owned(fd);
-      if (fds != nullptr) fds->push_back(std::move(owned));
-    }
-  }
-}
-
-void CloseReceivedFds(msghdr& msg) { TakeReceivedFds(msg, nullptr); }
-
 // Sends one packet with `fds` (at most kMaxFdsPerMessage; they stay the caller's) without ever
 // blocking: while the peer's queue is full it waits for room until `deadline`, or until `stop_fd`
 // (when >= 0) is readable. A SOCK_SEQPACKET packet is sent whole or not at all.
 absl::Status SendPacket(int fd, const std::string& payload, absl::Span<const int> fds, int stop_fd,
                         Clock::time_point deadline) {
-  iovec iov{const_cast<char*>(payload.data()), payload.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-  if (!fds.empty()) {
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
-    cmsg->cmsg_level = SOL_SOCKET;
-    cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
-  }
   while (true) {
-    if (sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) >= 0) return absl::OkStatus();
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoToStatus("sendmsg", errno);
+    const MessageIo io = SendMessage(fd, payload, fds, MSG_DONTWAIT);
+    if (io.error == 0) return absl::OkStatus();
+    if (io.error != EAGAIN && io.error != EWOULDBLOCK) return ErrnoToStatus("sendmsg", io.error);
     const int timeout_ms = PollTimeoutMs(deadline);
     if (timeout_ms == 0) return absl::DeadlineExceededError("the peer is not reading its replies");
     pollfd polled[2] = {{fd, POLLOUT, 0}, {stop_fd, POLLIN, 0}};
@@ -140,6 +109,7 @@ std::string ErrorReply(const absl::Status& status) {
   v1::HandleChannelReply reply;
   reply.mutable_error()->set_code(static_cast<int32_t>(status.code()));
   reply.mutable_error()->set_message(std::string(status.message()));
+  AppendDetails(status, reply.mutable_error()->mutable_details());
   return reply.SerializeAsString();
 }
 
@@ -161,30 +131,19 @@ struct Received {
 Received ReadRequest(int fd, size_t max_bytes) {
   Received out;
   out.bytes.resize(max_bytes);
-  iovec iov{out.bytes.data(), out.bytes.size()};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t n;
-  do {
-    n = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  if (n < 0) {
-    out.kind = (errno == EAGAIN || errno == EWOULDBLOCK) ? Received::kNothing : Received::kClosed;
+  const MessageIo io = ReceiveMessage(fd, absl::MakeSpan(out.bytes), MSG_DONTWAIT, &out.fds);
+  if (io.error != 0) {
+    out.kind = (io.error == EAGAIN || io.error == EWOULDBLOCK) ? Received::kNothing : Received::kClosed;
     return out;
   }
-  TakeReceivedFds(msg, &out.fds);
-  if ((msg.msg_flags & MSG_TRUNC) != 0) {
+  if ((io.flags & MSG_TRUNC) != 0) {
     out.kind = Received::kBad;
     out.status = absl::InvalidArgumentError(absl::StrCat("request: larger than ", max_bytes, " bytes"));
-  } else if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+  } else if ((io.flags & MSG_CTRUNC) != 0) {
     out.kind = Received::kBad;
     out.status =
         absl::InvalidArgumentError(absl::StrCat("request: more than ", kMaxFdsPerMessage, " file descriptors"));
-  } else if (n == 0 && out.fds.empty()) {
+  } else if (io.bytes == 0 && out.fds.empty()) {
     // A SOCK_SEQPACKET recv returns 0 both for an empty packet and at EOF; only EOF raises RDHUP.
     pollfd polled{fd, POLLRDHUP, 0};
     const bool hung_up = poll(&polled, 1, 0) > 0 && (polled.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
@@ -192,7 +151,7 @@ Received ReadRequest(int fd, size_t max_bytes) {
     if (!hung_up) out.status = absl::InvalidArgumentError("request: empty packet");
   } else {
     out.kind = Received::kRequest;
-    out.bytes.resize(static_cast<size_t>(n));
+    out.bytes.resize(io.bytes);
   }
   return out;
 }
@@ -697,18 +656,9 @@ void HandleChannel::CloseConnection(int fd) {
   shutdown(fd, SHUT_RDWR);
   for (int i = 0; i < kMaxDrainedPackets; ++i) {
     char byte;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
-    CloseReceivedFds(msg);
-    if (n == 0 && msg.msg_controllen == 0) break;
+    std::vector<UniqueFd> fds;  // closed here
+    const MessageIo io = ReceiveMessage(fd, absl::MakeSpan(&byte, 1), MSG_DONTWAIT, &fds);
+    if (io.error != 0 || (io.bytes == 0 && fds.empty())) break;
   }
   if (acceptor_ != nullptr) acceptor_->Release(fd);
   close(fd);

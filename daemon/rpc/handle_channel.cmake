@@ -5,5 +5,5 @@ target_include_directories(kvd_handle_channel PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(kvd_handle_channel
   PUBLIC kvd_proto kvd_device kvd_peer_acceptor absl::status absl::statusor absl::strings absl::synchronization
          absl::time
-  PRIVATE absl::cleanup absl::memory absl::span Threads::Threads)
+  PRIVATE kvd_codec absl::cleanup absl::memory absl::span Threads::Threads)
 kvd_target_defaults(kvd_handle_channel)

@@ -38,11 +38,16 @@ absl::Status RequireNonEmpty(const std::string& value, absl::string_view field) 
   return absl::OkStatus();
 }
 
+absl::Status RequireNonEmpty(std::initializer_list<KvdService::Required> required) {
+  for (const KvdService::Required& field : required) KVD_RETURN_IF_ERROR(RequireNonEmpty(field.value, field.name));
+  return absl::OkStatus();
+}
+
 // Times one core call for kvd_operations_total / kvd_operation_duration_seconds (no-op without metrics).
-template <typename T>
-T Timed(Metrics* metrics, Operation op, const std::function<T()>& call) {
+template <typename Call>
+auto Timed(Metrics* metrics, Operation op, Call call) -> decltype(call()) {
   const absl::Time start = absl::Now();
-  T result = call();
+  auto result = call();
   if (metrics != nullptr) metrics->ObserveOperation(op, absl::Now() - start, result.ok());
   return result;
 }
@@ -122,6 +127,131 @@ void LogReshape(const PoolUpdate& u) {
       r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
 }
 
+// A Watch refused before its stream started: its status only.
+class RefusedWatch final : public grpc::ServerWriteReactor<v1::PoolEvent> {
+ public:
+  explicit RefusedWatch(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
+// One Watch stream (Note [Watch streams are pushed] in docs/architecture.md): the client's events are written
+// as they are pushed, one write in flight at a time, until they end (OK), the client goes or a write fails
+// (CANCELLED). When it is done, the client is detached (the stream is its liveness) and the RPC counted.
+//
+// Threads: Ready runs on whichever thread pushed (maybe inside a pool's lock), the reactions on gRPC's; both
+// take mu_ first, and nothing under mu_ calls into the manager (Detach runs in OnDone, outside it). The stream
+// owns itself (self_) from Start to OnDone; the queue holds it weakly, so a Ready that races OnDone keeps it
+// alive for its own call and finds it ended.
+class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public EventQueue::Listener {
+ public:
+  static grpc::ServerWriteReactor<v1::PoolEvent>* Start(PoolManager* manager, Metrics* metrics, Caller caller,
+                                                        std::string client_id, std::shared_ptr<EventQueue> queue) {
+    auto stream = std::make_shared<WatchStream>(manager, metrics, std::move(caller), std::move(client_id), queue);
+    absl::MutexLock lock(&stream->mu_);
+    stream->self_ = stream;
+    // Initial metadata now, not with the first event: a client that waits for it knows its stream is
+    // registered (events since Attach are queued either way).
+    stream->StartSendInitialMetadata();
+    queue->Listen(stream);
+    stream->PumpLocked();
+    return stream.get();
+  }
+
+  WatchStream(PoolManager* manager, Metrics* metrics, Caller caller, std::string client_id,
+              std::shared_ptr<EventQueue> queue)
+      : manager_(manager),
+        metrics_(metrics),
+        caller_(std::move(caller)),
+        client_id_(std::move(client_id)),
+        queue_(std::move(queue)) {}
+
+  void Ready() override {
+    absl::MutexLock lock(&mu_);
+    PumpLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) {
+      EndLocked(grpc::Status::CANCELLED, cancelled_ ? "the client closed the stream" : "the stream broke");
+      return;
+    }
+    PumpLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    // A write in flight ends too, and its OnWriteDone finishes the stream.
+    if (!writing_) EndLocked(grpc::Status::CANCELLED, "the client closed the stream");
+  }
+
+  void OnDone() override {
+    std::shared_ptr<WatchStream> self;  // the last reference but a racing Ready's: released on return
+    const char* reason;
+    grpc::StatusCode code;
+    {
+      absl::MutexLock lock(&mu_);
+      self = std::move(self_);
+      reason = reason_;
+      code = code_;
+    }
+    // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
+    // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
+    const absl::Status detached = manager_->Detach(caller_, client_id_);
+    spdlog::info("watch of client {} ended: {}{}", client_id_, reason, detached.ok() ? "; client detached" : "");
+    if (metrics_ != nullptr) metrics_->CountRpc("Watch", static_cast<absl::StatusCode>(code));
+  }
+
+ private:
+  // Writes the next event if none is in flight, or ends the stream once the events ended.
+  void PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ended_ || writing_) return;
+    bool drained = false;
+    std::optional<PoolEvent> next = queue_->TryPop(&drained);
+    if (!next.has_value()) {
+      if (drained) EndLocked(grpc::Status::OK, "its events ended (detached, pool deleted or daemon stopping)");
+      return;
+    }
+    v1::PoolEvent event;
+    const absl::Status converted = Guarded("Watch", [&] {
+      event = ToProto(*next);
+      return absl::OkStatus();
+    });
+    if (!converted.ok()) {
+      spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(converted.code())), Sv(converted.message()));
+      EndLocked(ToGrpcStatus(converted), "the stream failed");
+      return;
+    }
+    event_ = std::move(event);
+    writing_ = true;
+    StartWrite(&event_);
+  }
+
+  void EndLocked(grpc::Status status, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ended_) return;
+    ended_ = true;
+    reason_ = reason;
+    code_ = status.error_code();
+    Finish(std::move(status));
+  }
+
+  PoolManager* const manager_;
+  Metrics* const metrics_;
+  const Caller caller_;
+  const std::string client_id_;
+  const std::shared_ptr<EventQueue> queue_;
+  absl::Mutex mu_;
+  std::shared_ptr<WatchStream> self_ ABSL_GUARDED_BY(mu_);
+  v1::PoolEvent event_ ABSL_GUARDED_BY(mu_);  // the write in flight: gRPC reads it until OnWriteDone
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called: no write ever again
+  const char* reason_ ABSL_GUARDED_BY(mu_) = "";
+  grpc::StatusCode code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+};
+
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
@@ -129,9 +259,12 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       // Every status kvd's handlers finish with has a message (Finish, Guarded): an INTERNAL without
-      // one is gRPC's answer to a request it could not deserialize.
+      // one is gRPC's answer to a request it could not deserialize, and so is an UNIMPLEMENTED without one
+      // for a method of kvd.v1.Kvd (all of them are implemented) on gRPC's callback API (Watch).
       const grpc::Status status = methods->GetSendStatus();
-      if (status.error_code() == grpc::StatusCode::INTERNAL && status.error_message().empty()) {
+      if (status.error_message().empty() &&
+          (status.error_code() == grpc::StatusCode::INTERNAL ||
+           (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && IsKvdMethod()))) {
         methods->ModifySendStatus(
             grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          absl::StrCat("request: the ", method_, " request is not a valid ", RequestType(),
@@ -142,14 +275,23 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   }
 
  private:
-  // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
-  std::string RequestType() const {
+  // "/kvd.v1.Kvd/GetPool": its descriptor; null for a method not in a linked proto.
+  const google::protobuf::MethodDescriptor* Method() const {
     const size_t slash = method_.rfind('/');
-    if (slash == std::string::npos || slash == 0) return "protobuf message";
+    if (slash == std::string::npos || slash == 0) return nullptr;
     const google::protobuf::ServiceDescriptor* service =
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(method_.substr(1, slash - 1));
-    const google::protobuf::MethodDescriptor* method =
-        service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+    return service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+  }
+
+  bool IsKvdMethod() const {
+    const google::protobuf::MethodDescriptor* method = Method();
+    return method != nullptr && method->service()->full_name() == v1::Kvd::service_full_name();
+  }
+
+  // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
+  std::string RequestType() const {
+    const google::protobuf::MethodDescriptor* method = Method();
     return method == nullptr ? "protobuf message" : method->input_type()->full_name();
   }
 
@@ -182,7 +324,28 @@ grpc::Status KvdService::Finish(const char* method, const absl::Status& status) 
   return ToGrpcStatus(status);
 }
 
-absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& context) const {
+template <typename Body>
+absl::Status KvdService::Run(const char* method, const grpc::ServerContextBase& context,
+                             std::initializer_list<Required> required, Body&& body) const {
+  return Guarded(method, [&]() -> absl::Status {
+    if constexpr (std::is_invocable_v<Body&, const Caller&>) {
+      KVD_ASSIGN_OR_RETURN(const Caller caller, Authenticate(context));
+      KVD_RETURN_IF_ERROR(RequireNonEmpty(required));
+      return body(caller);
+    } else {
+      KVD_RETURN_IF_ERROR(RequireNonEmpty(required));
+      return body();
+    }
+  });
+}
+
+template <typename Body>
+grpc::Status KvdService::Serve(const char* method, const grpc::ServerContextBase& context,
+                               std::initializer_list<Required> required, Body&& body) const {
+  return Finish(method, Run(method, context, required, std::forward<Body>(body)));
+}
+
+absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContextBase& context) const {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(wire::kSessionMetadataKey);
   if (it == metadata.end()) {
@@ -205,7 +368,7 @@ absl::StatusOr<Caller> KvdService::Authenticate(const grpc::ServerContext& conte
   return caller;
 }
 
-Interrupt KvdService::InterruptOf(grpc::ServerContext& context) const {
+Interrupt KvdService::InterruptOf(const grpc::ServerContextBase& context) const {
   Interrupt interrupt;
   // No deadline reads as the far future (time_point::max()).
   if (context.deadline() < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
@@ -215,7 +378,7 @@ Interrupt KvdService::InterruptOf(grpc::ServerContext& context) const {
   return interrupt;
 }
 
-absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const {
+absl::Time KvdService::ReleaseDeadline(const grpc::ServerContextBase& context) const {
   const auto deadline = context.deadline();
   const absl::Time now = absl::Now();
   // No deadline reads as the far future (time_point::max()).
@@ -229,19 +392,18 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContext& context) const
   return rpc_deadline - std::max(margin, absl::ZeroDuration());
 }
 
-grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext*, const v1::GetDeviceInfoRequest*,
+grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest*,
                                        v1::DeviceInfo* response) {
-  absl::Status status = Guarded("GetDeviceInfo", [&]() -> absl::Status {
+  return Serve("GetDeviceInfo", *context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
     *response = ToProto(device);
     return absl::OkStatus();
   });
-  return Finish("GetDeviceInfo", status);
 }
 
-grpc::Status KvdService::ResolveLayout(grpc::ServerContext*, const v1::ResolveLayoutRequest* request,
+grpc::Status KvdService::ResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
                                        v1::ResolveLayoutResponse* response) {
-  absl::Status status = Guarded("ResolveLayout", [&]() -> absl::Status {
+  return Serve("ResolveLayout", *context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
     *response->mutable_resolution() = ToProto(resolution);
     if (request->has_dims()) {
@@ -252,14 +414,11 @@ grpc::Status KvdService::ResolveLayout(grpc::ServerContext*, const v1::ResolveLa
     }
     return absl::OkStatus();
   });
-  return Finish("ResolveLayout", status);
 }
 
 grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
                                     v1::Pool* response) {
-  absl::Status status = Guarded("CreatePool", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+  return Serve("CreatePool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     if (!request->has_dims()) return absl::InvalidArgumentError("dims: required");
     PoolSpec spec = FromProto(*request);
     KVD_ASSIGN_OR_RETURN(spec.policy, FromProto(request->policy(), "policy"));
@@ -273,24 +432,19 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
         pool.committed_blocks, FormatBytes(pool.committed_bytes));
     return absl::OkStatus();
   });
-  return Finish("CreatePool", status);
 }
 
 grpc::Status KvdService::GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) {
-  absl::Status status = Guarded("GetPool", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+  return Serve("GetPool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
     *response = ToProto(pool);
     return absl::OkStatus();
   });
-  return Finish("GetPool", status);
 }
 
 grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
                                    v1::ListPoolsResponse* response) {
-  absl::Status status = Guarded("ListPools", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+  return Serve("ListPools", *context, {}, [&](const Caller& caller) -> absl::Status {
     // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
     // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
     std::string after;
@@ -320,14 +474,11 @@ grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListP
     }
     return absl::OkStatus();
   });
-  return Finish("ListPools", status);
 }
 
 grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
                                     v1::DeletePoolResponse* response) {
-  absl::Status status = Guarded("DeletePool", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->name(), "name"));
+  return Serve("DeletePool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->DeletePool(caller, request->name(), request->force(), pause));
     response->set_released_bytes(released);
@@ -335,16 +486,12 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
                  FormatBytes(released));
     return absl::OkStatus();
   });
-  return Finish("DeletePool", status);
 }
 
 grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
                                 v1::AttachResponse* response) {
-  absl::Status status = Guarded("Attach", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-    KVD_ASSIGN_OR_RETURN(AttachResult attached,
-                         Timed<absl::StatusOr<AttachResult>>(options_.metrics, Operation::kAttach, [&] {
+  return Serve("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(AttachResult attached, Timed(options_.metrics, Operation::kAttach, [&] {
                            return manager_->Attach(caller, request->pool(), request->client_name(),
                                                    request->device_uuid(), request->pausable());
                          }));
@@ -357,42 +504,33 @@ grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRe
                  attached.lease.chunk_ids.size());
     return absl::OkStatus();
   });
-  return Finish("Attach", status);
 }
 
 grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request, v1::DetachResponse*) {
-  absl::Status status = Guarded("Detach", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
+  return Serve("Detach", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
     KVD_RETURN_IF_ERROR(manager_->Detach(caller, request->client_id(), request->released()));
     spdlog::info("client {} detached", request->client_id());
     return absl::OkStatus();
   });
-  return Finish("Detach", status);
 }
 
 grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) {
-  absl::Status status = Guarded("Grow", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("Grow", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
                              return context->IsCancelled();
                            }};
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kGrow, [&] {
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kGrow, [&] {
                            return manager_->Grow(caller, request->pool(), request->target_blocks(), wait);
                          }));
     *response = ToProto(update);
     LogUpdate("grew", update);
     return absl::OkStatus();
   });
-  return Finish("Grow", status);
 }
 
 grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
                                 v1::PoolUpdate* response) {
-  absl::Status status = Guarded("Shrink", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("Shrink", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     PoolManager::ShrinkOptions options{.wait = request->wait_for_release(),
                                        .deadline = ReleaseDeadline(*context),
@@ -402,8 +540,7 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
     if (request->has_live()) {
       options.live.emplace(request->live().blocks().begin(), request->live().blocks().end());
     }
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update,
-                         Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kShrink, [&] {
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kShrink, [&] {
                            return manager_->Shrink(caller, request->pool(), request->target_blocks(), options);
                          }));
     *response = ToProto(update);
@@ -411,17 +548,13 @@ grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRe
     LogReshape(update);
     return absl::OkStatus();
   });
-  return Finish("Shrink", status);
 }
 
 grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::CompactRequest* request,
                                  v1::PoolUpdate* response) {
-  absl::Status status = Guarded("Compact", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("Compact", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update,
-                         Timed<absl::StatusOr<PoolUpdate>>(options_.metrics, Operation::kCompact, [&] {
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kCompact, [&] {
                            return manager_->Compact(caller, request->pool(),
                                                     {.pause = pause,
                                                      .max_chunks_per_pause = request->max_chunks_per_pause(),
@@ -432,14 +565,14 @@ grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::Compact
     LogReshape(update);
     return absl::OkStatus();
   });
-  return Finish("Compact", status);
 }
 
 namespace {
 
 // SleepRequest's and PrepareRequest's keep and live_blocks.
 absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live) {
-  if (!keep && !live.empty()) return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
+  if (!keep && !live.empty())
+    return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
   return KeepOptions{.keep = keep, .live_blocks = {live.begin(), live.end()}};
 }
 
@@ -447,8 +580,7 @@ absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::Rep
 
 grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
                                v1::PoolUpdates* response) {
-  absl::Status status = Guarded("Sleep", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+  return Serve("Sleep", *context, {}, [&](const Caller& caller) -> absl::Status {
     std::string pool;  // empty: every pool
     switch (request->target_case()) {
       case v1::SleepRequest::kPool:
@@ -463,8 +595,7 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
     }
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
     KVD_ASSIGN_OR_RETURN(const KeepOptions keep, KeepFromProto(request->keep(), request->live_blocks()));
-    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
-                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(options_.metrics, Operation::kSleep, [&] {
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kSleep, [&] {
                            return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context),
                                                   {.force = request->force(), .pause = pause}, keep);
                          }));
@@ -474,12 +605,10 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
     }
     return absl::OkStatus();
   });
-  return Finish("Sleep", status);
 }
 
 grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) {
-  absl::Status status = Guarded("Wake", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
+  return Serve("Wake", *context, {}, [&](const Caller& caller) -> absl::Status {
     std::string pool;  // empty: every pool
     switch (request->target_case()) {
       case v1::WakeRequest::kPool:
@@ -496,145 +625,91 @@ grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeReques
                              return context->IsCancelled();
                            }};
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
-                         Timed<absl::StatusOr<std::vector<PoolUpdate>>>(
-                             options_.metrics, Operation::kWake, [&] { return manager_->Wake(caller, pool, wait); }));
+                         Timed(options_.metrics, Operation::kWake, [&] { return manager_->Wake(caller, pool, wait); }));
     for (const PoolUpdate& u : updates) {
       *response->add_updates() = ToProto(u);
       LogUpdate("woke", u);
     }
     return absl::OkStatus();
   });
-  return Finish("Wake", status);
 }
 
-grpc::Status KvdService::Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
-                               grpc::ServerWriter<v1::PoolEvent>* writer) {
+grpc::ServerWriteReactor<v1::PoolEvent>* KvdService::Watch(grpc::CallbackServerContext* context,
+                                                           const v1::WatchRequest* request) {
   std::optional<Caller> caller;
   std::shared_ptr<EventQueue> queue;
-  absl::Status status = Guarded("Watch", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
-    KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(*caller, request->client_id()));
+  const absl::Status status = Run("Watch", *context, {{request->client_id(), "client_id"}}, [&](const Caller& c) {
+    caller = c;
+    KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(c, request->client_id()));
     return absl::OkStatus();
   });
   // A refused Watch (unknown client, a second watcher) never started a stream: nobody to detach.
-  if (!status.ok()) return Finish("Watch", status);
-  // Initial metadata now, not with the first event: a client that waits for it knows its stream is
-  // registered (events since Attach are queued either way).
-  writer->SendInitialMetadata();
-
-  const char* reason = "its events ended (detached, pool deleted or daemon stopping)";
-  grpc::Status result = grpc::Status::OK;
-  const absl::Status streamed = Guarded("Watch", [&]() -> absl::Status {
-    while (true) {
-      if (context->IsCancelled()) {
-        reason = "the client closed the stream";
-        result = grpc::Status::CANCELLED;
-        return absl::OkStatus();
-      }
-      std::optional<PoolEvent> event = queue->Pop(options_.watch_poll);
-      if (!event.has_value()) {
-        if (queue->closed()) return absl::OkStatus();
-        continue;
-      }
-      if (!writer->Write(ToProto(*event))) {
-        reason = "the stream broke";
-        result = grpc::Status::CANCELLED;
-        return absl::OkStatus();
-      }
-    }
-  });
-  if (!streamed.ok()) {
-    reason = "the stream failed";
-    result = ToGrpcStatus(streamed);
-    spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(streamed.code())), Sv(streamed.message()));
-  }
-  // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
-  // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
-  absl::Status detached = manager_->Detach(*caller, request->client_id());
-  spdlog::info("watch of client {} ended: {}{}", request->client_id(), reason,
-               detached.ok() ? "; client detached" : "");
-  if (options_.metrics != nullptr)
-    options_.metrics->CountRpc("Watch", static_cast<absl::StatusCode>(result.error_code()));
-  return result;
+  if (!status.ok()) return new RefusedWatch(Finish("Watch", status));
+  return WatchStream::Start(manager_, options_.metrics, *caller, request->client_id(), std::move(queue));
 }
 
 grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
                                      v1::AcknowledgeResponse* response) {
-  absl::Status status = Guarded("Acknowledge", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
-    if ((request->release_id() == 0) == (request->pause_id() == 0)) {
-      return absl::InvalidArgumentError(
-          "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
-          "pause_id of a PAUSE event)");
-    }
-    if (request->pause_id() != 0) {
-      KVD_RETURN_IF_ERROR(manager_->AcknowledgePause(caller, request->client_id(), request->pause_id()));
-      response->set_pending_release_bytes(0);
-      return absl::OkStatus();
-    }
-    KVD_ASSIGN_OR_RETURN(uint64_t pending, manager_->Acknowledge(caller, request->client_id(), request->release_id()));
-    response->set_pending_release_bytes(pending);
-    return absl::OkStatus();
-  });
-  return Finish("Acknowledge", status);
+  return Serve(
+      "Acknowledge", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
+        if ((request->release_id() == 0) == (request->pause_id() == 0)) {
+          return absl::InvalidArgumentError(
+              "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
+              "pause_id of a PAUSE event)");
+        }
+        if (request->pause_id() != 0) {
+          KVD_RETURN_IF_ERROR(manager_->AcknowledgePause(caller, request->client_id(), request->pause_id()));
+          response->set_pending_release_bytes(0);
+          return absl::OkStatus();
+        }
+        KVD_ASSIGN_OR_RETURN(uint64_t pending,
+                             manager_->Acknowledge(caller, request->client_id(), request->release_id()));
+        response->set_pending_release_bytes(pending);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvdService::ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
                                     v1::ZeroBlocksResponse*) {
-  absl::Status status = Guarded("ZeroBlocks", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("ZeroBlocks", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
     return manager_->ZeroBlocks(caller, request->pool(), blocks, InterruptOf(*context));
   });
-  return Finish("ZeroBlocks", status);
 }
 
 grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::CopyBlocksRequest* request,
                                     v1::CopyBlocksResponse*) {
-  absl::Status status = Guarded("CopyBlocks", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("CopyBlocks", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     return manager_->CopyBlocks(caller, request->pool(), FromProto(request->copies()), InterruptOf(*context));
   });
-  return Finish("CopyBlocks", status);
 }
 
 grpc::Status KvdService::DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
                                           v1::DescribeTransferResponse* response) {
-  absl::Status status = Guarded("DescribeTransfer", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("DescribeTransfer", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
     KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
     *response = ToProto(plan);
     return absl::OkStatus();
   });
-  return Finish("DescribeTransfer", status);
 }
 
 grpc::Status KvdService::ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
                                       v1::ExportRangesResponse* response) {
-  absl::Status status = Guarded("ExportRanges", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->client_id(), "client_id"));
-    KVD_ASSIGN_OR_RETURN(RangeExport exported,
-                         manager_->ExportRanges(caller, request->client_id(), FromProto(request->ranges())));
-    *response = ToProto(exported, manager_->range_spans_chunks());
-    spdlog::info("pool {}: {} range handles exported for client {} (pid {})", exported.pool, exported.handles.size(),
-                 request->client_id(), caller.pid);
-    return absl::OkStatus();
-  });
-  return Finish("ExportRanges", status);
+  return Serve(
+      "ExportRanges", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
+        KVD_ASSIGN_OR_RETURN(RangeExport exported,
+                             manager_->ExportRanges(caller, request->client_id(), FromProto(request->ranges())));
+        *response = ToProto(exported, manager_->range_spans_chunks());
+        spdlog::info("pool {}: {} range handles exported for client {} (pid {})", exported.pool,
+                     exported.handles.size(), request->client_id(), caller.pid);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                                  v1::PrepareResponse* response) {
-  absl::Status status = Guarded("Prepare", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("Prepare", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(GroupOp op, FromProto(request->operation()));
     if (request->ttl_ms() > kMaxTransactionTtlMs) {
       return absl::InvalidArgumentError(
@@ -658,46 +733,39 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
                  FormatBytes(prepared.prepared_bytes), Elapsed(prepared.elapsed), Elapsed(ttl));
     return absl::OkStatus();
   });
-  return Finish("Prepare", status);
 }
 
 grpc::Status KvdService::Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
                                 v1::PoolUpdate* response) {
-  absl::Status status = Guarded("Commit", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
-    KVD_ASSIGN_OR_RETURN(
-        CommittedOp committed,
-        manager_->Commit(caller, request->transaction(), request->wait_for_release(), ReleaseDeadline(*context)));
-    if (options_.metrics != nullptr) {
-      options_.metrics->ObserveOperation(ToMetricsOperation(committed.op), committed.update.elapsed, true);
-    }
-    *response = ToProto(committed.update);
-    LogUpdate(absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
-              committed.update);
-    return absl::OkStatus();
-  });
-  return Finish("Commit", status);
+  return Serve(
+      "Commit", *context, {{request->transaction(), "transaction"}}, [&](const Caller& caller) -> absl::Status {
+        KVD_ASSIGN_OR_RETURN(
+            CommittedOp committed,
+            manager_->Commit(caller, request->transaction(), request->wait_for_release(), ReleaseDeadline(*context)));
+        if (options_.metrics != nullptr) {
+          options_.metrics->ObserveOperation(ToMetricsOperation(committed.op), committed.update.elapsed, true);
+        }
+        *response = ToProto(committed.update);
+        LogUpdate(
+            absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
+            committed.update);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvdService::Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
                                v1::AbortResponse* response) {
-  absl::Status status = Guarded("Abort", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->transaction(), "transaction"));
+  return Serve("Abort", *context, {{request->transaction(), "transaction"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(uint64_t released, manager_->Abort(caller, request->transaction()));
     response->set_released_bytes(released);
     spdlog::info("aborted transaction {}: {} given back", request->transaction(), FormatBytes(released));
     return absl::OkStatus();
   });
-  return Finish("Abort", status);
 }
 
 grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1::GrantPeerAccessRequest* request,
                                          v1::Pool* response) {
-  absl::Status status = Guarded("GrantPeerAccess", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("GrantPeerAccess", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolView pool,
                          manager_->GrantPeerAccess(caller, request->pool(), request->device_uuid(), request->revoke()));
     *response = ToProto(pool);
@@ -705,40 +773,31 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
                  request->revoke() ? "revoked from" : "granted to", request->device_uuid(), caller.uid);
     return absl::OkStatus();
   });
-  return Finish("GrantPeerAccess", status);
 }
 
 grpc::Status KvdService::GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
                                          v1::PoolMetadata* response) {
-  absl::Status status = Guarded("GetPoolMetadata", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("GetPoolMetadata", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
   });
-  return Finish("GetPoolMetadata", status);
 }
 
 grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
                                          v1::PoolMetadata* response) {
-  absl::Status status = Guarded("SetPoolMetadata", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("SetPoolMetadata", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(
         PoolMetadata metadata,
         manager_->SetPoolMetadata(caller, request->pool(), request->expected_version(), request->data()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
   });
-  return Finish("SetPoolMetadata", status);
 }
 
 grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::SetPoolPolicyRequest* request,
                                        v1::Pool* response) {
-  absl::Status status = Guarded("SetPoolPolicy", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("SetPoolPolicy", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     PolicyChange change;
     if (request->has_priority()) change.priority = request->priority();
     if (request->has_min_bytes()) change.min_bytes = request->min_bytes();
@@ -758,34 +817,27 @@ grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::S
     spdlog::info("pool {}: policy set by uid {}: {}", request->pool(), caller.uid, DescribePolicy(pool.claim.policy));
     return absl::OkStatus();
   });
-  return Finish("SetPoolPolicy", status);
 }
 
 grpc::Status KvdService::ReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
                                      v1::ReportUsageResponse*) {
-  absl::Status status = Guarded("ReportUsage", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("ReportUsage", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     return manager_->ReportUsage(caller, request->pool(),
                                  {.live_blocks = request->live_blocks(),
                                   .evictable_blocks = request->evictable_blocks(),
                                   .used_blocks = request->used_blocks()});
   });
-  return Finish("ReportUsage", status);
 }
 
 grpc::Status KvdService::DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
                                         v1::DeclineReclaimResponse*) {
-  absl::Status status = Guarded("DeclineReclaim", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(Caller caller, Authenticate(*context));
-    KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+  return Serve("DeclineReclaim", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
     KVD_RETURN_IF_ERROR(manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
     spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,
                  absl::CEscape(request->reason().substr(0, 256)));
     return absl::OkStatus();
   });
-  return Finish("DeclineReclaim", status);
 }
 
 }  // namespace kvd::daemon

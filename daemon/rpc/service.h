@@ -2,23 +2,28 @@
 // each method checks the request's shape, authenticates the caller from the "kvd-session" metadata
 // (except GetDeviceInfo and ResolveLayout), makes one PoolManager call, converts the result and
 // finishes with the core's status, code and message unchanged. Policy, locking and validation of
-// values live in the core.
+// values live in the core. What every method shares is written once, in Serve (Note [One RPC, one row]
+// in docs/architecture.md).
 //
 // Logging: this is the edge. A failed RPC is logged once at warn (method, code, message); a successful
 // change (create, delete, attach, detach, grow, shrink, sleep, wake) once at info.
 //
-// Watch is the client's liveness: the stream polls the client's EventQueue and, whenever it ends
-// (the client cancelled, the client detached, the pool was deleted, the daemon is stopping), detaches
-// the client.
+// Watch is the client's liveness: its stream is a reactor on gRPC's callback API that writes the client's
+// events as its EventQueue receives them and, whenever it ends (the client cancelled, the client detached,
+// the pool was deleted, the daemon is stopping), detaches the client (Note [Watch streams are pushed]).
 //
-// Threads: the synchronous gRPC server calls every method concurrently; the service holds no state
-// of its own beyond its constant configuration. `manager` must outlive the service.
+// Threads: the synchronous gRPC server calls every unary method concurrently, gRPC's callback threads run
+// the Watch streams; the service holds no state of its own beyond its constant configuration. `manager` must
+// outlive the service, and the service the server (a Watch stream detaches its client when gRPC is done
+// with it, which grpc::Server::Shutdown waits for).
 #pragma once
 
 #include <grpcpp/support/server_interceptor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <string>
 
 #include "absl/time/time.h"
 #include "daemon/core/pool_manager.h"
@@ -29,12 +34,10 @@ namespace kvd::daemon {
 class ControlSocket;
 class Metrics;
 
-class KvdService final : public v1::Kvd::Service {
+class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Service> {
  public:
   struct Options {
     uint64_t granularity = 0;  // the device's, for ResolveLayout's geometry
-    // How often a Watch stream looks at its client's cancellation while no event comes.
-    absl::Duration watch_poll = absl::Milliseconds(200);
     // Shrink/Sleep with wait_for_release and no RPC deadline wait at most this long.
     absl::Duration default_release_wait = absl::Seconds(60);
     // Not owned; may be null (no metrics). Counts every RPC's status and times grow, shrink, sleep,
@@ -70,8 +73,8 @@ class KvdService final : public v1::Kvd::Service {
                        v1::PoolUpdate* response) override;
   grpc::Status Sleep(grpc::ServerContext* context, const v1::SleepRequest* request, v1::PoolUpdates* response) override;
   grpc::Status Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) override;
-  grpc::Status Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
-                     grpc::ServerWriter<v1::PoolEvent>* writer) override;
+  grpc::ServerWriteReactor<v1::PoolEvent>* Watch(grpc::CallbackServerContext* context,
+                                                 const v1::WatchRequest* request) override;
   grpc::Status Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
                            v1::AcknowledgeResponse* response) override;
   grpc::Status ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
@@ -101,15 +104,33 @@ class KvdService final : public v1::Kvd::Service {
   grpc::Status DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
                               v1::DeclineReclaimResponse* response) override;
 
+  // A string field of the request that must not be empty: "<name>: must not be empty" otherwise.
+  struct Required {
+    const std::string& value;
+    const char* name;
+  };
+
  private:
+  // The ceremony every RPC shares (Note [One RPC, one row] in docs/architecture.md), around `body`, the part
+  // that is the RPC's own. A `body` that takes the Caller is an RPC with a session: the caller is authenticated
+  // first (UNAUTHENTICATED, PERMISSION_DENIED), then every `required` field checked, then `body` runs; no
+  // exception leaves it (RESOURCE_EXHAUSTED for allocation failures, INTERNAL otherwise, naming `method`).
+  // Serve finishes the RPC with that status (Finish); Run returns it, for Watch, whose stream outlives its
+  // handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
+  template <typename Body>
+  [[nodiscard]] absl::Status Run(const char* method, const grpc::ServerContextBase& context,
+                                 std::initializer_list<Required> required, Body&& body) const;
+  template <typename Body>
+  grpc::Status Serve(const char* method, const grpc::ServerContextBase& context,
+                     std::initializer_list<Required> required, Body&& body) const;
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
   // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
   // is not the uid that opened the session.
-  [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContext& context) const;
+  [[nodiscard]] absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& context) const;
   // The call's deadline and cancellation, for work done in slices.
-  Interrupt InterruptOf(grpc::ServerContext& context) const;
+  Interrupt InterruptOf(const grpc::ServerContextBase& context) const;
   // The RPC's deadline, or now + default_release_wait when it has none.
-  absl::Time ReleaseDeadline(const grpc::ServerContext& context) const;
+  absl::Time ReleaseDeadline(const grpc::ServerContextBase& context) const;
   // The edge: every RPC's status passes here once; a failure is logged once and every status counted.
   grpc::Status Finish(const char* method, const absl::Status& status) const;
 

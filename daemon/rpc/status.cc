@@ -2,6 +2,9 @@
 
 #include <string>
 
+#include "daemon/codec/codec.h"
+#include "kvd/v1/kvd.pb.h"
+
 namespace kvd::daemon {
 namespace {
 
@@ -15,15 +18,14 @@ bool IsCanonical(int code) { return code >= 0 && code <= kMaxCanonicalCode; }
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   const int code = static_cast<int>(status.code());
-  return grpc::Status(IsCanonical(code) ? static_cast<grpc::StatusCode>(code) : grpc::StatusCode::UNKNOWN,
-                      std::string(status.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  const int code = static_cast<int>(status.error_code());
-  return absl::Status(IsCanonical(code) ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
-                      status.error_message());
+  const grpc::StatusCode mapped = IsCanonical(code) ? static_cast<grpc::StatusCode>(code) : grpc::StatusCode::UNKNOWN;
+  std::string message(status.message());
+  v1::RpcStatus rich;
+  AppendDetails(status, rich.mutable_details());
+  if (rich.details().empty()) return grpc::Status(mapped, std::move(message));
+  rich.set_code(static_cast<int32_t>(mapped));
+  rich.set_message(message);
+  return grpc::Status(mapped, std::move(message), rich.SerializeAsString());
 }
 
 }  // namespace kvd::daemon

@@ -187,7 +187,10 @@ TEST_F(GroupTest, ACommitThatFailsPutsTheCommittedRanksBack) {
   KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus device0, r0.client->DeviceInfo());
   GroupOptions options;
   // GPU 1's daemon dies between the phases: rank 0 commits, rank 1 cannot.
-  options.before_commit = [this] { daemon1_.Kill(); };
+  options.before_commit = [this] {
+    daemon1_.Kill();
+    return absl::OkStatus();
+  };
   options.connect.timeout = absl::Seconds(5);
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Group> group, Group::Open("llama", Sockets(), options));
   EXPECT_THAT(group->Grow(256), StatusIs(absl::StatusCode::kAborted,
@@ -201,6 +204,26 @@ TEST_F(GroupTest, ACommitThatFailsPutsTheCommittedRanksBack) {
     absl::StatusOr<DeviceStatus> d = r0.client->DeviceInfo();
     return d.ok() && d->committed_bytes == device0.committed_bytes;
   }));
+}
+
+TEST_F(GroupTest, ACoordinatorThatFailsBeforeTheCommitAbortsEveryRank) {
+  Rank r0 = MakeRank("llama", 0), r1 = MakeRank("llama", 1);
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus device0, r0.client->DeviceInfo());
+  GroupOptions options;
+  options.before_commit = [] { return absl::CancelledError("the coordinator gives up"); };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Group> group, Group::Open("llama", Sockets(), options));
+  EXPECT_THAT(group->Grow(128),
+              StatusIs(absl::StatusCode::kCancelled,
+                       AllOf(HasSubstr("group llama: grow to 128 blocks: before the commit: the coordinator gives up"),
+                             HasSubstr("no rank changed (prepared ranks rolled back: 0, 1)"))));
+  for (Rank* r : {&r0, &r1}) {
+    KVD_ASSERT_OK_AND_ASSIGN(PoolInfo after, r->client->GetPool(r->mapping->pool()));
+    EXPECT_EQ(after.committed_blocks, 32u);
+    EXPECT_TRUE(after.transaction.empty());
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus device0_after, r0.client->DeviceInfo());
+  EXPECT_EQ(device0_after.committed_bytes, device0.committed_bytes);
+  EXPECT_EQ(r0.mapping->committed_blocks(), 32u);
 }
 
 TEST_F(GroupTest, FindSocketFindsTheKvdOfADeviceByItsUuid) {

@@ -9,7 +9,7 @@ trap 'rm -rf "$dir"' EXIT
 "$bench" --help >"$dir/help"  # not into grep -q: it would close the pipe before the help is written (pipefail)
 grep -q -- "--bytes" "$dir/help"
 grep -q -- "--chunk-sweep" "$dir/help"
-"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --compact-chunks-per-pause=8 --rpc-calls=200 \
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --fragments=4 --compact-grows=4 --compact-chunks-per-pause=8 --rpc-calls=200 --watch-streams=16 \
   --bookkeeping-bytes=256MiB --bookkeeping-pools=16 --json >"$dir/out.json" 2>"$dir/table.txt"
 cat "$dir/table.txt"
 for line in grow attach grow_mapped sleep wake wake_mapped shrink fragmented_grow fragmented_attach compact compact_pause compact_attach \
@@ -35,7 +35,7 @@ want |= {(op, v) for op in lifecycle for v in ("after_release", "after_pause")}
 want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"),
          ("compact", "4_grows"), ("compact_pause", "4_grows"), ("compact_attach", "before_compact"),
          ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
-         ("control_rpc", "idle"), ("control_rpc", "during_grow"),
+         ("control_rpc", "idle"), ("control_rpc", "during_grow"), ("control_rpc", "watch_streams"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause"),

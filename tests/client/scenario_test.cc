@@ -530,6 +530,7 @@ class ScenarioRun {
       options.connect.timeout = absl::Seconds(5);
       options.before_commit = [this] {
         if (kill_before_commit_.has_value()) daemons_.at(*kill_before_commit_)->Kill();
+        return absl::OkStatus();
       };
       KVD_ASSIGN_OR_RETURN(std::unique_ptr<Group> g, Group::Open(step.group_name(), sockets, options));
       o->set_ranks(static_cast<uint32_t>(g->ranks().size()));

@@ -7,7 +7,8 @@ The real daemon on the host backend, the real Python package and the handle chan
 chunk bytes are read and written through the FDs the daemon hands out (mmap of the memfds).
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python:<src>/tests/testing \
-     KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 durability_test.py
+     KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so /usr/bin/python3 durability_test.py
 """
 
 import array
@@ -25,7 +26,7 @@ import time
 import unittest
 
 import kvd
-from kvd._handles import handles_path
+from kvd import handles_path
 from kvd._proto import pb
 from played_manager import PlayedManager
 

@@ -1303,6 +1303,122 @@ TEST_F(KvdDaemonTest, ClosingTheWatchStreamDetachesTheClient) {
               GrpcIs(grpc::StatusCode::NOT_FOUND, "client_id"));
 }
 
+// The threads of process `pid` (its /proc/<pid>/task entries).
+size_t ThreadsOf(pid_t pid) {
+  std::error_code ec;
+  size_t n = 0;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// Note [Watch streams are pushed]: an open Watch stream holds no thread of the daemon, each gets its events
+// as they happen, and the streams of clients that stop reading or hang up hold nothing up.
+TEST_F(KvdDaemonTest, ManyWatchStreamsHoldNoThreadsAndEachGetsItsEvents) {
+  constexpr int kStreams = 200;
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  std::vector<std::string> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    v1::AttachRequest attach;
+    attach.set_pool("kv");
+    attach.set_client_name(absl::StrCat("watcher-", i));
+    v1::AttachResponse attached;
+    ASSERT_THAT(stub().Attach(Ctx(admin()).get(), attach, &attached), GrpcOk());
+    clients.push_back(attached.client_id());
+  }
+  const size_t threads_before = ThreadsOf(daemon_->pid());
+  grpc::CompletionQueue cq;
+  struct Stream {
+    std::unique_ptr<grpc::ClientContext> context;
+    std::unique_ptr<grpc::ClientAsyncReader<v1::PoolEvent>> reader;
+    v1::PoolEvent event;
+  };
+  std::vector<Stream> streams(kStreams);
+  // The tag of the next completion; -1 when none came in time, -2 when it failed.
+  auto next = [&cq] {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(30);
+    if (cq.AsyncNext(&tag, &ok, deadline) != grpc::CompletionQueue::GOT_EVENT) return -1;
+    return ok ? static_cast<int>(reinterpret_cast<intptr_t>(tag)) : -2;
+  };
+  auto tag = [](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(i)); };
+  for (int i = 0; i < kStreams; ++i) {
+    Stream& st = streams[i];
+    st.context = Ctx(admin());
+    v1::WatchRequest watch;
+    watch.set_client_id(clients[i]);
+    st.reader = stub().PrepareAsyncWatch(st.context.get(), watch, &cq);
+    st.reader->StartCall(tag(i));
+  }
+  for (int i = 0; i < kStreams; ++i) ASSERT_GE(next(), 0) << "stream start " << i;
+  // Initial metadata: the daemon sends it once a stream is registered.
+  for (int i = 0; i < kStreams; ++i) streams[i].reader->ReadInitialMetadata(tag(i));
+  for (int i = 0; i < kStreams; ++i) ASSERT_GE(next(), 0) << "initial metadata " << i;
+  const size_t threads_open = ThreadsOf(daemon_->pid());
+  EXPECT_LT(threads_open, threads_before + kStreams / 4)
+      << kStreams << " open streams took " << threads_open - threads_before << " threads";
+
+  // A grow from another session reaches every stream (a client of the grower's own session would get the
+  // lease in the reply instead); half of them read it, the other half have stopped reading.
+  for (int i = 0; i < kStreams; i += 2) streams[i].reader->Read(&streams[i].event, tag(i));
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession grower, HandleSession::Open(daemon_->handles(), "grower"));
+  ASSERT_THAT(Grow(grower.token(), "kv", 128), GrpcOk());
+  std::set<int> told;
+  for (int i = 0; i < kStreams / 2; ++i) {
+    const int read = next();
+    ASSERT_GE(read, 0) << "a read failed or timed out after " << told.size() << " events";
+    EXPECT_EQ(streams[read].event.type(), v1::EVENT_TYPE_CHUNKS_ADDED);
+    told.insert(read);
+  }
+  EXPECT_EQ(told.size(), static_cast<size_t>(kStreams / 2));
+  // Those that read hang up: their clients go, the others' stay.
+  grpc::Status finished[kStreams];
+  for (int i = 0; i < kStreams; i += 2) {
+    streams[i].context->TryCancel();
+    streams[i].reader->Finish(&finished[i], tag(i));
+  }
+  for (int i = 0; i < kStreams / 2; ++i) ASSERT_NE(next(), -1);
+  EXPECT_TRUE(WaitFor([&] { return Get("kv").clients_size() == kStreams / 2; })) << Get("kv").clients_size();
+  // The daemon stops with the other half open: it tells them (DAEMON_RESTARTING), ends every stream (OK)
+  // and exits cleanly. (They read meanwhile: what a client reads after the daemon is gone is up to its gRPC.)
+  std::map<int, std::vector<v1::EventType>> types;
+  std::set<int> finishing;
+  for (int i = 1; i < kStreams; i += 2) streams[i].reader->Read(&streams[i].event, tag(i));
+  std::future<absl::StatusOr<int>> stopped = std::async(std::launch::async, [&] { return daemon_->Stop(SIGTERM); });
+  for (int open = kStreams / 2; open > 0;) {
+    void* done = nullptr;
+    bool ok = false;
+    ASSERT_EQ(cq.AsyncNext(&done, &ok, std::chrono::system_clock::now() + std::chrono::seconds(30)),
+              grpc::CompletionQueue::GOT_EVENT);
+    const int i = static_cast<int>(reinterpret_cast<intptr_t>(done));
+    if (finishing.contains(i)) {
+      --open;
+    } else if (ok) {
+      types[i].push_back(streams[i].event.type());
+      streams[i].reader->Read(&streams[i].event, tag(i));
+    } else {  // the stream ended: its status
+      finishing.insert(i);
+      streams[i].reader->Finish(&finished[i], tag(i));
+    }
+  }
+  const absl::StatusOr<int> status = stopped.get();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
+  for (int i = 1; i < kStreams; i += 2) {
+    EXPECT_THAT(types[i], ::testing::ElementsAre(v1::EVENT_TYPE_CHUNKS_ADDED, v1::EVENT_TYPE_DAEMON_RESTARTING))
+        << "stream " << i;
+    EXPECT_THAT(finished[i], GrpcOk()) << "stream " << i;
+  }
+  cq.Shutdown();
+  void* drained;
+  bool ok;
+  while (cq.Next(&drained, &ok)) {
+  }
+}
+
 TEST_F(KvdDaemonTest, ForcedDeleteTellsWatchersThePoolIsGone) {
   ASSERT_THAT(Create("kv", 64), GrpcOk());
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
@@ -2003,6 +2119,21 @@ TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
                                                                             Buffer("\xff\xff\xff"), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
+  // The server-streaming Watch, which runs on gRPC's callback API: the same answer.
+  const grpc::internal::RpcMethod watch("/kvd.v1.Kvd/Watch", grpc::internal::RpcMethod::SERVER_STREAMING);
+  auto ctx = Ctx(admin());
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(daemon_->channel().get(), watch, ctx.get(),
+                                                                    Buffer(LengthDelimited(1, "c\xff"))));
+  grpc::ByteBuffer event;
+  EXPECT_FALSE(stream->Read(&event));
+  EXPECT_THAT(stream->Finish(), GrpcIs(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "request: the /kvd.v1.Kvd/Watch request is not a valid kvd.v1.WatchRequest"));
+  // An unknown method is still gRPC's own UNIMPLEMENTED.
+  const grpc::internal::RpcMethod unknown("/kvd.v1.Kvd/NoSuchMethod", grpc::internal::RpcMethod::NORMAL_RPC);
+  s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), unknown,
+                                                                            Ctx().get(), Buffer(""), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED) << s.error_message();
   EXPECT_EQ(DeviceInfo().backend(), v1::BACKEND_HOST);
 }
 

@@ -91,6 +91,47 @@ std::string Line(const grpc::Status& s) {
   return Line(absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message()));
 }
 
+// The LimitExceeded of a refusal's status details (a kvd.v1.RpcStatus whose code and message are the
+// status's own); nullopt when there is none.
+std::optional<v1::LimitExceeded> RefusalOf(const grpc::Status& s) {
+  v1::RpcStatus rich;
+  if (s.error_details().empty() || !rich.ParseFromString(s.error_details())) return std::nullopt;
+  EXPECT_EQ(rich.code(), static_cast<int>(s.error_code()));
+  EXPECT_EQ(rich.message(), s.error_message());
+  v1::LimitExceeded refusal;
+  if (rich.details_size() != 1 || !rich.details(0).UnpackTo(&refusal)) return std::nullopt;
+  return refusal;
+}
+
+// "limit uid allowed used asked", to compare in one line.
+std::string Numbers(const std::optional<v1::LimitExceeded>& r) {
+  return r.has_value() ? absl::StrCat(r->limit(), " uid ", r->uid(), ": ", r->allowed(), " allowed, ", r->used(),
+                                      " used, ", r->asked(), " asked")
+                       : "no LimitExceeded";
+}
+
+// OpenSession on a raw handle-channel connection: the HandleChannelError of a refusal (empty if it opened).
+v1::HandleChannelError RawOpenSession(const std::string& handles, std::vector<int>* kept) {
+  v1::HandleChannelError error;
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, handles.data(), std::min(handles.size(), sizeof(addr.sun_path) - 1));
+  if (fd < 0 || connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    error.set_message(absl::StrCat("connect: ", std::strerror(errno)));
+    return error;
+  }
+  kept->push_back(fd);
+  v1::HandleChannelRequest request;
+  request.mutable_open_session()->set_client_name("raw");
+  const std::string bytes = request.SerializeAsString();
+  char reply[4096];
+  const ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0 ? -1 : recv(fd, reply, sizeof(reply), 0);
+  v1::HandleChannelReply parsed;
+  if (n <= 0 || !parsed.ParseFromArray(reply, static_cast<int>(n))) error.set_message("no reply");
+  return parsed.has_error() ? parsed.error() : error;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The peer: another uid's client process
 
@@ -344,8 +385,10 @@ TEST_F(LimitsTest, PoolsAreLimitedPerUidAndInTotalAndRootStillGetsIn) {
 
   // Root takes the operator's share, and is bound only by the total.
   ASSERT_TRUE(RootCreate("root1").ok());
-  EXPECT_THAT(Line(RootCreate("root2")),
-              HasSubstr("RESOURCE_EXHAUSTED: pools of all uids: 8 of 8 for uid 0 (--max-pools)"));
+  const grpc::Status refused = RootCreate("root2");
+  EXPECT_THAT(Line(refused), HasSubstr("RESOURCE_EXHAUSTED: pools of all uids: 8 of 8 for uid 0 (--max-pools)"));
+  // The same in numbers, in the status details (docs/api.md, "Errors").
+  EXPECT_EQ(Numbers(RefusalOf(refused)), "max-pools uid 0: 8 allowed, 8 used, 1 asked");
 
   // A burst of attaches and fetches from several threads after the refusals: all served.
   std::vector<std::thread> burst;
@@ -386,7 +429,10 @@ TEST_F(LimitsTest, ReservedAddressSpaceIsLimitedPerUidAndInTotal) {
                                       "--operator-reserve=5%)"));
   // The operator's share is root's.
   EXPECT_TRUE(RootCreate("root1", 6).ok());  // 40 MiB
-  EXPECT_THAT(Line(RootCreate("root2", 1)), HasSubstr("(--max-reserved)"));
+  const grpc::Status refused = RootCreate("root2", 1);
+  EXPECT_THAT(Line(refused), HasSubstr("(--max-reserved)"));
+  EXPECT_EQ(Numbers(RefusalOf(refused)), absl::StrCat("max-reserved uid 0: ", 40 << 20, " allowed, ", 40 << 20,
+                                                      " used, ", 2 << 20, " asked"));
 }
 
 // Sessions: one uid cannot hold every session; root's `kvctl status` still works.
@@ -411,6 +457,17 @@ TEST_F(LimitsTest, SessionsAreLimitedPerUidAndInTotal) {
   // The operator and the liveness probe get in.
   Ran status = Kvctl(0, {"status"});
   EXPECT_EQ(status.code, 0) << status.output;
+  // Root takes the operator's share, the 8th session; the 9th is refused, in words and in numbers.
+  std::vector<int> raw;
+  EXPECT_EQ(RawOpenSession(HandlesOf(kvd_.socket()), &raw).message(), "");
+  const v1::HandleChannelError refused = RawOpenSession(HandlesOf(kvd_.socket()), &raw);
+  EXPECT_EQ(refused.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(refused.message(), "sessions of all uids: 8 of 8 for uid 0 (--max-sessions)");
+  v1::LimitExceeded numbers;
+  ASSERT_EQ(refused.details_size(), 1);
+  ASSERT_TRUE(refused.details(0).UnpackTo(&numbers));
+  EXPECT_EQ(Numbers(numbers), "max-sessions uid 0: 8 allowed, 8 used, 1 asked");
+  for (int fd : raw) close(fd);
   // A tenant's sessions end with its process: its slots are free again.
   a.reset();
   std::unique_ptr<AsUid> d;
@@ -503,8 +560,9 @@ TEST_F(LimitsTest, ClientsPerPoolAreLimitedAndAttachRepliesDoNotListThem) {
   ASSERT_TRUE(stub_->Attach(Ctx(root()).get(), attach, &attached).ok());
   EXPECT_EQ(attached.pool().client_count(), 3u);
   EXPECT_EQ(attached.pool().clients_size(), 0);
-  EXPECT_THAT(Line(stub_->Attach(Ctx(root()).get(), attach, &attached)),
-              HasSubstr("clients of pool shared of all uids: 3 of 3 for uid 0 (--max-clients-per-pool)"));
+  const grpc::Status refused = stub_->Attach(Ctx(root()).get(), attach, &attached);
+  EXPECT_THAT(Line(refused), HasSubstr("clients of pool shared of all uids: 3 of 3 for uid 0 (--max-clients-per-pool)"));
+  EXPECT_EQ(Numbers(RefusalOf(refused)), "max-clients-per-pool uid 0: 3 allowed, 3 used, 1 asked");
   v1::GetPoolRequest get;
   get.set_name("shared");
   v1::Pool pool;
@@ -535,8 +593,9 @@ TEST_F(LimitsTest, BlockIdsPerRequestAreLimited) {
   v1::ZeroBlocksResponse zeroed;
   EXPECT_TRUE(stub_->ZeroBlocks(Ctx(root()).get(), zero, &zeroed).ok());
   zero.add_block_ids(5);
-  EXPECT_EQ(Line(stub_->ZeroBlocks(Ctx(root()).get(), zero, &zeroed)),
-            "RESOURCE_EXHAUSTED: block_ids: 5 in one request, more than 4 (--max-block-ids)");
+  const grpc::Status refused = stub_->ZeroBlocks(Ctx(root()).get(), zero, &zeroed);
+  EXPECT_EQ(Line(refused), "RESOURCE_EXHAUSTED: block_ids: 5 in one request, more than 4 (--max-block-ids)");
+  EXPECT_EQ(Numbers(RefusalOf(refused)), "max-block-ids uid 0: 4 allowed, 0 used, 5 asked");
 
   v1::CopyBlocksRequest copy;
   copy.set_pool("kv");

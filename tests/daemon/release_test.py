@@ -13,6 +13,7 @@ MODE "plain": no hooks at all; the reader reads [0, BLOCKS) for ever, knowing no
 
 Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl \
      PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so \
      /usr/bin/python3 release_test.py -v
 No sleeps as assertions: waits are bounded polls.
 """

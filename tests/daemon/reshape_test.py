@@ -9,7 +9,8 @@ returns at once), "stuck" (on_pause blocks until told otherwise: a client that n
 "plain" (no on_pause: not pausable).
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python:<src>/tests/testing \
-     KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 reshape_test.py -v
+     KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so /usr/bin/python3 reshape_test.py -v
 No sleeps as assertions: waits are bounded polls.
 """
 

@@ -70,7 +70,6 @@ Daemon& TheDaemon() {
                                                                       .daemon_uid = static_cast<uint32_t>(getuid())});
     d->service = std::make_unique<KvdService>(d->manager.get(),
                                               KvdService::Options{.granularity = d->device->granularity(),
-                                                                  .watch_poll = absl::Milliseconds(1),
                                                                   .default_release_wait = absl::Milliseconds(1)});
     grpc::ServerBuilder builder;
     builder.RegisterService(d->service.get());

@@ -15,10 +15,16 @@ for p in "${keep[@]}"; do
   [[ -n $found ]] || { echo "bundle.sh: $p is not built in $build" >&2; exit 1; }
   cp -p "$found" "$stage/"
 done
+# The C API's library, whose dependencies (gRPC, protobuf, Abseil) device-bundle gathers into lib/ with the
+# programs': the Python package below carries its own copy, which finds them on LD_LIBRARY_PATH (env.sh).
+[[ -f $build/client/libkvd_c.so ]] || { echo "bundle.sh: libkvd_c.so is not built in $build" >&2; exit 1; }
+cp -L "$build/client/libkvd_c.so" "$stage/libkvd_c.so.1"
 "$root/../shared/tools/device-bundle" "$stage" "$dest" "$root/tests/gpu/run_gpu.sh" >/dev/null
-# The Python package (assembled by the kvd_python target) and its GPU check, for the Python step.
+# The Python package (assembled by the kvd_python target, with its native library kvd/libkvd_c.so) and its
+# GPU check, for the Python step.
 if [[ -d $build/client/python/package ]]; then
-  cp -a "$build/client/python/package" "$dest/python"
+  mkdir -p "$dest/python"  # what the package is (a pip install leaves its build/ behind in it)
+  cp -a "$build/client/python/package/"{kvd,kvd_vllm,examples,pyproject.toml} "$dest/python/"
   cp "$root/tests/client/python/kvd_cuda_check.py" "$dest/"
 fi
 # The durable, restart, reshape, release and engines steps: their drivers and the helpers they import.
@@ -26,5 +32,5 @@ cp "$root/tests/testing/played_manager.py" "$root/tests/testing/line_peer.py" "$
   "$root/tests/gpu/restart_torch.py" "$root/tests/gpu/reshape_torch.py" "$root/tests/gpu/release_torch.py" \
   "$root/tests/gpu/engines_torch.py" "$root/tests/gpu/engines_transformers.py" "$root/tests/gpu/arbitrate_torch.py" \
   "$dest/"
-strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* 2>/dev/null || true
+strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* "$dest"/python/kvd/*.so 2>/dev/null || true
 echo "bundle.sh: $(ls "$dest/bin" | wc -l) programs, $(ls "$dest/lib" | wc -l) libraries, $(du -sh "$dest" | cut -f1) in $dest"

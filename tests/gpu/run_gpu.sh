@@ -151,7 +151,7 @@ step_python() {
   daemon=$!
   for _ in $(seq 300); do [[ -S $dir/gpu0.handles ]] && break; sleep 0.1; done
   export KVD_SOCKET=$dir/gpu0.sock PYTHONPATH=$bundle/python
-  python3 -c 'import sys, grpc, torch; print("python", sys.version.split()[0], "grpc", grpc.__version__, "torch", torch.__version__)'
+  python3 -c 'import sys, torch, kvd, kvd._lib as l; print("python", sys.version.split()[0], "torch", torch.__version__, "kvd C API", l.lib.kvd_api_version(), "from", l.lib._name)'
   run engine_worker timeout "$(left)" python3 "$bundle/python/examples/engine_worker.py" --layers 32
   run cuda_check timeout "$(left)" python3 "$bundle/kvd_cuda_check.py"
   # Tensor-parallel ranks as one group, torch views on CUDA: two more kvds (both on GPU 0 on a

@@ -1,9 +1,13 @@
 #include "kvd/fd_passing.h"
 
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -81,6 +85,49 @@ TEST_F(FdPassingTest, ALongPayloadIsNotTruncatedSilently) {
   EXPECT_THAT(ReceiveWithFds(d[1], 100), StatusIs(absl::StatusCode::kDataLoss, ::testing::_));
   close(d[0]);
   close(d[1]);
+}
+
+TEST_F(FdPassingTest, ReceiveMessageOwnsTheFdsOfATruncatedPacket) {
+  int d[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, d), 0);
+  int p[2];
+  ASSERT_EQ(pipe(p), 0);
+  const MessageIo sent = SendMessage(d[0], "a packet longer than the buffer", {p[0]}, 0);
+  ASSERT_EQ(sent.error, 0);
+  EXPECT_EQ(sent.bytes, 31u);
+  close(p[0]);
+  char buffer[4];
+  std::vector<UniqueFd> fds;
+  const MessageIo got = ReceiveMessage(d[1], absl::MakeSpan(buffer), 0, &fds);
+  EXPECT_EQ(got.error, 0);
+  EXPECT_EQ(got.bytes, 4u);
+  EXPECT_NE(got.flags & MSG_TRUNC, 0);
+  ASSERT_EQ(fds.size(), 1u);
+  EXPECT_EQ(Inode(fds[0].get()), Inode(p[1]));
+  EXPECT_NE(fcntl(fds[0].get(), F_GETFD) & FD_CLOEXEC, 0);
+  fds.clear();
+  // The pipe's last read end is closed now: writing to it breaks.
+  signal(SIGPIPE, SIG_IGN);
+  EXPECT_EQ(write(p[1], "x", 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  close(p[1]);
+  close(d[0]);
+  close(d[1]);
+}
+
+TEST_F(FdPassingTest, SendMessageWithDontWaitSaysWhenTheQueueIsFull) {
+  int d[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, d), 0);
+  const std::string packet(4096, 'k');
+  MessageIo io;
+  for (int i = 0; i < 100000 && io.error == 0; ++i) io = SendMessage(d[0], packet, {}, MSG_DONTWAIT);
+  EXPECT_EQ(io.error, EAGAIN);
+  std::vector<UniqueFd> fds;
+  char buffer[8];
+  EXPECT_EQ(ReceiveMessage(d[1], absl::MakeSpan(buffer), MSG_DONTWAIT, &fds).error, 0);
+  close(d[1]);  // with packets unread: the peer's next send is ECONNRESET, else EPIPE
+  EXPECT_THAT(SendMessage(d[0], packet, {}, MSG_DONTWAIT).error, ::testing::AnyOf(EPIPE, ECONNRESET));
+  close(d[0]);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // libkvd: the C++ client of a kvd daemon (docs/api.md, docs/integrating.md). An engine connects to the
 // daemon of its GPU, creates or finds a pool, attaches it and gets a Mapping: the pool's memory mapped
 // at one base address in this process, kept in step with the daemon's chunk table by a background
-// follower thread (grow, shrink, sleep, wake, delete).
+// follower thread (grow, shrink, sleep, wake, delete). Other languages use this library through its C API,
+// kvd/kvd.h (docs/c_api.md); the Python package is a binding of it.
 //
 // Ownership. Client::Connect returns the only owner of a Client; a Mapping keeps what it needs of its
 // Client alive, so either may be destroyed first. The Mapping owns the imported chunks, their mappings,
@@ -29,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,7 +58,9 @@ std::string HandlesPathFor(absl::string_view socket);
 // a unique case-insensitive prefix of one ("GPU-" may be left out) — among NodeSockets(directory).
 // Processes number GPUs differently (CUDA_VISIBLE_DEVICES), so an engine finds its kvd by its GPU's
 // UUID. NOT_FOUND naming the daemons and devices seen; INVALID_ARGUMENT when the prefix is ambiguous.
-[[nodiscard]] absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory = {});
+// `timeout`: the deadline of each daemon's answer (ConnectOptions::timeout).
+[[nodiscard]] absl::StatusOr<std::string> FindSocket(absl::string_view device_uuid, absl::string_view directory = {},
+                                                     absl::Duration timeout = absl::Seconds(30));
 
 struct ConnectOptions {
   // The daemon's gRPC socket. Empty: $KVD_SOCKET, else DefaultSocket(device).
@@ -607,8 +611,27 @@ class Mapping {
   // reply, or an event): blocks below it are mapped once the follower handled every event.
   uint64_t committed_blocks() const;
   State state() const;
+  // The pool's state as this Mapping last knew it (kAwake or kSleeping), also once it is lost.
+  State pool_state() const;
   // The chunks mapped now, by offset.
   std::vector<ChunkInfo> chunks() const;
+
+  // The device of this process the chunks are mapped with (AttachOptions::device, else the daemon's).
+  struct MappedDevice {
+    std::string backend;  // "host", "cuda", "hip"
+    int index = 0;        // as this process numbers its devices (CUDA_VISIBLE_DEVICES counts)
+    std::string uuid;
+  };
+  const MappedDevice& device() const;
+
+  // What the follower did so far: every event it read from the daemon, the PAUSEs whose new chunks it
+  // imported, and the RESUMEs it acted on (applied or not).
+  struct Counts {
+    uint64_t events = 0;
+    uint64_t pauses = 0;
+    uint64_t resumes = 0;
+  };
+  Counts counts() const;
 
   struct Impl;
 
@@ -712,6 +735,14 @@ class Client {
   // UNIMPLEMENTED where the daemon's device has no range export (kvctl caps says why).
   [[nodiscard]] absl::StatusOr<RangeExport> ExportRanges(const Mapping& mapping,
                                                          const std::vector<ByteRange>& ranges = {});
+  // The same for the attached client `client_id` of this Client's session (Mapping::client_id()).
+  [[nodiscard]] absl::StatusOr<RangeExport> ExportRanges(absl::string_view client_id,
+                                                         const std::vector<ByteRange>& ranges = {});
+
+  // Zeroes blocks of the pool on the device, and copies blocks (src -> dst) inside it: INVALID_ARGUMENT
+  // naming the entry for an uncommitted block, an overlap or a repeated destination (docs/api.md).
+  [[nodiscard]] absl::Status ZeroBlocks(absl::string_view pool, const std::vector<uint64_t>& block_ids);
+  [[nodiscard]] absl::Status CopyBlocks(absl::string_view pool, const std::vector<BlockMove>& copies);
 
   // Two phases of one group operation on this daemon (kvd::Group drives them on every rank).
   // `target_blocks` is for grow and shrink; `ttl` how long the daemon holds the pool before it aborts.
@@ -724,6 +755,26 @@ class Client {
   [[nodiscard]] absl::StatusOr<PoolChange> Commit(absl::string_view transaction, bool wait);
   // Returns the prepared bytes given back.
   [[nodiscard]] absl::StatusOr<uint64_t> Abort(absl::string_view transaction);
+
+  // The protocol underneath, for tools and language bindings (the C API, kvd/kvd.h) — engines use the
+  // methods above. CallMethod makes one unary RPC of kvd.v1.Kvd by its name ("GetPool"), the request and
+  // the reply serialized kvd.v1 messages, on this Client's session as every method (re-opened after a
+  // daemon restart; UNAVAILABLE with the retry hint while it is away); nothing else happens (an Attach so
+  // made maps nothing). `timeout` zero: ConnectOptions::timeout. INVALID_ARGUMENT for a name that is not
+  // a unary RPC of kvd.v1.Kvd or a request that is not its request message.
+  [[nodiscard]] absl::StatusOr<std::string> CallMethod(absl::string_view method, absl::string_view request,
+                                                       absl::Duration timeout = absl::ZeroDuration());
+  // Redeems a lease (AttachResponse.lease, ...) on the handle channel of this Client's session: (chunk id,
+  // FD) in the lease's order. The FDs are the caller's.
+  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> FetchLease(absl::string_view lease_token);
+  // The handle-channel session the next call uses (docs/api.md, "Identity"): a new one after a daemon
+  // restart. UNAVAILABLE while the daemon is away.
+  struct Session {
+    std::string token;  // the kvd-session metadata of every call
+    uint32_t uid = 0;   // the peer identity the daemon saw
+    int32_t pid = 0;
+  };
+  [[nodiscard]] absl::StatusOr<Session> CurrentSession();
 
   struct Impl;
 

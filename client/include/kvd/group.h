@@ -32,9 +32,9 @@ struct GroupOptions {
   ConnectOptions connect;
   // How long each daemon holds a prepared pool before it aborts on its own.
   absl::Duration ttl = absl::Seconds(30);
-  // Runs after every rank prepared and before the first commit (tests use it to fail a daemon
-  // between the phases).
-  std::function<void()> before_commit;
+  // Runs after every rank prepared and before the first commit (tests use it to fail a daemon between
+  // the phases). A failure aborts every rank (no rank changes) and is the operation's error.
+  std::function<absl::Status()> before_commit;
 };
 
 // One rank as found on its daemon.
@@ -89,8 +89,7 @@ class Group {
   };
   Group(std::string name, GroupOptions options, std::vector<Member> members)
       : name_(std::move(name)), options_(std::move(options)), members_(std::move(members)) {}
-  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false,
-                                  bool keep = false);
+  absl::StatusOr<GroupChange> Run(GroupOp op, uint64_t target_blocks, bool wait, bool force = false, bool keep = false);
 
   const std::string name_;
   const GroupOptions options_;

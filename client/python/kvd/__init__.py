@@ -18,15 +18,18 @@ Engine groups: a coordinator resizes every rank's pool (one per daemon) or none,
 
 Peer access: a process on another device of the node maps a pool once it is granted:
 c.grant_peer_access("kv", uuid_of_gpu1), then c.attach("kv", device=1) from that process.
+
+The package is a binding of libkvd (its C API, libkvd_c.so, loaded with ctypes): every client behaviour is
+libkvd's, and the replies are the daemon's kvd.v1 messages (kvd.v1_pb2).
 """
 
 from ._errors import KvdError
 from ._proto import pb as v1_pb2  # noqa: F401  (the generated messages, for callers that need them)
 from ._client import (ByteRange, Client, CudaArray, DaemonRestart, Geometry, GroupMembership, Mapping, ReclaimRequest,
-                      connect, default_socket, layout_rule_name)
+                      connect, default_socket, handles_path, layout_rule_name)
 from ._group import Group, GroupChange, GroupRank, find_socket, node_sockets
 
-__all__ = ["connect", "default_socket", "Client", "Mapping", "DaemonRestart", "ByteRange", "Geometry", "CudaArray", "KvdError",
-           "ReclaimRequest",
-           "v1_pb2", "GroupMembership", "Group", "GroupRank", "GroupChange", "node_sockets", "find_socket", "layout_rule_name"]
+__all__ = ["connect", "default_socket", "handles_path", "Client", "Mapping", "DaemonRestart", "ByteRange",
+           "Geometry", "CudaArray", "KvdError", "ReclaimRequest", "v1_pb2", "GroupMembership", "Group", "GroupRank",
+           "GroupChange", "node_sockets", "find_socket", "layout_rule_name"]
 __version__ = "0.1.0"

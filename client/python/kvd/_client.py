@@ -1,18 +1,24 @@
-"""kvd.connect() / Client / Mapping: the Python client of a kvd daemon (one daemon, one device)."""
+"""kvd.connect() / Client / Mapping: a kvd daemon's client (one daemon, one device), through libkvd's C API.
 
+Everything a Client and a Mapping do is libkvd's (docs/integrating.md); this module turns Python arguments
+into the C API's, the replies into kvd.v1 messages, and the Mapping into numpy or __cuda_array_interface__
+views.
+"""
+
+import atexit
 import collections
+import ctypes
 import dataclasses
 import logging
 import os
 import threading
 import time
+import weakref
 
-import grpc
-
-from . import _memory, _wire
+from . import _lib
 from ._errors import KvdError
-from ._handles import HandleSession, handles_path
-from ._proto import pb, pb_grpc
+from ._lib import call, lib, reply, text, us
+from ._proto import pb
 
 _log = logging.getLogger("kvd")
 
@@ -20,12 +26,13 @@ _DTYPES = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
 
 
 def default_socket(device=0):
-    """$KVD_SOCKET, else /run/kvd/gpu<device>.sock (_wire.socket_from_environment)."""
-    return _wire.socket_from_environment(device)
+    """$KVD_SOCKET, else /run/kvd/gpu<device>.sock: the socket connect() uses (libkvd's)."""
+    return _lib.take_string(lib.kvd_default_socket(int(device)))
 
 
-# The hint a call made while the daemon is away carries (docs/integrating.md, "When kvd restarts").
-RETRY_HINT = "retry in 1s"
+def handles_path(socket):
+    """The handle channel beside a gRPC socket: X.sock -> X.handles; any other path -> PATH.handles."""
+    return _lib.take_string(lib.kvd_handles_path(text(socket)))
 
 
 def connect(socket=None, device=0, client_name=None, timeout=10.0, reconnect_for=300.0):
@@ -68,9 +75,12 @@ class Geometry:
 
     @classmethod
     def from_proto(cls, g, resolution=None):
-        d = g.dims
-        return cls(layout=g.layout,
-                   rule=layout_rule_name(resolution.rule) if resolution is not None else "",
+        """From a kvd.v1.Geometry (and the kvd.v1.LayoutResolution that says its rule)."""
+        return cls._of(g, g.dims, g.layout, resolution)
+
+    @classmethod
+    def _of(cls, g, d, layout, resolution):
+        return cls(layout=layout, rule=layout_rule_name(resolution.rule) if resolution is not None else "",
                    dims=dict(layers=d.layers, capacity_blocks=d.capacity_blocks, heads=d.heads,
                              block_tokens=d.block_tokens, channels=d.channels, element_bytes=d.element_bytes),
                    strides=(g.stride_l, g.stride_b, g.stride_h, g.stride_n, g.stride_c), offset=g.offset,
@@ -104,7 +114,7 @@ class GroupMembership:
         return pb.GroupMembership(name=self.name, rank=self.rank, size=self.size)
 
 
-# Client.prepare's operations by name.
+# Client.prepare's operations by name (the C API's numbers are kvd.v1.Operation's).
 OPERATIONS = {"grow": pb.OPERATION_GROW, "shrink": pb.OPERATION_SHRINK, "sleep": pb.OPERATION_SLEEP,
               "wake": pb.OPERATION_WAKE}
 
@@ -173,224 +183,215 @@ class ReclaimRequest:
     committed_blocks: int  # the pool's when asked
 
 
-_RECLAIM_ACTIONS = {"none": pb.RECLAIM_ACTION_NONE, "shrink": pb.RECLAIM_ACTION_SHRINK,
-                    "sleep": pb.RECLAIM_ACTION_SLEEP}
+_RECLAIM_ACTIONS = {"none": _lib.RECLAIM_NONE, "shrink": _lib.RECLAIM_SHRINK, "sleep": _lib.RECLAIM_SLEEP}
 
 
-def _reclaim_action(action, field):
-    if action not in _RECLAIM_ACTIONS:
-        raise KvdError("INVALID_ARGUMENT", f"{field}: {action!r} is not one of none, shrink, sleep")
-    return _RECLAIM_ACTIONS[action]
+def _policy_options(priority=None, min_bytes=None, max_bytes=None, reclaim_timeout=None, on_reclaim_timeout=None):
+    """The C API's kvd_policy_options with the fields given (not None); reclaim_timeout in seconds (0: the
+    daemon's --reclaim-timeout), on_reclaim_timeout "none", "shrink" or "sleep"."""
+    if reclaim_timeout is not None and reclaim_timeout < 0:
+        raise KvdError("INVALID_ARGUMENT", f"reclaim_timeout: {reclaim_timeout} s is negative")
+    if on_reclaim_timeout is not None and on_reclaim_timeout not in _RECLAIM_ACTIONS:
+        raise KvdError("INVALID_ARGUMENT", f"on_reclaim_timeout: {on_reclaim_timeout!r} is not one of none, shrink, "
+                       "sleep")
+    o = _lib.Options("policy")
+    if priority is not None:
+        o.set("set_priority", int(priority))
+    if min_bytes is not None:
+        o.set("set_min_bytes", int(min_bytes))
+    if max_bytes is not None:
+        o.set("set_max_bytes", int(max_bytes))
+    if reclaim_timeout is not None:
+        o.set("set_reclaim_timeout_us", us(reclaim_timeout))
+    if on_reclaim_timeout is not None:
+        o.set("set_on_reclaim_timeout", _RECLAIM_ACTIONS[on_reclaim_timeout])
+    return o
 
 
-def _millis(seconds, field):
-    """Seconds as whole milliseconds, rounded up (a positive time never becomes 0, the daemon's default)."""
-    if seconds < 0:
-        raise KvdError("INVALID_ARGUMENT", f"{field}: {seconds} s is negative")
-    return -(-int(round(seconds * 1e6)) // 1000)
-
-
-def _merged(ranges):
-    """ByteRanges (any order) as the fewest contiguous ranges per segment, as the daemon's events have them."""
-    out = []
-    for r in sorted(ranges):
-        if out and out[-1].segment == r.segment and out[-1].offset + out[-1].bytes >= r.offset:
-            last = out[-1]
-            end = max(last.offset + last.bytes, r.offset + r.bytes)
-            out[-1] = ByteRange(last.segment, last.offset, end - last.offset)
-        else:
-            out.append(r)
-    return out
-
-
-def _pause_options(pause_timeout, detach_unresponsive):
-    """-> kvd.v1.PauseOptions; pause_timeout in seconds (None or 0: the daemon's --pause-timeout)."""
-    ms = 0
+def _change_options(wait=False, force=False, whole_chunks_only=False, live_blocks=None, pause_timeout=None,
+                    detach_unresponsive=False, max_chunks_per_pause=0, keep=False):
+    """The C API's kvd_change_options; pause_timeout in seconds (None or 0: the daemon's --pause-timeout)."""
+    o = _lib.Options("change")
+    o.set("set_wait", int(bool(wait))).set("set_force", int(bool(force))).set("set_keep", int(bool(keep)))
+    o.set("set_whole_chunks_only", int(bool(whole_chunks_only)))
+    if live_blocks is not None:
+        o.set("set_live_blocks", *_lib.u64_array(live_blocks))
     if pause_timeout is not None:
         if pause_timeout < 0:
+            o.__exit__()
             raise KvdError("INVALID_ARGUMENT", f"pause_timeout: {pause_timeout} s is negative")
-        # Whole milliseconds, rounded up: a positive timeout never becomes 0 (the daemon's default).
-        ms = -(-int(round(pause_timeout * 1e6)) // 1000)
-    return pb.PauseOptions(timeout_ms=ms, detach_unresponsive=bool(detach_unresponsive))
+        o.set("set_pause_timeout_us", us(pause_timeout))
+    o.set("set_detach_unresponsive", int(bool(detach_unresponsive)))
+    o.set("set_max_chunks_per_pause", int(max_chunks_per_pause))
+    return o
 
 
-def _reshape_call_timeout(client_timeout, pause_timeout):
-    """The deadline of a change that may pause the attached clients (as libkvd's): the daemon waits up to
-    the pause timeout for the PAUSE acknowledgements and again for the RESUME's, then copies."""
-    return max(client_timeout, 65.0, 2 * (pause_timeout or 0) + 65.0)
+class _Handle:
+    """A C API handle that calls use while another thread may close it: close() waits for the calls in
+    progress, and a call after it finds no handle."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._users = 0
+        self._cv = threading.Condition()
+
+    def acquire(self):
+        with self._cv:
+            if self._handle is None:
+                return None
+            self._users += 1
+            return self._handle
+
+    def release(self):
+        with self._cv:
+            self._users -= 1
+            if self._users == 0:
+                self._cv.notify_all()
+
+    def use(self, fn, closed):
+        """fn(handle); closed() when the handle is gone."""
+        h = self.acquire()
+        if h is None:
+            return closed()
+        try:
+            return fn(h)
+        finally:
+            self.release()
+
+    def take(self):
+        """The handle, once no call uses it; None when taken already."""
+        with self._cv:
+            h, self._handle = self._handle, None
+            self._cv.wait_for(lambda: self._users == 0)
+            return h
 
 
-def _steps_call_timeout(client_timeout, pause_timeout):
-    """The deadline of a Compact or an exact Shrink (as libkvd's): they go in as many steps as the chunks per
-    pause and the free memory make, a pause each, so they get 10 minutes at least."""
-    return max(_reshape_call_timeout(client_timeout, pause_timeout), 600.0)
+# What is open, closed when the interpreter exits (before it stops running Python code, which libkvd's
+# threads call back into): every Mapping until it is closed, the Clients and Groups while they live.
+_mappings = set()
+_mappings_lock = threading.Lock()
+_clients = weakref.WeakSet()
+_groups = weakref.WeakSet()
 
 
-_raised_open_file_limit = False
+@atexit.register
+def _close_everything():
+    with _mappings_lock:
+        mappings = list(_mappings)
+    for m in mappings:
+        m.close()
+    for g in list(_groups):
+        g.close()
+    for c in list(_clients):
+        c.close()
 
 
-def _raise_open_file_limit():
-    """A Mapping keeps one FD per mapped chunk (to hand it back after a daemon restart): lift this
-    process's soft open-file limit to its hard limit, once, as libkvd's Client::Connect does."""
-    global _raised_open_file_limit
-    if _raised_open_file_limit:
-        return
-    _raised_open_file_limit = True
-    try:
-        import resource  # noqa: PLC0415
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, OSError, ValueError):
-        pass  # best effort: the limit stays as it was
+class Session:
+    """A Client's handle-channel session as it is now (a new one after a daemon restart): its token (the
+    kvd-session metadata of every call), the uid and pid the daemon saw, and lease redemption."""
 
+    def __init__(self, client, token, uid, pid):
+        self._client, self.token, self.uid, self.pid = client, token, uid, pid
 
-class _Connection:
-    """One session with the daemon: the handle-channel session and a gRPC channel opened with it (as
-    libkvd's Client::Impl::Connection). A restarted daemon knows none of the old sessions, so both are
-    replaced together."""
-
-    def __init__(self, socket, client_name, timeout):
-        self.session = HandleSession(handles_path(socket), client_name, timeout=timeout)
-        # A subchannel of its own: gRPC's global pool would hand a new channel the old daemon's broken
-        # connection (or its reconnect backoff).
-        self.channel = grpc.insecure_channel("unix:" + socket, options=[("grpc.use_local_subchannel_pool", 1)])
-        self.stub = pb_grpc.KvdStub(self.channel)
-        self.md = ((_wire.SESSION_METADATA_KEY, self.session.token),)
-
-
-class _Fatal(Exception):
-    """A reconnect attempt that retrying cannot fix: the Mapping is lost with `error`."""
-
-    def __init__(self, error):
-        super().__init__(str(error))
-        self.error = error
+    def fetch(self, lease_token, timeout=None):
+        """Redeems a lease on the Client's session -> [(chunk_id, fd), ...]; the caller owns the FDs."""
+        del timeout  # the Client's
+        return self._client._fetch_lease(lease_token)
 
 
 class Client:
-    """A session with one kvd daemon: a gRPC channel on the control socket plus the handle-channel
-    session (kept open as the session's liveness). Use as a context manager or call close().
+    """A session with one kvd daemon (libkvd's Client). Use as a context manager or call close().
 
     While the daemon is away every call fails at once with KvdError UNAVAILABLE "kvd at SOCKET is not
     answering (restarting?): retry in 1s: ..."; the first call once it is back opens a new session
     (the token changes). Mappings reconnect on their own for `reconnect_for` seconds (see attach)."""
 
     def __init__(self, socket, client_name=None, timeout=10.0, reconnect_for=300.0):
-        self.socket = socket
         self.timeout = timeout
         self.reconnect_for = reconnect_for
         name = client_name if client_name is not None else f"py-{os.getpid()}"
         self.client_name = name
-        _raise_open_file_limit()
-        self._conn = _Connection(socket, name, timeout)
-        self._reopen_lock = threading.Lock()
+        handle = ctypes.c_void_p()
+        with _lib.Options("connect") as o:
+            o.set("set_socket", text(socket)).set("set_client_name", text(name))
+            o.set("set_timeout_us", us(timeout)).set("set_reconnect_for_us", us(reconnect_for))
+            call(lib.kvd_connect, o.handle, ctypes.byref(handle))
+        self.socket = lib.kvd_client_socket(handle).decode()
+        self._h = _Handle(handle.value)
         self._lock = threading.Lock()
         self._mappings = {}  # pool name -> Mapping (at most one per pool: see attach)
-        self._memories = {}  # local device index -> its mapper, opened on first use
-        self._info = None
+        _clients.add(self)
+        # An unclosed Client that is collected still ends its session, as a closed one does.
+        self._finalizer = weakref.finalize(self, lib.kvd_client_close, handle.value)
+        self._finalizer.atexit = False  # _close_everything closes it
 
     # -- plumbing -------------------------------------------------------------------------------
+    def _c(self, fn, *args):
+        """fn(handle, *args) on the open client; FAILED_PRECONDITION once closed."""
+        def closed():
+            raise KvdError("FAILED_PRECONDITION", f"the client of kvd at {self.socket} is closed")
+        return self._h.use(lambda h: fn(h, *args), closed)
+
+    def _reply(self, message_type, fn, *args):
+        return self._c(lambda h: reply(message_type, fn, h, *args))
+
+    def _call(self, method, request, timeout=None):
+        """One RPC of kvd.v1.Kvd by name on this Client's session, and nothing more (an Attach maps
+        nothing) -> its reply message. timeout: seconds (None: the Client's)."""
+        desc = pb.DESCRIPTOR.services_by_name["Kvd"].methods_by_name.get(method)
+        data = request.SerializeToString()
+        args = (lib.kvd_client_call, text(method), data, len(data), us(timeout) if timeout is not None else 0)
+        if desc is None:  # libkvd says why
+            self._c(lambda h: call(args[0], h, *args[1:], None))
+        return self._reply(getattr(pb, desc.output_type.name), *args)
+
     @property
     def session(self):
         """The current handle-channel session (a new one after a daemon restart)."""
-        return self._conn.session
+        token, uid, pid = ctypes.c_void_p(), ctypes.c_uint32(), ctypes.c_int32()
+        self._c(lambda h: call(lib.kvd_client_session, h, ctypes.byref(token), ctypes.byref(uid), ctypes.byref(pid)))
+        return Session(self, _lib.take_string(token), uid.value, pid.value)
 
-    @property
-    def stub(self):
-        return self._conn.stub
-
-    def _not_answering(self, err):
-        if err.code != "UNAVAILABLE":
-            return err
-        return KvdError("UNAVAILABLE", f"kvd at {self.socket} is not answering (restarting?): {RETRY_HINT}: "
-                        f"{err.message}")
-
-    def _live(self):
-        """The current connection while its session is up; else a new one (the daemon restarted).
-        Raises UNAVAILABLE with the retry hint while no daemon answers."""
-        c = self._conn
-        if c.session.alive():
-            return c
-        with self._reopen_lock:
-            c = self._conn
-            if c.session.alive():
-                return c  # another thread re-opened it meanwhile
-            try:
-                fresh = _Connection(self.socket, self.client_name, self.timeout)
-            except KvdError as e:
-                raise self._not_answering(e) from None
-            self._conn = fresh
-        c.session.close()  # its daemon is gone; its channel closes with the last user
-        return fresh
-
-    def _call(self, method, request, session=True, timeout=None, conn=None):
-        """One RPC on `conn` (default: a live connection, re-opened after a restart). wait_for_ready
-        stays off: a call to a daemon that is away fails at once."""
-        c = conn if conn is not None else self._live()
+    def _fetch_lease(self, lease_token):
+        ids, fds, n = ctypes.POINTER(ctypes.c_uint64)(), ctypes.POINTER(ctypes.c_int)(), ctypes.c_size_t()
+        self._c(lambda h: call(lib.kvd_client_fetch_lease, h, text(lease_token), ctypes.byref(ids), ctypes.byref(fds),
+                               ctypes.byref(n)))
         try:
-            return getattr(c.stub, method)(request, metadata=c.md if session else None,
-                                           timeout=timeout if timeout is not None else self.timeout)
-        except grpc.RpcError as e:
-            err = KvdError.from_rpc(e)
-            # The daemon's own UNAVAILABLE (a RECOVERING pool) leaves the session up; a daemon that went
-            # away closed it.
-            if err.code == "UNAVAILABLE" and not c.session.alive():
-                err = self._not_answering(err)
-            raise err from None
-
-    def _memory_backend(self, device=None):
-        """The mapper for the local device `device` (None: the daemon's) -> (memory, peer_uuid);
-        peer_uuid is the local device's UUID when it is not the daemon's (the AttachRequest's
-        device_uuid), else ""."""
-        info = self.device_info()  # fresh: the daemon may have restarted on another device
-        local = _memory.resolve_device(info, pb, device)
-        peer_uuid = ""
-        if (device is not None or info.device_uuid) and not _memory.same_device(local.uuid, info.device_uuid):
-            # Peer access: this process maps memory of the daemon's device with access for its own.
-            _memory.check_peer_access(info, pb, local)
-            peer_uuid = local.uuid
-        with self._lock:
-            self._info = info
-            memory = self._memories.get(local.index)
-            if memory is None:
-                memory = self._memories[local.index] = _memory.memory_for(info, pb, local)
-        return memory, peer_uuid
+            return [(ids[i], fds[i]) for i in range(n.value)]
+        finally:
+            lib.kvd_free(ids)
+            lib.kvd_free(fds)
 
     # -- device and pools -----------------------------------------------------------------------
     def device_info(self):
         """GetDeviceInfo -> kvd.v1.DeviceInfo (backend, free_bytes, budget_bytes, ...)."""
-        return self._call("GetDeviceInfo", pb.GetDeviceInfoRequest(), session=False)
+        return self._reply(pb.DeviceInfo, lib.kvd_client_device_info)
 
     def pools(self):
         """ListPools -> [kvd.v1.Pool] (only pools this uid may use), every page of it, by name."""
-        out, token = [], ""
-        while True:
-            reply = self._call("ListPools", pb.ListPoolsRequest(page_token=token))
-            out.extend(reply.pools)
-            token = reply.next_page_token
-            if not token:
-                return out
+        return list(self._reply(pb.ListPoolsResponse, lib.kvd_client_list_pools).pools)
 
     def pool(self, name):
         """GetPool -> kvd.v1.Pool."""
-        return self._call("GetPool", pb.GetPoolRequest(name=name))
+        return self._reply(pb.Pool, lib.kvd_client_get_pool, text(name))
 
     @staticmethod
-    def _layout_request(override=None, backend_requirements=None, connector_preferences=(), env_layout=None):
-        req = pb.LayoutRequest()
+    def _pool_options(o, layers=0, capacity_blocks=0, heads=0, block_tokens=0, channels=0, element_bytes=0,
+                      dims=True, override=None, backend_requirements=None, connector_preferences=(), env_layout=None):
+        if dims:
+            o.set("set_dims", ctypes.byref(_lib.Dims(layers, capacity_blocks, heads, block_tokens, channels,
+                                                     element_bytes)))
         if override:
-            req.override_layout = override
+            o.set("set_override_layout", text(override))
         for backend, layouts in (backend_requirements or {}).items():
-            req.backend_requirements.add(backend=backend, layouts=[layouts] if isinstance(layouts, str) else layouts)
+            layouts = [layouts] if isinstance(layouts, str) else list(layouts)
+            o.set("add_backend_requirement", text(backend), (ctypes.c_char_p * max(len(layouts), 1))(
+                *[text(x) for x in layouts]), len(layouts))
         for connector, layout in connector_preferences or ():
-            req.connector_preferences.add(connector=connector, layout=layout)
-        req.env_layout = os.environ.get(_wire.LAYOUT_ENV, "") if env_layout is None else env_layout
-        return req
-
-    @staticmethod
-    def _dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes):
-        return pb.PoolDims(layers=layers, capacity_blocks=capacity_blocks, heads=heads, block_tokens=block_tokens,
-                           channels=channels, element_bytes=element_bytes)
+            o.set("add_connector_preference", text(connector), text(layout))
+        if env_layout is not None:  # None: libkvd forwards this process's $KVD_KV_CACHE_LAYOUT
+            o.set("set_env_layout", text(env_layout))
+        return o
 
     def create_pool(self, name, layers, capacity_blocks, heads, block_tokens, channels, element_bytes,
                     initial_blocks=0, override=None, backend_requirements=None, connector_preferences=(),
@@ -403,35 +404,38 @@ class Client:
         The returned Pool says both back (pool.group, pool.peer_devices), and pool.transaction while a
         group operation holds it. priority, min_bytes, max_bytes, reclaim_timeout (seconds; 0: the daemon's)
         and on_reclaim_timeout ("none", "shrink", "sleep"): the pool's policy (set_policy)."""
-        req = pb.CreatePoolRequest(
-            name=name, dims=self._dims(layers, capacity_blocks, heads, block_tokens, channels, element_bytes),
-            initial_blocks=initial_blocks,
-            layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout),
-            allowed_uids=list(allowed_uids), peer_devices=list(peer_devices),
-            policy=pb.PoolPolicy(priority=priority, min_bytes=min_bytes, max_bytes=max_bytes,
-                                 reclaim_timeout_ms=_millis(reclaim_timeout, "reclaim_timeout"),
-                                 on_reclaim_timeout=_reclaim_action(on_reclaim_timeout, "on_reclaim_timeout")))
-        if group is not None:
-            req.group.CopyFrom(GroupMembership.of(group).to_proto())
-        return self._call("CreatePool", req)
+        with _policy_options(priority, min_bytes, max_bytes, reclaim_timeout, on_reclaim_timeout) as policy, \
+                _lib.Options("pool", text(name)) as o:
+            o.set("set_policy", policy.handle)
+            self._pool_options(o, layers, capacity_blocks, heads, block_tokens, channels, element_bytes,
+                               override=override, backend_requirements=backend_requirements,
+                               connector_preferences=connector_preferences, env_layout=env_layout)
+            o.set("set_initial_blocks", int(initial_blocks))
+            for uid in allowed_uids:
+                o.set("add_allowed_uid", int(uid))
+            if group is not None:
+                g = GroupMembership.of(group)
+                o.set("set_group", text(g.name), g.rank, g.size)
+            for device in peer_devices:
+                o.set("add_peer_device", text(device))
+            return self._reply(pb.Pool, lib.kvd_client_create_pool, o.handle)
 
     def resolve_layout(self, override=None, backend_requirements=None, connector_preferences=(), env_layout=None,
                        dims=None):
         """ResolveLayout (dry run) -> kvd.v1.ResolveLayoutResponse; dims: a dict of PoolDims fields."""
-        req = pb.ResolveLayoutRequest(
-            layout_request=self._layout_request(override, backend_requirements, connector_preferences, env_layout))
-        if dims:
-            req.dims.CopyFrom(pb.PoolDims(**dims))
-        return self._call("ResolveLayout", req, session=False)
+        with _lib.Options("pool", None) as o:
+            self._pool_options(o, **(dims or {}), dims=bool(dims), override=override,
+                               backend_requirements=backend_requirements, connector_preferences=connector_preferences,
+                               env_layout=env_layout)
+            return self._reply(pb.ResolveLayoutResponse, lib.kvd_client_resolve_layout, o.handle)
 
     def delete(self, name, force=False, pause_timeout=None):
         """DeletePool -> released bytes. force: even with clients attached; those of other sessions are
         paused first when pausable (within pause_timeout seconds, None: the daemon's --pause-timeout; one
         that does not acknowledge is detached), or keep what they map until they close when not
         (docs/api.md, "Releases and running engines")."""
-        req = pb.DeletePoolRequest(name=name, force=force, pause=_pause_options(pause_timeout, False))
-        return self._call("DeletePool", req,
-                          timeout=_reshape_call_timeout(self.timeout, pause_timeout) if force else None).released_bytes
+        with _change_options(force=force, pause_timeout=pause_timeout) as o:
+            return self._reply(pb.DeletePoolResponse, lib.kvd_client_delete_pool, text(name), o.handle).released_bytes
 
     def attach(self, name, on_grow=None, on_release=None, on_lost=None, client_name="", device=None,
                on_restart=None, on_pause=None, on_resume=None, on_reclaim=None):
@@ -445,80 +449,71 @@ class Client:
         grant_peer_access; PERMISSION_DENIED otherwise). The chunks are then mapped with access for
         the local device.
 
-        Callbacks run on the Mapping's follower thread, one at a time, for changes made by OTHER
-        sessions (a grow/wake through this Client maps before returning and calls none), with the
+        Callbacks run on the Mapping's follower thread (libkvd's), one at a time, for changes made by
+        OTHER sessions (a grow/wake through this Client maps before returning and calls none), with the
         arguments libkvd's AttachOptions callbacks get: on_grow(committed_blocks) after new chunks
         are mapped; on_release(committed_blocks) after released chunks are unmapped and
-        acknowledged; on_lost(why), a KvdError, once the Mapping is lost (everything unmapped):
-        NOT_FOUND "pool P was deleted", UNAVAILABLE "kvd is stopping", the event stream's end or
-        error, or a failure to map added chunks or to acknowledge a release (the Mapping then
-        detaches); after a daemon restart also NOT_FOUND "pool P did not survive the restart of kvd
-        ..." or UNAVAILABLE when the daemon was not back within reconnect_for.
+        acknowledged; on_lost(why), a KvdError, once the Mapping is lost: NOT_FOUND "pool P was
+        deleted", UNAVAILABLE "kvd is stopping", the event stream's end or error, or a failure to map
+        added chunks or to acknowledge a release (the Mapping then detaches); after a daemon restart
+        also NOT_FOUND "pool P did not survive the restart of kvd ..." or UNAVAILABLE when the daemon
+        was not back within reconnect_for.
         on_restart(DaemonRestart) once per daemon restart (DAEMON_RESTARTING, or a crash: the stream
         broke with UNAVAILABLE), after the Mapping reconnected: it handed its chunks' FDs back if the
         pool was RECOVERING, attached again (a new client_id), kept every chunk the daemon still has
         (same id, segment, offset, bytes) mapped untouched, unmapped the lost ones, mapped new ones.
         Pauses (docs/api.md, "Pauses and reshaping"): giving on_pause makes the Mapping pausable
         (AttachRequest.pausable), so the daemon may move the pool's bytes into new chunks at the same
-        addresses (an exact shrink, compact) while it is attached. On a PAUSE the follower imports the
+        addresses (an exact shrink, compact) while it is attached, and pauses it before another
+        session's shrink, sleep or forced delete takes memory away. On a PAUSE the follower imports the
         new chunks (without mapping them), calls on_pause(ranges) -- ranges: [kvd.ByteRange(segment,
-        offset, bytes)], the bytes that move; stop every access to the pool (synchronise the streams that
-        use it) and return -- and acknowledges. On the RESUME it unmaps the replaced chunks, maps the new
-        ones at the same addresses, sets committed_blocks and calls on_resume(applied), then acknowledges;
-        applied is False when the change was called off (nothing moved, the imported chunks are dropped).
+        offset, bytes)], the bytes that move or go; stop every access to the pool (synchronise the
+        streams that use it) and return -- and acknowledges. On the RESUME it unmaps the replaced chunks,
+        maps the new ones at the same addresses, sets committed_blocks and calls on_resume(applied), then
+        acknowledges; applied is False when the change was called off (nothing moved).
         Without on_pause the Mapping is not pausable: while it is attached, a shrink that must replace a
-        chunk and compact fail with FAILED_PRECONDITION naming it.
+        chunk and compact fail with FAILED_PRECONDITION naming it, and so do other sessions' releases
+        unless forced (a forced one leaves it everything mapped, lost, until it is closed).
         They must not close the Mapping nor shrink/sleep/compact this pool with wait=True (nor
         shrink/compact it at all from on_pause or on_resume).
         Reclaims (docs/api.md, "Policy, waiting and reclaim"): on_reclaim(kvd.ReclaimRequest) runs on a
-        thread of its own (not the follower) when a waiting grow of higher priority asks this pool for
-        memory, so it may give back right there (drop prefix cache, then shrink_for_reclaim with the live
+        thread of its own (libkvd's, not the follower) when a waiting grow of higher priority asks this pool
+        for memory, so it may give back right there (drop prefix cache, then shrink_for_reclaim with the live
         blocks) and return; raising declines, with its message (decline_reclaim), and the pool's
-        on_reclaim_timeout policy applies at once. Without it the event is ignored.
+        on_reclaim_timeout policy applies at once. Without it the event is ignored. close() waits for it.
         One Mapping per pool per Client: the daemon hands the caller's lease to one client of the
         session."""
-        with self._lock:
-            if name in self._mappings and not self._mappings[name].closed:
-                raise KvdError("ALREADY_EXISTS", f"pool {name} is already attached by this client; use its "
-                               "Mapping or connect another client")
-        memory, peer_uuid = self._memory_backend(device)
-        conn = self._live()
-        resp = self._call("Attach", pb.AttachRequest(pool=name, client_name=client_name, device_uuid=peer_uuid,
-                                                     pausable=on_pause is not None), conn=conn)
-        try:
-            m = Mapping(self, memory, resp, on_grow, on_release, on_lost, conn=conn, on_restart=on_restart,
-                        client_name=client_name, peer_uuid=peer_uuid, on_pause=on_pause, on_resume=on_resume,
-                        on_reclaim=on_reclaim)
-        except BaseException:
+        if device is not None and not str(device).strip():
+            raise KvdError("INVALID_ARGUMENT", 'attach: device "": empty; give an index (0, 1, ...) or a device UUID '
+                           "(prefix)")
+        m = Mapping(self, name, on_grow, on_release, on_lost, on_restart, on_pause, on_resume, on_reclaim)
+        handle = ctypes.c_void_p()
+        with _lib.Options("attach") as o:
+            o.set("set_client_name", text(client_name))
+            if device is not None:
+                o.set("set_device", text(str(device).strip()))
+            for event, fn in m._callbacks.items():
+                o.set(f"set_on_{event}", fn)
             try:
-                self._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=conn)
-            except KvdError:
-                pass
-            raise
+                self._c(lambda h: call(lib.kvd_client_attach, h, text(name), o.handle, ctypes.byref(handle)))
+            except BaseException:
+                m._ready.set()
+                raise
+        m._attached(handle.value)
         with self._lock:
             self._mappings[name] = m
         return m
 
     # -- resizing -------------------------------------------------------------------------------
-    def _absorb(self, update):
-        """Maps the caller's lease of a PoolUpdate into this Client's Mapping of that pool, if any
-        (as libkvd's Client::Impl::Route). An unredeemed lease just expires in the daemon."""
-        if not update.lease.token or not update.added:
-            return
-        with self._lock:
-            m = self._mappings.get(update.pool.name)
-        if m is not None and not m.closed:
-            m._apply_update(update)
-
     def grow(self, name, blocks, wait=False, wait_for=None):
         """Grow to `blocks` committed blocks -> kvd.v1.PoolUpdate; this Client's Mapping of the pool
         has mapped the new chunks when it returns. wait: when memory is short, wait for it (queued by
         the pool's priority, memory reclaimed from pools of lower priority) for at most wait_for seconds
         (None: the Client's timeout); then RESOURCE_EXHAUSTED saying what it waited for and whom it asked."""
-        update = self._call("Grow", pb.GrowRequest(pool=name, target_blocks=blocks, wait=wait),
-                            timeout=wait_for if wait and wait_for else None)
-        self._absorb(update)
-        return update
+        if wait:
+            return self._reply(pb.PoolUpdate, lib.kvd_client_grow_waiting, text(name), int(blocks),
+                               us(wait_for or 0))
+        return self._reply(pb.PoolUpdate, lib.kvd_client_grow, text(name), int(blocks))
 
     def shrink(self, name, blocks, wait=False, whole_chunks_only=False, live_blocks=None, pause_timeout=None,
                detach_unresponsive=False, force=False):
@@ -537,17 +532,9 @@ class Client:
         that is not pausable refuses the shrink (FAILED_PRECONDITION naming it) unless force, which leaves
         it what it maps until it closes (docs/api.md, "Releases and running engines"). This Client's own
         Mapping of the pool has remapped when it returns."""
-        req = pb.ShrinkRequest(pool=name, target_blocks=blocks, wait_for_release=wait,
-                               whole_chunks_only=whole_chunks_only,
-                               pause=_pause_options(pause_timeout, detach_unresponsive), force=force)
-        if live_blocks is not None:
-            req.live.SetInParent()  # set, even empty: a compaction shrink with no live block
-            req.live.blocks.extend(int(b) for b in live_blocks)
-        # Every shrink may pause other sessions; one that moves bytes may go in steps.
-        timeout = (_reshape_call_timeout if whole_chunks_only else _steps_call_timeout)(self.timeout, pause_timeout)
-        update = self._call("Shrink", req, timeout=timeout)
-        self._await_remap(update, timeout)
-        return update
+        with _change_options(wait=wait, force=force, whole_chunks_only=whole_chunks_only, live_blocks=live_blocks,
+                             pause_timeout=pause_timeout, detach_unresponsive=detach_unresponsive) as o:
+            return self._reply(pb.PoolUpdate, lib.kvd_client_shrink, text(name), int(blocks), o.handle)
 
     def compact(self, name, pause_timeout=None, detach_unresponsive=False, max_chunks_per_pause=0):
         """Compact -> kvd.v1.PoolUpdate: rewrites a fragmented pool as one chunk per segment (split at the
@@ -558,36 +545,9 @@ class Client:
         nothing, and a step that fails leaves the steps before it done (the error says so). pause_timeout
         and detach_unresponsive as shrink's. This Client's own Mapping of the pool has remapped when it
         returns."""
-        timeout = _steps_call_timeout(self.timeout, pause_timeout)
-        req = pb.CompactRequest(pool=name, pause=_pause_options(pause_timeout, detach_unresponsive),
-                                max_chunks_per_pause=max_chunks_per_pause)
-        update = self._call("Compact", req, timeout=timeout)
-        self._await_remap(update, timeout)
-        return update
-
-    def _await_remap(self, update, timeout):
-        """After this Client's Shrink or Compact: waits, at most `timeout` seconds, until its Mapping of the
-        pool (if any) has no pause pending with one of update.added: it remapped them, or dropped them. The
-        daemon replies after every RESUME's acknowledgement and the follower acknowledges after remapping,
-        so this normally finds nothing to wait for. As libkvd's Client::Impl::AwaitRemap."""
-        if not update.added:
-            return
-        with self._lock:
-            m = self._mappings.get(update.pool.name)
-        if m is None:
-            return
-        added = {c.id for c in update.added}
-
-        def settled():
-            if m.closed or m.gone is not None:
-                return True
-            return not any(added.intersection(imported) for imported in m._paused.values())
-
-        with m._changed:
-            if m._changed.wait_for(settled, timeout=timeout):
-                return
-        raise KvdError("DEADLINE_EXCEEDED", f"pool {update.pool.name} changed but this client's Mapping of it did "
-                       f"not remap within {timeout:g}s")
+        with _change_options(pause_timeout=pause_timeout, detach_unresponsive=detach_unresponsive,
+                             max_chunks_per_pause=max_chunks_per_pause) as o:
+            return self._reply(pb.PoolUpdate, lib.kvd_client_compact, text(name), o.handle)
 
     def sleep(self, name=None, wait=False, force=False, pause_timeout=None, detach_unresponsive=False, keep=False,
               live_blocks=None):
@@ -598,124 +558,76 @@ class Client:
         keep: the contents go to the daemon's host tier and wake() brings them back at the same addresses;
         live_blocks (with keep and a named pool): only those blocks are kept (docs/api.md, "Sleep that keeps
         the contents")."""
-        req = pb.SleepRequest(wait_for_release=wait, force=force, keep=keep, live_blocks=list(live_blocks or []),
-                              pause=_pause_options(pause_timeout, detach_unresponsive))
-        if not name:
-            req.all = True
-        else:
-            req.pool = name
-        return list(self._call("Sleep", req, timeout=_reshape_call_timeout(self.timeout, pause_timeout)).updates)
+        with _change_options(wait=wait, force=force, pause_timeout=pause_timeout,
+                             detach_unresponsive=detach_unresponsive, keep=keep, live_blocks=live_blocks) as o:
+            return list(self._reply(pb.PoolUpdates, lib.kvd_client_sleep, text(name or ""), o.handle).updates)
 
     def wake(self, name=None, wait=False, wait_for=None):
         """Wake one pool, or every sleeping pool (name None or "") -> [kvd.v1.PoolUpdate]; this Client's
         Mappings have mapped the fresh (zeroed) chunks when it returns. wait, wait_for: as grow's (one
         pool only)."""
-        req = pb.WakeRequest(wait=wait)
-        if not name:
-            req.all = True
-        else:
-            req.pool = name
-        updates = list(self._call("Wake", req, timeout=wait_for if wait and wait_for else None).updates)
-        first_error = None
-        for u in updates:  # every pool woke: map each, then report the first failure
-            try:
-                self._absorb(u)
-            except KvdError as e:
-                first_error = first_error or e
-        if first_error is not None:
-            raise first_error
-        return updates
+        if wait:
+            return list(self._reply(pb.PoolUpdates, lib.kvd_client_wake_waiting, text(name or ""),
+                                    us(wait_for or 0)).updates)
+        return list(self._reply(pb.PoolUpdates, lib.kvd_client_wake, text(name or "")).updates)
 
     # -- arbitration (docs/api.md, "Policy, waiting and reclaim") --------------------------------
     def set_policy(self, name, priority=None, min_bytes=None, max_bytes=None, reclaim_timeout=None,
                    on_reclaim_timeout=None):
         """SetPoolPolicy: the fields given replace the pool's -> kvd.v1.Pool. A uid other than root and kvd's
         may lower its pool's claim, and raise it only within what the operator grants it (PERMISSION_DENIED
-        naming the field); INVALID_ARGUMENT names a field out of range. reclaim_timeout in seconds (0: the
-        daemon's --reclaim-timeout); on_reclaim_timeout "none", "shrink" or "sleep"."""
-        req = pb.SetPoolPolicyRequest(pool=name)
-        if priority is not None:
-            req.priority = priority
-        if min_bytes is not None:
-            req.min_bytes = min_bytes
-        if max_bytes is not None:
-            req.max_bytes = max_bytes
-        if reclaim_timeout is not None:
-            req.reclaim_timeout_ms = _millis(reclaim_timeout, "reclaim_timeout")
-        if on_reclaim_timeout is not None:
-            req.on_reclaim_timeout = _reclaim_action(on_reclaim_timeout, "on_reclaim_timeout")
-        return self._call("SetPoolPolicy", req)
+        naming the field); INVALID_ARGUMENT names a field out of range, or says none was given.
+        reclaim_timeout in seconds (0: the daemon's --reclaim-timeout); on_reclaim_timeout "none", "shrink" or
+        "sleep"."""
+        with _policy_options(priority, min_bytes, max_bytes, reclaim_timeout, on_reclaim_timeout) as o:
+            return self._reply(pb.Pool, lib.kvd_client_set_pool_policy, text(name), o.handle)
 
     def report_usage(self, name, live_blocks, evictable_blocks=0, used_blocks=None):
         """ReportUsage: the blocks the engine needs (live), those it could drop (evictable), and the bound
         below which all of them lie (used_blocks; None: live + evictable, for an engine that keeps them
         packed from block 0). kvd asks the pools with the most to give first, and an on_reclaim_timeout of
         "shrink" shrinks to used_blocks."""
-        used = live_blocks + evictable_blocks if used_blocks is None else used_blocks
-        self._call("ReportUsage", pb.ReportUsageRequest(pool=name, live_blocks=live_blocks,
-                                                         evictable_blocks=evictable_blocks, used_blocks=used))
+        used = int(live_blocks) + int(evictable_blocks) if used_blocks is None else int(used_blocks)
+        self._reply(pb.ReportUsageResponse, lib.kvd_client_report_usage, text(name), int(live_blocks),
+                    int(evictable_blocks), used)
 
     def decline_reclaim(self, request, reason=""):
         """DeclineReclaim of a kvd.ReclaimRequest (on_reclaim does this when it raises)."""
-        self._call("DeclineReclaim", pb.DeclineReclaimRequest(pool=request.pool, reclaim_id=request.reclaim_id,
-                                                               reason=reason))
+        self._reply(pb.DeclineReclaimResponse, lib.kvd_client_decline_reclaim, text(request.pool),
+                    int(request.reclaim_id), text(reason))
 
     def shrink_for_reclaim(self, request, live_blocks, pause_timeout=None):
-        """From "these blocks are live" to the compaction shrink that answers `request` (as libkvd's
+        """From "these blocks are live" to the compaction shrink that answers `request` (libkvd's
         ShrinkForReclaim): shrinks the pool to the fewest blocks that give back at least request.bytes, never
         below len(live_blocks), at a chunk boundary where one lies between (nothing then needs copying but the
         live blocks that move), waiting for the release -> kvd.v1.PoolUpdate; update.reshape.moved_blocks
         says where each moved live block went (apply it to the engine's block table). FAILED_PRECONDITION
         when the live blocks fill the pool."""
-        live_blocks = list(live_blocks)
-        p = self.pool(request.pool)
-        g = p.geometry
-        gran = max(g.granularity_bytes, 1)
-
-        def bytes_of(blocks):
-            return g.segments * (-(-blocks * g.block_stride // gran) * gran)
-
-        goal = max(bytes_of(p.committed_blocks) - request.bytes, 0)
-        lo, hi = 0, p.committed_blocks  # the most blocks whose bytes are within the goal
-        while lo < hi:
-            mid = hi - (hi - lo) // 2
-            if bytes_of(mid) <= goal:
-                lo = mid
-            else:
-                hi = mid - 1
-        target = max(lo, len(live_blocks))
-        ends = collections.Counter(c.offset + c.bytes - g.offset - c.segment * g.segment_stride for c in p.chunks)
-        for end in sorted(ends, reverse=True):
-            blocks = end // g.block_stride if g.block_stride else 0
-            if ends[end] == g.segments and len(live_blocks) <= blocks <= target and \
-                    bytes_of(blocks) == g.segments * end:
-                target = blocks
-                break
-        if target >= p.committed_blocks:
-            raise KvdError("FAILED_PRECONDITION", f"pool {request.pool}: its {len(live_blocks)} live blocks fill its "
-                           f"{p.committed_blocks} committed blocks: nothing to give back")
-        return self.shrink(request.pool, target, wait=True, live_blocks=live_blocks, pause_timeout=pause_timeout)
+        ids, n = _lib.u64_array(live_blocks)
+        with _change_options(pause_timeout=pause_timeout) as o:
+            return self._reply(pb.PoolUpdate, lib.kvd_client_shrink_for_reclaim, text(request.pool),
+                               int(request.bytes), ids, n, o.handle)
 
     # -- pool metadata ---------------------------------------------------------------------------
     def metadata(self, name):
         """GetPoolMetadata -> kvd.v1.PoolMetadata (pool, version, data, updated_at_unix_ms): engine-defined
         bytes kept with the pool across restarts of kvd and of the engine; version 0 until first set."""
-        return self._call("GetPoolMetadata", pb.GetPoolMetadataRequest(pool=name))
+        return self._reply(pb.PoolMetadata, lib.kvd_client_get_metadata, text(name))
 
     def set_metadata(self, name, data, expected_version):
         """SetPoolMetadata -> kvd.v1.PoolMetadata, a compare-and-set: ABORTED (nothing changed) unless
         `expected_version` is the current version (0 for a pool never set); INVALID_ARGUMENT past the
         daemon's --max-metadata-bytes."""
-        return self._call("SetPoolMetadata", pb.SetPoolMetadataRequest(pool=name, expected_version=expected_version,
-                                                                        data=bytes(data)))
+        data = bytes(data)
+        return self._reply(pb.PoolMetadata, lib.kvd_client_set_metadata, text(name), int(expected_version), data,
+                           len(data))
 
     # -- engine groups and peer access ----------------------------------------------------------
     def grant_peer_access(self, name, device_uuid, revoke=False):
         """GrantPeerAccess -> kvd.v1.Pool: lets processes on the device `device_uuid` (as that device's
         daemon reports it, or "*" for every device) attach the pool; revoke takes the grant back
         (mappings that exist stay)."""
-        return self._call("GrantPeerAccess", pb.GrantPeerAccessRequest(pool=name, device_uuid=device_uuid,
-                                                                        revoke=revoke))
+        return self._reply(pb.Pool, lib.kvd_client_grant_peer_access, text(name), text(device_uuid), int(bool(revoke)))
 
     def prepare(self, name, op, target_blocks=0, ttl=30.0, force=False, keep=False):
         """Phase one of a group operation on this daemon -> kvd.v1.PrepareResponse (transaction,
@@ -726,30 +638,28 @@ class Client:
         A shrink or sleep pauses the pausable Mappings of other sessions until the commit or abort; one that
         is not pausable refuses it unless force (docs/api.md, "Releases and running engines"). keep: a sleep
         keeps the contents in the host tier (sleep()'s keep), copied here."""
-        req = pb.PrepareRequest(pool=name, operation=_operation(op), target_blocks=target_blocks,
-                                ttl_ms=max(int(round(ttl * 1000)), 1), force=force, keep=keep)
-        releases = req.operation in (pb.OPERATION_SHRINK, pb.OPERATION_SLEEP)
-        return self._call("Prepare", req, timeout=_reshape_call_timeout(self.timeout, None) if releases else None)
+        return self._reply(pb.PrepareResponse, lib.kvd_client_prepare, text(name), _operation(op), int(target_blocks),
+                           us(ttl), int(bool(force)), int(bool(keep)))
 
     def commit(self, transaction, wait=False):
         """Phase two: makes a prepared change visible -> kvd.v1.PoolUpdate. As grow() and wake(), this
         Client's Mapping of the pool has mapped the new chunks when it returns; wait is shrink()'s and
         sleep()'s (reply once every attached client acknowledged)."""
-        update = self._call("Commit", pb.CommitRequest(transaction=transaction, wait_for_release=wait),
-                            timeout=max(self.timeout, 70.0) if wait else None)
-        self._absorb(update)
-        return update
+        return self._reply(pb.PoolUpdate, lib.kvd_client_commit, text(transaction), int(bool(wait)))
 
     def abort(self, transaction):
         """Undoes a prepare -> the prepared bytes given back."""
-        return self._call("Abort", pb.AbortRequest(transaction=transaction)).released_bytes
+        return self._reply(pb.AbortResponse, lib.kvd_client_abort, text(transaction)).released_bytes
 
     def zero_blocks(self, name, block_ids):
-        self._call("ZeroBlocks", pb.ZeroBlocksRequest(pool=name, block_ids=list(block_ids)))
+        """ZeroBlocks: the blocks' bytes become zero, on the device."""
+        ids, n = _lib.u64_array(block_ids)
+        self._reply(pb.ZeroBlocksResponse, lib.kvd_client_zero_blocks, text(name), ids, n)
 
     def copy_blocks(self, name, copies):
-        self._call("CopyBlocks", pb.CopyBlocksRequest(pool=name, copies=[pb.BlockCopy(src=s, dst=d)
-                                                                          for s, d in copies]))
+        """CopyBlocks: copies: [(src, dst), ...], block to block on the device."""
+        flat, n = _lib.u64_array([x for pair in copies for x in pair])
+        self._reply(pb.CopyBlocksResponse, lib.kvd_client_copy_blocks, text(name), flat, n // 2)
 
     # -- KV connectors (docs/connectors.md) -----------------------------------------------------
     def describe_transfer(self, name, block_ids=None):
@@ -757,8 +667,8 @@ class Client:
         offset, bytes, stride, count: `count` runs of `bytes` bytes, run i at offset + i*stride from the
         pool's base) covering `block_ids` (None or empty: every committed block) under the pool's
         layout. Raises INVALID_ARGUMENT naming block_ids[i] for an uncommitted or repeated id."""
-        return self._call("DescribeTransfer",
-                          pb.DescribeTransferRequest(pool=name, block_ids=list(block_ids or [])))
+        ids, n = _lib.u64_array(block_ids or [])
+        return self._reply(pb.DescribeTransferResponse, lib.kvd_client_describe_transfer, text(name), ids, n)
 
     def export_ranges(self, client_id, ranges=None):
         """ExportRanges -> (kvd.v1.ExportRangesResponse, [fd, ...]): FDs over byte ranges of the pool that
@@ -767,33 +677,27 @@ class Client:
         DMA-BUF; host: a memfd). `ranges`: [(offset, bytes), ...], granularity multiples inside one
         segment's committed prefix; None: every segment's whole committed prefix. The caller closes the
         FDs (once registered)."""
-        req = pb.ExportRangesRequest(client_id=client_id,
-                                     ranges=[pb.ByteRange(offset=o, bytes=b) for o, b in (ranges or [])])
-        conn = self._live()  # the lease is this session's
-        resp = self._call("ExportRanges", req, conn=conn)
-        if not resp.handles:
-            return resp, []
-        fds = conn.session.fetch(resp.lease.token)
-        if [i for i, _ in fds] != list(range(len(resp.handles))):
-            for _, fd in fds:
-                os.close(fd)
-            raise KvdError("DATA_LOSS", f"ExportRanges: {len(fds)} FDs for {len(resp.handles)} handles, or out of order")
-        return resp, [fd for _, fd in fds]
+        ranges = list(ranges or [])
+        array = (_lib.ByteRange * max(len(ranges), 1))(*[_lib.ByteRange(0, o, b) for o, b in ranges])
+        buffer, fds, n = _lib.Buffer(), ctypes.POINTER(ctypes.c_int)(), ctypes.c_size_t()
+        self._c(lambda h: call(lib.kvd_client_export_ranges, h, text(client_id), array, len(ranges),
+                               ctypes.byref(buffer), ctypes.byref(fds), ctypes.byref(n)))
+        try:
+            return pb.ExportRangesResponse.FromString(_lib.take_buffer(buffer)), [fds[i] for i in range(n.value)]
+        finally:
+            lib.kvd_buffer_free(ctypes.byref(buffer))
+            lib.kvd_free(fds)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
-        """Closes every Mapping, the channel and the session (the daemon detaches what is left)."""
+        """Closes every Mapping and the session (the daemon detaches what is left). Idempotent."""
         with self._lock:
             mappings = list(self._mappings.values())
             self._mappings.clear()
         for m in mappings:
             m.close()
-        self._conn.channel.close()
-        self._conn.session.close()
-        with self._lock:
-            memories, self._memories = list(self._memories.values()), {}
-        for memory in memories:
-            memory.close()
+        if self._h.take() is not None:
+            self._finalizer()
 
     def _forget(self, mapping):
         with self._lock:
@@ -807,595 +711,167 @@ class Client:
         self.close()
 
 
-# One mapped chunk: where, its import handle, its FD (kept open to hand the chunk back after a daemon
-# restart) and where the daemon placed it.
-_Mapped = collections.namedtuple("_Mapped", "va bytes handle fd segment offset")
-# A pause's new chunk, imported at the PAUSE and mapped at its RESUME: the Chunk, its FD and import handle.
-_Imported = collections.namedtuple("_Imported", "chunk fd handle")
+# The Mapping a callback of this thread belongs to, while it runs: it must not close that Mapping.
+_in_callback = threading.local()
 
 
 class Mapping:
-    """One attached pool, mapped at `base` in this process: VA for geometry.reserved_bytes, every
-    chunk at base + chunk.offset. A daemon thread follows the pool's Watch stream (maps grown/woken
-    chunks, unmaps and acknowledges released ones; after a daemon restart it reconnects: see
-    Client.attach's on_restart). close() detaches, unmaps and frees the VA.
+    """One attached pool, mapped at `base` in this process (libkvd's Mapping): VA for
+    geometry.reserved_bytes, every chunk at base + chunk.offset. libkvd's follower thread follows the
+    pool (maps grown/woken chunks, unmaps and acknowledges released ones, pauses and resumes; after a
+    daemon restart it reconnects: see Client.attach's on_restart). close() detaches, unmaps and frees the
+    VA.
 
     Views from layer() span the pool's whole capacity (the pointers never move); only blocks below
     `committed_blocks` are backed while the pool is awake. Touching others faults (SIGSEGV on
     host, an illegal address on CUDA). Views must not be used after close(). A pausable Mapping
     (attach(on_pause=...)) also acts on PAUSE and RESUME: the views stay valid across them, and read
-    the same bytes from the new memory after the RESUME."""
+    the same bytes from the new memory after the RESUME. `state` is the pool's as the Mapping last knew
+    it (kvd.v1.PoolState), also once it is lost; `gone` says that it is."""
 
-    def __init__(self, client, memory, attached, on_grow, on_release, on_lost=None, conn=None, on_restart=None,
-                 client_name="", peer_uuid="", on_pause=None, on_resume=None, on_reclaim=None):
+    def __init__(self, client, pool_name, on_grow, on_release, on_lost, on_restart, on_pause, on_resume,
+                 on_reclaim=None):
         self._client = client
-        self._memory = memory
-        self._conn = conn if conn is not None else client._live()
-        self.client_id = attached.client_id
-        pool = attached.pool
-        self.pool_name = pool.name
-        self.epoch = pool.epoch
-        self.device_uuid = memory.device.uuid if memory.device is not None else ""
-        self.geometry = Geometry.from_proto(pool.geometry, pool.layout)
-        self.layout_resolution = pool.layout
-        self.committed_blocks = pool.committed_blocks
-        self.state = pool.state
+        self.pool_name = pool_name
         self.on_grow, self.on_release, self.on_lost, self.on_restart = on_grow, on_release, on_lost, on_restart
         self.on_pause, self.on_resume = on_pause, on_resume
         self.on_reclaim = on_reclaim
-        self._reclaimers = []  # the threads running on_reclaim, joined by close() before the follower stops
         self.pausable = on_pause is not None
-        self.pauses = self.resumes = 0  # PAUSE events acted on; RESUMEs (applied or not)
-        self._client_name, self._peer_uuid = client_name, peer_uuid
         self.closed = False
         self.gone = None  # once the Mapping is lost: the KvdError on_lost got
-        self._paused_for_restart = False  # on_pause ran for chunks a restarted daemon lacks
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)  # notified after each event the follower acted on
-        self._closing = threading.Event()
-        self._chunks = {}  # id -> _Mapped
-        self._paused = {}  # pause_id -> {chunk id: _Imported}: imported at the PAUSE, not mapped yet
-        self.events_seen = 0
-        self._watch = self._thread = None
-        self._restart_announced = False  # the follower's: the last stream ended with DAEMON_RESTARTING
-        self.base = memory.reserve(self.geometry.reserved_bytes, self.geometry.granularity_bytes)
-        try:
-            self._map_lease(attached.lease, list(pool.chunks))
-            self._watch = self._conn.stub.Watch(pb.WatchRequest(client_id=self.client_id), metadata=self._conn.md)
-            self._watch.initial_metadata()  # the daemon registered the watch
-            self._thread = threading.Thread(target=self._follow, name=f"kvd-follow-{self.pool_name}", daemon=True)
-            self._thread.start()
-        except BaseException:
-            if self._watch is not None:
-                self._watch.cancel()
-            self._unmap_all()
-            memory.free(self.base, self.geometry.reserved_bytes)
-            raise
+        self._h = _Handle(None)
+        self._ready = threading.Event()  # attached: the callbacks may run
+        self._final = {}  # what the accessors answer once closed
+        # The C API's callbacks, kept referenced while libkvd may call them.
+        self._callbacks = {
+            "grow": _lib.BLOCKS_FN(lambda _, blocks: self._callback("on_grow", int(blocks))),
+            "release": _lib.BLOCKS_FN(lambda _, blocks: self._callback("on_release", int(blocks))),
+            "lost": _lib.LOST_FN(lambda _, code, message: self._lost(code, message)),
+            "restart": _lib.RESTART_FN(lambda _, r: self._callback("on_restart", DaemonRestart(
+                epoch=r[0].epoch, lost_chunk_ids=[r[0].lost_chunk_ids[i] for i in range(r[0].lost_chunk_count)],
+                lost_bytes=r[0].lost_bytes, committed_blocks=r[0].committed_blocks,
+                returned_chunk_ids=[r[0].returned_chunk_ids[i] for i in range(r[0].returned_chunk_count)]))),
+        }
+        if on_pause is not None:
+            self._callbacks["pause"] = _lib.RANGES_FN(lambda _, ranges, n: self._callback(
+                "on_pause", [ByteRange(ranges[i].segment, ranges[i].offset, ranges[i].bytes) for i in range(n)]))
+            self._callbacks["resume"] = _lib.RESUME_FN(lambda _, applied: self._callback("on_resume", bool(applied)))
+        if on_reclaim is not None:
+            self._callbacks["reclaim"] = _lib.RECLAIM_FN(self._reclaim)
 
-    # -- mapping --------------------------------------------------------------------------------
-    def _map_lease(self, lease, chunks, conn=None):
-        """Fetches `lease` and maps each of `chunks` at base + offset, keeping its FD; a chunk mapped
-        already (same id, segment, offset, bytes: a re-attach after a restart) stays as it is."""
-        if not chunks:
-            return []
-        fds = (conn or self._conn).session.fetch(lease.token)
-        by_id = {c.id: c for c in chunks}
-        mapped = []
+    def _attached(self, handle):
+        self._h = _Handle(handle)
+        g = lib.kvd_mapping_geometry(handle)[0]
+        layout = _lib.Buffer()
+        lib.kvd_mapping_layout(handle, ctypes.byref(layout))
         try:
-            with self._lock:
-                for i, (chunk_id, fd) in enumerate(fds):
-                    c = by_id.get(chunk_id)
-                    if c is None:
-                        raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
-                    have = self._chunks.get(chunk_id)
-                    if have is not None and (have.segment, have.offset, have.bytes) == (c.segment, c.offset, c.bytes):
-                        continue  # the same chunk, mapped already: its fetched FD closes below
-                    if have is not None:
-                        self._unmap([chunk_id])
-                    va = self.base + c.offset
-                    handle = self._memory.import_and_map(va, c.bytes, fd)
-                    self._chunks[chunk_id] = _Mapped(va, c.bytes, handle, fd, c.segment, c.offset)
-                    fds[i] = (chunk_id, -1)  # now the Mapping's: closed when the chunk is unmapped
-                    mapped.append(c)
+            self.layout_resolution = pb.LayoutResolution.FromString(_lib.take_buffer(layout))
         finally:
-            for _, fd in fds:
-                if fd >= 0:
-                    os.close(fd)
-        return mapped
+            lib.kvd_buffer_free(ctypes.byref(layout))
+        self.geometry = Geometry._of(g, g.dims, g.layout.decode(), self.layout_resolution)
+        self.base = lib.kvd_mapping_base(handle) or 0
+        self._backend = lib.kvd_mapping_device_backend(handle).decode()
+        self.device_uuid = lib.kvd_mapping_device_uuid(handle).decode()
+        self._device_index = lib.kvd_mapping_device_index(handle)
+        with _mappings_lock:
+            _mappings.add(self)
+        self._ready.set()
 
-    def _unmap(self, chunk_ids, retired=None):
-        """Unmaps the chunks, releases their handles and closes their FDs; with `retired`, only unmaps
-        and appends them there for _release_retired (a RESUME's remap, while the pool is paused)."""
-        done = []
-        with self._lock:
-            for cid in chunk_ids:
-                entry = self._chunks.pop(cid, None)
-                if entry is None:
-                    continue
-                if retired is not None:
-                    retired.append(entry)
-                    self._memory.unmap_only(entry.va, entry.bytes)
-                else:
-                    try:
-                        self._memory.unmap(entry.va, entry.bytes, entry.handle)
-                    finally:
-                        os.close(entry.fd)
-                done.append(cid)
-        return done
-
-    def _release_retired(self, retired):
-        for entry in retired:
-            try:
-                self._memory.release_imported(entry.handle)
-            finally:
-                os.close(entry.fd)
-        retired.clear()
-
-    def _unmap_all(self):
-        """Unmaps every chunk and drops every chunk imported for a pause that has not resumed."""
-        with self._lock:
-            self._unmap(list(self._chunks))
-            paused, self._paused = self._paused, {}
-            for imported in paused.values():
-                self._drop_imported(imported)
-
-    # -- pauses ---------------------------------------------------------------------------------
-    def _import_lease(self, lease, chunks, conn):
-        """A PAUSE's new chunks: fetches `lease` and imports each without mapping -> {chunk id: _Imported},
-        the FDs now the Mapping's."""
-        if not chunks:
-            return {}
-        fds = conn.session.fetch(lease.token)
-        by_id = {c.id: c for c in chunks}
-        out = {}
-        try:
-            for i, (chunk_id, fd) in enumerate(fds):
-                c = by_id.get(chunk_id)
-                if c is None or chunk_id in out:
-                    raise KvdError("INTERNAL", f"lease yielded chunk {chunk_id}, not one of {sorted(by_id)}")
-                out[chunk_id] = _Imported(c, fd, self._memory.import_chunk(fd))
-                fds[i] = (chunk_id, -1)
-            if len(out) != len(by_id):
-                raise KvdError("INTERNAL", f"lease yielded chunks {sorted(out)} for {sorted(by_id)}")
-        except BaseException:
-            self._drop_imported(out)
-            raise
-        finally:
-            for _, fd in fds:
-                if fd >= 0:
-                    os.close(fd)
-        return out
-
-    def _drop_imported(self, imported):
-        """Releases imported, unmapped chunks ({id: _Imported}) and closes their FDs."""
-        for entry in imported.values():
-            try:
-                self._memory.release_imported(entry.handle)
-            except KvdError:
-                _log.exception("kvd: releasing an imported chunk of pool %s", self.pool_name)
-            finally:
-                os.close(entry.fd)
-
-    def _resume(self, ev, retired):
-        """An applied RESUME: unmaps ev.chunks (their handles and FDs go to `retired`, released once the
-        engine resumed), maps the PAUSE's imported chunks at their offsets (the same addresses) keeping
-        their FDs, and takes the new committed_blocks. Raises KvdError when a chunk does not map (the
-        Mapping is then lost)."""
-        with self._lock:
-            imported = self._paused.pop(ev.pause_id, {})
-            try:
-                self._unmap([c.id for c in ev.chunks], retired)
-                for cid in sorted(imported, key=lambda i: imported[i].chunk.offset):
-                    entry = imported[cid]
-                    c = entry.chunk
-                    # A chunk still mapped where the new one goes was released by a change whose event
-                    # this follower has not acted on yet: it goes now (as libkvd's UnmapOverlapping).
-                    self._unmap([i for i, mp in self._chunks.items()
-                                 if mp.offset < c.offset + c.bytes and c.offset < mp.offset + mp.bytes])
-                    va = self.base + c.offset
-                    handle = self._memory.map_imported(va, c.bytes, entry.fd, entry.handle)
-                    self._chunks[cid] = _Mapped(va, c.bytes, handle, entry.fd, c.segment, c.offset)
-                    del imported[cid]
-            finally:
-                self._drop_imported(imported)  # what did not map
-            self.committed_blocks = ev.committed_blocks
-            if ev.state == pb.POOL_STATE_SLEEPING:
-                self.state = ev.state  # a sleep's pause
-
-    def _map_lease_unless_released(self, lease, chunks):
-        """_map_lease, except that a lease refused because its chunks were released meanwhile (a
-        concurrent shrink or sleep, whose release event follows) maps nothing and returns None. As
-        libkvd's MapLeaseUnlessReleased: a fetch is all or nothing, so that is fine only when none of
-        the lease's chunks is live any more; otherwise the error stands."""
-        try:
-            return self._map_lease(lease, chunks)
-        except KvdError as e:
-            if e.code != "FAILED_PRECONDITION":
-                raise
-            live = {c.id for c in self._client._call("GetPool", pb.GetPoolRequest(name=self.pool_name),
-                                                     conn=self._conn).chunks}
-            if any(c.id in live for c in chunks):
-                raise
-            _log.info("kvd: pool %s: chunks released before they were mapped: %s", self.pool_name, e.message)
-            return None
-
-    def _apply_update(self, update):
-        """Maps this Client's lease of its own grow/wake/commit (Note [The grower maps first])."""
-        with self._lock:
-            if self.closed or self.gone is not None:
-                return
-            try:
-                mapped = self._map_lease_unless_released(update.lease, list(update.added))
-            except KvdError as e:
-                raise KvdError(e.code, f"pool {self.pool_name} changed but mapping its new chunks failed: "
-                               f"{e.message}") from None
-            if mapped is not None:
-                # Chunks are only ever added to an awake pool.
-                self.committed_blocks, self.state = update.pool.committed_blocks, pb.POOL_STATE_AWAKE
-
-    def _callback(self, fn, arg):
+    # -- callbacks (on libkvd's follower thread) ------------------------------------------------
+    def _callback(self, name, arg):
+        self._ready.wait()
+        fn = getattr(self, name)
+        if fn is None:
+            return
+        _in_callback.mapping = self
         try:
             fn(arg)
         except Exception:  # a failing callback must not stop the follower (that would detach us)
             _log.exception("kvd: a callback of pool %s raised", self.pool_name)
+        finally:
+            _in_callback.mapping = None
 
-    def _follow(self):
-        """The follower thread: follows the event stream, and after a daemon restart reattaches and
-        follows the new one; mirrors libkvd's Mapping::Impl::Follow."""
-        watch = self._watch
-        while watch is not None:
-            why = self._follow_stream(watch)
-            if why is None:
-                return
-            watch = self._reattach(why)
-
-    def _follow_stream(self, watch):
-        """Acts on each event of one stream, then calls back. Returns why to reconnect (the daemon
-        restarted), or None once the Mapping is lost or closing."""
-        name = self.pool_name
-        why = None
-        engine_done = False  # why's loss needs no pause: the engine asked for it or is paused
-        forced = False  # why's loss was forced on this Mapping: if not pausable, it keeps its chunks
-        restarting = False
-        ended = None  # the stream's own end: None (it ended), or the KvdError it broke with
+    def _reclaim(self, _, r, reason, capacity):
+        """on_reclaim, on libkvd's reclaim thread: 0 answers; an exception declines with its message."""
         try:
-            for ev in watch:
-                self.events_seen += 1
-                if ev.type == pb.EVENT_TYPE_CHUNKS_ADDED:
-                    with self._lock:
-                        if self.closed or self.gone is not None:
-                            continue
-                        try:
-                            mapped = self._map_lease_unless_released(ev.lease, list(ev.chunks))
-                        except KvdError as e:
-                            why = KvdError(e.code, f"mapping chunks added to pool {name}: {e.message}")
-                            break
-                        if mapped is not None:
-                            # Chunks are only ever added to an awake pool (a Wake's event may say
-                            # SLEEPING: the daemon builds it before it flips the state).
-                            self.committed_blocks, self.state = ev.committed_blocks, pb.POOL_STATE_AWAKE
-                    if mapped is not None and self.on_grow:
-                        self._callback(self.on_grow, ev.committed_blocks)
-                elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED and ev.forced:
-                    why = KvdError("FAILED_PRECONDITION", f"pool {name}: {len(ev.chunks)} chunks were released by "
-                                   "force while this Mapping, which is not pausable, mapped them: it keeps every "
-                                   "chunk mapped (their bytes no longer the pool's) until it is closed")
-                    forced = True
-                    break
-                elif ev.type == pb.EVENT_TYPE_CHUNKS_RELEASED:
-                    with self._lock:
-                        if self.closed or self.gone is not None:
-                            continue
-                        self._unmap([c.id for c in ev.chunks])
-                        self.committed_blocks = ev.committed_blocks
-                        if ev.state == pb.POOL_STATE_SLEEPING:
-                            self.state = ev.state
-                        conn, client_id = self._conn, self.client_id
-                    if ev.release_id:
-                        try:
-                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
-                                                                                     release_id=ev.release_id),
-                                               conn=conn)
-                        except KvdError as e:
-                            why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
-                            break
-                    if self.on_release:
-                        self._callback(self.on_release, ev.committed_blocks)
-                elif ev.type == pb.EVENT_TYPE_PAUSE:
-                    with self._lock:
-                        if self.closed or self.gone is not None:
-                            continue
-                        conn, client_id = self._conn, self.client_id
-                    try:
-                        imported = self._import_lease(ev.lease, list(ev.chunks), conn)
-                    except KvdError as e:
-                        why = KvdError(e.code, f"pausing pool {name} (pause {ev.pause_id}): importing its new "
-                                       f"chunks: {e.message}")
-                        break
-                    with self._lock:
-                        if self.closed or self.gone is not None:
-                            self._drop_imported(imported)
-                            continue
-                        self._paused[ev.pause_id] = imported
-                        self.pauses += 1
-                    if self.on_pause:
-                        self._callback(self.on_pause, [ByteRange(r.segment, r.offset, r.bytes) for r in ev.ranges])
-                    try:
-                        self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
-                                                                                 pause_id=ev.pause_id), conn=conn)
-                    except KvdError as e:
-                        # Too late (the pause timed out) or the daemon is going: its RESUME (not applied)
-                        # or the stream's end follows and says what happened.
-                        _log.warning("kvd: pool %s: acknowledging pause %d: %s", name, ev.pause_id, e)
-                elif ev.type == pb.EVENT_TYPE_RESUME:
-                    retired = []
-                    with self._lock:
-                        if self.closed or self.gone is not None:
-                            continue
-                        known = ev.pause_id in self._paused
-                        before = self.committed_blocks
-                        if not ev.applied:
-                            self._drop_imported(self._paused.pop(ev.pause_id, {}))
-                        elif not known:
-                            why = KvdError("INTERNAL", f"pool {name}: RESUME of pause {ev.pause_id}, whose PAUSE "
-                                           "this client never had")
-                            break
-                        else:
-                            try:
-                                self._resume(ev, retired)
-                            except KvdError as e:
-                                self._release_retired(retired)
-                                why = KvdError(e.code, f"remapping pool {name} after pause {ev.pause_id}: "
-                                               f"{e.message}")
-                                break
-                        self.resumes += 1
-                        conn, client_id = self._conn, self.client_id
-                        self._changed.notify_all()
-                    if self.on_resume:
-                        self._callback(self.on_resume, bool(ev.applied))
-                    if ev.applied and ev.release_id:
-                        try:
-                            self._client._call("Acknowledge", pb.AcknowledgeRequest(client_id=client_id,
-                                                                                     release_id=ev.release_id),
-                                               conn=conn)
-                        except KvdError as e:
-                            self._release_retired(retired)
-                            why = KvdError(e.code, f"acknowledging release {ev.release_id}: {e.message}")
-                            break
-                    self._release_retired(retired)  # after the engine resumed: not part of its pause
-                    if ev.applied and ev.committed_blocks < before and self.on_release:
-                        self._callback(self.on_release, ev.committed_blocks)
-                elif ev.type == pb.EVENT_TYPE_POOL_DELETED:
-                    # Not forced: this Mapping's own session deleted it, or a pause holds the engine.
-                    why = KvdError("NOT_FOUND", f"pool {name} was deleted" + (
-                        " by force: this Mapping, not pausable, keeps its chunks mapped until it is closed"
-                        if ev.forced else ""))
-                    with self._lock:
-                        engine_done = not ev.forced or bool(self._paused)
-                    forced = ev.forced
-                    break
-                elif ev.type == pb.EVENT_TYPE_DAEMON_STOPPING:
-                    why = KvdError("UNAVAILABLE", "kvd is stopping")
-                    break
-                elif ev.type == pb.EVENT_TYPE_DAEMON_RESTARTING:
-                    restarting = True
-                    break
-                elif ev.type == pb.EVENT_TYPE_RECLAIM:
-                    self._reclaim(ev)
-        except grpc.RpcError as e:
-            ended = KvdError.from_rpc(e)
-        except Exception as e:  # a bug: still lose the Mapping rather than leave it half followed
-            _log.exception("kvd: following pool %s failed", name)
-            why = KvdError("INTERNAL", f"following pool {name}: {type(e).__name__}: {e}")
-        if why is None:
-            with self._lock:
-                if self.closed or self.gone is not None:
-                    return None
-            reconnect = self._client.reconnect_for > 0
-            self._restart_announced = restarting
-            if restarting:
-                watch.cancel()  # the daemon closes it anyway
-                if reconnect:
-                    return KvdError("UNAVAILABLE", "kvd is restarting")
-                why = KvdError("UNAVAILABLE", "kvd is restarting and this client does not reconnect "
-                               "(reconnect_for = 0)")
-            elif reconnect and ended is not None and (ended.code == "UNAVAILABLE" or not self._conn.session.alive()):
-                return ended  # a crash: the stream broke and the daemon closed the session with it
-            elif ended is not None:
-                why = KvdError(ended.code, f"the event stream of pool {name} broke: {ended.message}")
-            else:
-                why = KvdError("UNAVAILABLE", f"the event stream of pool {name} ended")
-        self._lose(why, engine_done, forced)
-        return None
-
-    def _reattach(self, why):
-        """After a daemon restart: _try_reattach with backoff (50 ms doubling to 2 s) for the Client's
-        reconnect_for seconds -> the new Watch stream, or None once the Mapping is lost or closing."""
-        limit = self._client.reconnect_for
-        give_up = time.monotonic() + limit
-        delay = 0.05
-        last = why
-        restart = DaemonRestart(epoch=0, lost_chunk_ids=[], lost_bytes=0, returned_chunk_ids=[], committed_blocks=0)
-        while True:
-            with self._lock:
-                if self.closed or self.gone is not None:
-                    return None
+            self._ready.wait()
+            request = ReclaimRequest(pool=r[0].pool.decode(), reclaim_id=r[0].reclaim_id, bytes=r[0].bytes,
+                                     deadline=r[0].deadline_unix_ms / 1000.0, committed_blocks=r[0].committed_blocks)
+            _in_callback.mapping = self
             try:
-                watch, resumed = self._try_reattach(restart)
-            except _Fatal as e:
-                self._lose(e.error)
-                return None
-            except KvdError as e:
-                last = e
-            else:
-                if self.on_resume:  # the pauses the restart ended: whether their change was made
-                    for applied in resumed:
-                        self._callback(self.on_resume, applied)
-                if self.on_restart:
-                    self._callback(self.on_restart, restart)
-                return watch
-            if time.monotonic() + delay > give_up:
-                self._lose(KvdError("UNAVAILABLE", f"kvd at {self._client.socket} did not take pool {self.pool_name} "
-                                    f"back within {limit:g}s: {last.message}"))
-                return None
-            if self._closing.wait(delay):
-                return None
-            delay = min(delay * 2, 2.0)
-
-    def _try_reattach(self, restart):
-        """One attempt: raises KvdError to retry, _Fatal when retrying cannot help; -> (the new watch, for each
-        pause in progress when the daemon went away whether its new chunks are in the pool now)."""
-        client, name = self._client, self.pool_name
-        old = self._conn
-        c = client._live()
-        if self._restart_announced and c is old:  # it says RESTARTING before it exits: attach to the next one
-            raise KvdError("UNAVAILABLE", f"kvd at {client.socket} is still stopping")
-        try:
-            now = client._call("GetPool", pb.GetPoolRequest(name=name), conn=c)
-        except KvdError as e:
-            if e.code == "NOT_FOUND":
-                raise _Fatal(KvdError("NOT_FOUND", f"pool {name} did not survive the restart of kvd at "
-                                      f"{client.socket}: {e.message}")) from None
-            raise
-        # A pool restored without its memory waits for its clients to hand the chunks back.
-        if now.state == pb.POOL_STATE_RECOVERING and now.missing_chunk_ids:
-            mine = []
-            try:
-                with self._lock:  # dups: the Mapping's own FDs stay its own
-                    for cid in now.missing_chunk_ids:
-                        entry = self._chunks.get(cid)
-                        if entry is not None:
-                            mine.append((cid, os.dup(entry.fd)))
-                if mine:
-                    try:
-                        returned = c.session.return_handles(name, mine)
-                        restart.returned_chunk_ids.extend(returned.adopted_chunk_ids)
-                    except KvdError as e:
-                        if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                            raise
-                        # The pieces do not agree, or the pool no longer waits: nothing was adopted, and
-                        # whatever the daemon lacks shows as lost below.
+                self.on_reclaim(request)
             finally:
-                for _, fd in mine:
-                    os.close(fd)
-        try:
-            resp = client._call("Attach", pb.AttachRequest(pool=name, client_name=self._client_name,
-                                                           device_uuid=self._peer_uuid, pausable=self.pausable),
-                                conn=c)
-        except KvdError as e:
-            # UNAVAILABLE: still RECOVERING, waiting for other clients' chunks or for its grace to pass.
-            if e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-                raise
-            raise _Fatal(KvdError(e.code, f"attaching pool {name} again after kvd restarted: {e.message}")) from None
-        watch = None
-        try:
-            found = Geometry.from_proto(resp.pool.geometry)
-            if dataclasses.replace(found, rule="") != dataclasses.replace(self.geometry, rule=""):
-                raise _Fatal(KvdError("FAILED_PRECONDITION", f"pool {name} has another geometry since kvd restarted "
-                                      "(it was created again)"))
-            # Chunk ids are the daemon's: only a daemon that restored its saved state (epoch 2 and up) has
-            # the same chunks under the same ids. A fresh one (epoch 1) may have made a pool of the same
-            # name since.
-            restored = resp.pool.epoch > 1
-            watch = c.stub.Watch(pb.WatchRequest(client_id=resp.client_id), metadata=c.md)
-            # Keep what the daemon still has exactly as it was; unmap what it lost; map what it added. A
-            # pausable Mapping unmaps what the daemon lost only with the engine paused for it
-            # (docs/architecture.md, Note [Releases pause first]; on_resume once it follows again); one that
-            # is not pausable unmaps it as it is (the daemon no longer counts that memory).
-            theirs = {ch.id: (ch.segment, ch.offset, ch.bytes) for ch in resp.pool.chunks} if restored else {}
-            with self._lock:
-                gone = [cid for cid, m in self._chunks.items() if theirs.get(cid) != (m.segment, m.offset, m.bytes)]
-                ranges = [ByteRange(self._chunks[cid].segment, self._chunks[cid].offset, self._chunks[cid].bytes)
-                          for cid in gone]
-                pause_now = bool(gone) and not self._paused and not self._paused_for_restart and self.pausable
-            if pause_now:
-                self._callback(self.on_pause, _merged(ranges))
-                with self._lock:
-                    self._paused_for_restart = True
-            with self._lock:
-                if self.closed or self.gone is not None:
-                    raise _Fatal(KvdError("CANCELLED", "closing"))
-                for cid in gone:
-                    restart.lost_chunk_ids.append(cid)
-                    restart.lost_bytes += self._chunks[cid].bytes
-                self._unmap(gone)
-                # A pause does not outlive the daemon that began it: its imported chunks go, and the new
-                # daemon's chunk table says whether the change was made (those chunks come mapped from the
-                # lease).
-                paused, self._paused = self._paused, {}
-                for imported in paused.values():
-                    self._drop_imported(imported)
-                self._changed.notify_all()
-                try:
-                    self._map_lease(resp.lease, list(resp.pool.chunks), conn=c)
-                except KvdError as e:
-                    raise _Fatal(KvdError(e.code, f"mapping pool {name} after kvd restarted: {e.message}")) from None
-                resumed = [bool(ids) and all(i in self._chunks for i in ids) for ids in paused.values()]
-                if self._paused_for_restart:
-                    resumed.append(True)
-                    self._paused_for_restart = False
-                self.committed_blocks = resp.pool.committed_blocks
-                self.state = pb.POOL_STATE_SLEEPING if resp.pool.state == pb.POOL_STATE_SLEEPING else \
-                    pb.POOL_STATE_AWAKE
-                self._conn, self.client_id, self.epoch, self._watch = c, resp.client_id, resp.pool.epoch, watch
-                restart.epoch, restart.committed_blocks = self.epoch, self.committed_blocks
-            watch.initial_metadata()  # the daemon registered the watch (events since the Attach are queued)
-            return watch, resumed
-        except BaseException:
-            with self._lock:
-                adopted = self._watch is watch
-            if not adopted:
-                if watch is not None:
-                    watch.cancel()
-                try:
-                    client._call("Detach", pb.DetachRequest(pool=name, client_id=resp.client_id), conn=c)
-                except KvdError:
-                    pass
-            raise
+                _in_callback.mapping = None
+            return 0
+        except Exception as e:  # noqa: BLE001 -- any failure of the engine's hook is a decline
+            why = (str(e) or type(e).__name__).encode(errors="replace")[:max(capacity - 1, 0)]
+            ctypes.memmove(reason, why, len(why))
+            ctypes.memset(reason + len(why), 0, 1)
+            return 2  # UNKNOWN: declined
 
-    def _lose(self, why, engine_done=False, forced=False):
-        """Marks the Mapping lost and calls on_lost(why), once; nothing after close(). The watch is
-        cancelled, so the daemon detaches this client: a lost Mapping never holds up a shrink or sleep that
-        waits for acknowledgements. Nothing is unmapped while the engine may touch it (docs/architecture.md,
-        Note [Releases pause first]): engine_done (its own session's delete, or a pause holds it) unmaps
-        everything now; otherwise a pausable Mapping calls on_pause first, and one that is not pausable keeps
-        every chunk mapped until close() when the loss was forced on it (a forced release, chunks a restart
-        lost), the daemon counting them as its until then."""
-        with self._lock:
-            if self.closed or self.gone is not None:
-                return
-            pause_first = not engine_done and not self._paused and self.on_pause is not None
-            mapped = [ByteRange(m.segment, m.offset, m.bytes) for m in self._chunks.values()]
-        if pause_first:
-            self._callback(self.on_pause, _merged(mapped))
-        with self._lock:
-            if self.closed or self.gone is not None:
-                return
-            released = engine_done or self.on_pause is not None or not forced or not self._chunks
-            if released:
-                self._unmap_all()
-            self.committed_blocks = 0
-            self.gone = why
-            watch = self._watch
-            conn, client_id = self._conn, self.client_id
-            self._changed.notify_all()
-        watch.cancel()
-        # Everything is unmapped and closed: say so, so that the daemon stops counting what this Mapping
-        # held (a deleted pool's memory stays counted until its clients let go), as libkvd does. One that
-        # keeps its chunks says so at close().
-        try:
-            if not released:
-                raise KvdError("FAILED_PRECONDITION", "still mapped")
-            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id, released=True),
-                               conn=conn, timeout=min(self._client.timeout, 5.0))
-        except KvdError:
-            pass  # the daemon may be gone
-        if self.on_lost:
-            self._callback(self.on_lost, why)
+    def _lost(self, code, message):
+        self.gone = KvdError(code, message.decode(errors="replace") if message else "")
+        self._callback("on_lost", self.gone)
+
+    # -- state ------------------------------------------------------------------------------------
+    def _read(self, fn, what):
+        return self._h.use(fn, lambda: self._final[what])
+
+    @property
+    def client_id(self):
+        """The daemon's id of this attachment; a new one after each daemon restart."""
+        return self._read(lambda h: _lib.take_string(lib.kvd_mapping_client_id(h)), "client_id")
+
+    @property
+    def epoch(self):
+        """The epoch of the daemon this Mapping is attached to now."""
+        return self._read(lib.kvd_mapping_epoch, "epoch")
+
+    @property
+    def committed_blocks(self):
+        """The committed blocks as the daemon last reported them to this Mapping (0 once it is lost)."""
+        return self._read(lib.kvd_mapping_committed_blocks, "committed_blocks")
+
+    @property
+    def state(self):
+        """kvd.v1.POOL_STATE_AWAKE or POOL_STATE_SLEEPING: the pool's as the Mapping last knew it."""
+        return self._read(lib.kvd_mapping_pool_state, "state")
+
+    @property
+    def mapped_chunks(self):
+        """The ids of the chunks mapped now, sorted ([] once closed)."""
+        def chunks(h):
+            while True:
+                n = lib.kvd_mapping_chunks(h, None, 0)
+                array = (_lib.Chunk * max(n, 1))()
+                got = lib.kvd_mapping_chunks(h, array, n)
+                if got <= n:
+                    return sorted(array[i].id for i in range(got))
+        return self._read(chunks, "mapped_chunks")
+
+    @property
+    def pauses(self):
+        """The PAUSE events acted on."""
+        return self._read(lib.kvd_mapping_pauses, "pauses")
+
+    @property
+    def resumes(self):
+        """The RESUME events acted on (applied or not)."""
+        return self._read(lib.kvd_mapping_resumes, "resumes")
+
+    @property
+    def events_seen(self):
+        """The events the follower read."""
+        return self._read(lib.kvd_mapping_events, "events_seen")
+
+    @property
+    def cuda_device(self):
+        """The CUDA (or HIP) ordinal, in this process's numbering, the pool is mapped on; None on host."""
+        return None if self._backend == "host" else self._device_index
 
     # -- views ----------------------------------------------------------------------------------
     def _dtype(self, dtype):
-        import numpy
+        import numpy  # noqa: PLC0415
         eb = self.geometry.dims["element_bytes"]
         dt = numpy.dtype(dtype if dtype is not None else _DTYPES.get(eb, "uint8"))
         if dt.itemsize != eb and not (dtype is None and dt.itemsize == 1):
@@ -1417,16 +893,16 @@ class Mapping:
 
     def layer(self, l, dtype=None):
         """Zero-copy view of layer l over the logical [B, H, N, C] (B = capacity_blocks), with the
-        pool's byte strides. Host: a numpy array. CUDA: a CudaArray (__cuda_array_interface__).
+        pool's byte strides. Host: a numpy array. CUDA (and HIP): a CudaArray (__cuda_array_interface__).
         dtype: default by element_bytes (1 uint8, 2 float16, 4 float32, 8 float64, else raw uint8
         bytes); pass e.g. "int16"/"uint16" or a numpy dtype of the same size (bf16: take float16/
         uint16 and .view(torch.bfloat16) on the torch side)."""
         if self.closed:
             raise KvdError("FAILED_PRECONDITION", f"the mapping of pool {self.pool_name} is closed")
-        import numpy
+        import numpy  # noqa: PLC0415
         dt = self._dtype(dtype)
         addr, shape, strides = self._layer_geometry(l, dt)
-        if self._memory.kind == "cuda":
+        if self._backend != "host":
             return CudaArray(addr, shape, dt.str, strides, self)
         # numpy reads __array_interface__ (no copy); the array's .base keeps the Mapping referenced.
         return numpy.asarray(_HostArray(addr, shape, dt, strides, self))
@@ -1434,69 +910,29 @@ class Mapping:
     def layers(self, dtype=None):
         return [self.layer(l, dtype) for l in range(self.geometry.dims["layers"])]
 
-    @property
-    def cuda_device(self):
-        """The CUDA ordinal (in this process's numbering) the pool is mapped on; None on host."""
-        return getattr(self._memory, "ordinal", None)
-
-    @property
-    def mapped_chunks(self):
-        with self._lock:
-            return sorted(self._chunks)
-
-    def _reclaim(self, ev):
-        """A RECLAIM: on_reclaim on a thread of its own (it may shrink the pool, which this follower must
-        follow meanwhile); an exception declines, with its message."""
-        if self.on_reclaim is None:
-            return  # the pool's policy applies at the deadline
-        request = ReclaimRequest(pool=self.pool_name, reclaim_id=ev.reclaim_id, bytes=ev.reclaim_bytes,
-                                 deadline=ev.reclaim_deadline_unix_ms / 1000.0, committed_blocks=ev.committed_blocks)
-
-        def answer():
-            try:
-                self.on_reclaim(request)
-            except Exception as e:  # noqa: BLE001 -- any failure of the engine's hook is a decline
-                try:
-                    self._client.decline_reclaim(request, str(e) or type(e).__name__)
-                except KvdError:
-                    pass  # too late (it ended) or the daemon is away: the policy applies either way
-
-        with self._lock:
-            if self.closed:
-                return
-            t = threading.Thread(target=answer, name=f"kvd-reclaim-{self.pool_name}", daemon=True)
-            self._reclaimers.append(t)
-        t.start()
-
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):
         """Stops the follower, unmaps every chunk, frees the VA, then detaches saying so (released: the
-        daemon gives back what this client held at once, as libkvd's Mapping does). Idempotent."""
-        # A reclaim hook under way may be shrinking the pool, which needs the follower: it ends first.
-        with self._lock:
-            hooks, self._reclaimers = self._reclaimers, []
-        for t in hooks:
-            if t is not threading.current_thread():
-                t.join(timeout=120)
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            conn, client_id = self._conn, self.client_id
-            self._changed.notify_all()
-        self._closing.set()
-        with self._lock:
-            watch = self._watch
-        watch.cancel()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
-        self._unmap_all()
-        self._memory.free(self.base, self.geometry.reserved_bytes)
-        try:
-            self._client._call("Detach", pb.DetachRequest(pool=self.pool_name, client_id=client_id, released=True),
-                               conn=conn, timeout=min(self._client.timeout, 5.0))
-        except KvdError:
-            pass  # already gone (pool deleted, daemon gone): nothing to undo there
+        daemon gives back what this client held at once). Idempotent. Not from this Mapping's callbacks."""
+        if getattr(_in_callback, "mapping", None) is self:
+            raise KvdError("FAILED_PRECONDITION", f"pool {self.pool_name}: a Mapping's callbacks must not close it; "
+                           "close it from another thread")
+        if self.closed:
+            return
+        self.closed = True
+        h = self._h.acquire()
+        if h is not None:
+            self._final = {"client_id": _lib.take_string(lib.kvd_mapping_client_id(h)),
+                           "epoch": lib.kvd_mapping_epoch(h), "committed_blocks": lib.kvd_mapping_committed_blocks(h),
+                           "state": lib.kvd_mapping_pool_state(h), "mapped_chunks": [],
+                           "pauses": lib.kvd_mapping_pauses(h), "resumes": lib.kvd_mapping_resumes(h),
+                           "events_seen": lib.kvd_mapping_events(h)}
+            self._h.release()
+        h = self._h.take()
+        if h is not None:
+            lib.kvd_mapping_close(h)
+        with _mappings_lock:
+            _mappings.discard(self)
         self._client._forget(self)
 
     def wait_for(self, predicate, timeout=10.0, interval=0.005):

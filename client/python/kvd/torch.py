@@ -9,8 +9,8 @@
     alloc.sleep(); alloc.wake()                           # the memory goes back to kvd, and comes back zeroed
 
 Every allocation torch's caching allocator makes for the pool is one kvd pool "<prefix>-<n>" (n counting this
-process's allocations from 0), mapped by libkvd_torch_alloc.so (client/torch/kvd_torch_alloc.h) through its own kvd
-session: other processes can attach it, kvd keeps it across its own restarts, and a new engine process that allocates
+process's allocations from 0), mapped by the allocator of libkvd_c.so (client/torch/kvd_torch_alloc.h; the package's
+own library) through its own kvd session: other processes can attach it, kvd keeps it across its own restarts, and a new engine process that allocates
 the same sizes in the same order under the same prefix adopts the same memory with its bytes
 (Note [Re-attaching an allocation]). Code that zeroes what it allocates (torch.zeros) would wipe an adopted cache;
 `keep_adopted()` makes torch.zeros under it leave adopted memory as it is.
@@ -23,15 +23,11 @@ torch; the rest is ctypes over the library and runs anywhere the library loads (
 import collections
 import contextlib
 import ctypes
-import os
 import threading
 
 from . import KvdError, find_socket
+from ._lib import lib as _c_api
 
-# The library: $KVD_TORCH_ALLOCATOR, else beside this package (the assembled package ships it), else by name
-# through the dynamic loader (LD_LIBRARY_PATH: a bundle's lib/).
-LIBRARY_ENV = "KVD_TORCH_ALLOCATOR"
-LIBRARY_NAME = "libkvd_torch_alloc.so"
 MALLOC_FN, FREE_FN = "kvd_torch_malloc", "kvd_torch_free"
 KEEP_ON_FREE = 1
 
@@ -55,12 +51,9 @@ _lib_lock = threading.Lock()
 
 
 def library_path():
-    """Where libkvd_torch_alloc.so is taken from (see LIBRARY_ENV)."""
-    explicit = os.environ.get(LIBRARY_ENV)
-    if explicit:
-        return explicit
-    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)
-    return beside if os.path.exists(beside) else LIBRARY_NAME
+    """The allocator's library: the package's own libkvd_c.so (kvd._lib: $KVD_LIBRARY, else beside the package),
+    which torch's CUDAPluggableAllocator loads again by this path (the same library, already loaded)."""
+    return _c_api._name
 
 
 def _library():
@@ -69,11 +62,7 @@ def _library():
         if _lib is not None:
             return _lib
         path = library_path()
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as e:
-            raise KvdError("FAILED_PRECONDITION", f"kvd.torch: cannot load {path}: {e} (build the kvd_torch_alloc "
-                           f"target, or set ${LIBRARY_ENV})") from None
+        lib = ctypes.CDLL(path)  # loaded already, as the package's library
         vp, u64 = ctypes.c_void_p, ctypes.c_uint64
         for name, res, args in [("kvd_torch_configure", ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]),
                                 ("kvd_torch_set_pause_hooks", ctypes.c_int, [_PAUSE_HOOK, _RESUME_HOOK, vp]),

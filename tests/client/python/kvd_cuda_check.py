@@ -93,6 +93,26 @@ def peer(pool, pausable=True):
             return
 
 
+def cuda_devices():
+    """The CUDA devices this process sees, [(ordinal, "GPU-..." UUID)], straight from libcuda.so.1: what the
+    package's Mappings must agree with."""
+    import collections
+    import ctypes
+    Device = collections.namedtuple("Device", "index uuid")
+    cu = ctypes.CDLL("libcuda.so.1")
+    assert cu.cuInit(0) == 0, "cuInit"
+    n = ctypes.c_int()
+    assert cu.cuDeviceGetCount(ctypes.byref(n)) == 0, "cuDeviceGetCount"
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+    out = []
+    for i in range(n.value):
+        dev, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+        assert cu.cuDeviceGet(ctypes.byref(dev), i) == 0 and get_uuid(raw, dev) == 0, f"device {i}"
+        h = bytes(raw).hex()
+        out.append(Device(i, f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"))
+    return out
+
+
 def expect_error(fn, *codes):
     try:
         fn()
@@ -104,8 +124,7 @@ def expect_error(fn, *codes):
 
 def check_devices_and_group(c, info):
     """attach(device=...), peer access where a second GPU is visible, and a one-rank kvd.Group on CUDA."""
-    from kvd import _memory
-    visible = _memory.cuda_devices()
+    visible = cuda_devices()
     own = next(d for d in visible if d.uuid == info.device_uuid)
     pool = f"cuda-group-{os.getpid()}"
     c.create_pool(pool, initial_blocks=64, group=kvd.GroupMembership(pool, 0, 1), override="LBNHC", **DIMS)

@@ -3,6 +3,7 @@ attach(device=...)) of the Python package against two real kvd daemons on the ho
 and 1 of one "node" (sockets gpu0.sock and gpu1.sock in one directory). Mirrors tests/client/group_test.cc.
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so \
      /usr/bin/python3 kvd_python_group_test.py
 Engines are Mappings in this process or engine processes (kvd_python_test.py --peer); the Group is a
 separate coordinator (Clients of its own), as kvctl would be. Every wait is a bounded poll for a condition; no test asserts

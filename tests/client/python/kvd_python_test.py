@@ -1,6 +1,7 @@
 """The Python package kvd against a real kvd child on the host backend.
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so \
      /usr/bin/python3 kvd_python_test.py
 The second process is this file again (`--peer SOCKET POOL [DEVICE]`), driven line by line over
 stdin/stdout; kvd_python_group_test.py drives it too (DEVICE: attach(device=...), peer access).

@@ -1,4 +1,4 @@
-"""kvd.torch's allocator (libkvd_torch_alloc.so, client/torch/) against a real kvd on the host backend.
+"""kvd.torch's allocator (client/torch/, in libkvd_c.so) against a real kvd on the host backend.
 
 The library is what torch's CUDAPluggableAllocator calls; here engine processes (torch_alloc_peer.py) call its entry
 points through kvd.torch without torch, on host memory, which is what the host backend maps. Checked: an allocation
@@ -9,7 +9,7 @@ pauses a pausable engine first and is refused for one that is not; the allocatio
 errors carry their codes. What needs a GPU and torch (the MemPool, torch.zeros under keep_adopted) is
 tests/gpu/engines_torch.py.
 
-Run: KVD_BINARY=<build>/daemon/kvd KVD_TORCH_ALLOCATOR=<build>/client/torch/libkvd_torch_alloc.so \
+Run: KVD_BINARY=<build>/daemon/kvd KVD_LIBRARY=<build>/client/libkvd_c.so \
      PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python python3 kvd_torch_test.py
 """
 import os

@@ -8,7 +8,8 @@ restart, with the new epoch and nothing lost; their calls while kvd was away fai
 (within their 5 s deadline, never hanging).
 
 Run: KVD_BINARY=<build>/daemon/kvd RESTART_PEER_BINARY=<build>/tests/restart_peer \
-     PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python python3 restart_test.py
+     PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so python3 restart_test.py
 """
 import os
 import select

@@ -4,7 +4,8 @@ clients are held to one behaviour.
 
 Run: KVD_BINARY=<build>/daemon/kvd KVD_SCENARIO_DIR=<src>/tests/client/scenarios \
      KVD_SCENARIO_PROTO_DIR=<build>/tests/scenarios PYTHONPATH=<src>/client/python \
-     KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 scenario_test.py [ScenarioTest.test_<name>]
+     KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so /usr/bin/python3 scenario_test.py [ScenarioTest.test_<name>]
 
 Each scenario starts its own daemons (tests/testing/kvd_daemon.py: real kvd processes on the host
 backend, sockets in one fresh directory) and runs its steps in order; a step's status and what it

@@ -2,6 +2,7 @@
 backend: devices 0 and 1 of one "node" (sockets gpu0.sock and gpu1.sock in one directory).
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     KVD_LIBRARY=<build>/client/libkvd_c.so \
      /usr/bin/python3 tp_group_example_test.py
 The example spawns its rank processes itself; each run is bounded (RUN_S) and no test asserts on
 wall-clock time.

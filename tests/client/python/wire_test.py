@@ -1,12 +1,14 @@
-"""The wire conventions of C++ (proto/kvd/wire.h) and of the Python package (kvd/_wire.py) agree.
+"""The wire conventions (proto/kvd/wire.h) as the Python package applies them: libkvd's, through its C API,
+the one copy (no module of the package spells a convention out).
 
 The C++ values come from kvd_wire_dump (tests/client/kvd_wire_dump.cc), which prints wire.h's constants
-and its functions applied to a table of inputs; every Python module that uses a convention is checked
-to take it from kvd._wire. The last test runs a real kvd on a socket without ".sock" and connects to it
-from Python and kvctl, which find its handle channel by the rule.
+and its functions applied to a table of inputs; the package must give the same answers for the same inputs
+and environments. The last test runs a real kvd on a socket without ".sock" and connects to it from Python
+and kvctl, which find its handle channel by the rule.
 
 Run: KVD_WIRE_DUMP=<build>/tests/kvd_wire_dump KVD_BINARY=... KVCTL_BINARY=... \
-     PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 wire_test.py
+     KVD_LIBRARY=<build>/client/libkvd_c.so PYTHONPATH=<src>/client/python KVD_PYTHON_GEN_DIR=<build>/python \
+     /usr/bin/python3 wire_test.py
 """
 
 import json
@@ -22,7 +24,6 @@ from unittest import mock
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "testing"))
 
 import kvd  # noqa: E402
-from kvd import _client, _group, _handles, _wire  # noqa: E402
 from kvd_daemon import KvdDaemonCase  # noqa: E402
 
 DUMP = os.environ.get("KVD_WIRE_DUMP", "kvd_wire_dump")
@@ -33,24 +34,13 @@ DEVICES = [0, 1, 7, 10, 123]
 SOCKETS = ["/run/kvd/gpu0.sock", "gpu0.sock", "/tmp/x/ctl", "/tmp/x/ctl.socket", "/tmp/a.sock/b",
            "/tmp/x/.sock", ".sock", "a.sock.sock", "", "/run/kvd/gpu12.sock"]
 NAMES = ["gpu0.sock", "gpu0.handles", ".sock", "gpu0.sock.bak", "sock", "x.SOCK"]
-
-# wire.h constant -> the Python name in kvd._wire.
-CONSTANTS = {
-    "kDefaultSocketDir": "DEFAULT_SOCKET_DIR",
-    "kSocketPrefix": "SOCKET_PREFIX",
-    "kSocketSuffix": "SOCKET_SUFFIX",
-    "kHandlesSuffix": "HANDLES_SUFFIX",
-    "kSessionMetadataKey": "SESSION_METADATA_KEY",
-    "kSocketEnv": "SOCKET_ENV",
-    "kSocketDirEnv": "SOCKET_DIR_ENV",
-    "kLayoutEnv": "LAYOUT_ENV",
-    "kDraIpcDirEnv": "DRA_IPC_DIR_ENV",
-}
+SOCKET_ENV, SOCKET_DIR_ENV, DRA_IPC_DIR_ENV = "KVD_SOCKET", "KVD_SOCKET_DIR", "NVIDIA_DRA_LOCAL_IPC_DIR"
+OURS = (SOCKET_ENV, SOCKET_DIR_ENV, DRA_IPC_DIR_ENV)
 
 
 def dump(env_overrides=None):
     """kvd_wire_dump over the input table, in an environment without (or with only) the kvd variables."""
-    env = {k: v for k, v in os.environ.items() if k not in (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV, _wire.DRA_IPC_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in OURS}
     env.update(env_overrides or {})
     argv = [DUMP]
     for d in DEVICES:
@@ -65,54 +55,55 @@ def dump(env_overrides=None):
     return json.loads(out.stdout)
 
 
-class WireConventionsTest(unittest.TestCase):
-    def test_every_constant_of_wire_h_has_the_same_python_value(self):
-        cpp = dump()["constants"]
-        self.assertEqual(sorted(cpp), sorted(CONSTANTS), "wire.h and this test's table differ: add the new constant")
-        for cpp_name, py_name in CONSTANTS.items():
-            with self.subTest(constant=cpp_name):
-                self.assertEqual(getattr(_wire, py_name), cpp[cpp_name])
+def environment(overrides):
+    """os.environ (which the library reads too) without the kvd variables, plus `overrides`."""
+    clean = {k: v for k, v in os.environ.items() if k not in OURS}
+    return mock.patch.dict(os.environ, {**clean, **overrides}, clear=True)
 
-    def test_default_socket_and_handles_path_agree_for_every_input(self):
+
+class WireConventionsTest(unittest.TestCase):
+    def test_handles_path_agrees_for_every_input(self):
         cpp = dump()
-        for device, path in cpp["default_socket"]:
-            with self.subTest(device=device):
-                self.assertEqual(_wire.default_socket(int(device)), path)
-        self.assertEqual([int(d) for d, _ in cpp["default_socket"]], DEVICES)
         for socket, path in cpp["handles_path_for"]:
             with self.subTest(socket=socket):
-                self.assertEqual(_wire.handles_path_for(socket), path)
-                self.assertEqual(_handles.handles_path(socket), path)
+                self.assertEqual(kvd.handles_path(socket), path)
         self.assertEqual([s for s, _ in cpp["handles_path_for"]], SOCKETS)
-        for name, is_socket in cpp["is_socket_name"]:
-            with self.subTest(name=name):
-                self.assertEqual(_wire.is_socket_name(name), is_socket)
+
+    def test_node_sockets_take_the_names_wire_h_takes(self):
+        cpp = dict(dump()["is_socket_name"])
+        directory = tempfile.mkdtemp(prefix="kvd-wire-names-")
+        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+        for name in NAMES:
+            open(os.path.join(directory, name), "w").close()
+        want = sorted(os.path.join(directory, n) for n in NAMES if cpp[n])
+        self.assertTrue(want, "the table has socket names")
+        self.assertEqual(kvd.node_sockets(directory), want)
 
     def test_the_environment_is_read_the_same_way(self):
-        cases = [{}, {_wire.SOCKET_ENV: ""}, {_wire.SOCKET_DIR_ENV: ""},
-                 {_wire.SOCKET_ENV: "/srv/kvd/ctl.sock", _wire.SOCKET_DIR_ENV: "/srv/kvd"},
-                 {_wire.DRA_IPC_DIR_ENV: "/var/run/dra/claim-1"}, {_wire.DRA_IPC_DIR_ENV: ""},
-                 {_wire.DRA_IPC_DIR_ENV: "/var/run/dra/claim-1", _wire.SOCKET_DIR_ENV: "/srv/kvd"}]
+        cases = [{}, {SOCKET_ENV: ""}, {SOCKET_DIR_ENV: ""},
+                 {SOCKET_ENV: "/srv/kvd/ctl.sock", SOCKET_DIR_ENV: "/srv/kvd-wire-test-none"},
+                 {DRA_IPC_DIR_ENV: "/var/run/dra/claim-wire-test"}, {DRA_IPC_DIR_ENV: ""},
+                 {DRA_IPC_DIR_ENV: "/var/run/dra/claim-wire-test", SOCKET_DIR_ENV: "/srv/kvd-wire-test-none"}]
         for overrides in cases:
             with self.subTest(env=overrides):
                 cpp = dump(overrides)
-                ours = (_wire.SOCKET_ENV, _wire.SOCKET_DIR_ENV, _wire.DRA_IPC_DIR_ENV)
-                clean = {k: v for k, v in os.environ.items() if k not in ours}
-                with mock.patch.dict(os.environ, {**clean, **overrides}, clear=True):
+                with environment(overrides):
                     for device, path in cpp["socket_from_environment"]:
-                        self.assertEqual(_wire.socket_from_environment(int(device)), path)
                         self.assertEqual(kvd.default_socket(int(device)), path)
-                    self.assertEqual(_wire.socket_dir_from_environment(), cpp["socket_dir_from_environment"])
+                    try:
+                        found = kvd.node_sockets()
+                    except kvd.KvdError as e:  # the directory is not there, or holds no socket
+                        self.assertIn(cpp["socket_dir_from_environment"] + ":", e.message + ":")
+                    else:
+                        self.assertTrue(all(s.startswith(cpp["socket_dir_from_environment"] + "/") for s in found))
 
-    def test_the_package_takes_its_conventions_from_wire(self):
-        self.assertEqual(_group.DEFAULT_SOCKET_DIR, _wire.DEFAULT_SOCKET_DIR)
-        self.assertIs(_client._wire, _wire)
-        # No module but _wire spells a convention out (the docstrings may name them).
-        here = os.path.dirname(_wire.__file__)
+    def test_the_package_spells_out_no_convention(self):
+        # Every convention is libkvd's (the docstrings may name them).
+        here = os.path.dirname(kvd.__file__)
         literals = ['"/run/kvd', '".sock"', '".handles"', '"kvd-session"', '"KVD_SOCKET', '"KVD_KV_CACHE_LAYOUT"']
-        for name in sorted(os.listdir(here)):
-            if not name.endswith(".py") or name == "_wire.py":
-                continue
+        modules = sorted(name for name in os.listdir(here) if name.endswith(".py"))
+        self.assertIn("_client.py", modules)
+        for name in modules:
             with open(os.path.join(here, name), encoding="utf-8") as f:
                 text = f.read()
             for literal in literals:
@@ -141,7 +132,7 @@ class WireOnARealDaemonTest(unittest.TestCase):
 
         # The saved state (--state-dir=auto) goes beside the socket too: <socket without .sock>.state.
         self.assertEqual(sorted(os.listdir(directory)), ["control", "control.handles", "control.state", "kvd.log"])
-        self.assertEqual(_wire.handles_path_for(control), control + ".handles")
+        self.assertEqual(kvd.handles_path(control), control + ".handles")
         with kvd.connect(socket=control, client_name="wire-test") as c:
             self.assertEqual(c.device_info().device_index, 0)
         out = subprocess.run([KVCTL, "--socket=" + control, "status"], capture_output=True, text=True, timeout=60)

@@ -40,8 +40,8 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 // Two segments (layers) of 64 blocks of 2 MiB each: a block is one granule, so block b of a segment is
 // bytes [b * 2 MiB, (b + 1) * 2 MiB) of it, and segment s starts at s * 128 MiB.
 Geometry TwoSegments() {
-  const PoolDims dims{.layers = 2, .capacity_blocks = 64, .heads = 1, .block_tokens = 1, .channels = 512 * 1024,
-                      .element_bytes = 4};
+  const PoolDims dims{
+      .layers = 2, .capacity_blocks = 64, .heads = 1, .block_tokens = 1, .channels = 512 * 1024, .element_bytes = 4};
   return *Geometry::Compute(Layout::Default(), dims, 2 * kMiB);
 }
 
@@ -54,7 +54,8 @@ ChunkTable Table(const Geometry* g, const std::vector<uint64_t>& sizes_mib, uint
   for (uint64_t s = 0; s < g->segments(); ++s) {
     uint64_t at = 0;
     for (uint64_t mib : sizes_mib) {
-      chunks.push_back({.info = {.id = id++, .segment = s, .offset = g->SegmentOffset(s) + at * kMiB, .bytes = mib * kMiB}});
+      chunks.push_back(
+          {.info = {.id = id++, .segment = s, .offset = g->SegmentOffset(s) + at * kMiB, .bytes = mib * kMiB}});
       at += mib;
     }
   }
@@ -224,7 +225,8 @@ TEST(ReleaseLedgerTest, ADetachedClientHoldsWhatItFetchedUntilItsSessionLetsGo) 
   Budget budget(100);
   budget.Take(30);
   ReleaseLedger ledger(&budget);
-  const uint64_t first = ledger.Open(ledger.NextId(), {.chunks = {{.id = 1, .bytes = 10}}, .bytes = 10, .waiting = {"c"}});
+  const uint64_t first =
+      ledger.Open(ledger.NextId(), {.chunks = {{.id = 1, .bytes = 10}}, .bytes = 10, .waiting = {"c"}});
   ledger.Detach("c", "s", {{1, 10}, {2, 10}}, /*keep_holding=*/true);
   EXPECT_TRUE(ledger.Pending(first));
   ASSERT_TRUE(ledger.IsHolder("c"));
@@ -283,7 +285,8 @@ class ChunkMakerTest : public ::testing::Test {
   void TearDown() override { device_->Free(base_, 32 * kMiB).IgnoreError(); }
 
   std::vector<PlannedChunk> Plan() const {
-    return {{.segment = 0, .offset = 0, .bytes = 2 * kMiB}, {.segment = 0, .offset = 2 * kMiB, .bytes = 4 * kMiB},
+    return {{.segment = 0, .offset = 0, .bytes = 2 * kMiB},
+            {.segment = 0, .offset = 2 * kMiB, .bytes = 4 * kMiB},
             {.segment = 0, .offset = 6 * kMiB, .bytes = 2 * kMiB}};
   }
 

@@ -3,10 +3,13 @@
 // cover how they work together.
 #include <atomic>
 #include <map>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/core/budget.h"
 #include "daemon/core/event_queue.h"
@@ -108,6 +111,39 @@ TEST(LimitsTest, TheOperatorShareIsRoundedUp) {
   EXPECT_EQ(UsableShare(1024, limits, 0), 1024u);
 }
 
+// Note [Typed refusals]: each refusal carries its numbers; no other status does.
+TEST(LimitsTest, ARefusalCarriesItsLimitAndNumbers) {
+  const Limits limits{.max_block_ids = 4, .operator_reserve_percent = 5, .daemon_uid = 990};
+  const auto numbers = [](const absl::Status& s) {
+    const std::optional<LimitRefusal> r = LimitRefusalOf(s);
+    return r.has_value() ? absl::StrCat(LimitFlag(r->limit), " uid ", r->uid, ": ", r->allowed, " allowed, ", r->used,
+                                        " used, ", r->asked, " asked")
+                         : std::string("none");
+  };
+  const absl::Status per_uid =
+      CheckCount("pools", 1000, 2, 2, Limit::kMaxPoolsPerUid, 5, 1024, Limit::kMaxPools, limits);
+  EXPECT_THAT(per_uid,
+              StatusIs(absl::StatusCode::kResourceExhausted, "pools of uid 1000: 2 of 2 (--max-pools-per-uid)"));
+  EXPECT_EQ(numbers(per_uid), "--max-pools-per-uid uid 1000: 2 allowed, 2 used, 1 asked");
+  const absl::Status total =
+      CheckCount("pools", 1000, 0, 2, Limit::kMaxPoolsPerUid, 972, 1024, Limit::kMaxPools, limits);
+  EXPECT_EQ(numbers(total), "--max-pools uid 1000: 972 allowed, 972 used, 1 asked");
+  EXPECT_EQ(numbers(CheckCount("clients of pool kv", 990, 0, 0, std::nullopt, 8, 8, Limit::kMaxClientsPerPool, limits)),
+            "--max-clients-per-pool uid 990: 8 allowed, 8 used, 1 asked");
+  EXPECT_EQ(numbers(CheckBytes("reserved", 1000, 10, 60, 64, Limit::kMaxReservedPerUid, 60, 1000, Limit::kMaxReserved,
+                               limits)),
+            "--max-reserved-per-uid uid 1000: 64 allowed, 60 used, 10 asked");
+  EXPECT_EQ(numbers(CheckBlockIds("block_ids", 5, 1000, limits)),
+            "--max-block-ids uid 1000: 4 allowed, 0 used, 5 asked");
+  EXPECT_THAT(CheckBlockIds("block_ids", 4, 1000, limits), IsOk());
+  // Only a refusal made here reads as one: not another RESOURCE_EXHAUSTED, nor the payload on another code.
+  EXPECT_EQ(numbers(absl::ResourceExhaustedError("pools of uid 1000: 2 of 2 (--max-pools-per-uid)")), "none");
+  absl::Status relabelled(absl::StatusCode::kInternal, per_uid.message());
+  per_uid.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { relabelled.SetPayload(url, payload); });
+  EXPECT_EQ(numbers(relabelled), "none");
+}
+
 TEST(LeaseTableTest, ALeaseIsRedeemedOnceByItsSession) {
   LeaseTable leases(absl::Seconds(30));
   const Lease lease = leases.Issue("kv", "s-1", "c-1", {7, 8});
@@ -178,6 +214,52 @@ TEST(EventQueueTest, PopDrainsInOrderThenEndsOnceClosed) {
   EXPECT_EQ(queue.Pop(absl::ZeroDuration())->sequence, 2u);
   EXPECT_FALSE(queue.Pop(absl::Seconds(5)).has_value());
   EXPECT_TRUE(queue.closed());
+  bool ended = false;
+  EXPECT_FALSE(queue.TryPop(&ended).has_value());
+  EXPECT_TRUE(ended);
+}
+
+// What a Watch stream's reactor relies on: told after every push and at the close, outside the queue's lock
+// (it pops from inside Ready), and never once it is gone.
+TEST(EventQueueTest, AListenerIsToldOfEveryPushAndTheCloseWhileItLives) {
+  struct Reader final : EventQueue::Listener {
+    explicit Reader(EventQueue* q) : queue(q) {}
+    void Ready() override {
+      ++told;
+      bool ended = false;
+      while (std::optional<PoolEvent> e = queue->TryPop(&ended)) read.push_back(e->sequence);
+      if (ended) ++ends;
+    }
+    EventQueue* queue;
+    int told = 0;
+    int ends = 0;
+    std::vector<uint64_t> read;
+  };
+  EventQueue queue;
+  queue.Push(PoolEvent{.sequence = 1});  // before anyone listens: stays queued
+  auto reader = std::make_shared<Reader>(&queue);
+  queue.Listen(reader);
+  bool ended = true;
+  EXPECT_EQ(queue.TryPop(&ended)->sequence, 1u);
+  EXPECT_FALSE(queue.TryPop(&ended).has_value());
+  EXPECT_FALSE(ended);  // empty, but more may come
+  queue.Push(PoolEvent{.sequence = 2});
+  queue.Push(PoolEvent{.sequence = 3});
+  EXPECT_EQ(reader->told, 2);
+  EXPECT_THAT(reader->read, ::testing::ElementsAre(2u, 3u));
+  EXPECT_EQ(reader->ends, 0);
+  queue.Close();
+  EXPECT_EQ(reader->told, 3);
+  EXPECT_EQ(reader->ends, 1);
+  queue.Push(PoolEvent{.sequence = 4});  // dropped, and nobody told
+  EXPECT_EQ(reader->told, 3);
+
+  EventQueue other;
+  auto gone = std::make_shared<Reader>(&other);
+  other.Listen(gone);
+  gone.reset();
+  other.Push(PoolEvent{.sequence = 1});  // its listener is gone: nothing is called
+  EXPECT_EQ(other.TryPop(&ended)->sequence, 1u);
 }
 
 }  // namespace

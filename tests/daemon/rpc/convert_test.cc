@@ -2,6 +2,9 @@
 
 #include <set>
 
+#include "daemon/core/limits.h"
+#include "daemon/rpc/status.h"
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
@@ -63,6 +66,35 @@ TEST(ConvertTest, EveryRuleHasItsOwnWireValue) {
     EXPECT_NE(p, v1::LAYOUT_RULE_UNSPECIFIED);
     EXPECT_TRUE(seen.insert(p).second) << LayoutRuleName(r);
   }
+}
+
+// The status mapping keeps code and message; a limit's refusal also travels in numbers, as gRPC's error
+// details (an RpcStatus holding one LimitExceeded), and nothing else does.
+TEST(StatusTest, ALimitsRefusalTravelsAsALimitExceededDetail) {
+  const grpc::Status plain = ToGrpcStatus(absl::NotFoundError("pool kv does not exist"));
+  EXPECT_EQ(plain.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(plain.error_message(), "pool kv does not exist");
+  EXPECT_EQ(plain.error_details(), "");
+  EXPECT_EQ(ToGrpcStatus(absl::ResourceExhaustedError("out of memory")).error_details(), "");
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+
+  const Limits limits{.max_block_ids = 4};
+  const grpc::Status refused = ToGrpcStatus(CheckBlockIds("block_ids", 9, 1000, limits));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(refused.error_message(), "block_ids: 9 in one request, more than 4 (--max-block-ids)");
+  v1::RpcStatus rich;
+  ASSERT_TRUE(rich.ParseFromString(refused.error_details()));
+  EXPECT_EQ(rich.code(), static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_EQ(rich.message(), refused.error_message());
+  ASSERT_EQ(rich.details_size(), 1);
+  EXPECT_EQ(rich.details(0).type_url(), "type.googleapis.com/kvd.v1.LimitExceeded");
+  v1::LimitExceeded exceeded;
+  ASSERT_TRUE(rich.details(0).UnpackTo(&exceeded));
+  EXPECT_EQ(exceeded.limit(), "max-block-ids");
+  EXPECT_EQ(exceeded.uid(), 1000u);
+  EXPECT_EQ(exceeded.allowed(), 4u);
+  EXPECT_EQ(exceeded.used(), 0u);
+  EXPECT_EQ(exceeded.asked(), 9u);
 }
 
 }  // namespace
