@@ -402,6 +402,17 @@ Arbiter::Ticket Arbiter::Join(const std::string& pool, uint32_t uid, std::string
 
 void Arbiter::Leave(uint64_t ticket) {
   std::vector<ArbiterEvent> events;
+  // The committed bytes of the pools its reclaims are under way for, read without the lock: a waiter is
+  // often served the moment its reclaim's memory comes free, before its Drive saw the pool give it back.
+  std::map<std::string, uint64_t, std::less<>> committed;
+  bool reclaiming = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, e] : pools_) reclaiming |= e.reclaim.has_value() && e.reclaim->for_ticket == ticket;
+  }
+  if (reclaiming && hooks_.loads) {
+    for (const PoolLoad& l : hooks_.loads()) committed[l.name] = l.committed_bytes;
+  }
   {
     absl::MutexLock lock(&mu_);
     auto it = waiters_.find(ticket);
@@ -412,14 +423,26 @@ void Arbiter::Leave(uint64_t ticket) {
                       .outcome = it->second.served ? "ok" : "failed",
                       .elapsed = now - it->second.since});
     waiters_.erase(it);
-    // Its reclaims under way serve the next waiter, where that one may reclaim from them; else they are
-    // called off (no deadline action: nobody needs the memory).
+    // Its reclaims under way serve the next waiter, where that one may reclaim from them; else they end:
+    // given back when their pool's committed bytes fell by what was asked (the waiter was served by it),
+    // else called off (no deadline action: nobody needs the memory).
     const uint64_t next = HeadLocked();
     for (auto& [name, e] : pools_) {
       if (!e.reclaim.has_value() || e.reclaim->for_ticket != ticket || e.reclaim->acting) continue;
       if (next != 0 && e.policy.priority < PriorityLocked(waiters_.at(next).pool)) {
         e.reclaim->for_ticket = next;
         waiters_.at(next).tried.insert(name);
+        continue;
+      }
+      Reclaim& r = *e.reclaim;
+      if (auto c = committed.find(name); c != committed.end()) {
+        r.given_bytes = r.committed_at_ask > c->second ? r.committed_at_ask - c->second : 0;
+      }
+      if (r.given_bytes >= r.asked_bytes) {
+        EndReclaimLocked(name, e, "gave",
+                         absl::StrCat("gave ", FormatBytes(r.given_bytes), " in ",
+                                      absl::FormatDuration(absl::Trunc(now - r.asked_at, absl::Milliseconds(1)))),
+                         &events);
       } else {
         EndReclaimLocked(name, e, "called_off", "called off: the grow it was asked for ended", &events);
       }

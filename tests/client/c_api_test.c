@@ -194,6 +194,7 @@ enum {
   kPoolStateSleeping = 2,
   kPoolPolicy = 25,
   kPoolUsage = 27,
+  kPoolReclaim = 28,
   kPolicyPriority = 1,
   kPolicyMinBytes = 2,
   kPolicyMaxBytes = 3,
@@ -201,6 +202,7 @@ enum {
   kPolicyOnReclaimTimeout = 5,
   kUsageLiveBlocks = 1,
   kUsageUsedBlocks = 3,
+  kReclaimLastOutcome = 6,
 };
 
 /* ---- The daemons ----------------------------------------------------------------------------------- */
@@ -728,6 +730,10 @@ static void test_arbitration(const daemon_t* d) {
   CHECK(atomic_load(&lo.asked) == 128 * 1024 * 1024);
   WAIT_FOR(kvd_mapping_committed_blocks(m) == 4096);
   CHECK(*at(m, 1, 5) == 0x3c);
+  EXPECT_OK(kvd_client_get_pool(operator_, "arb-lo", &pool, &ST));
+  const bytes outcome = sub(sub(of(pool), kPoolReclaim, 0), kReclaimLastOutcome, 0);
+  CHECK(outcome.n > 0 && memmem(outcome.p, outcome.n, "gave", 4) != NULL);
+  kvd_buffer_free(&pool);
 
   /* A callback that declines: its reason ends the wait, named in the error. */
   atomic_store(&lo.decline, 1);

@@ -272,6 +272,31 @@ TEST(ArbiterTest, GivingBackEndsTheReclaimAndTheWaiterIsServed) {
   EXPECT_EQ(arbiter.Stats().given_bytes, 32 * kMiB);
 }
 
+TEST(ArbiterTest, AWaiterServedBeforeItsDriveSawTheGiveBackEndsTheReclaimAsGiven) {
+  Full full(128 * kMiB);
+  FakeManager manager;
+  Arbiter arbiter(&full.budget, full.device.get(), {.poll = absl::Milliseconds(1)});
+  arbiter.SetHooks(manager.Hooks());
+  arbiter.Add("hi", 1000, {.priority = 5});
+  arbiter.Add("lo", 1001, {});
+  manager.Set("hi", 0);
+  manager.Set("lo", 64 * kMiB);
+  {
+    const Arbiter::Ticket ticket = arbiter.Join("hi", 1000, "growing");
+    (void)Retry(arbiter, ticket, Grow("hi", 32 * kMiB));
+    ASSERT_THAT(arbiter.AwaitRoom(ticket, absl::Now() + absl::Seconds(5), {}), IsOk());
+    ASSERT_THAT(manager.Asked(), ElementsAre("lo:32"));
+    // The engine gives back and the waiter's next try is admitted at once, before any AwaitRoom.
+    manager.Set("lo", 32 * kMiB);
+    full.budget.Give(32 * kMiB);
+    ASSERT_THAT(Retry(arbiter, ticket, Grow("hi", 32 * kMiB)).status(), IsOk());
+  }
+  EXPECT_EQ(arbiter.Stats().reclaims.count("called_off"), 0u);
+  EXPECT_EQ(arbiter.Stats().reclaims.at("gave"), 1u);
+  EXPECT_THAT(arbiter.Claim("lo").reclaim.last_outcome, HasSubstr("gave 32.0 MiB"));
+  EXPECT_EQ(arbiter.Stats().given_bytes, 32 * kMiB);
+}
+
 TEST(ArbiterTest, ADeclineAppliesThePoolsPolicyAtOnceAndTheErrorSaysSo) {
   Full full(128 * kMiB);
   FakeManager manager;
