@@ -799,9 +799,9 @@ int kvd_client_attach(kvd_client* c, const char* pool, const kvd_attach_options*
       const int code = fn(user, &request, reason, sizeof reason);
       if (code == KVD_OK) return absl::OkStatus();
       reason[sizeof reason - 1] = '\0';
-      return absl::Status(kvd::CodeOf(code), reason[0] != '\0' ? std::string(reason)
-                                                               : absl::StrCat("the on_reclaim callback returned ",
-                                                                              kvd_code_name(code)));
+      return absl::Status(kvd::CodeOf(code),
+                          reason[0] != '\0' ? std::string(reason)
+                                            : absl::StrCat("the on_reclaim callback returned ", kvd_code_name(code)));
     };
   }
   absl::StatusOr<std::unique_ptr<kvd::Mapping>> m = c->client->Attach(Str(pool), std::move(a));

@@ -2163,8 +2163,8 @@ absl::Status Bench::Reclaim() {
     KVD_RETURN_IF_ERROR(round(rep % 2 == 1, true));
     KVD_RETURN_IF_ERROR(round(rep % 2 == 0, true));
   }
-  absl::StrAppend(&l.note, absl::StrFormat("; A's on_reclaim (its Shrink, waiting for its release) p50 %.3f ms",
-                                           P50(hook_ms)));
+  absl::StrAppend(&l.note,
+                  absl::StrFormat("; A's on_reclaim (its Shrink, waiting for its release) p50 %.3f ms", P50(hook_ms)));
   return absl::OkStatus();
 }
 

@@ -256,8 +256,7 @@ struct Retrying {
 thread_local Retrying retrying;
 }  // namespace
 
-Arbiter::Retry::Retry(const Ticket& ticket)
-    : previous_arbiter_(retrying.arbiter), previous_ticket_(retrying.ticket) {
+Arbiter::Retry::Retry(const Ticket& ticket) : previous_arbiter_(retrying.arbiter), previous_ticket_(retrying.ticket) {
   retrying = {.arbiter = ticket.arbiter_, .ticket = ticket.id()};
 }
 

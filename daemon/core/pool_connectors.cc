@@ -16,7 +16,6 @@
 
 namespace kvd::daemon {
 
-
 absl::StatusOr<RangeExport> Pool::PlanRangeExport(const Caller& caller, absl::string_view client_id,
                                                   const std::vector<ByteRange>& ranges, bool span_chunks) {
   constexpr size_t kMaxRanges = 65536;

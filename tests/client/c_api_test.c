@@ -3,10 +3,10 @@
  * codes and messages, the node's sockets, pools, two Mappings of one pool sharing bytes and following
  * another session's grow, an exact shrink that pauses them, sleep and wake, the raw call and lease, pool
  * metadata, a forced delete, policies, usage reports and reclaims answered from a callback (given back with
- * kvd_client_shrink_for_reclaim, or declined with a reason), and a two-rank group (all or none, a coordinator that gives up before the
- * commit). Replies are decoded with the few lines of protobuf wire format below (what any language's
- * protobuf library does). Every wait is a bounded poll of a condition; no check is on wall-clock time.
- * Exit status 0 when every check passed.
+ * kvd_client_shrink_for_reclaim, or declined with a reason), and a two-rank group (all or none, a coordinator
+ * that gives up before the commit). Replies are decoded with the few lines of protobuf wire format below (what
+ * any language's protobuf library does). Every wait is a bounded poll of a condition; no check is on wall-clock
+ * time. Exit status 0 when every check passed.
  *
  * Run: c_api_test [KVD_BINARY]   (default: $KVD_BINARY, else the build's kvd) */
 #define _GNU_SOURCE
