@@ -42,7 +42,15 @@ def pattern(layer, blocks, shape, seed=0):
 
 class HostTierTest(KvdDaemonCase):
     def kvd_args(self):
-        return [f"--host-tier-bytes={TIER}"]
+        from scrape import free_port
+        self.metrics_port = free_port()
+        return [f"--host-tier-bytes={TIER}", f"--metrics-address=127.0.0.1:{self.metrics_port}"]
+
+    def metrics(self):
+        from scrape import http_get, parse_samples
+        samples = parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics"))
+        return {name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels) if k != "device"): value
+                for (name, labels), value in samples.items() if name.startswith("kvd_host_tier")}
 
     def setUp(self):
         super().setUp()
@@ -118,6 +126,10 @@ class HostTierTest(KvdDaemonCase):
             self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
             self.assertIn(field, e.exception.message)
         with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep("kv", keep=True, live_blocks=list(range(65537)))
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn("live_blocks: 65537 in one request, more than 65536 (--max-block-ids)", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
             self.c.sleep("kv", live_blocks=[1])  # without keep
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
         self.assertEqual(self.c.pool("kv").state, AWAKE)
@@ -147,6 +159,42 @@ class HostTierTest(KvdDaemonCase):
         self.assertEqual(c.pool("kv").kept_bytes, 2 * 16 << 20)
         c.wake("kv")
         self.assert_blocks(c.attach("kv", client_name="engine-2"), range(BLOCKS), what="after the engine restart")
+
+    def test_the_metrics_count_the_tier_its_use_and_every_byte_copied(self):
+        from scrape import poll
+        poll(lambda: self.metrics().get("kvd_host_tier_registered") == 1, "the tier to be registered")
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_bytes"], 48 << 20)
+        self.assertEqual(m["kvd_host_tier_used_bytes"], 0)
+        self.assertEqual(m["kvd_host_tier_numa_node"], -1)  # the host backend names no node
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_host}"], 0)
+        kept = 2 * 16 << 20
+        self.c.sleep("kv", keep=True)
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_used_bytes"], kept)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_host}"], kept)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_device}"], 0)
+        self.assertGreater(m["kvd_host_tier_copy_seconds_total{direction=to_host}"], 0)
+        self.c.wake("kv")
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_used_bytes"], 0)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_device}"], kept)
+        self.assertGreater(m["kvd_host_tier_copy_seconds_total{direction=to_device}"], 0)
+
+    def test_deleting_a_pool_that_keeps_its_contents_gives_the_tier_back(self):
+        self.m.close()
+        self.c.sleep("kv", keep=True)
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 2 * 16 << 20)
+        self.c.delete("kv")
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 0)
+        # A pool deleted while a group's keeping sleep is prepared: the prepared copy's extent comes back too.
+        self.c.create_pool("kv", **DIMS)
+        self.c.grow("kv", BLOCKS)
+        self.c.prepare("kv", "sleep", keep=True)
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 2 * 16 << 20)
+        self.c.delete("kv", force=True)
+        from scrape import poll
+        poll(lambda: self.metrics()["kvd_host_tier_used_bytes"] == 0, "the prepared extent to come back")
 
     def test_group_sleep_keeps_at_prepare_and_abort_gives_the_tier_back(self):
         prepared = self.c.prepare("kv", "sleep", keep=True)
