@@ -679,7 +679,19 @@ absl::Status Run(const Flags& f) {
                                     HostTierOptions{.bytes = host_tier_bytes,
                                                     .copy_threads = f.host_tier_copy_threads,
                                                     .info = [](const std::string& line) { spdlog::info("{}", line); }},
-                                    granularity));
+                                    granularity, std::move(saved.host_tier_fd)));
+    // Note [The host tier]: in the FD store, the contents sleeping pools keep outlive this process too.
+    if (store != nullptr && !host_tier->adopted()) {
+      if (absl::Status kept = store->KeepHostTierFd(host_tier->fd()); !kept.ok()) {
+        spdlog::warn("host tier: {}; what pools keep there is lost if kvd restarts", std::string(kept.message()));
+      }
+    }
+  } else if (store != nullptr && saved.host_tier_fd.valid()) {
+    spdlog::warn(
+        "host tier: the previous daemon's tier is released (--host-tier-bytes is 0); the pools that kept "
+        "their contents there wake with fresh memory");
+    store->DropHostTierFd();
+    saved.host_tier_fd.reset();
   }
   PoolManager manager(device.get(), ManagerOptions{.budget_bytes = budget,
                                                    .max_chunk_bytes = max_chunk,
@@ -853,6 +865,7 @@ absl::Status Run(const Flags& f) {
     stop_server_now();
   }
   manager.Shutdown(keep_pools);
+  if (!keep_pools) store->DropHostTierFd();  // nothing kept in it is any pool's now
   if (server_stopper.joinable()) server_stopper.join();
   channel->Stop();
   RemoveSocket(socket_path, socket_id);

@@ -67,6 +67,12 @@ class StateStore {
   // Takes chunk `id`'s FD out of the store (nothing without one, or when it is not there). Cannot fail
   // the caller: a store that could not take it out reports that itself (the next start releases it).
   virtual void DropChunkFd(uint64_t id) = 0;
+  // Hands a copy of the host tier's memfd to the FD store as "host-tier", in place of one kept before, so
+  // that the contents sleeping pools keep there outlive the daemon (Note [The host tier]). OK and nothing
+  // without a store; its failure leaves the tier working, its contents lost by a restart.
+  [[nodiscard]] virtual absl::Status KeepHostTierFd(int fd) = 0;
+  // Takes the host tier's FD out of the store (a daemon started without a tier). Cannot fail the caller.
+  virtual void DropHostTierFd() = 0;
 };
 
 // What a starting daemon found of its predecessor: the records, and the FDs the service manager handed
@@ -75,6 +81,7 @@ struct SavedState {
   uint64_t epoch = 0;  // the predecessor's; 0: nothing saved
   std::vector<SavedPool> pools;
   std::map<uint64_t, UniqueFd> fds;
+  UniqueFd host_tier_fd;              // the predecessor's host tier ("host-tier"), if the store had it
   std::vector<std::string> problems;  // records that could not be read, one line each
 };
 

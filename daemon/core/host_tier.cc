@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/mempolicy.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,24 +28,46 @@ absl::Status Errno(int error, absl::string_view call) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(Device* device, const HostTierOptions& options,
-                                                           uint64_t alignment) {
+                                                           uint64_t alignment, UniqueFd predecessor) {
   if (options.bytes == 0 || options.bytes % alignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--host-tier-bytes: ", options.bytes,
                                                    " is not a positive multiple of the device granularity (", alignment,
                                                    " bytes)"));
   }
-  UniqueFd fd(memfd_create("kvd-host-tier", MFD_CLOEXEC));
-  if (!fd) return Errno(errno, "memfd_create(kvd-host-tier)");
-  if (ftruncate(fd.get(), static_cast<off_t>(options.bytes)) != 0) {
-    return Errno(errno, absl::StrCat("ftruncate(host tier, ", options.bytes, ")"));
+  UniqueFd fd;
+  if (predecessor.valid()) {
+    struct stat st {};
+    if (fstat(predecessor.get(), &st) == 0 && static_cast<uint64_t>(st.st_size) == options.bytes) {
+      fd = std::move(predecessor);
+    } else if (options.info) {
+      options.info(absl::StrCat("host tier: the previous daemon's tier was ", static_cast<uint64_t>(st.st_size),
+                                " bytes, --host-tier-bytes is ", options.bytes,
+                                ": a new, empty tier; what sleeping pools kept in the old one is dropped"));
+    }
+  }
+  const bool adopted = fd.valid();
+  if (!adopted) {
+    fd = UniqueFd(memfd_create("kvd-host-tier", MFD_CLOEXEC));
+    if (!fd) return Errno(errno, "memfd_create(kvd-host-tier)");
+    if (ftruncate(fd.get(), static_cast<off_t>(options.bytes)) != 0) {
+      return Errno(errno, absl::StrCat("ftruncate(host tier, ", options.bytes, ")"));
+    }
   }
   void* map = mmap(nullptr, options.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (map == MAP_FAILED) return Errno(errno, absl::StrCat("mmap(host tier, ", options.bytes, ")"));
-  return std::unique_ptr<HostTier>(new HostTier(device, options, alignment, std::move(fd), static_cast<uint8_t*>(map)));
+  return std::unique_ptr<HostTier>(
+      new HostTier(device, options, alignment, std::move(fd), static_cast<uint8_t*>(map), adopted));
 }
 
-HostTier::HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map)
-    : device_(device), options_(options), alignment_(alignment), bytes_(options.bytes), fd_(std::move(fd)), map_(map) {
+HostTier::HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map,
+                   bool adopted)
+    : device_(device),
+      options_(options),
+      alignment_(alignment),
+      bytes_(options.bytes),
+      fd_(std::move(fd)),
+      map_(map),
+      adopted_(adopted) {
   free_[0] = bytes_;
   preparer_ = std::thread([this] { Prepare(); });
 }
@@ -117,6 +140,24 @@ absl::StatusOr<uint64_t> HostTier::Take(absl::string_view pool, uint64_t bytes, 
       absl::StrCat("pool ", pool, ": keeping its contents needs ", bytes, " bytes (", FormatBytes(bytes),
                    ") of the host tier, but ", "its largest free extent is ", largest, " bytes (", FormatBytes(largest),
                    ") of ", bytes_, " (", FormatBytes(bytes_), ", --host-tier-bytes); nothing changed"));
+}
+
+absl::Status HostTier::Claim(uint64_t offset, uint64_t extent_bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = free_.upper_bound(offset);
+  if (extent_bytes == 0 || offset > bytes_ || extent_bytes > bytes_ - offset || it == free_.begin() ||
+      std::prev(it)->first + std::prev(it)->second < offset + extent_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("the host tier's extent of ", extent_bytes, " bytes at ", offset,
+                                                      " is not free in a tier of ", bytes_, " bytes"));
+  }
+  --it;
+  const uint64_t start = it->first;
+  const uint64_t end = it->first + it->second;
+  free_.erase(it);
+  if (offset > start) free_[start] = offset - start;
+  if (end > offset + extent_bytes) free_[offset + extent_bytes] = end - (offset + extent_bytes);
+  used_ += extent_bytes;
+  return absl::OkStatus();
 }
 
 void HostTier::Give(uint64_t offset, uint64_t extent_bytes) {

@@ -69,16 +69,25 @@ struct HostTierStats {
 class HostTier {
  public:
   // Creates the memfd and its mapping (`device` must outlive the tier) and starts the background
-  // preparation. INVALID_ARGUMENT for a size that is not a multiple of `alignment` (a power of two);
-  // the system's errors for memfd_create, ftruncate and mmap.
+  // preparation. `predecessor`, the memfd of the tier of the daemon before this one (from the FD store), is
+  // adopted with the contents kept in it when it has the size asked for (adopted() says so; Claim then gives
+  // the restored pools their extents back); otherwise it is closed and the tier starts empty.
+  // INVALID_ARGUMENT for a size that is not a multiple of `alignment` (a power of two); the system's errors
+  // for memfd_create, ftruncate and mmap.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<HostTier>> Create(Device* device, const HostTierOptions& options,
-                                                                        uint64_t alignment);
+                                                                        uint64_t alignment, UniqueFd predecessor = {});
   // Waits for the preparation, unregisters and unmaps.
   ~HostTier();
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;
 
   uint64_t bytes() const { return bytes_; }
+  int fd() const { return fd_.get(); }
+  // Whether the tier is its predecessor's memfd, with what that one's pools kept.
+  bool adopted() const { return adopted_; }
+  // Takes exactly the extent [offset, offset + extent_bytes) a restored pool's record names (adopted tiers).
+  // FAILED_PRECONDITION when it is not free in full (another pool's, or past the tier's end).
+  [[nodiscard]] absl::Status Claim(uint64_t offset, uint64_t extent_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // An extent for `bytes` bytes of `pool` (waits for the background preparation first).
   // RESOURCE_EXHAUSTED naming the bytes asked, the tier's size and the largest free extent when none fits.
   [[nodiscard]] absl::StatusOr<uint64_t> Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes)
@@ -93,7 +102,7 @@ class HostTier {
   HostTierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map);
+  HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map, bool adopted);
   // The background preparation: NUMA binding, page allocation, registration.
   void Prepare();
   // Copies every piece of `kept`'s runs, several at once: to the host (`out`) or back.
@@ -105,6 +114,7 @@ class HostTier {
   const uint64_t bytes_;
   const UniqueFd fd_;
   uint8_t* const map_;
+  const bool adopted_;
   std::thread preparer_;
 
   mutable absl::Mutex mu_;

@@ -47,6 +47,26 @@ void MemoryStateStore::DropChunkFd(uint64_t id) {
   fds_.erase(it);
 }
 
+absl::Status MemoryStateStore::KeepHostTierFd(int fd) {
+  if (options_.durability != Durability::kFdStore) return absl::OkStatus();
+  UniqueFd copy(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) return ErrnoStatus(errno, "host tier: keeping its FD");
+  absl::MutexLock lock(&mu_);
+  std::swap(host_tier_fd_, copy);  // the one before closes after the lock is let go
+  return absl::OkStatus();
+}
+
+void MemoryStateStore::DropHostTierFd() {
+  UniqueFd dropped;
+  absl::MutexLock lock(&mu_);
+  std::swap(host_tier_fd_, dropped);
+}
+
+bool MemoryStateStore::holds_host_tier_fd() const {
+  absl::MutexLock lock(&mu_);
+  return host_tier_fd_.valid();
+}
+
 SavedState MemoryStateStore::Reopen() {
   absl::MutexLock lock(&mu_);
   SavedState saved{.epoch = epoch_};
@@ -60,6 +80,13 @@ SavedState MemoryStateStore::Reopen() {
       continue;
     }
     saved.fds[id] = std::move(copy);
+  }
+  if (host_tier_fd_.valid()) {
+    saved.host_tier_fd = UniqueFd(fcntl(host_tier_fd_.get(), F_DUPFD_CLOEXEC, 0));
+    if (!saved.host_tier_fd.valid()) {
+      saved.problems.push_back(
+          absl::StrCat("the host tier's FD could not be duplicated: ", ErrnoStatus(errno, "dup").message()));
+    }
   }
   ++epoch_;
   return saved;

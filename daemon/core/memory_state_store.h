@@ -43,6 +43,9 @@ class MemoryStateStore final : public StateStore {
   [[nodiscard]] absl::Status ForgetPool(absl::string_view name) override ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] absl::Status KeepChunkFd(uint64_t id, int fd) override ABSL_LOCKS_EXCLUDED(mu_);
   void DropChunkFd(uint64_t id) override ABSL_LOCKS_EXCLUDED(mu_);
+  // kFdStore: a dup() of the tier's memfd, handed to the successor as SavedState::host_tier_fd.
+  [[nodiscard]] absl::Status KeepHostTierFd(int fd) override ABSL_LOCKS_EXCLUDED(mu_);
+  void DropHostTierFd() override ABSL_LOCKS_EXCLUDED(mu_);
 
   // What a successor finds, as FileStateStore::Open reads it: the epoch of the last Reopen (0 the first
   // time), every record (by name) and a dup() of every FD held (a dup that fails is a problem line). The
@@ -54,6 +57,7 @@ class MemoryStateStore final : public StateStore {
   std::vector<std::string> pool_names() const ABSL_LOCKS_EXCLUDED(mu_);
   // Chunk ids whose FD was kept and not dropped (with kFdStore, the FDs held).
   std::set<uint64_t> kept_chunk_ids() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool holds_host_tier_fd() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const Options options_;
@@ -61,6 +65,7 @@ class MemoryStateStore final : public StateStore {
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, SavedPool, std::less<>> records_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, UniqueFd> fds_ ABSL_GUARDED_BY(mu_);  // invalid UniqueFd where only the id is noted
+  UniqueFd host_tier_fd_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvd::daemon

@@ -74,11 +74,6 @@ PoolState Pool::state() const {
   return state_;
 }
 
-std::optional<KeptContents> Pool::kept() const {
-  absl::MutexLock lock(&mu_);
-  return kept_;
-}
-
 bool Pool::deleted() const {
   absl::MutexLock lock(&mu_);
   return deleted_;

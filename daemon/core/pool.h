@@ -130,7 +130,15 @@ class Pool {
   PoolView View(ViewClients clients = ViewClients::kListed) const ABSL_LOCKS_EXCLUDED(mu_);
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
   // While sleeping with its contents: what it keeps in the host tier (Note [The host tier]).
-  std::optional<KeptContents> kept() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::optional<KeptContents> kept() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return kept_;
+  }
+  // What the held transaction's keeping sleep took of the host tier, if it is one (given back on Destroy).
+  std::optional<KeptContents> held_kept() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return txn_.has_value() ? txn_->change.kept : std::nullopt;
+  }
   bool deleted() const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t pending_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -536,6 +536,9 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
   if (std::optional<KeptContents> kept = pool.kept(); forget && kept.has_value()) {
     host_tier_->Give(kept->tier_offset, kept->extent_bytes);
   }
+  if (std::optional<KeptContents> prepared = pool.held_kept(); prepared.has_value()) {
+    host_tier_->Give(prepared->tier_offset, prepared->extent_bytes);  // a group's keeping sleep, never committed
+  }
   std::vector<ChunkRecord> chunks;
   Pool::Held held;
   const bool deleted = why == EventType::kPoolDeleted;
@@ -788,6 +791,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
 absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller, absl::string_view name, bool wait,
                                                            absl::Time deadline, const ReleaseOptions& release,
                                                            const KeepOptions& keep) {
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live_blocks", keep.live_blocks.size(), caller.uid, options_.limits)));
   std::vector<PoolUpdate> updates;
   if (!name.empty()) {
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));

@@ -62,9 +62,25 @@ StateHealth PoolManager::state_health() const {
 
 RestoreReport PoolManager::Restore(SavedState saved) {
   RestoreReport report;
-  for (const SavedPool& record : saved.pools) {
+  for (SavedPool& record : saved.pools) {
+    // Note [The host tier]: kept contents come back with the tier's memfd, adopted from the FD store.
+    if (record.kept.has_value()) {
+      absl::Status claimed = host_tier_ == nullptr ? absl::FailedPreconditionError("kvd has no host tier now")
+                             : !host_tier_->adopted()
+                                 ? absl::FailedPreconditionError("the previous daemon's tier did not come back")
+                                 : host_tier_->Claim(record.kept->tier_offset, record.kept->extent_bytes);
+      if (!claimed.ok()) {
+        report.lines.push_back(absl::StrCat("pool ", record.name, ": the ", record.kept->bytes,
+                                            " bytes it kept in the host tier are lost (", claimed.message(),
+                                            "): it wakes with fresh memory"));
+        record.kept.reset();
+      }
+    }
     std::shared_ptr<Pool> pool = RestorePool(record, saved.fds, report);
-    if (pool == nullptr) continue;
+    if (pool == nullptr) {
+      if (record.kept.has_value()) host_tier_->Give(record.kept->tier_offset, record.kept->extent_bytes);
+      continue;
+    }
     arbiter_.Add(record.name, record.owner_uid, record.policy);
     // Counted against the owner's limits like a pool it creates, but never refused: it exists already.
     const uint64_t reserved = pool->geometry().reserved_bytes();

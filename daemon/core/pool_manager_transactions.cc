@@ -21,6 +21,7 @@ absl::StatusOr<PreparedOp> PoolManager::Prepare(const Caller& caller, absl::stri
     return absl::InvalidArgumentError(
         absl::StrCat("target_blocks: must be unset for ", GroupOpName(op), " (it applies to grow and shrink)"));
   }
+  KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live_blocks", keep.live_blocks.size(), caller.uid, options_.limits)));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   absl::MutexLock op_lock(&pool->op_mu());
   // A shrink or sleep pauses the pausable clients of other sessions until the commit or abort.

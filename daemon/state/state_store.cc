@@ -26,6 +26,7 @@ namespace kvd::daemon {
 namespace {
 
 constexpr uint32_t kFormat = 1;
+constexpr absl::string_view kHostTierFdName = "host-tier";
 
 absl::Status MakeDir(const std::string& path) {
   if (mkdir(path.c_str(), 0700) == 0 || errno == EEXIST) return absl::OkStatus();
@@ -84,6 +85,18 @@ state::PoolRecord ToRecord(const SavedPool& pool) {
   *r.mutable_metadata() = ToProto(pool.name, pool.metadata);
   *r.mutable_policy() = ToProto(pool.policy);
   r.set_policy_operator_bounds(pool.policy.operator_bounds);
+  if (pool.kept.has_value()) {
+    state::KeptRecord* k = r.mutable_kept();
+    k->set_tier_offset(pool.kept->tier_offset);
+    k->set_extent_bytes(pool.kept->extent_bytes);
+    k->set_bytes(pool.kept->bytes);
+    for (const KeptRun& run : pool.kept->runs) {
+      state::KeptRecord::Run* out = k->add_runs();
+      out->set_pool_offset(run.pool_offset);
+      out->set_bytes(run.bytes);
+    }
+    k->set_live_blocks(pool.kept->live_blocks);
+  }
   return r;
 }
 
@@ -118,12 +131,28 @@ absl::StatusOr<SavedPool> FromRecord(const state::PoolRecord& r) {
       return absl::InvalidArgumentError(absl::StrCat("state ", v1::PoolState_Name(r.state()), " cannot be saved"));
   }
   for (const v1::Chunk& c : r.chunks()) pool.chunks.push_back(FromProto(c));
+  if (r.has_kept()) {
+    KeptContents kept{.tier_offset = r.kept().tier_offset(),
+                      .extent_bytes = r.kept().extent_bytes(),
+                      .bytes = r.kept().bytes(),
+                      .live_blocks = r.kept().live_blocks()};
+    uint64_t sum = 0;
+    for (const state::KeptRecord::Run& run : r.kept().runs()) {
+      kept.runs.push_back({.pool_offset = run.pool_offset(), .bytes = run.bytes()});
+      sum += run.bytes();
+    }
+    if (sum != kept.bytes || kept.bytes > kept.extent_bytes || pool.state != PoolState::kSleeping) {
+      return absl::DataLossError("its kept contents do not add up (runs, bytes, extent) or the pool is not sleeping");
+    }
+    pool.kept = std::move(kept);
+  }
   KVD_RETURN_IF_ERROR(ValidateName(pool.name, "name"));
   return pool;
 }
 
-// The FDs the service manager handed this process ($LISTEN_FDS), by chunk id; others are closed.
-std::map<uint64_t, UniqueFd> ReceiveFds(std::vector<std::string>* problems) {
+// The FDs the service manager handed this process ($LISTEN_FDS), by chunk id, and the host tier's; others
+// are closed.
+std::map<uint64_t, UniqueFd> ReceiveFds(UniqueFd* host_tier, std::vector<std::string>* problems) {
   std::map<uint64_t, UniqueFd> fds;
   char** names = nullptr;
   const int n = sd_listen_fds_with_names(1, &names);
@@ -135,11 +164,15 @@ std::map<uint64_t, UniqueFd> ReceiveFds(std::vector<std::string>* problems) {
     UniqueFd fd(SD_LISTEN_FDS_START + i);
     fcntl(fd.get(), F_SETFD, FD_CLOEXEC);
     const absl::string_view name = names != nullptr && names[i] != nullptr ? names[i] : "";
+    if (name == kHostTierFdName) {
+      *host_tier = std::move(fd);
+      continue;
+    }
     uint64_t id = 0;
     absl::string_view digits = name;
     if (!absl::ConsumePrefix(&digits, "c") || !absl::SimpleAtoi(digits, &id)) {
-      problems->push_back(
-          absl::StrCat("FD ", i, " from the service manager is named \"", name, "\", not a chunk (c<id>): closed"));
+      problems->push_back(absl::StrCat("FD ", i, " from the service manager is named \"", name,
+                                       "\", not a chunk (c<id>) nor the host tier: closed"));
       continue;
     }
     fds[id] = std::move(fd);
@@ -202,10 +235,11 @@ absl::StatusOr<std::unique_ptr<FileStateStore>> FileStateStore::Open(Options opt
   }
 
   auto store = std::unique_ptr<FileStateStore>(new FileStateStore(std::move(options)));
-  saved->fds = ReceiveFds(&saved->problems);
+  saved->fds = ReceiveFds(&saved->host_tier_fd, &saved->problems);
   {
     absl::MutexLock lock(&store->mu_);
     for (const auto& [id, fd] : saved->fds) store->stored_.insert(id);
+    store->host_tier_stored_ = saved->host_tier_fd.valid();
   }
 
   state::DaemonRecord record;
@@ -243,9 +277,9 @@ absl::Status FileStateStore::ForgetPool(absl::string_view name) {
 absl::Status FileStateStore::KeepChunkFd(uint64_t id, int fd) {
   if (!options_.fd_store) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
-  if (stored_.size() >= options_.fd_store_max) {
+  if (const uint64_t held = stored_.size() + (host_tier_stored_ ? 1 : 0); held >= options_.fd_store_max) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "chunks: the service manager's file-descriptor store holds ", stored_.size(), " of ", options_.fd_store_max,
+        "chunks: the service manager's file-descriptor store holds ", held, " of ", options_.fd_store_max,
         " chunk FDs (--fdstore-max, FileDescriptorStoreMax= of the unit): grow in larger steps, or raise both"));
   }
   const std::string message = absl::StrCat("FDSTORE=1\nFDPOLL=0\nFDNAME=c", id);
@@ -266,6 +300,36 @@ void FileStateStore::DropChunkFd(uint64_t id) {
   if (const int sent = sd_notify(0, message.c_str()); sent <= 0) {
     Failed(ErrnoStatus(sent == 0 ? ENOENT : -sent, absl::StrCat("removing chunk ", id, "'s FD from the store")))
         .IgnoreError();
+  }
+}
+
+absl::Status FileStateStore::KeepHostTierFd(int fd) {
+  if (!options_.fd_store) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  if (host_tier_stored_) {
+    // The predecessor's, of another size: the service manager would keep both under the one name.
+    const std::string remove = absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", kHostTierFdName);
+    if (sd_notify(0, remove.c_str()) <= 0) spdlog::warn("saved state: the old host tier's FD could not be removed");
+    host_tier_stored_ = false;
+  }
+  const std::string message = absl::StrCat("FDSTORE=1\nFDPOLL=0\nFDNAME=", kHostTierFdName);
+  const int sent = sd_pid_notify_with_fds(0, 0, message.c_str(), &fd, 1);
+  if (sent <= 0) {
+    return Failed(sent == 0 ? absl::FailedPreconditionError("host tier: $NOTIFY_SOCKET is not set: no FD store")
+                            : ErrnoStatus(-sent, "host tier: handing its FD to the service manager"));
+  }
+  host_tier_stored_ = true;
+  return absl::OkStatus();
+}
+
+void FileStateStore::DropHostTierFd() {
+  if (!options_.fd_store) return;
+  absl::MutexLock lock(&mu_);
+  if (!host_tier_stored_) return;
+  host_tier_stored_ = false;
+  const std::string message = absl::StrCat("FDSTOREREMOVE=1\nFDNAME=", kHostTierFdName);
+  if (const int sent = sd_notify(0, message.c_str()); sent <= 0) {
+    Failed(ErrnoStatus(sent == 0 ? ENOENT : -sent, "removing the host tier's FD from the store")).IgnoreError();
   }
 }
 

@@ -1,6 +1,7 @@
 // The daemon's StateStore (daemon/core/durable.h): pool records as files under --state-dir and chunk FDs
 // in the service manager's file-descriptor store (systemd's FDSTORE=1 over $NOTIFY_SOCKET, handed back
-// on the next start as $LISTEN_FDS with $LISTEN_FDNAMES "c<chunk id>"). Note [Durable pools] in
+// on the next start as $LISTEN_FDS with $LISTEN_FDNAMES "c<chunk id>"), and the host tier's memfd as
+// "host-tier". Note [Durable pools] in
 // docs/architecture.md.
 //
 // Layout of the state directory (mode 0700, owned by the daemon's user):
@@ -49,6 +50,8 @@ class FileStateStore final : public StateStore {
   [[nodiscard]] absl::Status ForgetPool(absl::string_view name) override;
   [[nodiscard]] absl::Status KeepChunkFd(uint64_t id, int fd) override ABSL_LOCKS_EXCLUDED(mu_);
   void DropChunkFd(uint64_t id) override ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] absl::Status KeepHostTierFd(int fd) override ABSL_LOCKS_EXCLUDED(mu_);
+  void DropHostTierFd() override ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t write_errors() const { return write_errors_.load(std::memory_order_relaxed); }
   uint64_t stored_fds() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -61,7 +64,8 @@ class FileStateStore final : public StateStore {
   const Options options_;
   std::atomic<uint64_t> write_errors_{0};
   mutable absl::Mutex mu_;
-  std::set<uint64_t> stored_ ABSL_GUARDED_BY(mu_);  // chunk ids whose FD the service manager holds
+  std::set<uint64_t> stored_ ABSL_GUARDED_BY(mu_);      // chunk ids whose FD the service manager holds
+  bool host_tier_stored_ ABSL_GUARDED_BY(mu_) = false;  // and the host tier's ("host-tier")
 };
 
 }  // namespace kvd::daemon

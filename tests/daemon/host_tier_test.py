@@ -3,7 +3,9 @@ a memfd device) with --host-tier-bytes, through the Python package and kvctl. Ev
 written with a pattern, the pool sleeps keeping it (all of it, or named live blocks), wakes, and two clients of
 two sessions read it back at the same addresses; a sleep the tier cannot hold is refused and changes nothing;
 a group's two-phase sleep keeps them at Prepare and an Abort gives the tier back; an engine that exits while the
-pool sleeps finds its bytes when it attaches again; pausable engines of other sessions pause before the copy.
+pool sleeps finds its bytes when it attaches again; pausable engines of other sessions pause before the copy;
+under a played service manager (tests/testing/played_manager.py, systemd's FD store) the kept bytes outlive a
+SIGTERM and a SIGKILL of kvd, and a tier of another size after the restart drops them and says so.
 
 Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl \
      PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python \
@@ -11,7 +13,10 @@ Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl \
 """
 
 import os
+import shutil
+import signal
 import subprocess
+import tempfile
 import threading
 import unittest
 
@@ -19,6 +24,7 @@ import numpy as np
 
 import kvd
 from kvd_daemon import KvdDaemonCase
+from played_manager import PlayedManager
 
 # 2 layers, 8 heads, 16 tokens, 128 channels, fp16: 32 KiB per block and segment.
 DIMS = dict(layers=2, capacity_blocks=2048, heads=8, block_tokens=16, channels=128, element_bytes=2)
@@ -36,7 +42,15 @@ def pattern(layer, blocks, shape, seed=0):
 
 class HostTierTest(KvdDaemonCase):
     def kvd_args(self):
-        return [f"--host-tier-bytes={TIER}"]
+        from scrape import free_port
+        self.metrics_port = free_port()
+        return [f"--host-tier-bytes={TIER}", f"--metrics-address=127.0.0.1:{self.metrics_port}"]
+
+    def metrics(self):
+        from scrape import http_get, parse_samples
+        samples = parse_samples(http_get(f"http://127.0.0.1:{self.metrics_port}/metrics"))
+        return {name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels) if k != "device"): value
+                for (name, labels), value in samples.items() if name.startswith("kvd_host_tier")}
 
     def setUp(self):
         super().setUp()
@@ -112,6 +126,10 @@ class HostTierTest(KvdDaemonCase):
             self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
             self.assertIn(field, e.exception.message)
         with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep("kv", keep=True, live_blocks=list(range(65537)))
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn("live_blocks: 65537 in one request, more than 65536 (--max-block-ids)", e.exception.message)
+        with self.assertRaises(kvd.KvdError) as e:
             self.c.sleep("kv", live_blocks=[1])  # without keep
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
         self.assertEqual(self.c.pool("kv").state, AWAKE)
@@ -141,6 +159,42 @@ class HostTierTest(KvdDaemonCase):
         self.assertEqual(c.pool("kv").kept_bytes, 2 * 16 << 20)
         c.wake("kv")
         self.assert_blocks(c.attach("kv", client_name="engine-2"), range(BLOCKS), what="after the engine restart")
+
+    def test_the_metrics_count_the_tier_its_use_and_every_byte_copied(self):
+        from scrape import poll
+        poll(lambda: self.metrics().get("kvd_host_tier_registered") == 1, "the tier to be registered")
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_bytes"], 48 << 20)
+        self.assertEqual(m["kvd_host_tier_used_bytes"], 0)
+        self.assertEqual(m["kvd_host_tier_numa_node"], -1)  # the host backend names no node
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_host}"], 0)
+        kept = 2 * 16 << 20
+        self.c.sleep("kv", keep=True)
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_used_bytes"], kept)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_host}"], kept)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_device}"], 0)
+        self.assertGreater(m["kvd_host_tier_copy_seconds_total{direction=to_host}"], 0)
+        self.c.wake("kv")
+        m = self.metrics()
+        self.assertEqual(m["kvd_host_tier_used_bytes"], 0)
+        self.assertEqual(m["kvd_host_tier_copied_bytes_total{direction=to_device}"], kept)
+        self.assertGreater(m["kvd_host_tier_copy_seconds_total{direction=to_device}"], 0)
+
+    def test_deleting_a_pool_that_keeps_its_contents_gives_the_tier_back(self):
+        self.m.close()
+        self.c.sleep("kv", keep=True)
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 2 * 16 << 20)
+        self.c.delete("kv")
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 0)
+        # A pool deleted while a group's keeping sleep is prepared: the prepared copy's extent comes back too.
+        self.c.create_pool("kv", **DIMS)
+        self.c.grow("kv", BLOCKS)
+        self.c.prepare("kv", "sleep", keep=True)
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 2 * 16 << 20)
+        self.c.delete("kv", force=True)
+        from scrape import poll
+        poll(lambda: self.metrics()["kvd_host_tier_used_bytes"] == 0, "the prepared extent to come back")
 
     def test_group_sleep_keeps_at_prepare_and_abort_gives_the_tier_back(self):
         prepared = self.c.prepare("kv", "sleep", keep=True)
@@ -218,6 +272,85 @@ class NoHostTierTest(KvdDaemonCase):
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         self.assertIn("--host-tier-bytes", e.exception.message)
         self.assertEqual(c.pool("kv").state, AWAKE)
+
+
+class HostTierRestartTest(unittest.TestCase):
+    """kvd restarted under a played service manager: the tier's memfd waits in the FD store as "host-tier"."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="kvd-tier-")
+        os.chmod(self.dir, 0o750)
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+        self.socket = os.path.join(self.dir, "gpu0.sock")
+        self.log_path = os.path.join(self.dir, "kvd.log")
+        self.manager = PlayedManager(self.dir)
+        self.addCleanup(self.manager.close)
+        self.clients = []
+        self.addCleanup(self.close_clients)
+
+    def close_clients(self):
+        for c in self.clients:
+            c.close()
+        self.clients = []
+
+    def start(self, tier=TIER):
+        self.close_clients()
+        self.manager.start([os.environ["KVD_BINARY"], "--backend=host", f"--socket={self.socket}",
+                            "--host-capacity=512MiB", f"--host-tier-bytes={tier}"], self.log_path)
+        c = kvd.connect(self.socket, client_name="engine")
+        self.clients.append(c)
+        return c
+
+    def log(self):
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def sleep_with_contents(self):
+        c = self.start()
+        c.create_pool("kv", **DIMS)
+        c.grow("kv", BLOCKS // 2)
+        c.grow("kv", BLOCKS)
+        m = c.attach("kv", client_name="engine")
+        d = m.geometry.dims
+        shape = (d["heads"], d["block_tokens"], d["channels"])
+        for layer in range(d["layers"]):
+            m.layer(layer, "uint16")[:BLOCKS] = pattern(layer, range(BLOCKS), shape, seed=5)
+        m.close()
+        c.sleep("kv", keep=True)
+        self.assertEqual(c.pool("kv").kept_bytes, 2 * 16 << 20)
+        self.assertIn("host-tier", self.manager.stored())
+        return shape, d["layers"]
+
+    def wake_and_read(self, c, shape, layers):
+        c.wake("kv")
+        m = c.attach("kv", client_name="engine")
+        self.addCleanup(m.close)
+        return [m.layer(layer, "uint16")[:BLOCKS].copy() for layer in range(layers)]
+
+    def test_the_kept_bytes_outlive_a_sigterm_and_a_sigkill_of_kvd(self):
+        shape, layers = self.sleep_with_contents()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            self.manager.kill(sig)
+            c = self.start()
+            pool = c.pool("kv")
+            self.assertEqual((pool.state, pool.kept_bytes), (SLEEPING, 2 * 16 << 20), sig)
+            got = self.wake_and_read(c, shape, layers)
+            for layer in range(layers):
+                want = pattern(layer, range(BLOCKS), shape, seed=5)
+                self.assertEqual(int(np.count_nonzero(got[layer] != want)), 0, f"layer {layer} after {sig!r}")
+            c.sleep("kv", keep=True)  # and again for the next round
+        self.assertEqual(self.manager.stored().count("host-tier"), 1)
+
+    def test_a_tier_of_another_size_drops_the_kept_bytes_and_says_so(self):
+        shape, layers = self.sleep_with_contents()
+        self.manager.kill(signal.SIGTERM)
+        c = self.start(tier="64MiB")
+        pool = c.pool("kv")
+        self.assertEqual((pool.state, pool.kept_bytes), (SLEEPING, 0))
+        self.assertIn("bytes it kept in the host tier are lost", self.log())
+        got = self.wake_and_read(c, shape, layers)
+        self.assertFalse(any(g.any() for g in got), "the pool woke with fresh memory")
+        self.assertEqual(self.manager.stored().count("host-tier"), 1, "the old tier was taken out of the store")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The GPU run's engines step, part 2: a transformers Llama (random weights from a config, float32, SDPA) generating
 through kvd.transformers.KvdCache, token- and logit-identical to transformers' own DynamicCache through a grow, five
 small grows by another session, a compaction while it decodes, a SIGKILL of kvd while it decodes, a SIGKILL of the
-engine (a new process adopts the checkpoint and decodes on without a prefill) and a sleep/wake (the cache comes back
-empty; the engine prefills again). Skips, saying so, where transformers is not installed.
+engine (a new process adopts the checkpoint and decodes on without a prefill) and a sleep that keeps the cached tokens
+in kvd's host tier (the woken cache decodes on without a prefill). Skips, saying so, where transformers is not installed.
 
     python3 engines_transformers.py BIN_DIR OUT_DIR        (KVD_SOCKET_DIR unused: it starts its own kvd)
 """
@@ -97,10 +97,11 @@ def engine(socket, phase, state_path):
         ids = torch.tensor([cache.tokens])
         assert cache.get_seq_length() == ids.shape[1] - 1, (cache.get_seq_length(), ids.shape)
         ids = run(ids, "adopted")  # only the last token is new to the cache: no prefill
-        cache.sleep()
+        kept = cache.get_seq_length()
+        cache.sleep(keep=True)     # the cached tokens' blocks go to kvd's host tier
         cache.wake()
-        assert cache.get_seq_length() == 0 and cache.store.emptied == 1
-        run(ids, "after-wake")     # a prefill of the whole sequence again
+        assert cache.get_seq_length() == kept and cache.store.emptied == 0, (cache.get_seq_length(), kept)
+        run(ids, "after-wake")     # decodes on: no prefill
         cache.close(delete=True)
         print("done b", flush=True)
 
@@ -113,7 +114,8 @@ def main():
     tmp = tempfile.mkdtemp(prefix="kvd-engines-")
     os.chmod(tmp, 0o750)
     socket = os.path.join(tmp, "gpu0.sock")
-    argv = [os.path.join(bin_dir, "kvd"), "--backend=cuda", "--socket=" + socket, "--budget=8GiB"]
+    argv = [os.path.join(bin_dir, "kvd"), "--backend=cuda", "--socket=" + socket, "--budget=8GiB",
+            "--host-tier-bytes=2GiB"]
     log = open(os.path.join(out, "kvd-engines.log"), "ab")
 
     def start():
@@ -192,7 +194,7 @@ def main():
         assert [r["what"] for r in results] == ["prefill-grow", "after-grows", "during-compact", "during-kvd-kill",
                                                 "adopted", "after-wake"], [r["what"] for r in results]
         assert results[4]["cache_before"] == results[4]["input"] - 1, "the adopted engine prefilled"
-        assert results[5]["cache_before"] == 0, "the woken cache was not empty"
+        assert results[5]["cache_before"] == results[5]["input"] - 1, "the woken cache did not keep its tokens"
         assert got_tokens == ref_tokens, f"tokens differ:\n kvd {got_tokens}\n ref {ref_tokens}"
         print(f"PASS engines_transformers: {len(got_tokens)} tokens identical to DynamicCache's; largest logit "
               f"difference {worst:.3g}")

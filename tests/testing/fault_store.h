@@ -46,6 +46,8 @@ class FaultStore final : public daemon::StateStore {
     return inner_->KeepChunkFd(id, fd);
   }
   void DropChunkFd(uint64_t id) override { inner_->DropChunkFd(id); }
+  absl::Status KeepHostTierFd(int fd) override { return inner_->KeepHostTierFd(fd); }
+  void DropHostTierFd() override { inner_->DropHostTierFd(); }
 
  private:
   struct Planned {

@@ -22,6 +22,9 @@ What the cache does (KvdKVStore):
   the last checkpoint() (the pool's metadata) and decodes on without a new prefill.
 - sleep and wake (its own, or another session's): the memory comes back zeroed, so the cache empties itself
   (`emptied` counts it) and the engine prefills again; a forward while it sleeps raises FAILED_PRECONDITION.
+  `sleep(keep=True)` keeps the cached tokens instead: kvd copies the blocks that hold them to its host tier
+  (`--host-tier-bytes`) and the wake copies them back, so the cache decodes on without a prefill -- unless kvd lost
+  them meanwhile (it restarted without its FD store or with another tier), which the cache sees and empties itself.
 
 KvdKVStore is array-agnostic: numpy views on the host backend (what the tests without torch drive), torch tensors
 on CUDA. KvdCache (needs transformers with cache_utils.CacheLayerMixin) delegates every call to it.
@@ -73,6 +76,7 @@ class KvdKVStore:
         self._held = threading.local()  # .depth: this thread's forwards in flight
         self._paused = False
         self._sleeping = False
+        self._kept = False  # sleeping with the cached tokens in kvd's host tier
         self._metadata_version = 0
         self.adopted = False
         initial = max(1, math.ceil((initial_tokens or block_tokens) / block_tokens))
@@ -268,19 +272,40 @@ class KvdKVStore:
         """Rewrites a pool grown in many steps as one chunk per segment (this Mapping pauses for it)."""
         return self.client.compact(self.pool)
 
-    def sleep(self):
-        """Gives the memory back to kvd; the cached tokens are lost."""
+    def sleep(self, keep=False):
+        """Gives the memory back to kvd. The cached tokens are lost, or with `keep` kept in kvd's host tier (only the
+        blocks that hold them): KvdError RESOURCE_EXHAUSTED when the tier cannot hold them, FAILED_PRECONDITION when
+        kvd has none, and the cache is as it was."""
         with self._cv:
             while self._active:
                 self._cv.wait()
-        self.client.sleep(self.pool, wait=True)
+            blocks = math.ceil(max(self.lengths) / self.block_tokens)
+        if self.mapping.cuda_device is not None:
+            import torch  # noqa: PLC0415
+            torch.cuda.synchronize(self.mapping.cuda_device)
+        if keep and blocks:
+            self.client.sleep(self.pool, wait=True, keep=True, live_blocks=list(range(blocks)))
+        else:
+            self.client.sleep(self.pool, wait=True)
         with self._cv:
             self._sleeping = True
+            self._kept = bool(keep and blocks)
 
     def wake(self):
-        """Backs the pool again (zeroed): the cache is empty, prefill again."""
+        """Backs the pool again: with the cached tokens after sleep(keep=True), else zeroed (the cache is empty,
+        prefill again)."""
+        with self._cv:
+            kept = self._kept and self.client.pool(self.pool).kept_bytes > 0
         self.client.wake(self.pool)
-        self._emptied()
+        self._woken(kept)
+
+    def _woken(self, kept):
+        if kept:
+            with self._cv:
+                self._sleeping = self._kept = False
+                self._cv.notify_all()
+        else:
+            self._emptied()
 
     def close(self, delete=False):
         self.mapping.close()
@@ -307,9 +332,9 @@ class KvdKVStore:
 
     def _on_grow(self, committed_blocks):
         with self._cv:
-            woke = self._sleeping
-        if woke:
-            self._emptied()
+            woke, kept = self._sleeping, self._kept
+        if woke:  # another session's wake (this one's own ends in wake())
+            self._woken(kept)
 
     def _on_release(self, committed_blocks):
         with self._cv:
@@ -318,6 +343,11 @@ class KvdKVStore:
     def _on_restart(self, restart):
         if restart.lost_chunk_ids:
             self._emptied()
+        with self._cv:
+            kept = self._kept
+        if kept and self.client.pool(self.pool).kept_bytes == 0:  # the restarted kvd did not keep them
+            with self._cv:
+                self._kept = False
 
     def _clip_locked(self):
         backed = self.mapping.committed_blocks * self.block_tokens
@@ -327,7 +357,7 @@ class KvdKVStore:
 
     def _emptied(self):
         with self._cv:
-            self._sleeping = False
+            self._sleeping = self._kept = False
             self.lengths = [0] * self.layers
             self.tokens = []
             self.emptied += 1
@@ -460,8 +490,8 @@ def _make_cache_classes():
         def checkpoint(self, tokens=None):
             self.store.checkpoint(tokens)
 
-        def sleep(self):
-            self.store.sleep()
+        def sleep(self, keep=False):
+            self.store.sleep(keep=keep)
 
         def wake(self):
             self.store.wake()

@@ -10,7 +10,8 @@ Checked: the pool is LHBNC (rule backend_requirement) with the dims the model im
 are where the pool's geometry says; growth in steps up to max_cache_len, and OUT_OF_RANGE past it with nothing written;
 another session's compaction of a pool grown in many steps while a decoding thread runs, its pauses waiting out the
 forward in flight; a SIGKILL of kvd; an engine process killed and a new one adopting the pool from its checkpoint;
-sleep and wake, the engine's own and another session's; a shrink below the cached tokens; a pool of other dims refused.
+sleep and wake, the engine's own and another session's, dropping the tokens or keeping them in kvd's host tier; a
+shrink below the cached tokens; a pool of other dims refused.
 """
 import os
 import signal
@@ -65,7 +66,8 @@ def step(store, ref, n, tokens=1):
 
 class KvdTransformersStoreTest(KvdDaemonCase):
     def kvd_args(self):
-        return ["--host-granularity=4KiB"]  # a granule is 4 blocks of a segment here: the pool grows in steps
+        # A granule is 4 blocks of a segment here: the pool grows in steps. The host tier: sleeps that keep tokens.
+        return ["--host-granularity=4KiB", "--host-tier-bytes=16MiB"]
 
     def setUp(self):
         super().setUp()
@@ -221,6 +223,33 @@ class KvdTransformersStoreTest(KvdDaemonCase):
             time.sleep(0.02)
         self.assertEqual(s.length(), 0)
         step(s, Reference(3), 60, tokens=3)
+
+    def test_a_sleep_that_keeps_the_tokens_decodes_on_after_the_wake(self):
+        s, ref = self.store(), Reference(3)
+        for n in range(21):  # 21 tokens: 3 blocks of 8
+            step(s, ref, n)
+        s.checkpoint(list(range(21)))
+        s.sleep(keep=True)
+        pool = self.c.pool("chat")
+        self.assertEqual(pool.state, kvd.v1_pb2.POOL_STATE_SLEEPING)
+        self.assertEqual(pool.kept_bytes, 3 * 3 * 4096)  # only the blocks that hold tokens, of every layer
+        with self.assertRaises(kvd.KvdError) as asleep:
+            step(s, Reference(3), 0)
+        self.assertEqual(asleep.exception.code, "FAILED_PRECONDITION")
+        s.wake()
+        self.assertEqual((s.length(), s.emptied, s.tokens), (21, 0, list(range(21))))
+        step(s, ref, 30)  # decodes on: the views hold every kept token, and the new one after them
+
+        # Another session's wake of a keeping sleep brings them back too.
+        s.sleep(keep=True)
+        with kvd.connect(self.socket) as operator:
+            operator.wake("chat")
+        deadline = time.monotonic() + 10
+        while s._sleeping:
+            self.assertLess(time.monotonic(), deadline, "the cache did not see the wake")
+            time.sleep(0.02)
+        self.assertEqual((s.length(), s.emptied), (22, 0))
+        step(s, ref, 31)
 
     def test_a_shrink_below_the_cached_tokens_clips_them(self):
         s, ref = self.store(initial_tokens=64), Reference(3)

@@ -91,6 +91,7 @@ class DurableTest : public ::testing::Test {
   }
   void TearDown() override {
     manager_.reset();
+    tier_.reset();
     EXPECT_EQ(device_->live_chunks(), 0);
     EXPECT_EQ(device_->live_mappings(), 0);
     EXPECT_EQ(device_->live_reservations(), 0);
@@ -105,22 +106,39 @@ class DurableTest : public ::testing::Test {
     Launch(saved.epoch + 1);
     alice_ = Session(1000, "alice");
   }
-  // Stops the daemon keeping its pools and starts the next one on what the store kept.
-  RestoreReport Restart() {
+  // Stops the daemon keeping its pools and starts the next one on what the store kept, with a host tier of
+  // `tier_bytes` (0: none) made as the daemon makes it: on the predecessor's memfd when the store kept one.
+  RestoreReport Restart(uint64_t tier_bytes = 0) {
     manager_->Shutdown(/*keep_pools=*/true);
     manager_.reset();
+    tier_.reset();
     EXPECT_EQ(device_->live_chunks(), 0) << "the stopped daemon keeps no handle";
     SavedState saved = memory_->Reopen();
+    if (tier_bytes > 0) {
+      MakeTier(tier_bytes, std::move(saved.host_tier_fd));
+      if (!tier_->adopted()) {
+        EXPECT_THAT(store_->KeepHostTierFd(tier_->fd()), IsOk());
+      }
+    }
     Launch(saved.epoch + 1);
     RestoreReport report = manager_->Restore(std::move(saved));
     alice_ = Session(1000, "alice");
     return report;
   }
   void Launch(uint64_t epoch) {
-    manager_ = std::make_unique<PoolManager>(
-        device_.get(),
-        ManagerOptions{
-            .budget_bytes = 256 * kMiB, .daemon_uid = 4242, .store = store_, .epoch = epoch, .recovery_grace = grace_});
+    manager_ = std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 256 * kMiB,
+                                                                           .daemon_uid = 4242,
+                                                                           .store = store_,
+                                                                           .epoch = epoch,
+                                                                           .recovery_grace = grace_,
+                                                                           .host_tier = tier_.get()});
+  }
+
+  void MakeTier(uint64_t bytes, UniqueFd predecessor = {}) {
+    absl::StatusOr<std::unique_ptr<HostTier>> tier =
+        HostTier::Create(device_.get(), {.bytes = bytes, .copy_threads = 2}, 2 * kMiB, std::move(predecessor));
+    ASSERT_THAT(tier, IsOk());
+    tier_ = *std::move(tier);
   }
 
   Caller Session(uint32_t uid, std::string name) {
@@ -159,6 +177,7 @@ class DurableTest : public ::testing::Test {
   StateStore* store_ = nullptr;
   MemoryStateStore* memory_ = nullptr;
   absl::Duration grace_;
+  std::unique_ptr<HostTier> tier_;  // made before the manager that uses it, destroyed after it
   std::unique_ptr<PoolManager> manager_;
   Caller alice_;
 };
@@ -219,6 +238,112 @@ TEST_F(DurableTest, ARestartRebuildsEveryPoolFromItsRecordAndItsFds) {
   ASSERT_THAT(grown.added, SizeIs(2));
   EXPECT_GT(grown.added[0].id, uint64_t{1} << 40);
   EXPECT_THAT(memory.record("p")->chunks, SizeIs(6));
+}
+
+// Writes (or, with `check`, compares) a pattern of `seed` over every byte of the awake pool's chunks.
+bool PoolBytes(std::map<uint64_t, UniqueFd>& fds, const PoolView& pool, uint8_t seed, bool check) {
+  bool same = true;
+  for (const ChunkInfo& c : pool.chunks) {
+    void* p = mmap(nullptr, c.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds.at(c.id).get(), 0);
+    if (p == MAP_FAILED) return false;
+    auto* bytes = static_cast<uint8_t*>(p);
+    for (uint64_t i = 0; i < c.bytes; i += 4096) {
+      const auto want = static_cast<uint8_t>(seed + c.segment * 31 + (c.offset + i) / 4096);
+      if (check) {
+        same = same && bytes[i] == want;
+      } else {
+        bytes[i] = want;
+      }
+    }
+    munmap(p, c.bytes);
+  }
+  return same;
+}
+
+TEST_F(DurableTest, WhatASleepKeptInTheHostTierComesBackAfterARestart) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  MakeTier(32 * kMiB);
+  ASSERT_THAT(memory.KeepHostTierFd(tier_->fd()), IsOk());
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 64), IsOk());
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("q", 32)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    ASSERT_TRUE(PoolBytes(fds, before, 7, /*check=*/false));
+  }
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  ASSERT_THAT(manager_->Sleep(alice_, "q", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  ASSERT_TRUE(memory.record("p")->kept.has_value());
+  EXPECT_EQ(memory.record("p")->kept->bytes, 8 * kMiB);
+  EXPECT_EQ(tier_->Stats().used_bytes, 12 * kMiB);
+
+  const RestoreReport report = Restart(32 * kMiB);
+  EXPECT_TRUE(tier_->adopted());
+  EXPECT_THAT(report.lines, IsEmpty());
+  EXPECT_EQ(tier_->Stats().used_bytes, 12 * kMiB) << "each restored pool holds its extent again";
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView asleep, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(asleep.state, PoolState::kSleeping);
+  EXPECT_EQ(asleep.kept_bytes, 8 * kMiB);
+  // A pool kept before the restart and a pool kept after it share the tier without overlapping.
+  ASSERT_THAT(manager_->Wake(alice_, "q"), IsOk());
+  ASSERT_THAT(manager_->Sleep(alice_, "q", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView woken, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(woken.committed_blocks, before.committed_blocks);
+  EXPECT_EQ(woken.kept_bytes, 0u);
+  std::map<uint64_t, UniqueFd> fds = Fetch("p");
+  EXPECT_TRUE(PoolBytes(fds, woken, 7, /*check=*/true)) << "every byte the pool kept, at the same offsets";
+  EXPECT_EQ(tier_->Stats().used_bytes, 4 * kMiB);
+}
+
+TEST_F(DurableTest, KeptContentsATierOfAnotherSizeOrNoneCannotHoldAreDroppedAndSaid) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  MakeTier(32 * kMiB);
+  ASSERT_THAT(memory.KeepHostTierFd(tier_->fd()), IsOk());
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+
+  RestoreReport report = Restart(64 * kMiB);  // --host-tier-bytes changed
+  EXPECT_FALSE(tier_->adopted());
+  EXPECT_THAT(report.lines, ElementsAre(HasSubstr("pool p: the 4194304 bytes it kept in the host tier are lost")));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView p, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(p.state, PoolState::kSleeping);
+  EXPECT_EQ(p.kept_bytes, 0u);
+  EXPECT_EQ(tier_->Stats().used_bytes, 0u);
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+  EXPECT_EQ(manager_->GetPool(alice_, "p")->committed_blocks, 32u) << "it wakes with fresh memory";
+
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  report = Restart(/*tier_bytes=*/0);  // no tier at all now
+  EXPECT_THAT(report.lines, ElementsAre(HasSubstr("kvd has no host tier now")));
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+}
+
+TEST(HostTierTest, ClaimTakesExactlyTheNamedExtentAndOnlyAFreeOne) {
+  absl::StatusOr<std::unique_ptr<Device>> device =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(device, IsOk());
+  absl::StatusOr<std::unique_ptr<HostTier>> tier = HostTier::Create(device->get(), {.bytes = 16 * kMiB}, 2 * kMiB);
+  ASSERT_THAT(tier, IsOk());
+  HostTier& t = **tier;
+  EXPECT_FALSE(t.adopted());
+  ASSERT_THAT(t.Claim(4 * kMiB, 4 * kMiB), IsOk());
+  EXPECT_THAT(t.Claim(6 * kMiB, 2 * kMiB), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not free")));
+  EXPECT_THAT(t.Claim(14 * kMiB, 4 * kMiB), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not free")));
+  EXPECT_THAT(t.Claim(~uint64_t{0}, 2 * kMiB), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not free")));
+  EXPECT_EQ(t.Stats().used_bytes, 4 * kMiB);
+  uint64_t extent = 0;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t first, t.Take("p", 4 * kMiB, &extent));
+  EXPECT_EQ(first, 0u) << "first fit, before the claimed extent";
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t second, t.Take("p", 6 * kMiB, &extent));
+  EXPECT_EQ(second, 8 * kMiB) << "after it";
+  t.Give(4 * kMiB, 4 * kMiB);
+  t.Give(first, 4 * kMiB);
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t whole, t.Take("p", 8 * kMiB, &extent));
+  EXPECT_EQ(whole, 0u) << "given-back extents coalesce";
 }
 
 TEST_F(DurableTest, ARecordWithoutItsFdRecoversAndAnFdWithoutARecordIsReleased) {
@@ -329,13 +454,17 @@ TEST_F(DurableTest, TheRecoveryGraceLosesWhatWasNotGivenBackAndTheBudgetStaysExa
   ASSERT_THAT(manager_->ReturnHandles(alice_.session, alice_.uid, "whole", std::move(all)), IsOk());
   EXPECT_EQ(device_->live_chunks(), 3);
 
-  // Past the grace: p's missing chunk is lost, its present one released, and p sleeps with its size.
+  // Past the grace: p's missing chunk is lost, its present one released, and p sleeps with its size. The
+  // recovery thread publishes the state first, then releases the present chunk and saves the record: wait
+  // for all three.
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   PoolView pool;
   do {
     absl::SleepFor(absl::Milliseconds(20));
     KVD_ASSERT_OK_AND_ASSIGN(pool, manager_->GetPool(alice_, "p"));
-  } while (pool.state == PoolState::kRecovering && absl::Now() < deadline);
+  } while ((pool.state == PoolState::kRecovering || memory.record("p")->state != PoolState::kSleeping ||
+            device_->live_chunks() != 2) &&
+           absl::Now() < deadline);
   EXPECT_EQ(pool.state, PoolState::kSleeping);
   EXPECT_EQ(pool.committed_bytes, 0u);
   EXPECT_THAT(pool.chunks, IsEmpty());
