@@ -1612,6 +1612,9 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
                    .epoch = i.epoch(),
                    .started_at_unix_ms = i.started_at_unix_ms()};
   out.durability = absl::AsciiStrToLower(absl::StripPrefix(v1::Durability_Name(i.durability()), "DURABILITY_"));
+  out.state_degraded = i.state_degraded();
+  out.state_error = i.state_error();
+  out.state_save_failures = i.state_save_failures();
   for (int t : i.handle_types()) {
     std::string name = v1::HandleType_Name(static_cast<v1::HandleType>(t));
     out.handle_types.push_back(absl::AsciiStrToLower(absl::StripPrefix(name, "HANDLE_TYPE_")));

@@ -428,6 +428,12 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
                     .c_str());
   }
   std::printf("durability   %s: %s\n", d.durability.c_str(), DurabilityMeaning(d.durability));
+  if (d.state_degraded) {
+    std::printf("saved state  DEGRADED: %s (%lu saves failed since start; a restart now restores older records)\n",
+                d.state_error.c_str(), d.state_save_failures);
+  } else if (d.state_save_failures > 0) {
+    std::printf("saved state  current (%lu saves failed since start, each saved again since)\n", d.state_save_failures);
+  }
   std::printf("memory       %s total, %s free\n", FormatBytes(d.total_bytes).c_str(),
               FormatBytes(d.free_bytes).c_str());
   std::printf("committed    %s of a %s budget\n", FormatBytes(d.committed_bytes).c_str(),

@@ -390,6 +390,35 @@ class FdStoreTest(DurabilityCase):
         self.assertEqual(c.pool("p").committed_blocks, 64)
 
 
+    def test_a_record_that_cannot_be_written_shows_as_degraded_until_it_is_saved_again(self):
+        """docs/api.md DeviceInfo.state_*: a failed save is sticky and visible through the RPC and kvctl status."""
+        self.start()
+        c = self.client()
+        c.create_pool("p", initial_blocks=32, **DIMS)
+        pools = os.path.join(self.state_dir, "pools")
+        os.rename(pools, pools + ".away")
+        open(pools, "w").close()  # records cannot be written under a file (as root, where modes do not stop it)
+        c.grow("p", 128)  # the grow itself succeeds: the memory is there, only its record is stale
+        info = c.device_info()
+        self.assertTrue(info.state_degraded)
+        self.assertIn("pool p", info.state_error)
+        self.assertEqual(info.state_save_failures, 1)
+        status = self.kvctl("status")
+        self.assertIn("saved state  DEGRADED: ", status)
+        self.assertIn("1 saves failed since start", status)
+        os.remove(pools)
+        os.rename(pools + ".away", pools)
+        c.grow("p", 192)
+        info = c.device_info()
+        self.assertEqual((info.state_degraded, info.state_error, info.state_save_failures), (False, "", 1))
+        self.assertIn("saved state  current (1 saves failed since start", self.kvctl("status"))
+
+    def kvctl(self, *args):
+        r = subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={self.socket}", *args], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return r.stdout
+
 class ClientsReturnHandlesTest(DurabilityCase):
     """Without a service manager (a container): the pool table is saved, and clients that still map a
     pool give its chunks' FDs back after a restart."""

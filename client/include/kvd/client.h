@@ -129,6 +129,11 @@ struct DeviceStatus {
   // What keeps the pools' memory across a restart (proto Durability): "none", "clients", "fd_store"
   // ("unspecified" from a daemon that does not say).
   std::string durability;
+  // The saved state (docs/operations.md): degraded while a pool's record could not be written or removed;
+  // state_error names the latest such failure and its pool; state_save_failures counts them since start.
+  bool state_degraded = false;
+  std::string state_error;
+  uint64_t state_save_failures = 0;
   std::vector<std::string> handle_types;  // "posix_fd", "fabric", "dma_buf": what the API delivers
   CapabilityReport capabilities;
   // Admission (docs/api.md, "Policy, waiting and reclaim"): the device memory no grow may take, what other
