@@ -3,7 +3,8 @@ backend) with a "full" device: 512 MiB of its 1 GiB used by "other processes" an
 kvd can back 448 MiB. Engine A (priority 0) fills most of it and writes a pattern into every fifth block; its
 on_reclaim hook gives back with shrink_for_reclaim and its live blocks, following the moves in its block
 table; engine B (priority 10) grows with wait and is served. A declining hook fails B's wait naming A; a policy
-and its errors through set_policy; report_usage and a shrink policy for an engine whose hook declines.
+and its errors through set_policy; report_usage and a shrink policy for an engine whose hook declines; a sleep
+policy with a host tier: the declining pool sleeps keeping its bytes and wakes with them.
 
 Run: KVD_BINARY=<build>/daemon/kvd PYTHONPATH=<src>/client/python:<src>/tests/testing \
      KVD_PYTHON_GEN_DIR=<build>/python /usr/bin/python3 reclaim_test.py -v
@@ -150,6 +151,30 @@ class ReclaimTest(KvdDaemonCase):
         self.assertTrue(c.pool("kv").HasField("usage"))
         self.assertEqual(c.pool("kv").policy.priority, 7)
 
+
+
+class ReclaimToHostTest(KvdDaemonCase):
+    """on_reclaim_timeout SLEEP with a host tier (docs/api.md): the pool that declines sleeps keeping its contents,
+    the waiting grow is served, and the pool wakes later with every live byte where it was."""
+
+    def kvd_args(self):
+        return ["--host-capacity=1GiB", "--host-used-by-others=512MiB", "--budget=900MiB", "--device-headroom=64MiB",
+                "--reclaim-timeout=5s", "--host-tier-bytes=400MiB"]
+
+    def test_a_declining_pool_sleeps_to_the_host_tier_and_wakes_with_its_bytes(self):
+        a = Engine(self.socket, "a", 384 * BLOCKS_PER_MIB, answer="decline", priority=0, on_reclaim_timeout="sleep")
+        self.addCleanup(a.close)
+        b = Engine(self.socket, "b", 0, priority=10)
+        self.addCleanup(b.close)
+        b.c.grow("b", 128 * BLOCKS_PER_MIB, wait=True, wait_for=20)
+        pa = a.c.pool("a")
+        self.assertEqual(pa.state, kvd.v1_pb2.POOL_STATE_SLEEPING)
+        self.assertEqual(pa.kept_bytes, 384 * MiB)
+        self.assertIn("kept in the host tier", pa.reclaim.last_outcome)
+        b.c.delete("b", force=True)
+        a.c.wake("a")
+        self.assertEqual(a.c.pool("a").committed_blocks, 384 * BLOCKS_PER_MIB)
+        self.assertEqual(a.check(), "")
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
