@@ -956,6 +956,7 @@ struct Options {
   int rpc_calls = 0;
   int watch_streams = 200;
   std::string bookkeeping_bytes;
+  std::string keep_bytes;  // the keep section's pool; empty: the section says why it is skipped
   uint64_t bookkeeping_pools = 64;
   int granule_reps = 0;
   std::string free_slack;
@@ -1130,6 +1131,7 @@ class Bench {
   absl::Status Concurrent();
   absl::Status Reclaim();
   absl::Status Saturate();
+  absl::Status Keep();
   absl::Status MeasureBookkeeping();
   absl::Status Granule();
   absl::Status Torch();
@@ -1196,6 +1198,10 @@ absl::Status Bench::StartDaemon() {
                                    absl::StrCat("--budget=", o_.budget),
                                    "--log-level=warn"};
   if (!o_.chunk.empty()) args.push_back(absl::StrCat("--max-chunk=", o_.chunk));
+  if (!o_.keep_bytes.empty()) {
+    KVD_ASSIGN_OR_RETURN(const uint64_t keep, ParseBytes(o_.keep_bytes, "--keep-bytes"));
+    args.push_back(absl::StrCat("--host-tier-bytes=", (keep + (2 << 20) - 1) / (2 << 20) * (2 << 20)));
+  }
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -2458,6 +2464,147 @@ absl::Status Bench::Concurrent() {
 // The daemon's anonymous memory and FDs per chunk (a pool grown one granule per segment at a time)
 // and per (empty) pool, as least-squares slopes; the same chunks through kvd::Device here for the
 // driver's and device layer's own share.
+// A sleep that keeps the contents and the wake that copies them back (Note [The host tier]), against the same
+// bytes copied between mapped allocations and registered host memory in this process. The raw side's host buffer
+// is at most 8 GiB, reused piece by piece (the copy rate to registered memory does not depend on which pages),
+// so that kvd's tier and the baseline together fit a host whose memory is about twice the pool.
+absl::Status Bench::Keep() {
+  Line& sl = GetLine("sleep_keep", "whole_pool");
+  Line& wl = GetLine("wake_keep", "whole_pool");
+  if (o_.keep_bytes.empty()) {
+    sl.skipped = wl.skipped = "needs --keep-bytes (kvd_bench then starts kvd with a host tier of that size)";
+    return absl::OkStatus();
+  }
+  KVD_ASSIGN_OR_RETURN(const uint64_t keep, ParseBytes(o_.keep_bytes, "--keep-bytes"));
+  const uint64_t g = daemon_.granularity_bytes;
+  const uint64_t per_segment = keep / segments_ / g * g;  // whole granules: the pool's bytes fit the tier
+  const uint64_t blocks = per_segment / (layers_ / segments_ * kLayerBlockBytes);
+  if (blocks == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--keep-bytes: ", FormatBytes(keep), " over ", segments_,
+                                                   " segments is less than one granule per segment"));
+  }
+  // kvd: one chunk per segment (a single grow), no client attached: the sleep is the copy and the release.
+  KVD_ASSIGN_OR_RETURN(PoolInfo pool, CreatePool("keep", blocks));
+  KVD_RETURN_IF_ERROR(client_->Grow(pool.name, blocks).status());
+  KVD_ASSIGN_OR_RETURN(pool, client_->GetPool(pool.name));
+  const uint64_t bytes = pool.committed_bytes;
+  sl.kvd_what = absl::StrCat("Sleep(keep) of ", FormatBytes(bytes), " as ", pool.chunks.size(),
+                             " chunks until its reply: every byte copied to the host tier, the device memory released");
+  wl.kvd_what = "Wake until its reply: one chunk per segment made, every byte copied back from the host tier";
+  const uint64_t buffer_bytes = std::min<uint64_t>(bytes, uint64_t{8} << 30);
+  sl.base_what = absl::StrCat("in this process: the same bytes copied from ", pool.chunks.size(),
+                              " mapped allocations into ", FormatBytes(buffer_bytes),
+                              " of registered memfd memory (pieces of at most 256 MiB, 4 threads), then unmapped and "
+                              "released");
+  wl.base_what = "the allocations created and mapped again, the bytes copied back from the registered memory";
+
+  // The raw side's memory: the allocations' sizes are kvd's chunks', the host buffer registered once.
+  UniqueFd fd(memfd_create("kvd-bench-keep", MFD_CLOEXEC));
+  if (!fd.valid() || ftruncate(fd.get(), static_cast<off_t>(buffer_bytes)) != 0 ||
+      fallocate(fd.get(), 0, 0, static_cast<off_t>(buffer_bytes)) != 0) {
+    return ErrnoStatus(errno, "the keep line's host buffer");
+  }
+  void* host = mmap(nullptr, buffer_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (host == MAP_FAILED) return ErrnoStatus(errno, "mmap of the keep line's host buffer");
+  absl::Cleanup unmap_host = [&] { munmap(host, buffer_bytes); };
+  KVD_RETURN_IF_ERROR(raw_->RegisterHost(host, buffer_bytes));
+  absl::Cleanup unregister = [&] { raw_->UnregisterHost(host).IgnoreError(); };
+  KVD_ASSIGN_OR_RETURN(const uint64_t va, raw_->Reserve(bytes));
+  absl::Cleanup free_va = [&] { raw_->Free(va, bytes).IgnoreError(); };
+  std::vector<uint64_t> sizes;
+  for (const ChunkInfo& c : pool.chunks) sizes.push_back(c.bytes);
+  std::vector<Chunk> chunks;
+  auto make = [&]() -> absl::Status {
+    uint64_t at = 0;
+    for (uint64_t size : sizes) {
+      KVD_ASSIGN_OR_RETURN(Chunk c, raw_->Create(size));
+      chunks.push_back(c);
+      KVD_RETURN_IF_ERROR(raw_->Map(va + at, c, Access::kReadWrite));
+      at += size;
+    }
+    return absl::OkStatus();
+  };
+  auto release = [&]() -> absl::Status {
+    uint64_t at = 0;
+    for (const Chunk& c : chunks) {
+      KVD_RETURN_IF_ERROR(raw_->Unmap(va + at, c.bytes));
+      KVD_RETURN_IF_ERROR(raw_->Release(c));
+      at += c.bytes;
+    }
+    chunks.clear();
+    return absl::OkStatus();
+  };
+  absl::Cleanup released = [&] { release().IgnoreError(); };
+  // Every byte in pieces of at most 256 MiB within one allocation, by 4 threads, as the tier copies a pool's runs
+  // (--host-tier-copy-threads' default); the host side wraps around the buffer.
+  struct Piece {
+    uint64_t va, host, bytes;
+  };
+  std::vector<Piece> pieces;
+  for (uint64_t at = 0, i = 0; i < sizes.size(); at += sizes[i++]) {
+    for (uint64_t done = 0; done < sizes[i];) {
+      const uint64_t h = (at + done) % buffer_bytes;
+      const uint64_t n = std::min({uint64_t{256} << 20, sizes[i] - done, buffer_bytes - h});
+      pieces.push_back({va + at + done, h, n});
+      done += n;
+    }
+  }
+  auto copy = [&](bool to_host) -> absl::Status {
+    std::atomic<size_t> next{0};
+    absl::Mutex mu;
+    absl::Status first;
+    auto work = [&] {
+      for (size_t i = next.fetch_add(1); i < pieces.size(); i = next.fetch_add(1)) {
+        const Piece& p = pieces[i];
+        uint8_t* h = static_cast<uint8_t*>(host) + p.host;
+        absl::Status st = to_host ? raw_->CopyToHost(h, p.va, p.bytes) : raw_->CopyFromHost(p.va, h, p.bytes);
+        if (!st.ok()) {
+          absl::MutexLock lock(&mu);
+          if (first.ok()) first = std::move(st);
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int t = 1; t < 4; ++t) threads.emplace_back(work);
+    work();
+    for (std::thread& t : threads) t.join();
+    return first;
+  };
+  KVD_RETURN_IF_ERROR(make());
+
+  for (int rep = 0; rep < o_.reps; ++rep) {
+    Pause();
+    int64_t t = NowNs();
+    SleepOptions options{.wait = true, .keep = true};
+    KVD_RETURN_IF_ERROR(client_->Sleep(pool.name, options).status());
+    sl.kvd.push_back(MsSince(t));
+    KVD_ASSIGN_OR_RETURN(const PoolInfo asleep, client_->GetPool(pool.name));
+    if (asleep.kept_bytes != bytes) {
+      return absl::InternalError(absl::StrCat("the keeping sleep kept ", asleep.kept_bytes, " of ", bytes, " bytes"));
+    }
+    Pause();
+    t = NowNs();
+    KVD_RETURN_IF_ERROR(copy(/*to_host=*/true));
+    KVD_RETURN_IF_ERROR(release());
+    sl.base.push_back(MsSince(t));
+    Pause();
+    t = NowNs();
+    KVD_RETURN_IF_ERROR(client_->Wake(pool.name).status());
+    wl.kvd.push_back(MsSince(t));
+    Pause();
+    t = NowNs();
+    KVD_RETURN_IF_ERROR(make());
+    KVD_RETURN_IF_ERROR(copy(/*to_host=*/false));
+    wl.base.push_back(MsSince(t));
+  }
+  KVD_RETURN_IF_ERROR(client_->DeletePool(pool.name, true).status());
+  pools_.erase(std::remove(pools_.begin(), pools_.end(), pool.name), pools_.end());
+  const double rate = static_cast<double>(bytes) / (P50(sl.kvd) / 1000.0) / 1e9;
+  sl.note = absl::StrFormat("kvd p50 %.1f GB/s to the tier", rate);
+  wl.note = absl::StrFormat("kvd p50 %.1f GB/s back", static_cast<double>(bytes) / (P50(wl.kvd) / 1000.0) / 1e9);
+  return absl::OkStatus();
+}
+
 absl::Status Bench::MeasureBookkeeping() {
   if (daemon_pid_ <= 0) {
     book_.skipped = "the daemon's pid is unknown (SO_PEERCRED failed)";
@@ -2716,9 +2863,9 @@ absl::Status Bench::Run() {
   if (o_.rpc_calls <= 0) o_.rpc_calls = gpu_ ? 2000 : 400;
   if (o_.granule_reps <= 0) o_.granule_reps = std::min(o_.reps, 3);
   if (o_.sections != "all") {
-    const std::set<std::string> known = {"lifecycle",   "fragmented", "compact", "shrink_to_half",
-                                         "control_rpc", "concurrent", "reclaim", "saturate",
-                                         "bookkeeping", "granule",    "torch"};
+    const std::set<std::string> known = {"lifecycle",   "fragmented",  "compact", "shrink_to_half",
+                                         "control_rpc", "concurrent",  "reclaim", "saturate",
+                                         "keep",        "bookkeeping", "granule", "torch"};
     for (absl::string_view section : absl::StrSplit(o_.sections, ',', absl::SkipEmpty())) {
       if (!known.contains(std::string(section))) {
         return absl::InvalidArgumentError(absl::StrCat("--sections: unknown section \"", section, "\" (known: all, ",
@@ -2802,6 +2949,12 @@ absl::Status Bench::Run() {
   if (Want("saturate")) {
     std::fprintf(stderr, "kvd_bench: saturate\n");
     KVD_RETURN_IF_ERROR(Saturate());
+  }
+  if (Want("keep")) {
+    std::fprintf(stderr, "kvd_bench: keep\n");
+    KVD_RETURN_IF_ERROR(Keep());
+    GetLine("sleep_keep", "whole_pool").target = "<= 1.10";
+    GetLine("wake_keep", "whole_pool").target = "<= 1.10";
   }
   if (Want("bookkeeping")) {
     std::fprintf(stderr, "kvd_bench: bookkeeping\n");
@@ -3393,7 +3546,7 @@ int main(int argc, char** argv) {
                  "--compact-chunks-per-pause)");
   app.add_option("--sections", o.sections,
                  "The parts to run, comma-separated: lifecycle, fragmented, compact, shrink_to_half, control_rpc, "
-                 "concurrent, reclaim, saturate, bookkeeping, granule, torch (granule and torch compare with "
+                 "concurrent, reclaim, saturate, keep, bookkeeping, granule, torch (granule and torch compare with "
                  "lifecycle's grow + attach)")
       ->capture_default_str();
   app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
@@ -3406,6 +3559,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 256));
   app.add_option("--bookkeeping-bytes", o.bookkeeping_bytes,
                  "Pool grown one granule per segment at a time for the per-chunk bookkeeping (default 16GiB / 1GiB)");
+  app.add_option("--keep-bytes", o.keep_bytes,
+                 "Pool of the keep section (a sleep that keeps its contents in kvd's host tier, and the wake that "
+                 "copies them back); the kvd kvd_bench starts gets --host-tier-bytes of this size (default: the "
+                 "section is skipped)");
   app.add_option("--bookkeeping-pools", o.bookkeeping_pools, "Empty pools for the per-pool bookkeeping")
       ->capture_default_str();
   app.add_option("--granule-reps", o.granule_reps, "Repetitions of the granule design (default min(reps, 3))");

@@ -39,13 +39,16 @@ want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause"),
-         ("reclaim", "a_holds_the_device"), ("saturate", "8_engines")}
+         ("reclaim", "a_holds_the_device"), ("saturate", "8_engines"),
+         ("sleep_keep", "whole_pool"), ("wake_keep", "whole_pool")}
 got = {(l["name"], l["variant"]): l for l in d["lines"]}
 missing = want - set(got)
 assert not missing, f"missing lines: {sorted(missing)}"
 # Host: torch is CUDA only; everything else runs.
 # reclaim and saturate need a small budget (the run below): here they say why not.
-must_skip = {("torch_zeros", "after_pause"), ("reclaim", "a_holds_the_device"), ("saturate", "8_engines")}
+# The keep lines need --keep-bytes (a host tier): the run at the end.
+must_skip = {("torch_zeros", "after_pause"), ("reclaim", "a_holds_the_device"), ("saturate", "8_engines"),
+             ("sleep_keep", "whole_pool"), ("wake_keep", "whole_pool")}
 for key, l in got.items():
     if key in must_skip:
         assert l.get("skipped"), f"{key} must say why it was skipped"
@@ -218,3 +221,24 @@ if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=lifecycle,nope
 fi
 grep -q -- '--sections: unknown section "nope"' "$dir/err"
 echo "kvd_bench_test: 1 passed, 0 failed"
+# The keep lines with a host tier: a sleep that keeps 64 MiB and the wake that copies them back, against the
+# same copies to registered memory in-process, each with its repetitions, a ratio and a copy rate.
+"$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --sections=keep --keep-bytes=64MiB --json \
+  >"$dir/keep.json" 2>"$dir/keep.txt"
+python3 - "$dir/keep.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+got = {(l["name"], l["variant"]): l for l in d["lines"]}
+assert set(got) == {("sleep_keep", "whole_pool"), ("wake_keep", "whole_pool")}, sorted(got)
+for key, l in got.items():
+    assert "skipped" not in l, (key, l["skipped"])
+    assert l["target"] == "<= 1.10", (key, l["target"])
+    for side in ("kvd", "baseline"):
+        assert l[side]["n"] == 3 and all(v >= 0 and math.isfinite(v) for v in l[side]["samples_ms"]), (key, side)
+    assert l["ratio"] > 0 and "GB/s" in l["note"], (key, l)
+assert "8 chunks" in got[("sleep_keep", "whole_pool")]["kvd_what"], got[("sleep_keep", "whole_pool")]
+PY
+if "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --sections=keep --keep-bytes=1MiB 2>"$dir/err"; then
+  echo "1MiB over 8 segments must fail"; exit 1
+fi
+grep -q -- "--keep-bytes" "$dir/err"

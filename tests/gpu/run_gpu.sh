@@ -215,6 +215,9 @@ step_bench() {
   #          KVD_BENCH_ARGS adds flags; --deadline-s is what the step has left less 30 s, so that it stops
   #          starting repetitions in time (config.lifecycle_reps says how many ran). Table in kvd_bench.log,
   #          JSON in kvd_bench.json.
+  #   keep   kvd_bench --sections=keep --keep-bytes=KVD_KEEP_BYTES (default 64GiB; its kvd gets a host tier of that
+  #          size): a sleep that keeps the contents and the wake that copies them back, against the same copies to
+  #          registered memory in-process (issue 24: <= 1.4 s each, <= 1.10x). Table in kvd_bench_keep.log.
   local parts=" ${BENCH_PARTS:-sweep main} "
   if [[ $parts == *" sweep "* ]]; then
     local sweep_s=$(($(left) < 200 ? $(left) : 200))
@@ -226,6 +229,10 @@ step_bench() {
     TAIL=80 run kvd_bench timeout "$(left)" bash -c "kvd_bench --backend=cuda --json \
       --sections=${KVD_BENCH_SECTIONS:-lifecycle} --deadline-s=$((deadline > 1 ? deadline : 1)) ${KVD_BENCH_ARGS:-} \
       >$out/kvd_bench.json"
+  fi
+  if [[ $parts == *" keep "* ]]; then
+    TAIL=20 run kvd_bench_keep timeout "$(left)" bash -c "kvd_bench --backend=cuda --json --sections=keep \
+      --keep-bytes=${KVD_KEEP_BYTES:-64GiB} ${KVD_BENCH_ARGS:-} >$out/kvd_bench_keep.json"
   fi
 }
 
