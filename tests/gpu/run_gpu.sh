@@ -4,8 +4,9 @@
 #   tests/gpu/run_gpu.sh BUNDLE_DIR [POOL_SIZE]
 # STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
 # "bench" (kvd_bench's chunk sweep and lifecycle, the step's 9 minutes), "engines" (kvd.torch,
-# kvd.transformers: docs/engines.md) and "arbitrate" (kvd_bench's reclaim and saturate lines) run only when
-# named: STEPS=bench, STEPS=engines, STEPS=arbitrate.
+# kvd.transformers: docs/engines.md), "arbitrate" (kvd_bench's reclaim and saturate lines) and "keep" (a sleep
+# that keeps 64 GiB in the host tier, checked by two torch engines) run only when named: STEPS=bench,
+# STEPS=engines, STEPS=arbitrate, STEPS=keep.
 #
 # Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
 # STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
@@ -252,6 +253,17 @@ step_arbitrate() {
     ${KVD_BENCH_ARGS:-} >$out/arbitrate.json"
 }
 
+step_keep() {
+  # Issue 24 (keep_torch.py): a pool of KVD_KEEP_BYTES (default 64 GiB) on a kvd with a host tier of that size, two
+  # torch engines filling every byte of half of its layers each; a sleep that keeps the contents and the wake
+  # that copies them back, timed (<= 1.4 s each), and every byte compared by the engines on the GPU. Then
+  # kvd_bench's keep lines against the same copies to registered memory in-process (<= 1.10x).
+  PYTHONPATH=$bundle/python:$bundle TAIL=10 run keep_torch timeout "$(($(left) / 2))" python3 \
+    "$bundle/keep_torch.py" "$bundle/bin" "$out" "${KVD_KEEP_BYTES:-64GiB}"
+  TAIL=10 run kvd_bench_keep timeout "$(left)" bash -c "kvd_bench --backend=cuda --json --sections=keep \
+    --keep-bytes=${KVD_KEEP_BYTES:-64GiB} ${KVD_BENCH_ARGS:-} >$out/kvd_bench_keep.json"
+}
+
 step_connectors() {
 step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"
 dir=$(mktemp -d)
@@ -336,12 +348,12 @@ fi
 
 # -- the driver ----------------------------------------------------------------------------------------
 self=$(readlink -f "${BASH_SOURCE[0]}")
-all_steps=(device daemon durable restart reshape release group python bench connectors engines arbitrate)
+all_steps=(device daemon durable restart reshape release group python bench connectors engines arbitrate keep)
 default_steps="device daemon durable restart reshape release group python connectors"
-needs_python=" restart reshape release python engines arbitrate "
+needs_python=" restart reshape release python engines arbitrate keep "
 # Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
 declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=300 [release]=240 [group]=90
-                  [python]=180 [bench]=540 [connectors]=90 [engines]=300 [arbitrate]=150)
+                  [python]=180 [bench]=540 [connectors]=90 [engines]=300 [arbitrate]=150 [keep]=240)
 run_budget=${RUN_BUDGET_S:-560}
 run_started=$(date +%s)
 export KVD_GPU_RUN="$run_started-$$"  # every process this run starts inherits it
