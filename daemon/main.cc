@@ -625,7 +625,8 @@ absl::Status Run(const Flags& f) {
     return absl::InvalidArgumentError(
         absl::StrCat("--recovery-grace: \"", f.recovery_grace, "\" is not a duration (e.g. 60s)"));
   }
-  KVD_ASSIGN_OR_RETURN(const uint64_t headroom, ParseHeadroom(f.device_headroom, info.total_bytes, device->granularity()));
+  KVD_ASSIGN_OR_RETURN(const uint64_t headroom,
+                       ParseHeadroom(f.device_headroom, info.total_bytes, device->granularity()));
   absl::Duration reclaim_timeout;
   if (!absl::ParseDuration(f.reclaim_timeout, &reclaim_timeout) || reclaim_timeout <= absl::ZeroDuration() ||
       reclaim_timeout > kMaxReclaimTimeout) {

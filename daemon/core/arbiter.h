@@ -99,7 +99,7 @@ struct ArbiterEvent {
 class Arbiter {
  public:
   struct Options {
-    uint64_t headroom_bytes = 0;                        // --device-headroom (0: none)
+    uint64_t headroom_bytes = 0;                         // --device-headroom (0: none)
     uint64_t reshape_margin_bytes = uint64_t{64} << 20;  // a reshape step's device margin (kReshapeDeviceMargin)
     absl::Duration reclaim_timeout = absl::Seconds(5);   // --reclaim-timeout: a policy's zero
     absl::Duration poll = absl::Milliseconds(50);        // how often a waiter looks again without being told

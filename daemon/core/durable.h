@@ -45,7 +45,7 @@ struct SavedPool {
   std::vector<ChunkInfo> chunks;       // by (segment, offset)
   uint64_t pending_release_bytes = 0;  // released chunks clients still mapped when saved
   PoolMetadata metadata;
-  PoolPolicy policy;  // the Arbiter's (policy.h)
+  PoolPolicy policy;                 // the Arbiter's (policy.h)
   std::optional<KeptContents> kept;  // sleeping with its contents in the host tier
 };
 

@@ -4,8 +4,8 @@
 #include <type_traits>
 
 #include "absl/strings/cord.h"
-#include "absl/types/optional.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 #include "kvd/units.h"
 
 namespace kvd::daemon {

@@ -91,9 +91,9 @@ struct PoolShared {
   Budget* budget = nullptr;
   std::atomic<uint64_t>* next_chunk_id = nullptr;
   uint32_t daemon_uid = 0;
-  std::string device_uuid;         // the daemon's own device: attaching from it needs no grant
-  uint64_t epoch = 0;              // the daemon's, shown in every view
-  const Limits* limits = nullptr;  // the manager's; null: no limits (max_clients_per_pool)
+  std::string device_uuid;           // the daemon's own device: attaching from it needs no grant
+  uint64_t epoch = 0;                // the daemon's, shown in every view
+  const Limits* limits = nullptr;    // the manager's; null: no limits (max_clients_per_pool)
   const Arbiter* arbiter = nullptr;  // the pool's policy and claim for its views and record; null: defaults
 };
 

@@ -864,7 +864,7 @@ TEST_F(ClientTest, AMappingThatDoesNotPauseInTime) {
   EXPECT_EQ(Ids(b->chunks()), Ids(before.chunks));
   EXPECT_EQ(CheckPattern(*b, {0, 599, 1500}), "");
   KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
-  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);                    // the replacement chunks were given back
+  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);              // the replacement chunks were given back
   EXPECT_EQ(Memfds(), a->chunks().size() + b->chunks().size());  // and dropped by both Mappings
 
   KVD_ASSERT_OK_AND_ASSIGN(
@@ -984,7 +984,7 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   EXPECT_EQ(*At(b->layer(1), 4095, 1, 7, 7), static_cast<unsigned char>(~was));
   *At(b->layer(1), 4095, 1, 7, 7) = was;
   KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
-  EXPECT_EQ(d.committed_bytes, uint64_t{32} << 20);                    // the new chunks were given back
+  EXPECT_EQ(d.committed_bytes, uint64_t{32} << 20);              // the new chunks were given back
   EXPECT_EQ(Memfds(), a->chunks().size() + b->chunks().size());  // and let go by both Mappings
 
   gate.Open(1000);

@@ -431,8 +431,8 @@ TEST_F(LimitsTest, ReservedAddressSpaceIsLimitedPerUidAndInTotal) {
   EXPECT_TRUE(RootCreate("root1", 6).ok());  // 40 MiB
   const grpc::Status refused = RootCreate("root2", 1);
   EXPECT_THAT(Line(refused), HasSubstr("(--max-reserved)"));
-  EXPECT_EQ(Numbers(RefusalOf(refused)), absl::StrCat("max-reserved uid 0: ", 40 << 20, " allowed, ", 40 << 20,
-                                                      " used, ", 2 << 20, " asked"));
+  EXPECT_EQ(Numbers(RefusalOf(refused)),
+            absl::StrCat("max-reserved uid 0: ", 40 << 20, " allowed, ", 40 << 20, " used, ", 2 << 20, " asked"));
 }
 
 // Sessions: one uid cannot hold every session; root's `kvctl status` still works.
@@ -561,7 +561,8 @@ TEST_F(LimitsTest, ClientsPerPoolAreLimitedAndAttachRepliesDoNotListThem) {
   EXPECT_EQ(attached.pool().client_count(), 3u);
   EXPECT_EQ(attached.pool().clients_size(), 0);
   const grpc::Status refused = stub_->Attach(Ctx(root()).get(), attach, &attached);
-  EXPECT_THAT(Line(refused), HasSubstr("clients of pool shared of all uids: 3 of 3 for uid 0 (--max-clients-per-pool)"));
+  EXPECT_THAT(Line(refused),
+              HasSubstr("clients of pool shared of all uids: 3 of 3 for uid 0 (--max-clients-per-pool)"));
   EXPECT_EQ(Numbers(RefusalOf(refused)), "max-clients-per-pool uid 0: 3 allowed, 3 used, 1 asked");
   v1::GetPoolRequest get;
   get.set_name("shared");

@@ -68,9 +68,9 @@ Daemon& TheDaemon() {
                                                                       .max_pool_reserved_bytes = uint64_t{1} << 36,
                                                                       .lease_ttl = absl::Seconds(1),
                                                                       .daemon_uid = static_cast<uint32_t>(getuid())});
-    d->service = std::make_unique<KvdService>(d->manager.get(),
-                                              KvdService::Options{.granularity = d->device->granularity(),
-                                                                  .default_release_wait = absl::Milliseconds(1)});
+    d->service = std::make_unique<KvdService>(
+        d->manager.get(),
+        KvdService::Options{.granularity = d->device->granularity(), .default_release_wait = absl::Milliseconds(1)});
     grpc::ServerBuilder builder;
     builder.RegisterService(d->service.get());
     d->server = builder.BuildAndStart();

@@ -4,7 +4,6 @@
 
 #include "daemon/core/limits.h"
 #include "daemon/rpc/status.h"
-
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/status_matchers.h"
