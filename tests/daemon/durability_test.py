@@ -328,6 +328,29 @@ class FdStoreTest(DurabilityCase):
         self.assertEqual(c.pools(), [])
         self.assertEqual(c.device_info().epoch, 2)
 
+    def test_a_grow_past_fdstore_max_is_refused_and_changes_nothing(self):
+        """--fdstore-max counts every FD kvd keeps in the store, the host tier's included; a grow that would pass
+        it is RESOURCE_EXHAUSTED naming the flag and the unit's setting, and leaves the pool, the store and the
+        budget as they were."""
+        self.start("--fdstore-max=4", "--host-tier-bytes=16MiB")
+        c = self.client()
+        c.create_pool("kv", initial_blocks=64, **DIMS)  # 2 MiB in each of 2 segments: 2 chunks
+        before = c.pool("kv")
+        self.assertEqual(len(before.chunks), 2)
+        self.assertIn("host-tier", self.manager.stored())
+        with self.assertRaises(kvd.KvdError) as refused:
+            c.grow("kv", 128)  # 2 more chunks: 5 FDs
+        self.assertEqual(refused.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn("holds 4 of 4 FDs (3 chunks and the host tier; --fdstore-max, FileDescriptorStoreMax= of the "
+                      "unit)", refused.exception.message)
+        after = c.pool("kv")
+        self.assertEqual((after.committed_blocks, [ch.id for ch in after.chunks]),
+                         (64, [ch.id for ch in before.chunks]))
+        self.assertEqual(self.manager.stored(), sorted([f"c{ch.id}" for ch in before.chunks] + ["host-tier"]))
+        self.assertEqual(c.device_info().committed_bytes, before.committed_bytes)
+        c.delete("kv")  # and the store gives the FDs back
+        self.assertEqual(self.manager.stored(), ["host-tier"])
+
     def test_stray_fds_in_the_store_are_reported_and_released(self):
         """An FD the records do not account for (a grow that never committed) is released, not kept."""
         self.start()
