@@ -211,8 +211,13 @@ absl::Status Arbiter::Decline(absl::string_view pool, uint64_t reclaim_id, std::
         "reclaim_id: no reclaim ", reclaim_id, " of pool ", pool, " is waiting for an answer",
         it->second.last_outcome.empty() ? "" : absl::StrCat(" (the last one: ", it->second.last_outcome, ")")));
   }
+  // Its first 256 bytes, cut where a character starts: the reason travels on in proto3 strings
+  // (Pool.reclaim.last_outcome, the waiting grow's error), which must stay valid UTF-8.
+  size_t cut = std::min<size_t>(reason.size(), 256);
+  while (cut > 0 && cut < reason.size() && (static_cast<unsigned char>(reason[cut]) & 0xC0) == 0x80) --cut;
+  reason.resize(cut);
   r->declined = true;
-  r->decline_reason = reason.substr(0, 256);
+  r->decline_reason = std::move(reason);
   ++kicks_;
   changed_.SignalAll();
   return absl::OkStatus();

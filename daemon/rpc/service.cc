@@ -806,7 +806,7 @@ grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::S
       change.reclaim_timeout = absl::Milliseconds(std::min<uint64_t>(request->reclaim_timeout_ms(), uint64_t{1} << 40));
     }
     if (request->has_on_reclaim_timeout()) {
-      KVD_ASSIGN_OR_RETURN(change.on_timeout, FromProto(request->on_reclaim_timeout(), "on_reclaim_timeout"));
+      KVD_ASSIGN_OR_RETURN(change.on_timeout, FromProto(request->on_reclaim_timeout(), "policy.on_reclaim_timeout"));
     }
     if (change.empty()) {
       return absl::InvalidArgumentError(

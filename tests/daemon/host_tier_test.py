@@ -138,17 +138,54 @@ class HostTierTest(KvdDaemonCase):
     def test_a_sleep_the_tier_cannot_hold_is_refused_and_changes_nothing(self):
         self.c.create_pool("big", **DIMS)
         self.c.grow("big", BLOCKS)  # 32 MiB more: the tier (48 MiB) holds one of the two pools, not both
+        reader = kvd.connect(self.socket, client_name="reader")  # a pausable engine of another session
+        self.addCleanup(reader.close)
+        m2 = reader.attach("big", client_name="reader", on_pause=lambda ranges: None)
         self.c.sleep("kv", keep=True)
         with self.assertRaises(kvd.KvdError) as e:
             self.c.sleep("big", keep=True)
         self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
-        self.assertIn(str(2 * 16 << 20), e.exception.message)  # the bytes asked
+        self.assertIn(f"needs {2 * 16 << 20} bytes", e.exception.message)  # the bytes asked
+        self.assertIn(f"its largest free extent is {16 << 20} bytes", e.exception.message)
+        self.assertIn("--host-tier-bytes", e.exception.message)
         big = self.c.pool("big")
         self.assertEqual((big.state, big.committed_blocks, big.kept_bytes), (AWAKE, BLOCKS, 0))
+        self.assertEqual((m2.state, m2.pauses), (AWAKE, m2.resumes), "a client stayed paused")
         self.c.wake("kv")
         self.assert_blocks(self.m, range(BLOCKS), what="of the pool that kept its contents")
         self.c.sleep("big", keep=True)  # the tier is free again
         self.assertEqual(self.c.pool("big").kept_bytes, 2 * 16 << 20)
+
+    def test_a_wake_refused_for_memory_keeps_the_contents_for_the_next_wake(self):
+        self.c.sleep("kv", keep=True)
+        self.c.create_pool("filler", **{**DIMS, "capacity_blocks": 8192})
+        self.c.grow("filler", 8000)  # 500 of the 512 MiB budget: kv's 32 MiB do not fit
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.wake("kv")
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        pool = self.c.pool("kv")
+        self.assertEqual((pool.state, pool.kept_bytes), (SLEEPING, 2 * 16 << 20))
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 2 * 16 << 20)
+        self.c.delete("filler")
+        self.c.wake("kv")
+        self.assert_blocks(self.m, range(BLOCKS), what="after a refused wake and a second one")
+
+    def test_sleep_all_keeping_stops_at_the_pool_the_tier_cannot_hold(self):
+        self.c.create_pool("other", **DIMS)
+        self.c.grow("other", BLOCKS)  # the tier (48 MiB) holds one of the two pools' 32 MiB, not both
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep(keep=True, live_blocks=[1])
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("live_blocks", e.exception.message)
+        self.assertEqual({p.name: p.state for p in self.c.pools()}, {"kv": AWAKE, "other": AWAKE})
+        with self.assertRaises(kvd.KvdError) as e:
+            self.c.sleep(keep=True)
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        # The pool put to sleep before the one that failed stays asleep with its contents; that one is awake.
+        pools = {p.name: (p.state, p.kept_bytes) for p in self.c.pools()}
+        self.assertEqual(sorted(pools.values()), [(AWAKE, 0), (SLEEPING, 2 * 16 << 20)], pools)
+        self.c.wake()
+        self.assert_blocks(self.m, range(BLOCKS), what="after a sleep of all that stopped")
 
     def test_the_engine_exits_while_the_pool_sleeps_and_finds_its_bytes_after_wake(self):
         self.c.sleep("kv", keep=True)
@@ -272,6 +309,18 @@ class NoHostTierTest(KvdDaemonCase):
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         self.assertIn("--host-tier-bytes", e.exception.message)
         self.assertEqual(c.pool("kv").state, AWAKE)
+        with self.assertRaises(kvd.KvdError) as e:  # a group's keeping sleep likewise, at its Prepare
+            c.prepare("kv", "sleep", keep=True)
+        self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("--host-tier-bytes", e.exception.message)
+        self.assertEqual((c.pool("kv").state, c.pool("kv").transaction), (AWAKE, ""))
+
+    def test_a_tier_that_is_not_a_multiple_of_the_granularity_is_refused_at_start(self):
+        r = subprocess.run([os.environ["KVD_BINARY"], "--backend=host", f"--socket={self.dir}/gpu1.sock",
+                            "--device=1", "--host-capacity=1GiB", "--host-granularity=2MiB", "--host-tier-bytes=3MiB"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--host-tier-bytes", r.stdout + r.stderr)
 
 
 class HostTierRestartTest(unittest.TestCase):
