@@ -143,7 +143,12 @@ absl::Status Arbiter::CheckGuaranteesLocked(absl::string_view pool, const PoolPo
                                             uint32_t caller_uid, uint32_t owner_uid, const Limits& limits) const {
   uint64_t total = 0;
   const uint64_t elsewhere = GuaranteedLocked(owner_uid, pool, &total);
-  KVD_RETURN_IF_ERROR(AuthorizePolicy(pool, old, next, caller_uid, owner_uid, elsewhere, limits));
+  // A zero reclaim timeout is --reclaim-timeout's: a tenant bound by an operator may not loosen that either.
+  const auto effective = [this](PoolPolicy p) {
+    if (p.reclaim_timeout == absl::ZeroDuration()) p.reclaim_timeout = options_.reclaim_timeout;
+    return p;
+  };
+  KVD_RETURN_IF_ERROR(AuthorizePolicy(pool, effective(old), effective(next), caller_uid, owner_uid, elsewhere, limits));
   // Guarantees are promises of the budget: together they must fit in it.
   if (next.min_bytes > old.min_bytes && total + next.min_bytes > budget_->limit()) {
     return absl::ResourceExhaustedError(absl::StrCat("policy.min_bytes: the pools of this daemon have ", Bytes(total),

@@ -535,6 +535,21 @@ class KvctlArbitrationTest(KvctlCase):
         self.assertEqual(self.tenant(1000, "policy", "t", "--priority", "30").returncode, 0, "lowering is allowed")
         self.assertIn("policy.priority", self.tenant(1000, "policy", "t", "--priority", "31").stderr)
         self.assertEqual(self.json("policy", "t")["policy"]["max_bytes"], str(4 * MiB))
+        # Bound by the operator, the reclaim timeout is --reclaim-timeout's (5 s) until set: longer loosens it.
+        self.assertIn("PERMISSION_DENIED: policy.reclaim_timeout_ms: 5000: an operator set it on pool t",
+                      self.tenant(1000, "policy", "t", "--reclaim-timeout", "10s").stderr)
+        self.assertEqual(self.tenant(1000, "policy", "t", "--reclaim-timeout", "1s").returncode, 0)
+        self.assertEqual(self.json("policy", "t")["policy"]["reclaim_timeout_ms"], "1000")
+
+    def test_a_tenants_waiting_grow_names_the_pools_of_others_by_their_uid(self):
+        self.json("create", "big", *DIMS[:2], "--capacity-blocks", "65536", *DIMS[4:])  # an operator's, priority 0
+        self.ok("grow", "big", "--bytes", "500MiB")
+        self.assertEqual(self.tenant(1000, "create", "t", *DIMS, "--priority", "5").returncode, 0)
+        r = self.tenant(1000, "grow", "t", "--bytes", "15MiB", "--wait-for", "2s")
+        self.assertIn("RESOURCE_EXHAUSTED", r.stderr)
+        self.assertIn(f"a pool of uid {os.geteuid()} (priority 0) was asked for 4.00 MiB: no client attached to "
+                      "answer; its policy does nothing more", r.stderr)
+        self.assertNotIn("big", r.stderr)
 
 
 if __name__ == "__main__":
