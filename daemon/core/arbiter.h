@@ -82,7 +82,7 @@ struct ArbiterStats {
   uint64_t reclaims_under_way = 0;
   uint64_t asked_bytes = 0;  // by every reclaim since start
   uint64_t given_bytes = 0;
-  uint64_t refused_for_memory = 0;    // grows and wakes that did not ask to wait, refused for want of memory
+  uint64_t refused_for_memory = 0;    // creates, grows and wakes that did not wait, refused for want of memory
   uint64_t device_refusals = 0;       // of those, because the device could not back them (not the budget)
   uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission (the manager fills it in)
 };

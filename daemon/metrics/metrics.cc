@@ -296,9 +296,9 @@ class SnapshotCollector final : public prometheus::Collectable {
     prometheus::MetricFamily asked = Counter("kvd_reclaim_asked_bytes_total", "Bytes reclaims asked pools for.");
     prometheus::MetricFamily given =
         Counter("kvd_reclaim_given_bytes_total", "Bytes pools gave back to reclaims (by their engine or the policy).");
-    prometheus::MetricFamily refused = Counter(
-        "kvd_admission_refusals_total",
-        "Grows and wakes that did not ask to wait refused for want of memory (failed waits: kvd_wait_seconds).");
+    prometheus::MetricFamily refused = Counter("kvd_admission_refusals_total",
+                                               "Creates, grows and wakes that did not ask to wait refused for want of "
+                                               "memory (failed waits: kvd_wait_seconds).");
     prometheus::MetricFamily device_refused =
         Counter("kvd_admission_device_refusals_total",
                 "Admission refusals because the device could not back the memory (its free bytes less the headroom).");

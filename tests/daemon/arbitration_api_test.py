@@ -167,9 +167,15 @@ class ArbitrationApiTest(ArbitrationCase):
             self.assertIn(fragment, e.exception.message)
         self.assertEqual(self.op.pool("a").committed_bytes, 100 * MiB)
         self.assertEqual(self.op.device_info().available_bytes, 348 * MiB)
+        # So is a create's initial commit; nothing is created.
+        with self.assertRaises(kvd.KvdError) as e:
+            self.op.create_pool("c", **DIMS, initial_blocks=400 * PER_MIB)
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn(f"but the device can back only {348 * MiB} bytes", e.exception.message)
+        self.assertEqual([p.name for p in self.op.pools()], ["a"])
         m = self.metrics()
-        self.assertEqual(self.value(m, "kvd_admission_refusals_total", device="0"), refused + 1)
-        self.assertEqual(self.value(m, "kvd_admission_device_refusals_total", device="0"), device_refused + 1)
+        self.assertEqual(self.value(m, "kvd_admission_refusals_total", device="0"), refused + 2)
+        self.assertEqual(self.value(m, "kvd_admission_device_refusals_total", device="0"), device_refused + 2)
         # A cap refuses at once, waiting or not, naming the field.
         self.op.set_policy("a", max_bytes=128 * MiB)
         with self.assertRaises(kvd.KvdError) as e:
@@ -415,6 +421,29 @@ class ArbitrationApiTest(ArbitrationCase):
                                    ("kvd_reclaims_total", {"outcome": "timed_out"}, 2),
                                    ("kvd_wait_seconds_count", {"result": "failed"}, 1)]:
             self.assertEqual(self.value(m, name, device="0", **labels), want, f"{name} {labels}")
+
+    def test_live_blocks_past_max_block_ids_are_refused_first_with_limit_exceeded(self):
+        self.op.create_pool("kv", **DIMS)
+        self.op.grow("kv", 64)
+        refused = self.value(self.metrics(), "kvd_limit_refusals_total", device="0", limit="max-block-ids") or 0
+        live = range(65537)
+        for method, request in [("Sleep", pb.SleepRequest(pool="kv", keep=True, live_blocks=live)),
+                                ("Sleep", pb.SleepRequest(pool="nope", keep=True, live_blocks=live)),
+                                ("Prepare", pb.PrepareRequest(pool="kv", operation=pb.OPERATION_SLEEP, keep=True,
+                                                              live_blocks=live))]:
+            with self.assertRaises(grpc.RpcError) as e:
+                self.raw(method, request)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("live_blocks: 65537 in one request, more than 65536 (--max-block-ids)", e.exception.details())
+            details = dict(e.exception.trailing_metadata())["grpc-status-details-bin"]
+            exceeded = pb.LimitExceeded()
+            self.assertTrue(pb.RpcStatus.FromString(details).details[0].Unpack(exceeded))
+            self.assertEqual((exceeded.limit, exceeded.uid, exceeded.allowed, exceeded.used, exceeded.asked),
+                             ("max-block-ids", os.geteuid(), 65536, 0, 65537))
+        pool = self.op.pool("kv")
+        self.assertEqual((pool.state, pool.committed_blocks, pool.transaction), (pb.POOL_STATE_AWAKE, 64, ""))
+        self.assertEqual(self.value(self.metrics(), "kvd_limit_refusals_total", device="0", limit="max-block-ids"),
+                         refused + 3)
 
     def test_a_waiting_grow_fails_unavailable_when_kvd_stops(self):
         self.engine("hog", 440, priority=9)
