@@ -313,7 +313,7 @@ class ArbitrationApiTest(ArbitrationCase):
         self.assertEqual(g.result.pool.committed_bytes, 128 * MiB)
         self.assertEqual(len(z.requests), 1)
         self.assertEqual(z.requests[0].bytes, 64 * MiB)
-        self.assertEqual(len(x.requests), 0)
+        self.assertEqual((len(x.requests), len(y.requests)), (0, 1), "a pool is asked once per waiting request")
         py = self.op.pool("y")
         self.assertEqual((py.committed_bytes, py.reclaim.reclaim_id), (128 * MiB, 0))
         self.assertEqual(py.reclaim.last_outcome,
@@ -325,7 +325,8 @@ class ArbitrationApiTest(ArbitrationCase):
         self.assertIn(f"(the last one: reclaim {rid} of 64.0 MiB: declined", message)
         m = self.metrics()
         for name, labels, want in [("kvd_waiting_requests", {}, 0), ("kvd_waiting_bytes", {}, 0),
-                                   ("kvd_reclaims_under_way", {}, 0), ("kvd_pool_reclaim_asked_bytes", {"pool": "y"}, 0),
+                                   ("kvd_reclaims_under_way", {}, 0),
+                                   ("kvd_pool_reclaim_asked_bytes", {"pool": "y"}, 0),
                                    ("kvd_reclaims_total", {"outcome": "declined"}, 1),
                                    ("kvd_reclaims_total", {"outcome": "gave"}, 1),
                                    ("kvd_reclaim_seconds_count", {"outcome": "declined"}, 1),
@@ -337,6 +338,42 @@ class ArbitrationApiTest(ArbitrationCase):
         self.assertGreaterEqual(self.value(m, "kvd_reclaim_given_bytes_total", device="0"), 64 * MiB)
         self.assertGreater(self.value(m, "kvd_memory_pressure_seconds_total", device="0"), 0)
         self.assertEqual(self.op.device_info().waiting_requests, 0)
+
+    def test_every_client_is_asked_and_a_reclaim_whose_grow_ended_is_called_off(self):
+        y = self.engine("y", 400)
+        viewer = kvd.connect(self.socket, client_name="viewer")  # another session's client of y
+        self.addCleanup(viewer.close)
+        seen = []
+        viewer.attach("y", client_name="viewer", on_pause=lambda ranges: None, on_reclaim=seen.append)
+        b = self.engine("b", 0, priority=5)
+        with self.assertRaises(kvd.KvdError) as e:
+            b.c.grow("b", 100 * PER_MIB, wait=True, wait_for=2)
+        self.assertEqual(e.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn("pool y (priority 0) was asked for 52.0 MiB: gave 0 B so far", e.exception.message)
+        poll(lambda: seen and y.requests, "the RECLAIM at both clients")
+        self.assertEqual((seen[0].reclaim_id, seen[0].bytes), (y.requests[0].reclaim_id, 52 * MiB))
+        # Called off: nothing done to y.
+        py = poll(lambda: (lambda p: p if p.reclaim.reclaim_id == 0 else None)(self.op.pool("y")), "the reclaim's end")
+        self.assertEqual(py.reclaim.last_outcome,
+                         f"reclaim {seen[0].reclaim_id} of 52.0 MiB: called off: the grow it was asked for ended")
+        self.assertEqual((py.state, py.committed_bytes), (pb.POOL_STATE_AWAKE, 400 * MiB))
+        m = self.metrics()
+        self.assertEqual(self.value(m, "kvd_reclaims_total", device="0", outcome="called_off"), 1)
+        self.assertEqual(self.value(m, "kvd_wait_seconds_count", device="0", result="failed"), 1)
+
+    def test_a_sleep_policy_without_room_in_the_tier_sleeps_losing_the_contents(self):
+        y = self.engine("y", 384, on_reclaim_timeout="sleep")  # more than the 64 MiB tier holds
+        b = self.engine("b", 0, priority=10)
+        g = self.grower(b.c, "b", 128)
+        poll(lambda: y.requests, "a RECLAIM for y")
+        self.raw("DeclineReclaim", pb.DeclineReclaimRequest(pool="y", reclaim_id=y.requests[0].reclaim_id))
+        g.join(60)
+        self.assertIsNone(g.error)
+        py = self.op.pool("y")
+        self.assertEqual((py.state, py.kept_bytes, py.wake_blocks), (pb.POOL_STATE_SLEEPING, 0, 384 * PER_MIB))
+        self.assertIn("declined; put to sleep, its contents lost (pool y: keeping its contents needs",
+                      py.reclaim.last_outcome)
+        self.assertEqual(self.value(self.metrics(), "kvd_reclaim_actions_total", device="0", action="sleep"), 1)
 
     def test_waiting_requests_queue_by_priority_and_hold_back_requests_behind_them(self):
         hog = self.engine("hog", 400, priority=9)  # of higher priority than every waiter: never asked

@@ -151,6 +151,10 @@ class HostTierTest(KvdDaemonCase):
         big = self.c.pool("big")
         self.assertEqual((big.state, big.committed_blocks, big.kept_bytes), (AWAKE, BLOCKS, 0))
         self.assertEqual((m2.state, m2.pauses), (AWAKE, m2.resumes), "a client stayed paused")
+        m2.close()
+        self.c.sleep("big")  # a sleep without keep still works then
+        self.assertEqual(self.c.pool("big").state, SLEEPING)
+        self.c.wake("big")
         self.c.wake("kv")
         self.assert_blocks(self.m, range(BLOCKS), what="of the pool that kept its contents")
         self.c.sleep("big", keep=True)  # the tier is free again
