@@ -641,11 +641,18 @@ void Arbiter::Drive(uint64_t ticket) {
           absl::StrAppend(&line, "; its policy shrinks to the blocks its engine reported in use, but it reported none");
           action = "shrink_unreported";
         } else if (hooks_.shrink) {
-          absl::Status shrunk = hooks_.shrink(d.pool, d.usage->used_blocks, d.min_bytes);
-          absl::StrAppend(&line, shrunk.ok()
-                                     ? absl::StrCat("; shrunk to the ", d.usage->used_blocks,
-                                                    " blocks its engine reported in use (at least its min_bytes)")
-                                     : absl::StrCat("; shrinking it failed: ", shrunk.message()));
+          const absl::StatusOr<uint64_t> shrunk = hooks_.shrink(d.pool, d.usage->used_blocks, d.min_bytes);
+          if (!shrunk.ok()) {
+            absl::StrAppend(&line, "; shrinking it failed: ", shrunk.status().message());
+          } else if (*shrunk == d.usage->used_blocks) {
+            absl::StrAppend(&line, "; shrunk to the ", *shrunk, " blocks its engine reported in use");
+          } else if (*shrunk > d.usage->used_blocks) {
+            absl::StrAppend(&line, "; shrunk to ", *shrunk, " blocks, what its policy.min_bytes holds (its engine ",
+                            "reported ", d.usage->used_blocks, " in use)");
+          } else {
+            absl::StrAppend(&line, "; nothing to shrink: it holds ", *shrunk, " blocks, fewer than the ",
+                            d.usage->used_blocks, " its engine reported in use");
+          }
           action = shrunk.ok() ? "shrink" : "shrink_failed";
         }
         break;

@@ -111,8 +111,9 @@ class Arbiter {
     // Sends a RECLAIM event to every attached client of `pool`; returns how many were told.
     std::function<size_t(const std::string& pool, uint64_t reclaim_id, uint64_t bytes, absl::Time deadline)> ask;
     // The deadline actions, as the daemon's own release (Note [Releases pause first]): an exact shrink to
-    // the larger of `used_blocks` and the blocks that hold `min_bytes`, and a sleep.
-    std::function<absl::Status(const std::string& pool, uint64_t used_blocks, uint64_t min_bytes)> shrink;
+    // the larger of `used_blocks` and the blocks that hold `min_bytes` (returns the pool's blocks after it),
+    // and a sleep.
+    std::function<absl::StatusOr<uint64_t>(const std::string& pool, uint64_t used_blocks, uint64_t min_bytes)> shrink;
     // Returns what became of the contents ("its contents kept in the host tier", "its contents lost: …").
     std::function<absl::StatusOr<std::string>(const std::string& pool)> sleep;
     std::function<void(const ArbiterEvent&)> observe;  // may be empty

@@ -95,7 +95,7 @@ Arbiter::Hooks PoolManager::ArbiterHooks() {
   };
   // The deadline actions are the daemon's own releases: every attached client is paused first, or the
   // release is refused for one that is not pausable (Note [Releases pause first]).
-  hooks.shrink = [this](const std::string& name, uint64_t used_blocks, uint64_t min_bytes) -> absl::Status {
+  hooks.shrink = [this](const std::string& name, uint64_t used_blocks, uint64_t min_bytes) -> absl::StatusOr<uint64_t> {
     const Caller daemon = DaemonCaller();
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(daemon, name));
     const PoolView v = pool->View(ViewClients::kCounted);
@@ -112,8 +112,9 @@ Arbiter::Hooks PoolManager::ArbiterHooks() {
       }
     }
     const uint64_t target = std::max(used_blocks, lo);
-    if (target >= v.committed_blocks) return absl::OkStatus();
-    return Shrink(daemon, name, target, ShrinkOptions{}).status();
+    if (target >= v.committed_blocks) return v.committed_blocks;
+    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Shrink(daemon, name, target, ShrinkOptions{}));
+    return update.pool.committed_blocks;
   };
   // A sleep keeps the pool's contents where the host tier can hold them (SleepKeeping), else loses them.
   hooks.sleep = [this](const std::string& name) -> absl::StatusOr<std::string> {

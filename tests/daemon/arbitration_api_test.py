@@ -225,11 +225,14 @@ class ArbitrationApiTest(ArbitrationCase):
         self.assertEqual((p.policy.priority, p.policy.min_bytes, p.policy.max_bytes, p.policy.reclaim_timeout_ms,
                           p.policy.on_reclaim_timeout), (5, 8 * MiB, 64 * MiB, 2000, pb.RECLAIM_ACTION_SHRINK))
         self.assertFalse(p.policy_operator_bounds, "the pool's owner is an operator")
+        self.op.report_usage("kv", live_blocks=0)
+        self.assertTrue(self.op.pool("kv").HasField("usage"))
         self.raw.close()
         self.kvd.terminate()
         self.restart_daemon(0)
         after = poll(lambda: self._pool_after_restart("kv"), "the restarted daemon's pool kv")
         self.assertEqual(after.policy, p.policy)
+        self.assertFalse(after.HasField("usage"), "usage reports are not kept across a restart")
         self.assertEqual(after.policy.min_bytes + self.op.pool("big").policy.min_bytes, 520 * MiB)
 
     def _pool_after_restart(self, name):
@@ -338,6 +341,23 @@ class ArbitrationApiTest(ArbitrationCase):
         self.assertGreaterEqual(self.value(m, "kvd_reclaim_given_bytes_total", device="0"), 64 * MiB)
         self.assertGreater(self.value(m, "kvd_memory_pressure_seconds_total", device="0"), 0)
         self.assertEqual(self.op.device_info().waiting_requests, 0)
+
+    def test_a_grow_within_its_guarantee_reclaims_from_any_priority_never_below_the_others_guarantee(self):
+        # y (priority 5, 256 MiB guaranteed) holds 384 MiB; b (priority 0) grows within its own 128 MiB guarantee.
+        y = self.engine("y", 384, priority=5, min_bytes=256 * MiB, on_reclaim_timeout="shrink")
+        y.c.report_usage("y", live_blocks=0, used_blocks=1024)  # 64 MiB in use: below y's guarantee
+        b = self.engine("b", 0, min_bytes=128 * MiB)
+        g = self.grower(b.c, "b", 128)
+        poll(lambda: y.requests, "a RECLAIM for y, of higher priority than b")
+        self.assertEqual(y.requests[0].bytes, 64 * MiB)
+        self.raw("DeclineReclaim", pb.DeclineReclaimRequest(pool="y", reclaim_id=y.requests[0].reclaim_id))
+        g.join(60)
+        self.assertIsNone(g.error)
+        py = self.op.pool("y")
+        self.assertEqual(py.committed_bytes, 256 * MiB, "the shrink to the reported blocks stops at min_bytes")
+        self.assertIn(f"; shrunk to {256 * PER_MIB} blocks, what its policy.min_bytes holds (its engine reported 1024 "
+                      "in use)", py.reclaim.last_outcome)
+        self.assertEqual(self.value(self.metrics(), "kvd_reclaim_actions_total", device="0", action="shrink"), 1)
 
     def test_every_client_is_asked_and_a_reclaim_whose_grow_ended_is_called_off(self):
         y = self.engine("y", 400)

@@ -84,12 +84,11 @@ struct FakeManager {
               ids[pool] = id;
               return 1;
             },
-            .shrink =
-                [this](const std::string& pool, uint64_t used, uint64_t min) {
-                  absl::MutexLock lock(&mu);
-                  acted.push_back(absl::StrCat("shrink ", pool, " ", used, " ", min / kMiB));
-                  return absl::OkStatus();
-                },
+            .shrink = [this](const std::string& pool, uint64_t used, uint64_t min) -> absl::StatusOr<uint64_t> {
+              absl::MutexLock lock(&mu);
+              acted.push_back(absl::StrCat("shrink ", pool, " ", used, " ", min / kMiB));
+              return used;
+            },
             .sleep = [this](const std::string& pool) -> absl::StatusOr<std::string> {
               absl::MutexLock lock(&mu);
               acted.push_back(absl::StrCat("sleep ", pool));
