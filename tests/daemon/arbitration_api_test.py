@@ -7,12 +7,13 @@ The "GPU" is full as in reclaim_test.py: 512 MiB of its 1 GiB used by "other pro
 pausable Mappings; malformed requests go through grpcio itself (Raw), so that what reaches the daemon is exactly
 the request written here. Every wait is bounded; nothing asserts on wall-clock time.
 
-Run: KVD_BINARY=<build>/daemon/kvd KVD_LIBRARY=<build>/client/libkvd_c.so \
+Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl KVD_LIBRARY=<build>/client/libkvd_c.so \
      PYTHONPATH=<src>/client/python:<src>/tests/testing KVD_PYTHON_GEN_DIR=<build>/python \
      /usr/bin/python3 arbitration_api_test.py -v
 """
 import os
 import re
+import subprocess
 import threading
 import time
 import unittest
@@ -121,6 +122,12 @@ class ArbitrationCase(KvdDaemonCase):
         g = Grower(client, pool, mib * PER_MIB, wait_for)
         self.addCleanup(g.join, 60)
         return g
+
+    def kvctl(self, *args):
+        r = subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={self.socket}", *args], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return r.stdout
 
     def metrics(self):
         return parse_samples(http_get(f"http://127.0.0.1:{self.port}/metrics"))
@@ -293,6 +300,15 @@ class ArbitrationApiTest(ArbitrationCase):
                                    ("kvd_pool_priority", {"pool": "z"}, 1)]:
             self.assertEqual(self.value(m, name, device="0", **labels), want, f"{name} {labels}")
         self.assertGreater(self.value(m, "kvd_waiting_longest_seconds", device="0"), 0)
+        # kvctl top: the device's memory, what other processes use, every pool's claim, waiters and reclaims.
+        top = self.kvctl("top", "--count", "1")
+        self.assertIn("other processes 512 MiB, headroom 64.0 MiB", top)
+        self.assertIn("1 waiting for 128 MiB", top)
+        rows = {line.split()[0]: line for line in top.splitlines() if line.split()[:1] in (["y"], ["b"], ["z"])}
+        self.assertIn(f"#{request.reclaim_id} asked 64.0 MiB, gave 0 B", rows["y"])
+        self.assertIn("#1 for 128 MiB", rows["b"])
+        self.assertRegex(rows["z"], r"\b1 +0 B +none +- +-$")  # PRIO MIN MAX WAITING RECLAIM
+        self.assertIn(f"reclaim      #{request.reclaim_id} asked 64.0 MiB", self.kvctl("policy", "y"))
 
         # DeclineReclaim: malformed or stale answers are refused and leave the reclaim as it was.
         D = pb.DeclineReclaimRequest
