@@ -303,6 +303,11 @@ class HostTierTest(KvdDaemonCase):
 
 
 class NoHostTierTest(KvdDaemonCase):
+    def kvd_args(self):
+        from scrape import free_port
+        self.metrics_port = free_port()
+        return [f"--metrics-address=127.0.0.1:{self.metrics_port}"]
+
     def test_keep_without_a_tier_is_refused_and_nothing_changes(self):
         c = kvd.connect(self.socket)
         self.addCleanup(c.close)
@@ -318,6 +323,10 @@ class NoHostTierTest(KvdDaemonCase):
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         self.assertIn("--host-tier-bytes", e.exception.message)
         self.assertEqual((c.pool("kv").state, c.pool("kv").transaction), (AWAKE, ""))
+        from scrape import http_get
+        text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        self.assertIn("kvd_waiting_requests", text)
+        self.assertNotIn("kvd_host_tier", text, "the tier's metrics are served only with --host-tier-bytes")
 
     def test_a_tier_that_is_not_a_multiple_of_the_granularity_is_refused_at_start(self):
         r = subprocess.run([os.environ["KVD_BINARY"], "--backend=host", f"--socket={self.dir}/gpu1.sock",
