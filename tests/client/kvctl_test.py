@@ -444,6 +444,47 @@ class KvctlGroupTest(KvctlCase):
         self.assertIn("device_uuid", self.fails("grant", "llama-r0", "not a uuid"))
 
 
+class KvctlGroupKeepTest(KvctlCase):
+    """kvctl group sleep --keep (docs/operations.md, "The host tier"): every rank keeps its contents in its daemon's
+    host tier, or, where a daemon has none, no rank changes."""
+
+    def kvd_args(self):
+        return ["--host-tier-bytes=16MiB"]
+
+    def setUp(self):
+        super().setUp()
+        self.sockets = [self.socket, self.start_daemon(1, "--host-tier-bytes=16MiB"), self.start_daemon(2)]
+
+    def create(self, group, sockets):
+        for rank, socket in enumerate(sockets):
+            self.json("create", f"{group}-r{rank}", *DIMS, "--initial-blocks", "256", "--group", group, "--rank",
+                      str(rank), "--group-size", str(len(sockets)), socket=socket)
+
+    def ranks(self, group):
+        return [self.proto(r["pool"], kvd_pb2.Pool)
+                for r in self.json("group", "status", group, "--socket-dir", self.dir)["ranks"]]
+
+    def test_every_rank_keeps_its_contents_or_none_sleeps(self):
+        self.create("llama", self.sockets[:2])
+        committed = [p.committed_bytes for p in self.ranks("llama")]
+        self.ok("group", "sleep", "llama", "--keep", "--socket-dir", self.dir)
+        pools = self.ranks("llama")
+        self.assertEqual([(p.state, p.kept_bytes) for p in pools],
+                         [(kvd_pb2.POOL_STATE_SLEEPING, c) for c in committed])
+        self.ok("group", "wake", "llama", "--socket-dir", self.dir)
+        pools = self.ranks("llama")
+        self.assertEqual([(p.state, p.kept_bytes, p.committed_bytes) for p in pools],
+                         [(kvd_pb2.POOL_STATE_AWAKE, 0, c) for c in committed])
+        # Rank 1's daemon has no host tier: its Prepare fails and the group aborts, every rank awake.
+        self.create("mistral", [self.sockets[0], self.sockets[2]])
+        line = self.fails("group", "sleep", "mistral", "--keep", "--socket-dir", self.dir)
+        self.assertIn("FAILED_PRECONDITION", line)
+        self.assertIn("--host-tier-bytes", line)
+        self.assertIn("no rank changed", line)
+        self.assertEqual([(p.state, p.kept_bytes, p.transaction) for p in self.ranks("mistral")],
+                         [(kvd_pb2.POOL_STATE_AWAKE, 0, "")] * 2)
+
+
 class KvctlArbitrationTest(KvctlCase):
     """kvctl policy, grow --wait, pools, status and top (docs/api.md, "Policy, waiting and reclaim"). Tenants
     are another uid (setpriv) where the test runs as root; those cases skip otherwise."""
