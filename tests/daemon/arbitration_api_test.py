@@ -199,6 +199,31 @@ class ArbitrationApiTest(ArbitrationCase):
                                               rf"bytes .*, past its policy\.max_bytes of {128 * MiB} bytes")
         self.assertEqual(self.op.pool("a").committed_bytes, 100 * MiB)
 
+    def test_released_memory_is_free_on_the_host_at_once_and_in_the_budget_until_unmapped(self):
+        self.op.create_pool("p", **DIMS)
+        for at in (1024, 1600):  # a 64 MiB chunk per segment, then 36 MiB more
+            self.op.grow("p", at)
+        viewer = kvd.connect(self.socket, client_name="viewer")  # not pausable: a forced release leaves it mapped
+        self.addCleanup(viewer.close)
+        m = viewer.attach("p", client_name="viewer")
+        before = self.op.device_info()
+        self.op.shrink("p", 1024, force=True)
+        pool = self.op.pool("p")
+        self.assertEqual((pool.committed_bytes, pool.pending_release_bytes), (64 * MiB, 36 * MiB))
+        d = self.op.device_info()
+        samples = self.metrics()
+        self.assertEqual(self.value(samples, "kvd_pool_committed_bytes", pool="p"), 64 * MiB)
+        self.assertEqual(self.value(samples, "kvd_pool_pending_release_bytes", pool="p"), 36 * MiB)
+        self.assertEqual(self.value(samples, "kvd_device_committed_bytes"), d.committed_bytes)
+        self.assertEqual(d.free_bytes, before.free_bytes + 36 * MiB, "the host backend frees it at once")
+        self.assertEqual(d.committed_bytes, before.committed_bytes, "the budget counts it until it is unmapped")
+        self.assertEqual(d.foreign_bytes, (512 - 36) * MiB, "low by the bytes pending release, on the host backend")
+        self.assertEqual(d.available_bytes, min(900 * MiB - d.committed_bytes, d.free_bytes - 64 * MiB))
+        m.close()
+        poll(lambda: self.op.pool("p").pending_release_bytes == 0, "the viewer's release")
+        d = self.op.device_info()
+        self.assertEqual((d.committed_bytes, d.foreign_bytes), (before.committed_bytes - 36 * MiB, 512 * MiB))
+
     def test_malformed_policy_requests_name_the_field_and_change_nothing(self):
         self.op.create_pool("kv", **DIMS, priority=3, min_bytes=8 * MiB, reclaim_timeout=2, on_reclaim_timeout="shrink")
         self.op.create_pool("big", **DIMS, min_bytes=512 * MiB)
