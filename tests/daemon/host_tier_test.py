@@ -191,6 +191,22 @@ class HostTierTest(KvdDaemonCase):
         self.c.wake()
         self.assert_blocks(self.m, range(BLOCKS), what="after a sleep of all that stopped")
 
+    def test_a_restart_without_an_fd_store_loses_the_kept_bytes_and_says_so(self):
+        self.m.close()
+        self.c.sleep("kv", keep=True)
+        self.c.close()
+        self.kvd.terminate()
+        self.restart_daemon(0)  # DURABILITY_CLIENTS: no FD store holds the tier's memfd
+        c = kvd.connect(self.socket, client_name="engine-2")
+        self.addCleanup(c.close)
+        self.assertEqual(c.device_info().durability, kvd.v1_pb2.DURABILITY_CLIENTS)
+        pool = c.pool("kv")
+        self.assertEqual((pool.state, pool.kept_bytes, pool.wake_blocks), (SLEEPING, 0, BLOCKS))
+        self.assertIn(f"pool kv: the {2 * 16 << 20} bytes it kept in the host tier are lost", self.log())
+        self.assertEqual(self.metrics()["kvd_host_tier_used_bytes"], 0)
+        c.wake("kv")
+        self.assert_zero(c.attach("kv", client_name="engine-2"), range(BLOCKS))
+
     def test_the_engine_exits_while_the_pool_sleeps_and_finds_its_bytes_after_wake(self):
         self.c.sleep("kv", keep=True)
         self.m.close()
