@@ -354,6 +354,15 @@ class ArbitrationApiTest(ArbitrationCase):
                 (D(pool="nope", reclaim_id=rid), "NOT_FOUND", "pool nope does not exist")]:
             code_seen, message = self.raw.error("DeclineReclaim", bad)
             self.assertEqual((code_seen, fragment in message), (code, True), message)
+        # A reason that is not UTF-8 never reaches kvd: protobuf refuses the request, and kvd says so.
+        undecodable = self.raw.channel.unary_unary("/kvd.v1.Kvd/DeclineReclaim", request_serializer=bytes,
+                                                   response_deserializer=pb.DeclineReclaimResponse.FromString)
+        with self.assertRaises(grpc.RpcError) as e:
+            undecodable(D(pool="y", reclaim_id=rid).SerializeToString() + b"\x1a\x01\xff",  # reason: 0xFF
+                        metadata=[("kvd-session", self.raw.token)], timeout=30)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("request: the /kvd.v1.Kvd/DeclineReclaim request is not a valid kvd.v1.DeclineReclaimRequest",
+                      e.exception.details())
         self.assertEqual(self.op.pool("y").reclaim.reclaim_id, rid)
         # A reason is kept to its first 256 bytes, cut where a character starts (here the 2-byte é at 255).
         reason = "b" * 255 + "\u00e9" + "tail"
