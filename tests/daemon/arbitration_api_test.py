@@ -422,7 +422,7 @@ class ArbitrationApiTest(ArbitrationCase):
         self.addCleanup(viewer.close)
         seen = []
         viewer.attach("y", client_name="viewer", on_pause=lambda ranges: None, on_reclaim=seen.append)
-        b = self.engine("b", 0, priority=5)
+        self.engine("b", 0, priority=5)
         # The call's deadline is 2 s: the wait ends a tenth of it before, with what it waited for.
         code, message = self.raw.error("Grow", pb.GrowRequest(pool="b", target_blocks=100 * PER_MIB, wait=True),
                                        timeout=2)
@@ -608,7 +608,7 @@ class MetricsTableTest(ArbitrationCase):
         self.op.grow("kept", PER_MIB)
         self.op.sleep("kept", keep=True, live_blocks=[0])
         self.assertEqual(self.op.pool("kept").kept_bytes, 64 << 10)
-        a = self.engine("a", 384, give=True)
+        self.engine("a", 384, give=True)
         b = self.engine("b", 0, priority=10)
         g = self.grower(b.c, "b", 128)
         g.join(60)
