@@ -161,7 +161,7 @@ class HostTierTest(KvdDaemonCase):
         self.assertEqual(self.c.pool("big").kept_bytes, 2 * 16 << 20)
 
     def test_a_wake_refused_for_memory_keeps_the_contents_for_the_next_wake(self):
-        self.c.sleep("kv", keep=True)
+        self.c.sleep("kv", keep=True, wait=True)  # the engine's release acknowledged: out of the budget
         self.c.create_pool("filler", **{**DIMS, "capacity_blocks": 8192})
         self.c.grow("filler", 8000)  # 500 of the 512 MiB budget: kv's 32 MiB do not fit
         with self.assertRaises(kvd.KvdError) as e:
