@@ -261,7 +261,8 @@ class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
+  // `method` is gRPC's, valid for the call, which the interceptor does not outlive: no copy per call.
+  explicit ParseErrorInterceptor(absl::string_view method) : method_(method) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -285,10 +286,11 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   // "/kvd.v1.Kvd/GetPool": its descriptor; null for a method not in a linked proto.
   const google::protobuf::MethodDescriptor* Method() const {
     const size_t slash = method_.rfind('/');
-    if (slash == std::string::npos || slash == 0) return nullptr;
+    if (slash == absl::string_view::npos || slash == 0) return nullptr;
     const google::protobuf::ServiceDescriptor* service =
-        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(method_.substr(1, slash - 1));
-    return service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+            std::string(method_.substr(1, slash - 1)));
+    return service == nullptr ? nullptr : service->FindMethodByName(std::string(method_.substr(slash + 1)));
   }
 
   bool IsKvdMethod() const {
@@ -302,13 +304,13 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
     return method == nullptr ? "protobuf message" : method->input_type()->full_name();
   }
 
-  const std::string method_;
+  const absl::string_view method_;
 };
 
 class ParseErrorInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
-    return new ParseErrorInterceptor(info->method() == nullptr ? "" : info->method());
+    return new ParseErrorInterceptor(info->method() == nullptr ? absl::string_view() : info->method());
   }
 };
 
