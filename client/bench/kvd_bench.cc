@@ -1933,11 +1933,13 @@ absl::Status Bench::ShrinkToHalf() {
   return client_->DeletePool(pool.name, true).status();
 }
 
-// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then two
-// informative lines take the difference apart, in a second run of batches against the same bare server: the
-// same GetPool through a plain gRPC stub on kvd's socket (the daemon and its reply, without libkvd), and a
-// bare server (a second one, in the second process, started after the idle line) that answers with kvd's
-// reply (what the reply's size costs gRPC alone).
+// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then three
+// informative lines take the difference apart, from a second run of batches of four kinds of call: libkvd's
+// GetPool, the same GetPool through a plain gRPC stub on kvd's socket, a second bare server (in the second
+// process, started after the idle line) answering with kvd's own reply, and the bare server. Their ratios
+// chain: libkvd / stub (what the client library adds), stub / bare with kvd's reply (what the daemon's
+// handler adds over a server sending the same bytes), bare with kvd's reply / bare (what the reply's size
+// costs gRPC alone).
 absl::Status Bench::ControlRpc() {
   KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
   const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
@@ -2010,19 +2012,9 @@ absl::Status Bench::ControlRpc() {
     KVD_RETURN_IF_ERROR(stub_get());
     KVD_RETURN_IF_ERROR(sized_ping());
   }
-  Line& stub_line = GetLine("control_rpc", "idle_stub");
-  stub_line.kvd_what = "GetPool through a plain gRPC stub on kvd's socket (no libkvd)";
-  stub_line.base_what = idle.base_what;
-  stub_line.ratio_means = "stub/bare p50";
-  Line& sized_line = GetLine("control_rpc", "bare_kvd_reply");
-  sized_line.kvd_what = "a second bare server answering kvd's reply";
-  sized_line.base_what = idle.base_what;
-  sized_line.ratio_means = "sized/bare p50";
-  sized_line.note =
-      absl::StrFormat("kvd's reply %d bytes, the bare one %d", kvd_reply.ByteSizeLong(), 2 + ctl.name.size());
-  std::vector<double> base;
+  std::vector<double> libkvd, stubbed, bare_sized, bare;
   const std::vector<std::pair<std::function<absl::Status()>, std::vector<double>*>> kinds = {
-      {ping, &base}, {stub_get, &stub_line.kvd}, {sized_ping, &sized_line.kvd}};
+      {get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}};
   for (int batch = 0; batch < calls; batch += 100) {
     for (size_t k = 0; k < kinds.size(); ++k) {  // each kind in turn, a different one first each round
       const auto& [call, samples] = kinds[(k + batch / 100) % kinds.size()];
@@ -2033,7 +2025,26 @@ absl::Status Bench::ControlRpc() {
       }
     }
   }
-  stub_line.base = sized_line.base = base;
+  Line& client_share = GetLine("control_rpc", "idle_client");
+  client_share.kvd_what = "libkvd GetPool";
+  client_share.base_what = "the same GetPool through a plain gRPC stub on kvd's socket";
+  client_share.ratio_means = "libkvd/stub p50";
+  client_share.kvd = libkvd;
+  client_share.base = stubbed;
+  Line& daemon_share = GetLine("control_rpc", "idle_daemon");
+  daemon_share.kvd_what = "GetPool through a plain gRPC stub on kvd's socket";
+  daemon_share.base_what = "a bare server answering with kvd's reply";
+  daemon_share.ratio_means = "stub/bare-with-kvd's-reply p50";
+  daemon_share.kvd = stubbed;
+  daemon_share.base = bare_sized;
+  Line& reply_share = GetLine("control_rpc", "idle_reply");
+  reply_share.kvd_what = "a bare server answering with kvd's reply";
+  reply_share.base_what = "the bare server";
+  reply_share.ratio_means = "bare-with-kvd's-reply/bare p50";
+  reply_share.kvd = bare_sized;
+  reply_share.base = bare;
+  reply_share.note =
+      absl::StrFormat("kvd's reply %d bytes, the bare one %d", kvd_reply.ByteSizeLong(), 2 + ctl.name.size());
 
   // During grows of another pool (the main one, to the full size): only calls that start inside a
   // Grow count.
