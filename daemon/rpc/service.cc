@@ -71,13 +71,6 @@ absl::Status Guarded(const char* method, absl::FunctionRef<absl::Status()> body)
   }
 }
 
-// A quick RPC's answer, on the callback thread that read its request (Note [Quick RPCs answer inline]).
-grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, grpc::Status status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(std::move(status));
-  return reactor;
-}
-
 constexpr uint64_t kDefaultTransactionTtlMs = 30'000;
 // ListPools pages (kvd.proto, docs/api.md): pools per page by default and at most, and the encoded
 // size a page stops before.
@@ -349,6 +342,14 @@ absl::Status KvdService::Run(const char* method, const grpc::ServerContextBase& 
 }
 
 template <typename Body>
+grpc::ServerUnaryReactor* KvdService::Answer(const char* method, grpc::CallbackServerContext* context,
+                                             std::initializer_list<Required> required, Body&& body) const {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(Serve(method, *context, required, std::forward<Body>(body)));
+  return reactor;
+}
+
+template <typename Body>
 grpc::Status KvdService::Serve(const char* method, const grpc::ServerContextBase& context,
                                std::initializer_list<Required> required, Body&& body) const {
   return Finish(method, Run(method, context, required, std::forward<Body>(body)));
@@ -403,29 +404,27 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContextBase& context) c
 
 grpc::ServerUnaryReactor* KvdService::GetDeviceInfo(grpc::CallbackServerContext* context,
                                                     const v1::GetDeviceInfoRequest*, v1::DeviceInfo* response) {
-  return Answer(context, Serve("GetDeviceInfo", *context, {}, [&]() -> absl::Status {
-                  KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
-                  *response = ToProto(device);
-                  return absl::OkStatus();
-                }));
+  return Answer("GetDeviceInfo", context, {}, [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
+    *response = ToProto(device);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* KvdService::ResolveLayout(grpc::CallbackServerContext* context,
                                                     const v1::ResolveLayoutRequest* request,
                                                     v1::ResolveLayoutResponse* response) {
-  return Answer(context, Serve("ResolveLayout", *context, {}, [&]() -> absl::Status {
-                  KVD_ASSIGN_OR_RETURN(LayoutResolution resolution,
-                                       manager_->ResolveLayout(FromProto(request->layout_request())));
-                  *response->mutable_resolution() = ToProto(resolution);
-                  if (request->has_dims()) {
-                    // A pure computation on the resolved layout: the geometry a pool with these dims would get.
-                    KVD_ASSIGN_OR_RETURN(
-                        Geometry geometry,
-                        Geometry::Compute(resolution.layout, FromProto(request->dims()), options_.granularity));
-                    *response->mutable_geometry() = ToProto(geometry);
-                  }
-                  return absl::OkStatus();
-                }));
+  return Answer("ResolveLayout", context, {}, [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
+    *response->mutable_resolution() = ToProto(resolution);
+    if (request->has_dims()) {
+      // A pure computation on the resolved layout: the geometry a pool with these dims would get.
+      KVD_ASSIGN_OR_RETURN(Geometry geometry,
+                           Geometry::Compute(resolution.layout, FromProto(request->dims()), options_.granularity));
+      *response->mutable_geometry() = ToProto(geometry);
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
@@ -448,47 +447,45 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
 
 grpc::ServerUnaryReactor* KvdService::GetPool(grpc::CallbackServerContext* context, const v1::GetPoolRequest* request,
                                               v1::Pool* response) {
-  return Answer(context,
-                Serve("GetPool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
-                  KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
-                  *response = ToProto(pool);
-                  return absl::OkStatus();
-                }));
+  return Answer("GetPool", context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
+    *response = ToProto(pool);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* context,
                                                 const v1::ListPoolsRequest* request, v1::ListPoolsResponse* response) {
-  return Answer(
-      context, Serve("ListPools", *context, {}, [&](const Caller& caller) -> absl::Status {
-        // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
-        // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
-        std::string after;
-        if (!request->page_token().empty() &&
-            (!absl::WebSafeBase64Unescape(request->page_token(), &after) || !ValidateName(after, "page_token").ok())) {
-          return absl::InvalidArgumentError(
-              "page_token: not a next_page_token of a ListPools reply (leave it empty for the first page)");
-        }
-        const size_t page_size =
-            request->page_size() == 0 ? kDefaultListPageSize : std::min<size_t>(request->page_size(), kMaxListPageSize);
-        PoolPage page = manager_->ListPools(caller, after, page_size);
-        // The reply's encoding: each pool with its field tag and length (at most 6 bytes), and room for the
-        // token (a base64 name of at most 64 bytes, with its tag and length).
-        size_t bytes = 96;
-        for (size_t i = 0; i < page.pools.size(); ++i) {
-          v1::Pool pool = ToProto(page.pools[i]);
-          bytes += pool.ByteSizeLong() + 6;
-          // Never past the page's byte bound, but never an empty page while pools remain.
-          if (i > 0 && bytes > kMaxListPageBytes) {
-            page.more = true;
-            break;
-          }
-          *response->add_pools() = std::move(pool);
-        }
-        if (page.more && response->pools_size() > 0) {
-          response->set_next_page_token(absl::WebSafeBase64Escape(response->pools(response->pools_size() - 1).name()));
-        }
-        return absl::OkStatus();
-      }));
+  return Answer("ListPools", context, {}, [&](const Caller& caller) -> absl::Status {
+    // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
+    // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
+    std::string after;
+    if (!request->page_token().empty() &&
+        (!absl::WebSafeBase64Unescape(request->page_token(), &after) || !ValidateName(after, "page_token").ok())) {
+      return absl::InvalidArgumentError(
+          "page_token: not a next_page_token of a ListPools reply (leave it empty for the first page)");
+    }
+    const size_t page_size =
+        request->page_size() == 0 ? kDefaultListPageSize : std::min<size_t>(request->page_size(), kMaxListPageSize);
+    PoolPage page = manager_->ListPools(caller, after, page_size);
+    // The reply's encoding: each pool with its field tag and length (at most 6 bytes), and room for the
+    // token (a base64 name of at most 64 bytes, with its tag and length).
+    size_t bytes = 96;
+    for (size_t i = 0; i < page.pools.size(); ++i) {
+      v1::Pool pool = ToProto(page.pools[i]);
+      bytes += pool.ByteSizeLong() + 6;
+      // Never past the page's byte bound, but never an empty page while pools remain.
+      if (i > 0 && bytes > kMaxListPageBytes) {
+        page.more = true;
+        break;
+      }
+      *response->add_pools() = std::move(pool);
+    }
+    if (page.more && response->pools_size() > 0) {
+      response->set_next_page_token(absl::WebSafeBase64Escape(response->pools(response->pools_size() - 1).name()));
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
@@ -667,8 +664,7 @@ grpc::ServerUnaryReactor* KvdService::Acknowledge(grpc::CallbackServerContext* c
                                                   const v1::AcknowledgeRequest* request,
                                                   v1::AcknowledgeResponse* response) {
   return Answer(
-      context,
-      Serve("Acknowledge", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
+      "Acknowledge", context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
         if ((request->release_id() == 0) == (request->pause_id() == 0)) {
           return absl::InvalidArgumentError(
               "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
@@ -683,7 +679,7 @@ grpc::ServerUnaryReactor* KvdService::Acknowledge(grpc::CallbackServerContext* c
                              manager_->Acknowledge(caller, request->client_id(), request->release_id()));
         response->set_pending_release_bytes(pending);
         return absl::OkStatus();
-      }));
+      });
 }
 
 grpc::Status KvdService::ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
@@ -704,14 +700,12 @@ grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::Copy
 grpc::ServerUnaryReactor* KvdService::DescribeTransfer(grpc::CallbackServerContext* context,
                                                        const v1::DescribeTransferRequest* request,
                                                        v1::DescribeTransferResponse* response) {
-  return Answer(
-      context,
-      Serve("DescribeTransfer", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-        const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
-        KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
-        *response = ToProto(plan);
-        return absl::OkStatus();
-      }));
+  return Answer("DescribeTransfer", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
+    KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
+    *response = ToProto(plan);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvdService::ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
@@ -798,13 +792,11 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
 grpc::ServerUnaryReactor* KvdService::GetPoolMetadata(grpc::CallbackServerContext* context,
                                                       const v1::GetPoolMetadataRequest* request,
                                                       v1::PoolMetadata* response) {
-  return Answer(
-      context,
-      Serve("GetPoolMetadata", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-        KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
-        *response = ToProto(request->pool(), metadata);
-        return absl::OkStatus();
-      }));
+  return Answer("GetPoolMetadata", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
+    *response = ToProto(request->pool(), metadata);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvdService::SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
@@ -844,28 +836,24 @@ grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::S
 
 grpc::ServerUnaryReactor* KvdService::ReportUsage(grpc::CallbackServerContext* context,
                                                   const v1::ReportUsageRequest* request, v1::ReportUsageResponse*) {
-  return Answer(context,
-                Serve("ReportUsage", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-                  return manager_->ReportUsage(caller, request->pool(),
-                                               {.live_blocks = request->live_blocks(),
-                                                .evictable_blocks = request->evictable_blocks(),
-                                                .used_blocks = request->used_blocks()});
-                }));
+  return Answer("ReportUsage", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    return manager_->ReportUsage(caller, request->pool(),
+                                 {.live_blocks = request->live_blocks(),
+                                  .evictable_blocks = request->evictable_blocks(),
+                                  .used_blocks = request->used_blocks()});
+  });
 }
 
 grpc::ServerUnaryReactor* KvdService::DeclineReclaim(grpc::CallbackServerContext* context,
                                                      const v1::DeclineReclaimRequest* request,
                                                      v1::DeclineReclaimResponse*) {
-  return Answer(
-      context,
-      Serve("DeclineReclaim", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-        if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
-        KVD_RETURN_IF_ERROR(
-            manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
-        spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,
-                     absl::CEscape(request->reason().substr(0, 256)));
-        return absl::OkStatus();
-      }));
+  return Answer("DeclineReclaim", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
+    KVD_RETURN_IF_ERROR(manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
+    spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,
+                 absl::CEscape(request->reason().substr(0, 256)));
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace kvd::daemon

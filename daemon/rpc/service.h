@@ -130,14 +130,18 @@ class KvdService final : public KvdServiceBase {
   // that is the RPC's own. A `body` that takes the Caller is an RPC with a session: the caller is authenticated
   // first (UNAUTHENTICATED, PERMISSION_DENIED), then every `required` field checked, then `body` runs; no
   // exception leaves it (RESOURCE_EXHAUSTED for allocation failures, INTERNAL otherwise, naming `method`).
-  // Serve finishes the RPC with that status (Finish); Run returns it, for Watch, whose stream outlives its
-  // handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
+  // Serve finishes the RPC with that status (Finish); Answer does the same for a quick RPC on the callback API,
+  // finishing it on the thread that runs it (Note [Quick RPCs answer inline]); Run returns it, for Watch, whose
+  // stream outlives its handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
   template <typename Body>
   [[nodiscard]] absl::Status Run(const char* method, const grpc::ServerContextBase& context,
                                  std::initializer_list<Required> required, Body&& body) const;
   template <typename Body>
   grpc::Status Serve(const char* method, const grpc::ServerContextBase& context,
                      std::initializer_list<Required> required, Body&& body) const;
+  template <typename Body>
+  grpc::ServerUnaryReactor* Answer(const char* method, grpc::CallbackServerContext* context,
+                                   std::initializer_list<Required> required, Body&& body) const;
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
   // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
   // is not the uid that opened the session.
