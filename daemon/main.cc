@@ -46,6 +46,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
@@ -876,6 +877,10 @@ absl::Status Run(const Flags& f) {
 }
 
 int Main(int argc, char** argv) {
+#ifndef KVD_MUTEX_DEADLOCK_DETECTION
+  // Note [Mutex deadlock detection in checking builds only]: before any lock of kvd's is taken.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   // Before any thread exists, so that every thread inherits the mask and only sigwaitinfo sees them.
   sigset_t blocked;
   sigemptyset(&blocked);
