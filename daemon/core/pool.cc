@@ -69,6 +69,16 @@ PoolView Pool::View(ViewClients clients) const {
   return ViewLocked(clients);
 }
 
+PoolSummary Pool::Summary() const {
+  absl::MutexLock lock(&mu_);
+  return PoolSummary{.state = state_,
+                     .committed_blocks = committed_blocks(),
+                     .committed_bytes = committed_bytes(),
+                     .chunks = table_.size(),
+                     .clients = clients_.size(),
+                     .transaction = txn_.has_value() ? txn_->id : std::string()};
+}
+
 PoolState Pool::state() const {
   absl::MutexLock lock(&mu_);
   return state_;
