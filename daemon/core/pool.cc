@@ -829,7 +829,7 @@ absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<u
           absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is not in pool ", name_, "'s chunk table"));
     }
     const bool missing = table_.IsMissing(id);
-    out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd.get()});
+    out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd()});
   }
   return out;
 }

@@ -474,7 +474,7 @@ bool Reshaper::Recycle(View& view, const std::set<uint64_t>& staying) {
   view.mapped = std::move(kept);
   for (ChunkRecord& r : view.chunks) {
     device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
+    r.exported.reset();
   }
   view.chunks.clear();
   return true;
@@ -498,7 +498,7 @@ void Reshaper::TakeDown(View& view) {
   }
   for (ChunkRecord& r : view.chunks) {
     device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
+    r.exported.reset();
   }
   view = View{};
 }
