@@ -52,7 +52,7 @@ absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChun
       Discard(base, r, StoreFd::kLeave);
       return fabric.status();
     }
-    r.info.fabric_handle = *std::move(fabric);
+    r.info.fabric_handle = std::make_shared<const std::string>(*std::move(fabric));
   }
   return r;
 }

@@ -98,7 +98,9 @@ TEST(PoolRecordTest, ARecordInTheWholeMessageLayoutRestoresAndIsWrittenBackAsThe
   EXPECT_EQ(pool->name, "llama");
   ASSERT_EQ(pool->chunks.size(), 300u);
   EXPECT_EQ(pool->chunks[299].id, 1299u);
-  EXPECT_EQ(pool->chunks[3].fabric_handle, std::string(64, '\x7f'));
+  ASSERT_NE(pool->chunks[3].fabric_handle, nullptr);
+  EXPECT_EQ(*pool->chunks[3].fabric_handle, std::string(64, '\x7f'));
+  EXPECT_EQ(pool->chunks[4].fabric_handle, nullptr);
   ASSERT_TRUE(pool->kept.has_value());
   EXPECT_EQ(pool->kept->runs.size(), 2u);
   EXPECT_EQ(pool->policy.priority, 5u);

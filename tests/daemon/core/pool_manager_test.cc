@@ -807,12 +807,13 @@ TEST_F(PoolManagerTest, FabricHandlesTravelWithChunksOnlyWhereTheDeviceHasThem) 
   KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->CreatePool(alice_, Spec("kv", 64)));
   ASSERT_FALSE(pool.chunks.empty());
   for (const ChunkInfo& c : pool.chunks) {
-    EXPECT_EQ(c.fabric_handle.size(), 64u);
-    EXPECT_EQ(c.fabric_handle.rfind("fabric-", 0), 0u);
+    ASSERT_NE(c.fabric_handle, nullptr);
+    EXPECT_EQ(c.fabric_handle->size(), 64u);
+    EXPECT_EQ(c.fabric_handle->rfind("fabric-", 0), 0u);
   }
   KVD_ASSERT_OK_AND_ASSIGN(PoolUpdate grown, manager_->Grow(alice_, "kv", 256));
   ASSERT_FALSE(grown.added.empty());
-  for (const ChunkInfo& c : grown.added) EXPECT_EQ(c.fabric_handle.size(), 64u);
+  for (const ChunkInfo& c : grown.added) EXPECT_EQ(c.fabric_handle != nullptr ? c.fabric_handle->size() : 0u, 64u);
 }
 
 // ---------------------------------------------------------------------------------------------
