@@ -968,7 +968,8 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "yes", "no"}))
       ->capture_default_str();
   app.add_option("--fdstore-max", f.fdstore_max,
-                 "Most chunk FDs in the FD store, as FileDescriptorStoreMax= of the unit; a grow past it is refused")
+                 "Most FDs in the FD store (one per chunk, one for the host tier), as FileDescriptorStoreMax= of the "
+                 "unit; a grow past it is refused")
       ->capture_default_str();
   app.add_option("--recovery-grace", f.recovery_grace,
                  "After a restart, how long a pool waits for clients to give back chunks the FD store did not have")

@@ -122,6 +122,7 @@ PoolManager::PoolManager(Device* device, ManagerOptions options)
   // Chunk ids are never reused, also across restarts: each epoch numbers its chunks from its own base.
   next_chunk_id_ = ((options_.epoch - 1) << 40) + 1;
   reaper_ = std::thread([this] { ReapExpired(); });
+  saver_ = std::thread([this] { ResaveInBackground(); });
   if (options_.compact_above_chunks > 0) compactor_ = std::thread([this] { CompactInBackground(); });
 }
 
@@ -207,6 +208,7 @@ void PoolManager::CloseSession(absl::string_view session) {
   budget_.Give(freed);  // after mu_: the budget's lock is a leaf too (Note [Lock order])
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     ForgetClients(pool->DetachSession(session));
+    ResaveIfSettled(pool);
     if (std::optional<std::string> id = pool->HeldBy(session); id.has_value()) {
       absl::MutexLock op(&pool->op_mu());
       AbortLocked(*pool, *id, session, "its session closed (the coordinator ended or died) before Commit");
@@ -602,6 +604,7 @@ absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_
   }
   // A detached client that still holds chunks stays findable, so that it can acknowledge releases.
   if (!pool->IsHolder(client_id)) ForgetClients({std::string(client_id)});
+  ResaveIfSettled(pool);
   return absl::OkStatus();
 }
 
@@ -613,7 +616,9 @@ absl::StatusOr<std::shared_ptr<EventQueue>> PoolManager::Watch(const Caller& cal
 absl::StatusOr<uint64_t> PoolManager::Acknowledge(const Caller& caller, absl::string_view client_id,
                                                   uint64_t release_id) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, FindClient(client_id));
-  return pool->Acknowledge(caller, client_id, release_id);
+  absl::StatusOr<uint64_t> pending = pool->Acknowledge(caller, client_id, release_id);
+  if (pending.ok()) ResaveIfSettled(pool);
+  return pending;
 }
 
 absl::Status PoolManager::AcknowledgePause(const Caller& caller, absl::string_view client_id, uint64_t pause_id) {
@@ -770,6 +775,7 @@ absl::StatusOr<PoolUpdate> PoolManager::Resize(const Caller& caller, const std::
   }
   if (wait && update.release_id != 0) {
     pool->AwaitRelease(update.release_id, deadline);
+    SaveIfSettled(*pool);
     update.pool = pool->View(ViewClients::kCounted);
   }
   return update;
@@ -820,6 +826,7 @@ absl::StatusOr<std::vector<PoolUpdate>> PoolManager::Sleep(const Caller& caller,
   if (wait) {
     for (size_t i = 0; i < updates.size(); ++i) {
       slept[i]->AwaitRelease(updates[i].release_id, deadline);
+      SaveIfSettled(*slept[i]);
       updates[i].pool = slept[i]->View(ViewClients::kCounted);
     }
   }
@@ -860,7 +867,9 @@ absl::StatusOr<PoolUpdate> PoolManager::Shrink(const Caller& caller, absl::strin
     KVD_RETURN_IF_ERROR(Refused(CheckBlockIds("live.blocks", options.live->size(), caller.uid, options_.limits)));
   }
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
-  return reshaper_.Shrink(*pool, caller.session, target_blocks, options);
+  absl::StatusOr<PoolUpdate> update = reshaper_.Shrink(*pool, caller.session, target_blocks, options);
+  if (update.ok() && options.wait) SaveIfSettled(*pool);
+  return update;
 }
 
 absl::StatusOr<PoolUpdate> PoolManager::Compact(const Caller& caller, absl::string_view name,
@@ -981,6 +990,7 @@ void PoolManager::Shutdown(bool keep_pools) {
   arbiter_.Stop();  // waiting grows fail UNAVAILABLE
   if (reaper_.joinable()) reaper_.join();
   if (compactor_.joinable()) compactor_.join();
+  if (saver_.joinable()) saver_.join();  // before Destroy: a drained pool's record must stay forgotten
   for (const std::shared_ptr<Pool>& pool : pools) {
     absl::MutexLock op(&pool->op_mu());
     Destroy(*pool, keep_pools ? EventType::kDaemonRestarting : EventType::kDaemonStopping);

@@ -463,9 +463,18 @@ class PoolManager : private ReshapeServices {
                                       absl::Span<const Entry> entries, Op op) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the pool's record (op_mu held, so one pool's records are written in order). A failure is
   // sticky: the pool is stale (StateHealth) until a later save of it succeeds.
-  void Save(Pool& pool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+  void Save(Pool& pool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) ABSL_LOCKS_EXCLUDED(mu_);
+  // After an acknowledgement, a detach or a session's end: when `pool`'s record counts more bytes pending
+  // release than the pool now does (a release settled after the operation saved it), queues the pool for
+  // saver_ to write again (Note [A release that settles later is saved again]).
+  void ResaveIfSettled(const std::shared_ptr<Pool>& pool) ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes `pool`'s record again (taking op_mu) when it counts more bytes pending release than the pool does
+  // now: after a wait for a release, before the reply; and on the saver thread.
+  void SaveIfSettled(Pool& pool) ABSL_LOCKS_EXCLUDED(mu_, pool.op_mu());
+  // The saver thread: writes the records ResaveIfSettled queued.
+  void ResaveInBackground();
   // Removes the pool's record (op_mu held); a failure leaves the pool stale as a failed Save does.
-  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+  void Forget(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) ABSL_LOCKS_EXCLUDED(mu_);
   // Notes the outcome of writing or removing `pool`'s record; tells the observer when degraded changes.
   void NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(state_mu_, observer_mu_);
@@ -529,6 +538,10 @@ class PoolManager : private ReshapeServices {
   // Pools a grow left past ManagerOptions::compact_above_chunks, for compactor_.
   std::deque<std::string> to_compact_ ABSL_GUARDED_BY(mu_);
   std::thread compactor_;
+  // By pool: the pending_release_bytes of its last record written; and the pools saver_ writes again.
+  std::map<std::string, uint64_t, std::less<>> saved_pending_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::weak_ptr<Pool>> to_resave_ ABSL_GUARDED_BY(mu_);
+  std::thread saver_;
   // Whether the saved state is current (StateHealth). A leaf.
   mutable absl::Mutex state_mu_;
   struct Stale {

@@ -17,9 +17,66 @@ namespace kvd::daemon {
 // ---------------------------------------------------------------------------------------------
 // Durability: see Note [Durable pools] in docs/architecture.md.
 
-void PoolManager::Save(Pool& pool) { NoteSaved(pool.name(), store_->SavePool(pool.Saved()), "written"); }
+void PoolManager::Save(Pool& pool) {
+  const SavedPool saved = pool.Saved();
+  const absl::Status written = store_->SavePool(saved);
+  NoteSaved(pool.name(), written, "written");
+  if (!written.ok()) return;
+  absl::MutexLock lock(&mu_);
+  saved_pending_[pool.name()] = saved.pending_release_bytes;
+}
 
-void PoolManager::Forget(Pool& pool) { NoteSaved(pool.name(), store_->ForgetPool(pool.name()), "removed"); }
+void PoolManager::Forget(Pool& pool) {
+  NoteSaved(pool.name(), store_->ForgetPool(pool.name()), "removed");
+  absl::MutexLock lock(&mu_);
+  if (auto it = saved_pending_.find(pool.name()); it != saved_pending_.end()) saved_pending_.erase(it);
+}
+
+// Note [A release that settles later is saved again]: a release's bytes stay in the record's
+// pending_release_bytes until the last client acknowledges it, and a restart counts them for the recovery
+// grace. That acknowledgement (or the client's detach, or its session's end) usually comes after the operation
+// wrote the record, without op_mu, on a path that must not wait for it (a client's acknowledgement can wait
+// behind the next step of a compaction that waits for that same client). So the record is written again by
+// the saver thread, under op_mu, once the pool counts fewer pending bytes than its record; an RPC that waited for
+// its release (wait_for_release) writes it itself before it replies, so that a restart after that reply counts
+// nothing the clients already gave back.
+void PoolManager::ResaveIfSettled(const std::shared_ptr<Pool>& pool) {
+  const uint64_t pending = pool->pending_bytes();
+  absl::MutexLock lock(&mu_);
+  auto it = saved_pending_.find(pool->name());
+  if (it == saved_pending_.end() || it->second <= pending) return;
+  for (const std::weak_ptr<Pool>& queued : to_resave_) {
+    if (queued.lock() == pool) return;
+  }
+  to_resave_.push_back(pool);
+}
+
+void PoolManager::ResaveInBackground() {
+  for (;;) {
+    std::shared_ptr<Pool> pool;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !to_resave_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) return;
+      pool = to_resave_.front().lock();
+      to_resave_.pop_front();
+    }
+    if (pool != nullptr) SaveIfSettled(*pool);
+  }
+}
+
+void PoolManager::SaveIfSettled(Pool& pool) {
+  absl::MutexLock op(&pool.op_mu());
+  if (pool.deleted()) return;  // its record is gone: writing it would bring it back
+  const uint64_t pending = pool.pending_bytes();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = saved_pending_.find(pool.name());
+    if (it == saved_pending_.end() || it->second <= pending) return;
+  }
+  Save(pool);
+}
 
 void PoolManager::NoteSaved(absl::string_view pool, const absl::Status& written, absl::string_view what) {
   bool degraded = false;
@@ -172,7 +229,7 @@ void PoolManager::ExpireRecovery(absl::Time deadline) {
   for (const std::shared_ptr<Pool>& pool : Snapshot()) {
     absl::MutexLock op(&pool->op_mu());
     if (pool->state() != PoolState::kRecovering) {
-      pool->ForgetRestartPending();
+      if (pool->ForgetRestartPending() > 0) Save(*pool);  // the record stops counting them too
       continue;
     }
     // The clients that gave chunks back map them: the pausable ones pause before the pool sleeps, the
@@ -186,8 +243,8 @@ void PoolManager::ExpireRecovery(absl::Time deadline) {
                         ") was not given back within the recovery grace: lost; the pool sleeps"));
     }
     for (ChunkRecord& r : present) maker_.Discard(pool->base(), r);
-    if (!lost.empty()) Save(*pool);
-    pool->ForgetRestartPending();
+    const uint64_t forgotten = pool->ForgetRestartPending();
+    if (!lost.empty() || forgotten > 0) Save(*pool);
   }
 }
 

@@ -97,6 +97,7 @@ absl::StatusOr<CommittedOp> PoolManager::Commit(const Caller& caller, absl::stri
   }
   if (wait && result.update.release_id != 0) {
     pool->AwaitRelease(result.update.release_id, deadline);
+    SaveIfSettled(*pool);
     result.update.pool = pool->View(ViewClients::kCounted);
   }
   if (result.op == GroupOp::kGrow) CompactLaterIfFragmented(result.update.pool);

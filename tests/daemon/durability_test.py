@@ -328,6 +328,54 @@ class FdStoreTest(DurabilityCase):
         self.assertEqual(c.pools(), [])
         self.assertEqual(c.device_info().epoch, 2)
 
+    def test_releases_that_settled_before_a_kill_are_not_counted_after_it(self):
+        """A shrink or sleep with wait_for_release replies once every client gave the chunks back: a SIGKILL
+        after that reply must not bring those bytes back as pending release (they would be counted against the
+        budget for the whole recovery grace)."""
+        self.start()
+        c = self.client()
+        for name in ("shrunk", "slept", "grouped"):
+            c.create_pool(name, initial_blocks=0, **DIMS)
+            c.grow(name, 256)
+            c.grow(name, 512)
+        engine = kvd.connect(self.socket, client_name="engine")  # another session: its Mappings pause and give back
+        self.addCleanup(engine.close)
+        mappings = [engine.attach(name, on_pause=lambda ranges: None) for name in ("shrunk", "slept", "grouped")]
+        self.addCleanup(lambda: [m.close() for m in mappings])
+        self.assertEqual(c.shrink("shrunk", 448, wait=True).pool.pending_release_bytes, 0)  # exact: replaced
+        c.sleep("slept", wait=True)
+        t = c.prepare("grouped", "shrink", target_blocks=256).transaction
+        c.commit(t, wait=True)
+        self.assertEqual([p.pending_release_bytes for p in c.pools()], [0, 0, 0])
+        self.manager.kill(signal.SIGKILL)
+        self.start()
+        c = self.client()
+        self.assertEqual([p.pending_release_bytes for p in c.pools()], [0, 0, 0])
+        self.assert_store_matches(self.manager, c)  # the budget counts exactly the chunks
+
+    def test_a_grow_past_fdstore_max_is_refused_and_changes_nothing(self):
+        """--fdstore-max counts every FD kvd keeps in the store, the host tier's included; a grow that would pass
+        it is RESOURCE_EXHAUSTED naming the flag and the unit's setting, and leaves the pool, the store and the
+        budget as they were."""
+        self.start("--fdstore-max=4", "--host-tier-bytes=16MiB")
+        c = self.client()
+        c.create_pool("kv", initial_blocks=64, **DIMS)  # 2 MiB in each of 2 segments: 2 chunks
+        before = c.pool("kv")
+        self.assertEqual(len(before.chunks), 2)
+        self.assertIn("host-tier", self.manager.stored())
+        with self.assertRaises(kvd.KvdError) as refused:
+            c.grow("kv", 128)  # 2 more chunks: 5 FDs
+        self.assertEqual(refused.exception.code, "RESOURCE_EXHAUSTED")
+        self.assertIn("holds 4 of 4 FDs (3 chunks and the host tier; --fdstore-max, FileDescriptorStoreMax= of the "
+                      "unit)", refused.exception.message)
+        after = c.pool("kv")
+        self.assertEqual((after.committed_blocks, [ch.id for ch in after.chunks]),
+                         (64, [ch.id for ch in before.chunks]))
+        self.assertEqual(self.manager.stored(), sorted([f"c{ch.id}" for ch in before.chunks] + ["host-tier"]))
+        self.assertEqual(c.device_info().committed_bytes, before.committed_bytes)
+        c.delete("kv")  # and the store gives the FDs back
+        self.assertEqual(self.manager.stored(), ["host-tier"])
+
     def test_stray_fds_in_the_store_are_reported_and_released(self):
         """An FD the records do not account for (a grow that never committed) is released, not kept."""
         self.start()

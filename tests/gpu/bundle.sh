@@ -31,6 +31,7 @@ fi
 cp "$root/tests/testing/played_manager.py" "$root/tests/testing/line_peer.py" "$root/tests/gpu/durable_gpu.py" \
   "$root/tests/gpu/restart_torch.py" "$root/tests/gpu/reshape_torch.py" "$root/tests/gpu/release_torch.py" \
   "$root/tests/gpu/engines_torch.py" "$root/tests/gpu/engines_transformers.py" "$root/tests/gpu/arbitrate_torch.py" "$root/tests/gpu/keep_torch.py" \
+  "$root/tests/gpu/node_torch.py" \
   "$dest/"
 strip --strip-debug "$dest"/bin/* "$dest"/lib/*.so* "$dest"/python/kvd/*.so 2>/dev/null || true
 echo "bundle.sh: $(ls "$dest/bin" | wc -l) programs, $(ls "$dest/lib" | wc -l) libraries, $(du -sh "$dest" | cut -f1) in $dest"

@@ -173,6 +173,15 @@ def main():
         line = a.stdout.readline().strip()
         print("engine a:", line, f"| kvd SIGKILLed and back in {time.monotonic() - t_kill:.2f} s")
         operator.close()
+        # kvd has no FD store here (DURABILITY_CLIENTS): the pool is RECOVERING until engine a's Mapping hands
+        # its chunks back. Killing the engine before that would lose them (the recovery grace then sleeps the
+        # pool), so wait for the hand-back, as a supervisor would before restarting an engine on purpose.
+        operator = kvd.connect(socket)
+        while operator.pool(POOL).state == kvd.v1_pb2.POOL_STATE_RECOVERING:
+            assert time.monotonic() - t_kill < 30, f"engine a gave no chunks back: {operator.pool(POOL)}"
+            time.sleep(0.05)
+        print(f"engine a's chunks handed back to the new kvd {time.monotonic() - t_kill:.2f} s after the kill")
+        operator.close()
         a.send_signal(signal.SIGKILL)             # the engine dies; the pool and its checkpoint stay
         a.wait()
 

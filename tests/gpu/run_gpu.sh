@@ -5,8 +5,9 @@
 # STEPS="device daemon durable restart reshape release group python connectors" (the default) picks steps;
 # "bench" (kvd_bench's chunk sweep and lifecycle, the step's 9 minutes), "engines" (kvd.torch,
 # kvd.transformers: docs/engines.md), "arbitrate" (kvd_bench's reclaim and saturate lines) and "keep" (a sleep
-# that keeps 64 GiB in the host tier, checked by two torch engines) run only when named: STEPS=bench,
-# STEPS=engines, STEPS=arbitrate, STEPS=keep.
+# that keeps 64 GiB in the host tier, checked by two torch engines) and "node" (one kvd per GPU: groups, peer
+# mappings, restarts and reclaim across the node; for nvidia-h200-x2) run only when named: STEPS=bench,
+# STEPS=engines, STEPS=arbitrate, STEPS=keep, STEPS=node.
 #
 # Each step runs in a session of its own (setsid) under a wall-clock limit (its entry in `limit` below,
 # STEP_LIMIT_S for all; the whole run stops starting steps once RUN_BUDGET_S, default 560 s, is spent).
@@ -264,6 +265,16 @@ step_keep() {
     --keep-bytes=${KVD_KEEP_BYTES:-64GiB} ${KVD_BENCH_ARGS:-} >$out/kvd_bench_keep.json"
 }
 
+step_node() {
+  # The two-GPU run (node_torch.py, docs/gpu.md "Two GPUs"): one kvd per GPU under played service managers, a
+  # two-rank group written and checked by torch engines on both GPUs through a group grow and shrink, per-rank
+  # compaction and exact shrink, a group sleep keeping the contents and the wake; a peer mapping from GPU 1
+  # through a compaction and a SIGKILL of GPU 0's kvd; both kvds SIGKILLed mid-prepare; a reclaim on GPU 0 that
+  # never asks GPU 1. On a node with one GPU both kvds serve GPU 0 and the peer part says SKIPPED.
+  PYTHONPATH=$bundle/python:$bundle TAIL=20 run node_torch timeout "$(left)" python3 \
+    "$bundle/node_torch.py" "$bundle/bin" "$out" "${KVD_NODE_BYTES:-32GiB}"
+}
+
 step_connectors() {
 step "connectors: probed capabilities, transfer descriptors, DMA-BUF range FDs of ${pool_size} pools in another process"
 dir=$(mktemp -d)
@@ -348,12 +359,13 @@ fi
 
 # -- the driver ----------------------------------------------------------------------------------------
 self=$(readlink -f "${BASH_SOURCE[0]}")
-all_steps=(device daemon durable restart reshape release group python bench connectors engines arbitrate keep)
+all_steps=(device daemon durable restart reshape release group python bench connectors engines arbitrate keep node)
 default_steps="device daemon durable restart reshape release group python connectors"
-needs_python=" restart reshape release python engines arbitrate keep "
+needs_python=" restart reshape release python engines arbitrate keep node "
 # Wall-clock limits (s): each a few times what the step took at the defaults on an H200 (docs/gpu.md).
 declare -A limit=([device]=150 [daemon]=60 [durable]=90 [restart]=200 [reshape]=300 [release]=240 [group]=90
-                  [python]=180 [bench]=540 [connectors]=90 [engines]=300 [arbitrate]=150 [keep]=240)
+                  [python]=180 [bench]=540 [connectors]=90 [engines]=300 [arbitrate]=150 [keep]=240
+                  [node]=300)
 run_budget=${RUN_BUDGET_S:-560}
 run_started=$(date +%s)
 export KVD_GPU_RUN="$run_started-$$"  # every process this run starts inherits it
