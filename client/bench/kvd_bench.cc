@@ -2749,7 +2749,7 @@ absl::Status Bench::MeasureBookkeeping() {
   {
     const Plan plan = PlanOf(grown);
     const size_t per = plan.chunks.size() / 4;
-    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Child> bare, Child::Spawn(o_.backend, o_.device, g));
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Child> bare, Child::Spawn(backend_, daemon_.device_index, g));
     KVD_RETURN_IF_ERROR(SendWithFds(bare->socket(), absl::StrCat("raw-book ", plan.reserve_bytes, " ", 4 * per), {}));
     for (size_t i = 0; i < 4 * per; i += kMaxFdsPerMessage) {
       std::string text = "chunks";
