@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
@@ -899,6 +900,10 @@ void ShapeTheHeap() {
 
 int Main(int argc, char** argv) {
   ShapeTheHeap();
+#ifndef KVD_MUTEX_DEADLOCK_DETECTION
+  // Note [Mutex deadlock detection in checking builds only]: before any lock of kvd's is taken.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   // Before any thread exists, so that every thread inherits the mask and only sigwaitinfo sees them.
   sigset_t blocked;
   sigemptyset(&blocked);

@@ -49,6 +49,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -60,6 +61,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -164,11 +166,23 @@ class Reader {
 // The second process. One request at a time: a line of words, FDs with "chunks" messages; the reply
 // is "ok [done_ns]" or "error <status>".
 
+// The bare server: answers GetPool with the name asked (the control_rpc idle baseline) or, given a reply,
+// with that reply (the informative bare_kvd_reply line: a bare server sending kvd's bytes).
 class PingService final : public kvd::v1::Kvd::Service {
+ public:
+  explicit PingService(std::optional<kvd::v1::Pool> reply = std::nullopt) : reply_(std::move(reply)) {}
+
   grpc::Status GetPool(grpc::ServerContext*, const kvd::v1::GetPoolRequest* request, kvd::v1::Pool* reply) override {
-    reply->set_name(request->name());
+    if (reply_.has_value()) {
+      *reply = *reply_;
+    } else {
+      reply->set_name(request->name());
+    }
     return grpc::Status::OK;
   }
+
+ private:
+  const std::optional<kvd::v1::Pool> reply_;
 };
 
 // libkvd's phase marks (client/phase_marks.h) in the second process, in the order they were passed.
@@ -277,8 +291,8 @@ struct ChildState {
   std::unique_ptr<Device> raw;         // the bare importer
   uint64_t raw_va = 0, raw_bytes = 0;
   std::vector<std::pair<uint64_t, Chunk>> raw_chunks;  // offset, imported chunk (mapped)
-  PingService ping;
-  std::unique_ptr<grpc::Server> ping_server;
+  std::vector<std::unique_ptr<PingService>> pings;
+  std::vector<std::unique_ptr<grpc::Server>> ping_servers;
 };
 
 // Unmaps and releases every imported chunk, one after the other; `ns` (if given) gets the time spent in
@@ -539,12 +553,22 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     c.raw_va = 0;
     return std::string("ok");
   }
-  if (op == "ping-serve" && w.size() == 2) {
+  // "ping-serve PATH [REPLY]": a bare gRPC server on PATH; REPLY, a base64 kvd.v1.Pool, is what it answers.
+  if (op == "ping-serve" && (w.size() == 2 || w.size() == 3)) {
+    std::optional<kvd::v1::Pool> reply;
+    if (w.size() == 3) {
+      std::string bytes;
+      reply.emplace();
+      if (!absl::Base64Unescape(w[2], &bytes) || !reply->ParseFromString(bytes)) {
+        return absl::InvalidArgumentError("ping-serve: the reply is not a base64 kvd.v1.Pool");
+      }
+    }
+    c.pings.push_back(std::make_unique<PingService>(std::move(reply)));
     grpc::ServerBuilder builder;
     builder.AddListeningPort(absl::StrCat("unix:", w[1]), grpc::InsecureServerCredentials());
-    builder.RegisterService(&c.ping);
-    c.ping_server = builder.BuildAndStart();
-    if (c.ping_server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve on ", w[1]));
+    builder.RegisterService(c.pings.back().get());
+    c.ping_servers.push_back(builder.BuildAndStart());
+    if (c.ping_servers.back() == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve on ", w[1]));
     return std::string("ok");
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown request \"", absl::StrJoin(w, " "), "\""));
@@ -556,7 +580,7 @@ int ChildMain(int socket, const std::string& backend, int device, uint64_t granu
   while (true) {
     absl::StatusOr<MessageWithFds> m = ReceiveWithFds(socket, kMaxMessage);
     if (!m.ok()) {
-      if (c.ping_server) c.ping_server->Shutdown();
+      for (const std::unique_ptr<grpc::Server>& server : c.ping_servers) server->Shutdown();
       RawRelease(c).IgnoreError();
       return absl::IsUnavailable(m.status()) ? 0 : 1;  // UNAVAILABLE: the parent is done
     }
@@ -1978,24 +2002,43 @@ absl::Status Bench::ShrinkToHalf() {
   return client_->DeletePool(pool.name, true).status();
 }
 
-// GetPool of a small pool through libkvd against a bare gRPC server answering the same method.
+// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then three
+// informative lines take the difference apart, from a second run of batches of four kinds of call: libkvd's
+// GetPool, the same GetPool through a plain gRPC stub on kvd's socket, a second bare server (in the second
+// process, started after the idle line) answering with kvd's own reply, and the bare server. Their ratios
+// chain: libkvd / stub (what the client library adds), stub / bare with kvd's reply (what the daemon's
+// handler adds over a server sending the same bytes), bare with kvd's reply / bare (what the reply's size
+// costs gRPC alone).
 absl::Status Bench::ControlRpc() {
   KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
   const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
+  const std::string sized_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), "-sized.sock");
   unlink(ping_path.c_str());
+  unlink(sized_path.c_str());
   KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve ", ping_path)).status());
-  absl::Cleanup unlink_ping = [&] { unlink(ping_path.c_str()); };
-  std::unique_ptr<kvd::v1::Kvd::Stub> stub =
-      kvd::v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", ping_path), grpc::InsecureChannelCredentials()));
-  auto ping = [&]() -> absl::Status {
+  absl::Cleanup unlink_ping = [&] {
+    unlink(ping_path.c_str());
+    unlink(sized_path.c_str());
+  };
+  const auto channel = [](const std::string& path) {
+    return kvd::v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
+  };
+  std::unique_ptr<kvd::v1::Kvd::Stub> stub = channel(ping_path);
+  // One GetPool of `ctl` on `on`, with the session's metadata when `token` is set.
+  auto unary = [&](kvd::v1::Kvd::Stub& on, const char* what, const std::string* token,
+                   kvd::v1::Pool* reply) -> absl::Status {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (token != nullptr) context.AddMetadata(wire::kSessionMetadataKey, *token);
     kvd::v1::GetPoolRequest request;
     request.set_name(ctl.name);
-    kvd::v1::Pool reply;
-    grpc::Status s = stub->GetPool(&context, request, &reply);
-    if (!s.ok()) return absl::UnavailableError(absl::StrCat("bare ping: ", s.error_message()));
+    grpc::Status s = on.GetPool(&context, request, reply);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat(what, ": ", s.error_message()));
     return absl::OkStatus();
+  };
+  auto ping = [&]() -> absl::Status {
+    kvd::v1::Pool reply;
+    return unary(*stub, "bare ping", nullptr, &reply);
   };
   auto get = [&]() -> absl::Status { return client_->GetPool(ctl.name).status(); };
   const int calls = o_.rpc_calls;
@@ -2016,6 +2059,61 @@ absl::Status Bench::ControlRpc() {
       }
     }
   }
+
+  // Where the difference goes: a plain stub on kvd's socket, and a bare server answering with kvd's reply.
+  KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(wire::HandlesPathFor(socket_), "stub"));
+  std::unique_ptr<kvd::v1::Kvd::Stub> direct = channel(socket_);
+  kvd::v1::Pool kvd_reply;
+  KVD_RETURN_IF_ERROR(unary(*direct, "GetPool on kvd's socket", &session.token(), &kvd_reply));
+  KVD_RETURN_IF_ERROR(
+      child_->Call(absl::StrCat("ping-serve ", sized_path, " ", absl::Base64Escape(kvd_reply.SerializeAsString())))
+          .status());
+  std::unique_ptr<kvd::v1::Kvd::Stub> sized = channel(sized_path);
+  auto stub_get = [&]() -> absl::Status {
+    kvd::v1::Pool reply;
+    return unary(*direct, "GetPool on kvd's socket", &session.token(), &reply);
+  };
+  auto sized_ping = [&]() -> absl::Status {
+    kvd::v1::Pool reply;
+    return unary(*sized, "bare ping with kvd's reply", nullptr, &reply);
+  };
+  for (int i = 0; i < 50; ++i) {
+    KVD_RETURN_IF_ERROR(stub_get());
+    KVD_RETURN_IF_ERROR(sized_ping());
+  }
+  std::vector<double> libkvd, stubbed, bare_sized, bare;
+  const std::vector<std::pair<std::function<absl::Status()>, std::vector<double>*>> kinds = {
+      {get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}};
+  for (int batch = 0; batch < calls; batch += 100) {
+    for (size_t k = 0; k < kinds.size(); ++k) {  // each kind in turn, a different one first each round
+      const auto& [call, samples] = kinds[(k + batch / 100) % kinds.size()];
+      for (int i = 0; i < 100; ++i) {
+        const int64_t t = NowNs();
+        KVD_RETURN_IF_ERROR(call());
+        samples->push_back(MsSince(t));
+      }
+    }
+  }
+  Line& client_share = GetLine("control_rpc", "idle_client");
+  client_share.kvd_what = "libkvd GetPool";
+  client_share.base_what = "the same GetPool through a plain gRPC stub on kvd's socket";
+  client_share.ratio_means = "libkvd/stub p50";
+  client_share.kvd = libkvd;
+  client_share.base = stubbed;
+  Line& daemon_share = GetLine("control_rpc", "idle_daemon");
+  daemon_share.kvd_what = "GetPool through a plain gRPC stub on kvd's socket";
+  daemon_share.base_what = "a bare server answering with kvd's reply";
+  daemon_share.ratio_means = "stub/bare-with-kvd's-reply p50";
+  daemon_share.kvd = stubbed;
+  daemon_share.base = bare_sized;
+  Line& reply_share = GetLine("control_rpc", "idle_reply");
+  reply_share.kvd_what = "a bare server answering with kvd's reply";
+  reply_share.base_what = "the bare server";
+  reply_share.ratio_means = "bare-with-kvd's-reply/bare p50";
+  reply_share.kvd = bare_sized;
+  reply_share.base = bare;
+  reply_share.note =
+      absl::StrFormat("kvd's reply %d bytes, the bare one %d", kvd_reply.ByteSizeLong(), 2 + ctl.name.size());
 
   // During grows of another pool (the main one, to the full size): only calls that start inside a
   // Grow count.

@@ -254,7 +254,8 @@ class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
-  explicit ParseErrorInterceptor(std::string method) : method_(std::move(method)) {}
+  // `method` is gRPC's, valid for the call, which the interceptor does not outlive: no copy per call.
+  explicit ParseErrorInterceptor(absl::string_view method) : method_(method) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -278,10 +279,11 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   // "/kvd.v1.Kvd/GetPool": its descriptor; null for a method not in a linked proto.
   const google::protobuf::MethodDescriptor* Method() const {
     const size_t slash = method_.rfind('/');
-    if (slash == std::string::npos || slash == 0) return nullptr;
+    if (slash == absl::string_view::npos || slash == 0) return nullptr;
     const google::protobuf::ServiceDescriptor* service =
-        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(method_.substr(1, slash - 1));
-    return service == nullptr ? nullptr : service->FindMethodByName(method_.substr(slash + 1));
+        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+            std::string(method_.substr(1, slash - 1)));
+    return service == nullptr ? nullptr : service->FindMethodByName(std::string(method_.substr(slash + 1)));
   }
 
   bool IsKvdMethod() const {
@@ -295,13 +297,13 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
     return method == nullptr ? "protobuf message" : method->input_type()->full_name();
   }
 
-  const std::string method_;
+  const absl::string_view method_;
 };
 
 class ParseErrorInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
-    return new ParseErrorInterceptor(info->method() == nullptr ? "" : info->method());
+    return new ParseErrorInterceptor(info->method() == nullptr ? absl::string_view() : info->method());
   }
 };
 
@@ -337,6 +339,14 @@ absl::Status KvdService::Run(const char* method, const grpc::ServerContextBase& 
       return body();
     }
   });
+}
+
+template <typename Body>
+grpc::ServerUnaryReactor* KvdService::Answer(const char* method, grpc::CallbackServerContext* context,
+                                             std::initializer_list<Required> required, Body&& body) const {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(Serve(method, *context, required, std::forward<Body>(body)));
+  return reactor;
 }
 
 template <typename Body>
@@ -392,18 +402,19 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContextBase& context) c
   return rpc_deadline - std::max(margin, absl::ZeroDuration());
 }
 
-grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest*,
-                                       v1::DeviceInfo* response) {
-  return Serve("GetDeviceInfo", *context, {}, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::GetDeviceInfo(grpc::CallbackServerContext* context,
+                                                    const v1::GetDeviceInfoRequest*, v1::DeviceInfo* response) {
+  return Answer("GetDeviceInfo", context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
     *response = ToProto(device);
     return absl::OkStatus();
   });
 }
 
-grpc::Status KvdService::ResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
-                                       v1::ResolveLayoutResponse* response) {
-  return Serve("ResolveLayout", *context, {}, [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::ResolveLayout(grpc::CallbackServerContext* context,
+                                                    const v1::ResolveLayoutRequest* request,
+                                                    v1::ResolveLayoutResponse* response) {
+  return Answer("ResolveLayout", context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
     *response->mutable_resolution() = ToProto(resolution);
     if (request->has_dims()) {
@@ -434,17 +445,18 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
   });
 }
 
-grpc::Status KvdService::GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) {
-  return Serve("GetPool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::GetPool(grpc::CallbackServerContext* context, const v1::GetPoolRequest* request,
+                                              v1::Pool* response) {
+  return Answer("GetPool", context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
     *response = ToProto(pool);
     return absl::OkStatus();
   });
 }
 
-grpc::Status KvdService::ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
-                                   v1::ListPoolsResponse* response) {
-  return Serve("ListPools", *context, {}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* context,
+                                                const v1::ListPoolsRequest* request, v1::ListPoolsResponse* response) {
+  return Answer("ListPools", context, {}, [&](const Caller& caller) -> absl::Status {
     // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
     // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
     std::string after;
@@ -648,10 +660,11 @@ grpc::ServerWriteReactor<v1::PoolEvent>* KvdService::Watch(grpc::CallbackServerC
   return WatchStream::Start(manager_, options_.metrics, *caller, request->client_id(), std::move(queue));
 }
 
-grpc::Status KvdService::Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
-                                     v1::AcknowledgeResponse* response) {
-  return Serve(
-      "Acknowledge", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::Acknowledge(grpc::CallbackServerContext* context,
+                                                  const v1::AcknowledgeRequest* request,
+                                                  v1::AcknowledgeResponse* response) {
+  return Answer(
+      "Acknowledge", context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
         if ((request->release_id() == 0) == (request->pause_id() == 0)) {
           return absl::InvalidArgumentError(
               "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
@@ -684,9 +697,10 @@ grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::Copy
   });
 }
 
-grpc::Status KvdService::DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
-                                          v1::DescribeTransferResponse* response) {
-  return Serve("DescribeTransfer", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::DescribeTransfer(grpc::CallbackServerContext* context,
+                                                       const v1::DescribeTransferRequest* request,
+                                                       v1::DescribeTransferResponse* response) {
+  return Answer("DescribeTransfer", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
     KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
     *response = ToProto(plan);
@@ -775,9 +789,10 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
   });
 }
 
-grpc::Status KvdService::GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
-                                         v1::PoolMetadata* response) {
-  return Serve("GetPoolMetadata", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::GetPoolMetadata(grpc::CallbackServerContext* context,
+                                                      const v1::GetPoolMetadataRequest* request,
+                                                      v1::PoolMetadata* response) {
+  return Answer("GetPoolMetadata", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
@@ -819,9 +834,9 @@ grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::S
   });
 }
 
-grpc::Status KvdService::ReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
-                                     v1::ReportUsageResponse*) {
-  return Serve("ReportUsage", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::ReportUsage(grpc::CallbackServerContext* context,
+                                                  const v1::ReportUsageRequest* request, v1::ReportUsageResponse*) {
+  return Answer("ReportUsage", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     return manager_->ReportUsage(caller, request->pool(),
                                  {.live_blocks = request->live_blocks(),
                                   .evictable_blocks = request->evictable_blocks(),
@@ -829,9 +844,10 @@ grpc::Status KvdService::ReportUsage(grpc::ServerContext* context, const v1::Rep
   });
 }
 
-grpc::Status KvdService::DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
-                                        v1::DeclineReclaimResponse*) {
-  return Serve("DeclineReclaim", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::DeclineReclaim(grpc::CallbackServerContext* context,
+                                                     const v1::DeclineReclaimRequest* request,
+                                                     v1::DeclineReclaimResponse*) {
+  return Answer("DeclineReclaim", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
     KVD_RETURN_IF_ERROR(manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
     spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,

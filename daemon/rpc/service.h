@@ -12,10 +12,13 @@
 // events as its EventQueue receives them and, whenever it ends (the client cancelled, the client detached,
 // the pool was deleted, the daemon is stopping), detaches the client (Note [Watch streams are pushed]).
 //
-// Threads: the synchronous gRPC server calls every unary method concurrently, gRPC's callback threads run
-// the Watch streams; the service holds no state of its own beyond its constant configuration. `manager` must
-// outlive the service, and the service the server (a Watch stream detaches its client when gRPC is done
-// with it, which grpc::Server::Shutdown waits for).
+// Threads: gRPC's callback threads run the Watch streams and answer the quick RPCs inline (GetDeviceInfo,
+// ResolveLayout, GetPool, ListPools, GetPoolMetadata, DescribeTransfer, Acknowledge, ReportUsage,
+// DeclineReclaim: reads and bookkeeping that never wait for a pool's op_mu, a pause, a release, a deadline or
+// another RPC); the synchronous gRPC server's threads call every other unary method concurrently, since those
+// may wait (Note [Quick RPCs answer inline] in docs/architecture.md). The service holds no state of its own
+// beyond its constant configuration. `manager` must outlive the service, and the service the server (a Watch
+// stream detaches its client when gRPC is done with it, which grpc::Server::Shutdown waits for).
 #pragma once
 
 #include <grpcpp/support/server_interceptor.h>
@@ -34,7 +37,15 @@ namespace kvd::daemon {
 class ControlSocket;
 class Metrics;
 
-class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Service> {
+// The RPCs on gRPC's callback API: Watch, and the quick unary RPCs, answered inline on the thread that read
+// the request (Note [Quick RPCs answer inline] in docs/architecture.md). Every other RPC is synchronous.
+using KvdServiceBase = v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::WithCallbackMethod_GetDeviceInfo<
+    v1::Kvd::WithCallbackMethod_ResolveLayout<v1::Kvd::WithCallbackMethod_GetPool<v1::Kvd::WithCallbackMethod_ListPools<
+        v1::Kvd::WithCallbackMethod_GetPoolMetadata<v1::Kvd::WithCallbackMethod_DescribeTransfer<
+            v1::Kvd::WithCallbackMethod_Acknowledge<v1::Kvd::WithCallbackMethod_ReportUsage<
+                v1::Kvd::WithCallbackMethod_DeclineReclaim<v1::Kvd::Service>>>>>>>>>>;
+
+class KvdService final : public KvdServiceBase {
  public:
   struct Options {
     uint64_t granularity = 0;  // the device's, for ResolveLayout's geometry
@@ -51,15 +62,16 @@ class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Servi
 
   KvdService(PoolManager* manager, Options options);
 
-  grpc::Status GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest* request,
-                             v1::DeviceInfo* response) override;
-  grpc::Status ResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
-                             v1::ResolveLayoutResponse* response) override;
+  grpc::ServerUnaryReactor* GetDeviceInfo(grpc::CallbackServerContext* context, const v1::GetDeviceInfoRequest* request,
+                                          v1::DeviceInfo* response) override;
+  grpc::ServerUnaryReactor* ResolveLayout(grpc::CallbackServerContext* context, const v1::ResolveLayoutRequest* request,
+                                          v1::ResolveLayoutResponse* response) override;
   grpc::Status CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
                           v1::Pool* response) override;
-  grpc::Status GetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response) override;
-  grpc::Status ListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
-                         v1::ListPoolsResponse* response) override;
+  grpc::ServerUnaryReactor* GetPool(grpc::CallbackServerContext* context, const v1::GetPoolRequest* request,
+                                    v1::Pool* response) override;
+  grpc::ServerUnaryReactor* ListPools(grpc::CallbackServerContext* context, const v1::ListPoolsRequest* request,
+                                      v1::ListPoolsResponse* response) override;
   grpc::Status DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
                           v1::DeletePoolResponse* response) override;
   grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
@@ -75,8 +87,8 @@ class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Servi
   grpc::Status Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) override;
   grpc::ServerWriteReactor<v1::PoolEvent>* Watch(grpc::CallbackServerContext* context,
                                                  const v1::WatchRequest* request) override;
-  grpc::Status Acknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
-                           v1::AcknowledgeResponse* response) override;
+  grpc::ServerUnaryReactor* Acknowledge(grpc::CallbackServerContext* context, const v1::AcknowledgeRequest* request,
+                                        v1::AcknowledgeResponse* response) override;
   grpc::Status ZeroBlocks(grpc::ServerContext* context, const v1::ZeroBlocksRequest* request,
                           v1::ZeroBlocksResponse* response) override;
   grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
@@ -91,18 +103,21 @@ class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Servi
                           v1::CopyBlocksResponse* response) override;
   grpc::Status ExportRanges(grpc::ServerContext* context, const v1::ExportRangesRequest* request,
                             v1::ExportRangesResponse* response) override;
-  grpc::Status DescribeTransfer(grpc::ServerContext* context, const v1::DescribeTransferRequest* request,
-                                v1::DescribeTransferResponse* response) override;
-  grpc::Status GetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
-                               v1::PoolMetadata* response) override;
+  grpc::ServerUnaryReactor* DescribeTransfer(grpc::CallbackServerContext* context,
+                                             const v1::DescribeTransferRequest* request,
+                                             v1::DescribeTransferResponse* response) override;
+  grpc::ServerUnaryReactor* GetPoolMetadata(grpc::CallbackServerContext* context,
+                                            const v1::GetPoolMetadataRequest* request,
+                                            v1::PoolMetadata* response) override;
   grpc::Status SetPoolMetadata(grpc::ServerContext* context, const v1::SetPoolMetadataRequest* request,
                                v1::PoolMetadata* response) override;
   grpc::Status SetPoolPolicy(grpc::ServerContext* context, const v1::SetPoolPolicyRequest* request,
                              v1::Pool* response) override;
-  grpc::Status ReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
-                           v1::ReportUsageResponse* response) override;
-  grpc::Status DeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
-                              v1::DeclineReclaimResponse* response) override;
+  grpc::ServerUnaryReactor* ReportUsage(grpc::CallbackServerContext* context, const v1::ReportUsageRequest* request,
+                                        v1::ReportUsageResponse* response) override;
+  grpc::ServerUnaryReactor* DeclineReclaim(grpc::CallbackServerContext* context,
+                                           const v1::DeclineReclaimRequest* request,
+                                           v1::DeclineReclaimResponse* response) override;
 
   // A string field of the request that must not be empty: "<name>: must not be empty" otherwise.
   struct Required {
@@ -115,14 +130,18 @@ class KvdService final : public v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::Servi
   // that is the RPC's own. A `body` that takes the Caller is an RPC with a session: the caller is authenticated
   // first (UNAUTHENTICATED, PERMISSION_DENIED), then every `required` field checked, then `body` runs; no
   // exception leaves it (RESOURCE_EXHAUSTED for allocation failures, INTERNAL otherwise, naming `method`).
-  // Serve finishes the RPC with that status (Finish); Run returns it, for Watch, whose stream outlives its
-  // handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
+  // Serve finishes the RPC with that status (Finish); Answer does the same for a quick RPC on the callback API,
+  // finishing it on the thread that runs it (Note [Quick RPCs answer inline]); Run returns it, for Watch, whose
+  // stream outlives its handler. `method` is the RPC's name in the proto, the label of its log lines and metrics.
   template <typename Body>
   [[nodiscard]] absl::Status Run(const char* method, const grpc::ServerContextBase& context,
                                  std::initializer_list<Required> required, Body&& body) const;
   template <typename Body>
   grpc::Status Serve(const char* method, const grpc::ServerContextBase& context,
                      std::initializer_list<Required> required, Body&& body) const;
+  template <typename Body>
+  grpc::ServerUnaryReactor* Answer(const char* method, grpc::CallbackServerContext* context,
+                                   std::initializer_list<Required> required, Body&& body) const;
   // The caller named by the "kvd-session" metadata: UNAUTHENTICATED when it is missing or unknown, or
   // when the connection's peer is unknown; PERMISSION_DENIED when the connection's uid (SO_PEERCRED)
   // is not the uid that opened the session.

@@ -2119,6 +2119,13 @@ TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
                                                                             Buffer("\xff\xff\xff"), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
+  // GetPool and GetDeviceInfo are quick RPCs, on gRPC's callback API; Grow is on the synchronous server: the same
+  // answer (Note [Quick RPCs answer inline]).
+  const grpc::internal::RpcMethod grow("/kvd.v1.Kvd/Grow", grpc::internal::RpcMethod::NORMAL_RPC);
+  s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      daemon_->channel().get(), grow, Ctx(admin()).get(), Buffer(LengthDelimited(1, "kv\xff\xfe")), &response);
+  EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT,
+                        "request: the /kvd.v1.Kvd/Grow request is not a valid kvd.v1.GrowRequest"));
   // The server-streaming Watch, which runs on gRPC's callback API: the same answer.
   const grpc::internal::RpcMethod watch("/kvd.v1.Kvd/Watch", grpc::internal::RpcMethod::SERVER_STREAMING);
   auto ctx = Ctx(admin());

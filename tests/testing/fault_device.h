@@ -12,8 +12,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "kvd/device.h"
 
 namespace kvd::testing {
@@ -34,6 +36,14 @@ class FaultDevice final : public Device {
   void FailNthCall(int nth, absl::Status status) {
     absl::MutexLock lock(&mu_);
     any_fault_ = {nth, std::move(status)};
+  }
+  // From now on every Create first notifies `*entered` (the first one only) and then waits for `*release`: a
+  // caller held inside the device with the locks it holds across device calls. Null for both: Create runs at
+  // once again. Both must outlive the Creates they hold.
+  void HoldCreates(absl::Notification* entered, absl::Notification* release) {
+    absl::MutexLock lock(&mu_);
+    entered_ = entered;
+    release_ = release;
   }
   // Whether a FailNthCall fault is still waiting for its call.
   bool fault_pending() const {
@@ -68,6 +78,7 @@ class FaultDevice final : public Device {
     return s;
   }
   absl::StatusOr<Chunk> Create(uint64_t bytes) override {
+    Hold();
     if (absl::Status s = Fault(Op::kCreate); !s.ok()) return s;
     absl::StatusOr<Chunk> c = inner_->Create(bytes);
     if (c.ok()) ++live_chunks_;
@@ -156,8 +167,20 @@ class FaultDevice final : public Device {
     return s;
   }
 
+  void Hold() {
+    absl::Notification* release;
+    {
+      absl::MutexLock lock(&mu_);
+      release = release_;
+      if (entered_ != nullptr) std::exchange(entered_, nullptr)->Notify();
+    }
+    if (release != nullptr) release->WaitForNotification();
+  }
+
   std::unique_ptr<Device> inner_;
   mutable absl::Mutex mu_;
+  absl::Notification* entered_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Notification* release_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
   Fault_ any_fault_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0}, fallible_calls_{0};

@@ -268,7 +268,9 @@ class KvdPythonTest(unittest.TestCase):
                            on_release=on_release, on_pause=lambda ranges: None) as m:
             with kvd.connect(self.daemon.socket, client_name="operator") as op:
                 op.grow("other", 64)
-                poll(lambda: m.committed_blocks == 64 and len(m.mapped_chunks) == 2, "the follower maps the grow")
+                # on_grow runs after the follower published the new state, so wait for the callback too.
+                poll(lambda: m.committed_blocks == 64 and len(m.mapped_chunks) == 2 and seen,
+                     "the follower maps the grow and calls on_grow")
                 self.assertEqual(seen, [("grow", 64)])
                 m.layer(3)[63] = 1
                 self.assertEqual(float(m.layer(3)[63].sum()), 8 * 16 * 128)

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/fault_device.h"
@@ -435,6 +436,33 @@ TEST_F(PoolManagerTest, MalformedRequestsNameTheirFieldAndChangeNothing) {
   KVD_ASSERT_OK_AND_ASSIGN(PoolView pool, manager_->GetPool(alice_, "p"));
   EXPECT_EQ(pool.committed_blocks, 64u);
   EXPECT_EQ(pool.generation, 1u);
+}
+
+TEST_F(PoolManagerTest, QuickReadsDoNotWaitForAGrowInsideTheDevice) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  absl::Notification entered, release;
+  device_->HoldCreates(&entered, &release);
+  std::thread grow([&] { EXPECT_THAT(manager_->Grow(alice_, "p", 128), IsOk()); });
+  entered.WaitForNotification();  // the grow holds the pool's op_mu, inside the device's Create
+  // What the quick RPCs call (Note [Quick RPCs answer inline]): none may wait for that grow.
+  absl::Notification read;
+  std::thread reads([&] {
+    EXPECT_THAT(manager_->GetPool(alice_, "p"), IsOk());
+    EXPECT_THAT(manager_->ListPools(alice_, "", 10).pools, SizeIs(1));
+    EXPECT_THAT(manager_->GetPoolMetadata(alice_, "p"), IsOk());
+    EXPECT_THAT(manager_->DescribeTransfer(alice_, "p", {}), IsOk());
+    EXPECT_THAT(manager_->ReportUsage(alice_, "p", {.used_blocks = 32}), IsOk());
+    EXPECT_THAT(manager_->GetDeviceStatus(), IsOk());
+    EXPECT_THAT(manager_->ResolveLayout({}), IsOk());
+    read.Notify();
+  });
+  // A read that waited for the grow would never finish: the grow is held until the reads are done.
+  EXPECT_TRUE(read.WaitForNotificationWithTimeout(absl::Seconds(60))) << "a quick read waited for the grow";
+  device_->HoldCreates(nullptr, nullptr);
+  release.Notify();
+  grow.join();
+  reads.join();
+  EXPECT_GE(manager_->GetPool(alice_, "p")->committed_blocks, 128u);
 }
 
 TEST_F(PoolManagerTest, DeleteRefusesWhileAttachedUnlessForcedAndFreesEverything) {
