@@ -12,6 +12,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <malloc.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -876,7 +877,29 @@ absl::Status Run(const Flags& f) {
   return absl::OkStatus();
 }
 
+// Note [The daemon's own memory] in docs/architecture.md: glibc's heap shaped for a daemon whose replies and
+// records grow with the chunk count. One arena: each thread's arena would keep the high water of the biggest
+// reply it built (a thread arena never gives its top back). Buffers of 32 KiB and more (a large pool's chunk
+// lists, replies and records) are mmapped, so that freeing one gives it back, and the heap's top is given back
+// past 32 KiB, keeping no pad. An operator's MALLOC_*_ variable for a setting wins over it.
+void ShapeTheHeap() {
+  const struct {
+    const char* env;
+    int param;
+    int value;
+  } settings[] = {{"MALLOC_ARENA_MAX", M_ARENA_MAX, 1},
+                  {"MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, 32 << 10},
+                  {"MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD, 32 << 10},
+                  {"MALLOC_TOP_PAD_", M_TOP_PAD, 0}};
+  for (const auto& s : settings) {
+    if (std::getenv(s.env) == nullptr && mallopt(s.param, s.value) != 1) {
+      std::fprintf(stderr, "kvd: mallopt(%s) failed; the heap keeps glibc's default\n", s.env);
+    }
+  }
+}
+
 int Main(int argc, char** argv) {
+  ShapeTheHeap();
 #ifndef KVD_MUTEX_DEADLOCK_DETECTION
   // Note [Mutex deadlock detection in checking builds only]: before any lock of kvd's is taken.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

@@ -22,6 +22,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/kcmp.h>
+#include <malloc.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
@@ -312,6 +313,69 @@ absl::Status RawRelease(ChildState& c, int64_t* unmap_ns = nullptr, int64_t* rel
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> RssAnonBytes(pid_t pid);
+
+// raw-book RESERVE N, then "chunks off:bytes..." messages of N chunks in all: in a process that has done nothing
+// else (a fresh second process), the device layer alone creates, maps and exports them in four equal parts.
+// "ok RSS0 RSS1 RSS2 RSS3 RSS4": the process's RssAnon before and after each part. The lists the plan and the
+// handles are kept in are sized before the first sample: what is measured is the device layer's (and the
+// driver's), as the daemon's bookkeeping line subtracts it.
+absl::StatusOr<std::string> RawBookkeeping(ChildState& c, int socket, uint64_t reserve, uint64_t n) {
+  std::vector<std::pair<uint64_t, uint64_t>> plan;  // offset, bytes
+  plan.reserve(n);
+  while (plan.size() < n) {
+    KVD_ASSIGN_OR_RETURN(MessageWithFds m, ReceiveWithFds(socket, kMaxMessage));
+    for (int fd : m.fds) close(fd);
+    std::vector<std::string> parts = absl::StrSplit(m.payload, ' ', absl::SkipEmpty());
+    if (parts.empty() || parts[0] != "chunks") return absl::InvalidArgumentError("raw-book: expected chunks");
+    for (size_t i = 1; i < parts.size(); ++i) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], ':');
+      uint64_t off = 0, bytes = 0;
+      if (!absl::SimpleAtoi(kv.first, &off) || !absl::SimpleAtoi(kv.second, &bytes)) {
+        return absl::InvalidArgumentError(absl::StrCat("raw-book: bad chunk ", parts[i]));
+      }
+      plan.emplace_back(off, bytes);
+    }
+  }
+  if (plan.size() != n || n % 4 != 0) return absl::InvalidArgumentError("raw-book: N chunks, a multiple of 4");
+  DeviceOptions o{.backend = c.backend, .index = c.device, .host_granularity = c.granularity};
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenDevice(o));
+  KVD_ASSIGN_OR_RETURN(const uint64_t va, device->Reserve(reserve));
+  std::vector<Chunk> chunks;
+  std::vector<UniqueFd> fds;
+  chunks.reserve(n);
+  fds.reserve(n);
+  // Even a fresh process has free heap (what its start allocated and freed), resident, that the device layer's
+  // first allocations would fill unseen: given back first, so that they show as the pages they take.
+  malloc_trim(0);
+  absl::Cleanup release = [&] {
+    fds.clear();
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      device->Unmap(va + plan[i].first, plan[i].second).IgnoreError();
+      device->Release(chunks[i]).IgnoreError();
+    }
+    device->Free(va, reserve).IgnoreError();
+  };
+  std::string reply = "ok";
+  for (size_t q = 0; q <= 4; ++q) {
+    if (q > 0) {
+      for (size_t i = (q - 1) * n / 4; i < q * n / 4; ++i) {
+        KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Create(plan[i].second));
+        if (absl::Status s = device->Map(va + plan[i].first, chunk, Access::kReadWrite); !s.ok()) {
+          device->Release(chunk).IgnoreError();
+          return s;
+        }
+        chunks.push_back(chunk);
+        KVD_ASSIGN_OR_RETURN(int fd, device->Export(chunk));
+        fds.emplace_back(fd);
+      }
+    }
+    KVD_ASSIGN_OR_RETURN(const uint64_t rss, RssAnonBytes(getpid()));
+    absl::StrAppend(&reply, " ", rss);
+  }
+  return reply;
+}
+
 absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::vector<std::string>& w) {
   if (c.reader == nullptr) {
     KVD_ASSIGN_OR_RETURN(c.reader, Reader::Open(c.backend, c.device));
@@ -472,6 +536,11 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     return absl::StrCat("ok ", done, " received=", received, " reserve_ms=", (reserved - received) / 1e6,
                         " fd_receive_ms=", receive_ns / 1e6, " import_map_ms=", import_map_ns / 1e6,
                         " import_ms=", import_ns / 1e6, " map_ms=", map_ns / 1e6, " read_ms=", (done - mapped) / 1e6);
+  }
+  if (op == "raw-book" && w.size() == 3) {
+    uint64_t reserve = 0, n = 0;
+    if (!absl::SimpleAtoi(w[1], &reserve) || !absl::SimpleAtoi(w[2], &n)) return absl::InvalidArgumentError("bad");
+    return RawBookkeeping(c, socket, reserve, n);
   }
   if (op == "raw-release") {  // "ok DONE unmap_ms=MS release_ms=MS"
     int64_t unmap_ns = 0, release_ns = 0;
@@ -2772,23 +2841,28 @@ absl::Status Bench::MeasureBookkeeping() {
   KVD_RETURN_IF_ERROR(client_->Shrink(pool.name, 0, true).status());
   KVD_RETURN_IF_ERROR(client_->DeletePool(pool.name, true).status());
 
-  // The device layer and driver alone: the same chunks created, mapped and exported in this process.
+  // The device layer and driver alone: the same chunks created, mapped and exported in a bare process (a
+  // fresh second one: this one's heap has room left by everything it did, which would hide what the device
+  // layer allocates; RawBookkeeping).
   {
-    KVD_ASSIGN_OR_RETURN(uint64_t rss0, RssAnonBytes(getpid()));
-    Plan plan = PlanOf(grown);
-    std::vector<double> rx, ry;
-    rx.push_back(0);
-    ry.push_back(rss0);
+    const Plan plan = PlanOf(grown);
     const size_t per = plan.chunks.size() / 4;
-    std::vector<std::unique_ptr<RawExporter>> parts;
-    for (size_t q = 0; q < 4; ++q) {
-      Plan part{.reserve_bytes = plan.reserve_bytes};
-      part.chunks.assign(plan.chunks.begin() + q * per, plan.chunks.begin() + (q + 1) * per);
-      parts.push_back(std::make_unique<RawExporter>(raw_.get(), part));
-      KVD_RETURN_IF_ERROR(parts.back()->Grow());
-      KVD_ASSIGN_OR_RETURN(uint64_t r, RssAnonBytes(getpid()));
-      rx.push_back((q + 1) * per);
-      ry.push_back(r);
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<Child> bare, Child::Spawn(backend_, daemon_.device_index, g));
+    KVD_RETURN_IF_ERROR(SendWithFds(bare->socket(), absl::StrCat("raw-book ", plan.reserve_bytes, " ", 4 * per), {}));
+    for (size_t i = 0; i < 4 * per; i += kMaxFdsPerMessage) {
+      std::string text = "chunks";
+      for (size_t j = i; j < std::min(4 * per, i + kMaxFdsPerMessage); ++j) {
+        absl::StrAppend(&text, " ", plan.chunks[j].offset, ":", plan.chunks[j].bytes);
+      }
+      KVD_RETURN_IF_ERROR(SendWithFds(bare->socket(), text, {}));
+    }
+    KVD_ASSIGN_OR_RETURN(const std::vector<std::string> w, bare->Reply("raw-book"));
+    std::vector<double> rx, ry;
+    for (size_t q = 0; q < w.size(); ++q) {
+      uint64_t bytes = 0;
+      if (!absl::SimpleAtoi(w[q], &bytes)) return absl::InternalError(absl::StrCat("raw-book: bad reply ", w[q]));
+      rx.push_back(q * per);
+      ry.push_back(bytes);
     }
     book_.raw_bytes_per_chunk = Slope(rx, ry);
   }

@@ -179,7 +179,8 @@ ChunkInfo FromProto(const v1::Chunk& proto) {
           .segment = proto.segment(),
           .offset = proto.offset(),
           .bytes = proto.bytes(),
-          .fabric_handle = proto.fabric_handle()};
+          .fabric_handle =
+              proto.fabric_handle().empty() ? nullptr : std::make_shared<const std::string>(proto.fabric_handle())};
 }
 
 v1::Chunk ToProto(const ChunkInfo& chunk) {
@@ -188,7 +189,7 @@ v1::Chunk ToProto(const ChunkInfo& chunk) {
   p.set_segment(chunk.segment);
   p.set_offset(chunk.offset);
   p.set_bytes(chunk.bytes);
-  if (!chunk.fabric_handle.empty()) p.set_fabric_handle(chunk.fabric_handle);
+  if (chunk.fabric_handle != nullptr) p.set_fabric_handle(*chunk.fabric_handle);
   return p;
 }
 

@@ -33,13 +33,18 @@ absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChun
     device_->Release(r.chunk).IgnoreError();
     return s;
   }
-  absl::StatusOr<int> fd = device_->Export(r.chunk);
-  if (!fd.ok()) {
-    device_->Unmap(base + p.offset, p.bytes).IgnoreError();
-    device_->Release(r.chunk).IgnoreError();
-    return fd.status();
+  // Note [FD hygiene]: where the handle is the chunk's FD, a dup of it beside it would be a second FD per chunk
+  // held for nothing.
+  r.handle_is_fd = HandleIsFd();
+  if (!r.handle_is_fd) {
+    absl::StatusOr<int> fd = device_->Export(r.chunk);
+    if (!fd.ok()) {
+      device_->Unmap(base + p.offset, p.bytes).IgnoreError();
+      device_->Release(r.chunk).IgnoreError();
+      return fd.status();
+    }
+    r.exported.reset(*fd);
   }
-  r.fd.reset(*fd);
   if (fabric_) {
     // Export once, like the FD: every reply and event then carries the same bytes.
     absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
@@ -47,7 +52,7 @@ absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChun
       Discard(base, r, StoreFd::kLeave);
       return fabric.status();
     }
-    r.info.fabric_handle = *std::move(fabric);
+    r.info.fabric_handle = std::make_shared<const std::string>(*std::move(fabric));
   }
   return r;
 }
@@ -78,9 +83,9 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
   return made;
 }
 
-absl::StatusOr<Chunk> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& info, int fd) {
-  KVD_RETURN_IF_ERROR(CheckChunkFd(device_->kind(), fd, info.bytes));
-  absl::StatusOr<Chunk> chunk = device_->Import(fd, info.bytes);
+absl::StatusOr<ChunkRecord> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& info, UniqueFd fd) {
+  KVD_RETURN_IF_ERROR(CheckChunkFd(device_->kind(), fd.get(), info.bytes));
+  absl::StatusOr<Chunk> chunk = device_->Import(fd.get(), info.bytes);
   if (!chunk.ok()) {
     return absl::Status(chunk.status().code(), absl::StrCat("cannot be imported: ", chunk.status().message()));
   }
@@ -88,12 +93,14 @@ absl::StatusOr<Chunk> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& info, in
     device_->Release(*chunk).IgnoreError();
     return absl::Status(mapped.code(), absl::StrCat("cannot be mapped: ", mapped.message()));
   }
-  return chunk;
+  ChunkRecord r{.info = info, .chunk = *chunk, .handle_is_fd = HandleIsFd()};
+  if (!r.handle_is_fd) r.exported = std::move(fd);
+  return r;
 }
 
 absl::Status ChunkMaker::Keep(absl::Span<const ChunkRecord> chunks) {
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (absl::Status kept = store_->KeepChunkFd(chunks[i].info.id, chunks[i].fd.get()); !kept.ok()) {
+    if (absl::Status kept = store_->KeepChunkFd(chunks[i].info.id, chunks[i].fd()); !kept.ok()) {
       for (size_t j = 0; j < i; ++j) store_->DropChunkFd(chunks[j].info.id);
       return kept;
     }
@@ -105,7 +112,7 @@ void ChunkMaker::Discard(uint64_t base, ChunkRecord& r, StoreFd store_fd) {
   if (store_fd == StoreFd::kForget) store_->DropChunkFd(r.info.id);
   device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
   device_->Release(r.chunk).IgnoreError();
-  r.fd.reset();
+  r.exported.reset();
 }
 
 }  // namespace kvd::daemon

@@ -32,18 +32,19 @@ class ChunkMaker {
   // <the device's words>"; every other failure (a store that refuses an FD too) passes as it is.
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> Make(uint64_t base, const std::vector<PlannedChunk>& plan,
                                                               absl::string_view needs);
-  // The memory of chunk `info` from `fd` (a dup the caller keeps), imported and mapped at `base`:
-  // INVALID_ARGUMENT when the FD cannot be that chunk (on the host backend, a memfd of another size), and
-  // the device's own codes worded "cannot be imported: ..." or "cannot be mapped: ...". Nothing is left on
-  // a failure.
-  [[nodiscard]] absl::StatusOr<Chunk> Adopt(uint64_t base, const ChunkInfo& info, int fd);
+  // The record of chunk `info` with the memory of `fd`, imported and mapped at `base`; it keeps `fd` as its
+  // export where the device's handle is not an FD itself (on the host backend the import is a dup of it,
+  // and `fd` is closed). INVALID_ARGUMENT when the FD cannot be that chunk (on the host backend, a memfd of
+  // another size), and the device's own codes worded "cannot be imported: ..." or "cannot be mapped: ...".
+  // Nothing is left on a failure (`fd` is closed).
+  [[nodiscard]] absl::StatusOr<ChunkRecord> Adopt(uint64_t base, const ChunkInfo& info, UniqueFd fd);
   // Hands each chunk's FD to the store; on a refusal takes back the ones it handed and returns why.
   [[nodiscard]] absl::Status Keep(absl::Span<const ChunkRecord> chunks);
 
   // Whether a discarded chunk's FD leaves the store (kForget) or stays for the next daemon (kLeave: a
   // restart, or a chunk whose FD was never kept).
   enum class StoreFd { kForget, kLeave };
-  // Unmaps the chunk from the view at `base`, releases the daemon's handle and closes its FD.
+  // Unmaps the chunk from the view at `base`, releases the daemon's handle and closes its export.
   void Discard(uint64_t base, ChunkRecord& chunk, StoreFd store_fd = StoreFd::kForget);
   // The pool's record no longer names chunk `id`: its FD leaves the store (its memory goes later).
   void ForgetFd(uint64_t id) { store_->DropChunkFd(id); }
@@ -52,6 +53,9 @@ class ChunkMaker {
   uint64_t out_of_memory() const { return out_of_memory_.load(std::memory_order_relaxed); }
 
  private:
+  // Whether a chunk's handle is an FD of its memory (host: the memfd; kvd/device.h, Chunk), so that a record
+  // keeps no export beside it.
+  bool HandleIsFd() const { return device_->kind() == BackendKind::kHost; }
   // Create, map and export, without the store.
   [[nodiscard]] absl::StatusOr<ChunkRecord> MakeOne(uint64_t base, const PlannedChunk& planned);
 

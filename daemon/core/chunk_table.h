@@ -23,7 +23,12 @@ namespace kvd::daemon {
 struct ChunkRecord {
   ChunkInfo info;
   Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
-  UniqueFd fd;  // exported once at creation; consumers get dup()s
+  // Exported once at creation (or the FD it was adopted from). Empty where the handle is an FD itself (the
+  // host backend's memfd; handle_is_fd): one FD per chunk either way (Note [FD hygiene] in docs/architecture.md).
+  UniqueFd exported;
+  bool handle_is_fd = false;
+  // The chunk's FD, borrowed (consumers get dup()s of it); -1 for a missing chunk (Recover).
+  int fd() const { return handle_is_fd ? static_cast<int>(chunk.handle) : exported.get(); }
 };
 
 class ChunkTable {

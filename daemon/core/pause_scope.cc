@@ -8,7 +8,7 @@ const Pause& PauseScope::Begin(const std::vector<ChunkRecord>& added, std::vecto
   Pause pause{.id = next_id_++, .ranges = std::move(ranges)};
   for (const ChunkRecord& r : added) {
     pause.added.push_back(r.info);
-    pause.fds[r.info.id] = r.fd.get();
+    pause.fds[r.info.id] = r.fd();
   }
   pause_ = std::move(pause);
   return *pause_;

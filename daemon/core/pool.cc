@@ -69,6 +69,16 @@ PoolView Pool::View(ViewClients clients) const {
   return ViewLocked(clients);
 }
 
+PoolSummary Pool::Summary() const {
+  absl::MutexLock lock(&mu_);
+  return PoolSummary{.state = state_,
+                     .committed_blocks = committed_blocks(),
+                     .committed_bytes = committed_bytes(),
+                     .chunks = table_.size(),
+                     .clients = clients_.size(),
+                     .transaction = txn_.has_value() ? txn_->id : std::string()};
+}
+
 PoolState Pool::state() const {
   absl::MutexLock lock(&mu_);
   return state_;
@@ -819,7 +829,7 @@ absl::StatusOr<std::vector<Pool::Returned>> Pool::PlanReturn(const std::vector<u
           absl::StrCat("chunk_ids[", i, "]: chunk ", id, " is not in pool ", name_, "'s chunk table"));
     }
     const bool missing = table_.IsMissing(id);
-    out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd.get()});
+    out.push_back({.info = r->info, .missing = missing, .fd = missing ? -1 : r->fd()});
   }
   return out;
 }

@@ -101,6 +101,18 @@ struct PoolShared {
 // (the pool in replies to Attach and resizes, so that a reply's size does not grow with the clients).
 enum class ViewClients { kListed, kCounted };
 
+// A view's counts, without the lists a PoolView copies (every chunk, every client): for the checks that need
+// a number or two of a pool, so that they cost no copy of its chunk table (Note [The daemon's own memory]
+// in docs/architecture.md).
+struct PoolSummary {
+  PoolState state = PoolState::kAwake;
+  uint64_t committed_blocks = 0;
+  uint64_t committed_bytes = 0;
+  size_t chunks = 0;        // as many as PoolView::chunks lists
+  size_t clients = 0;       // attached clients
+  std::string transaction;  // the prepared transaction holding the pool, if any
+};
+
 // NOT_FOUND "pool P does not exist".
 absl::Status PoolGone(absl::string_view pool);
 
@@ -128,6 +140,7 @@ class Pool {
   void set_base(uint64_t base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) { base_ = base; }
 
   PoolView View(ViewClients clients = ViewClients::kListed) const ABSL_LOCKS_EXCLUDED(mu_);
+  PoolSummary Summary() const ABSL_LOCKS_EXCLUDED(mu_);
   PoolState state() const ABSL_LOCKS_EXCLUDED(mu_);
   // While sleeping with its contents: what it keeps in the host tier (Note [The host tier]).
   std::optional<KeptContents> kept() const ABSL_LOCKS_EXCLUDED(mu_) {

@@ -125,7 +125,7 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
     const ChunkRecord* r = table_.Find(id);
     int own = -1;
     if (r != nullptr && !table_.IsMissing(id)) {
-      own = r->fd.get();
+      own = r->fd();
     } else if (pause_.FdOf(id) >= 0) {
       own = pause_.FdOf(id);  // a new chunk of the pause under way (the PAUSE's lease)
     } else {

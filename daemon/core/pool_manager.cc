@@ -303,7 +303,7 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   // ends (those bytes are no longer "being made") when this returns: made, or given back.
   KVD_ASSIGN_OR_RETURN(Arbiter::Admission admission,
                        arbiter_.Admit({.pool = pool.name(),
-                                       .committed_bytes = pool.View(ViewClients::kCounted).committed_bytes,
+                                       .committed_bytes = pool.Summary().committed_bytes,
                                        .bytes = staged.bytes,
                                        .what = absl::StrCat("growing to ", target_blocks, " blocks")}));
   absl::StatusOr<std::vector<PlannedChunk>> plan = pool.PlanGrow(target_blocks, options_.max_chunk_bytes);
@@ -471,7 +471,7 @@ absl::StatusOr<uint64_t> PoolManager::DeletePool(const Caller& caller, absl::str
     KVD_RETURN_IF_ERROR(QuiesceLocked(*pool, caller.session, "deleting", pool->Leaving(0),
                                       ReleaseOptions{.force = true, .pause = pause}));
   }
-  const uint64_t bytes = pool->View(ViewClients::kCounted).committed_bytes;
+  const uint64_t bytes = pool->Summary().committed_bytes;
   // While the name is still this pool's (a pool created with it later adds its own entry).
   arbiter_.Remove(pool->name());
   {
@@ -530,7 +530,7 @@ absl::Status PoolManager::SettleLatePause(Pool& pool, absl::string_view what, co
 }
 
 void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) {
-  if (const std::string held = pool.View(ViewClients::kCounted).transaction; !held.empty()) {
+  if (const std::string held = pool.Summary().transaction; !held.empty()) {
     transactions_.Remove(held, why == EventType::kPoolDeleted ? "its pool was deleted" : "kvd is shutting down");
   }
   const bool forget = why != EventType::kDaemonRestarting;
@@ -678,8 +678,8 @@ absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, co
         absl::StrCat("keep: pool ", pool.name(),
                      " cannot keep its contents: kvd was started without a host tier (--host-tier-bytes)"));
   }
-  const PoolView view = pool.View(ViewClients::kCounted);
-  const Geometry& g = view.geometry;
+  const PoolSummary view = pool.Summary();
+  const Geometry& g = pool.geometry();
   KeptContents kept;
   if (keep.live_blocks.empty()) {
     const uint64_t prefix = g.segments() == 0 ? 0 : view.committed_bytes / g.segments();
@@ -743,7 +743,7 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
   std::vector<ChunkRecord> released;
   const GroupOp op = change.op;
   const uint64_t target_blocks = change.target_blocks;
-  const size_t chunks_before = pool.View(ViewClients::kCounted).chunks.size();
+  const size_t chunks_before = pool.Summary().chunks;
   const std::optional<KeptContents> restored = change.restored ? pool.kept() : std::nullopt;
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
   // Woken with its contents: the tier's copy is no longer needed.

@@ -64,7 +64,7 @@ absl::StatusOr<PoolView> PoolManager::SetPoolPolicy(const Caller& caller, absl::
 absl::Status PoolManager::ReportUsage(const Caller& caller, absl::string_view name, UsageReport usage) {
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, name));
   usage.reported_at = absl::Now();
-  return arbiter_.Report(pool->name(), usage, pool->View(ViewClients::kCounted).committed_blocks);
+  return arbiter_.Report(pool->name(), usage, pool->Summary().committed_blocks);
 }
 
 absl::Status PoolManager::DeclineReclaim(const Caller& caller, absl::string_view name, uint64_t reclaim_id,
@@ -78,14 +78,14 @@ Arbiter::Hooks PoolManager::ArbiterHooks() {
   hooks.loads = [this] {
     std::vector<PoolLoad> loads;
     for (const std::shared_ptr<Pool>& pool : Snapshot()) {
-      const PoolView v = pool->View(ViewClients::kCounted);
-      loads.push_back({.name = v.name,
-                       .owner_uid = v.owner_uid,
+      const PoolSummary v = pool->Summary();
+      loads.push_back({.name = pool->name(),
+                       .owner_uid = pool->owner_uid(),
                        .state = v.state,
                        .committed_blocks = v.committed_blocks,
                        .committed_bytes = v.committed_bytes,
-                       .clients = v.client_count,
-                       .geometry = v.geometry});
+                       .clients = v.clients,
+                       .geometry = pool->geometry()});
     }
     return loads;
   };
@@ -98,8 +98,8 @@ Arbiter::Hooks PoolManager::ArbiterHooks() {
   hooks.shrink = [this](const std::string& name, uint64_t used_blocks, uint64_t min_bytes) -> absl::StatusOr<uint64_t> {
     const Caller daemon = DaemonCaller();
     KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(daemon, name));
-    const PoolView v = pool->View(ViewClients::kCounted);
-    const Geometry& g = v.geometry;
+    const PoolSummary v = pool->Summary();
+    const Geometry& g = pool->geometry();
     // The fewest blocks that hold min_bytes: the guarantee is never shrunk away.
     uint64_t lo = 0;
     uint64_t hi = v.committed_blocks;

@@ -191,12 +191,9 @@ std::shared_ptr<Pool> PoolManager::RestorePool(const SavedPool& saved, std::map<
             ? absl::NotFoundError("no FD for it in the service manager's store")
             : absl::NotFoundError("no FD store: waiting for the clients that map it to give it back");
     if (adopted.ok()) {
-      absl::StatusOr<Chunk> chunk = maker_.Adopt(*base, info, fd.mapped().get());
+      absl::StatusOr<ChunkRecord> chunk = maker_.Adopt(*base, info, std::move(fd.mapped()));
       adopted = chunk.status();
-      if (adopted.ok()) {
-        r.chunk = *chunk;
-        r.fd = std::move(fd.mapped());
-      }
+      if (adopted.ok()) r = *std::move(chunk);
     }
     // An FD that is not the chunk leaves the store: a client may give the real one back.
     if (!adopted.ok() && !fd.empty()) store_->DropChunkFd(info.id);
@@ -286,9 +283,9 @@ absl::StatusOr<PoolManager::Returned> PoolManager::ReturnHandles(absl::string_vi
       }
       continue;
     }
-    absl::StatusOr<Chunk> chunk = maker_.Adopt(base, info, fd);
+    absl::StatusOr<ChunkRecord> chunk = maker_.Adopt(base, info, std::move(fds[i].second));
     if (!chunk.ok()) return wrong(chunk.status().message());
-    adopted.push_back({.info = info, .chunk = *chunk, .fd = std::move(fds[i].second)});
+    adopted.push_back(*std::move(chunk));
   }
   KVD_RETURN_IF_ERROR(maker_.Keep(adopted));  // on failure `undo` releases what was adopted
   std::move(undo).Cancel();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,8 +34,10 @@ struct ChunkInfo {
   uint64_t offset = 0;  // from the pool's base
   uint64_t bytes = 0;
   // CU_MEM_HANDLE_TYPE_FABRIC bytes, exported once at creation where the device delivers fabric handles
-  // (its probe succeeded); empty otherwise.
-  std::string fabric_handle;
+  // (its probe succeeded); null otherwise. Shared, never changed: every copy of the chunk's info (views,
+  // events, records) is its four numbers and a pointer, not a string of its own (Note [The daemon's own
+  // memory] in docs/architecture.md).
+  std::shared_ptr<const std::string> fabric_handle;
 };
 
 // One FD of a range export (PoolManager::ExportRanges): the pool's bytes [offset, offset + bytes) from its

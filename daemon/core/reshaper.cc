@@ -234,7 +234,7 @@ absl::StatusOr<PoolUpdate> Reshaper::ShrinkInStepsLocked(Pool& pool, absl::strin
     }
     if (!failed.ok()) {
       if (!total.has_value() && released_first.empty()) return failed;
-      const size_t chunks_now = pool.View(ViewClients::kCounted).chunks.size();
+      const size_t chunks_now = pool.Summary().chunks;
       return StepsStayDone(
           failed, "shrink", total.has_value() ? total->reshape->steps : 0, whole.chunks_before, chunks_now,
           total.has_value()
@@ -274,7 +274,7 @@ absl::StatusOr<PoolUpdate> Reshaper::Compact(Pool& pool, const CompactOptions& o
       absl::MutexLock lock(&pool.op_mu());
       // With nobody attached the daemon is the only mapper: a new chunk that does not fit may be made of
       // runs of the old ones that do (fewer chunks, if not one a segment).
-      const bool alone = pool.View(ViewClients::kCounted).client_count == 0;
+      const bool alone = pool.Summary().clients == 0;
       // What is left to do first (nothing: in shape), then what of it fits now: no look at the device
       // once the work is done.
       absl::StatusOr<ReshapePlan> rest = pool.PlanCompact(options_.max_chunk_bytes, std::nullopt);
@@ -319,7 +319,7 @@ absl::StatusOr<PoolUpdate> Reshaper::Compact(Pool& pool, const CompactOptions& o
         if (!total.has_value()) return failed;
         // The steps before stay done: the pool is whole, only less fragmented than asked.
         return StepsStayDone(failed, "compaction", total->reshape->steps, total->reshape->chunks_before,
-                             pool.View(ViewClients::kCounted).chunks.size(), "Compact again to go on");
+                             pool.Summary().chunks, "Compact again to go on");
       }
     }
     Finish(pool, step, absl::Now() + timeout, std::nullopt, step_start);
@@ -474,7 +474,7 @@ bool Reshaper::Recycle(View& view, const std::set<uint64_t>& staying) {
   view.mapped = std::move(kept);
   for (ChunkRecord& r : view.chunks) {
     device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
+    r.exported.reset();
   }
   view.chunks.clear();
   return true;
@@ -498,7 +498,7 @@ void Reshaper::TakeDown(View& view) {
   }
   for (ChunkRecord& r : view.chunks) {
     device_->Release(r.chunk).IgnoreError();
-    r.fd.reset();
+    r.exported.reset();
   }
   view = View{};
 }

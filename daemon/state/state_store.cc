@@ -17,6 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "daemon/codec/codec.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "kvd/state.pb.h"
 #include "kvd/status.h"
 #include "kvd/unique_fd.h"
@@ -60,6 +62,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return bytes.str();
 }
 
+// The record but its chunks (SerializePoolRecord appends those).
 state::PoolRecord ToRecord(const SavedPool& pool) {
   state::PoolRecord r;
   r.set_format(kFormat);
@@ -80,7 +83,6 @@ state::PoolRecord ToRecord(const SavedPool& pool) {
   r.set_prefix_bytes(pool.prefix_bytes);
   r.set_wake_blocks(pool.wake_blocks);
   r.set_generation(pool.generation);
-  for (const ChunkInfo& c : pool.chunks) *r.add_chunks() = ToProto(c);
   r.set_pending_release_bytes(pool.pending_release_bytes);
   *r.mutable_metadata() = ToProto(pool.name, pool.metadata);
   *r.mutable_policy() = ToProto(pool.policy);
@@ -149,6 +151,40 @@ absl::StatusOr<SavedPool> FromRecord(const state::PoolRecord& r) {
   KVD_RETURN_IF_ERROR(ValidateName(pool.name, "name"));
   return pool;
 }
+
+}  // namespace
+
+// Note [The daemon's own memory] in docs/architecture.md: a PoolRecord message holding the chunks would be a
+// heap object per chunk on every save (every grow). The wire format lets a repeated field come after the
+// others, in pieces: the other fields are serialized as a message, then each chunk is appended as one more
+// `chunks` field from one stack-held v1::Chunk. A parser reads the same message as from PoolRecord holding all.
+std::string SerializePoolRecord(const SavedPool& pool) {
+  constexpr uint32_t kChunkTag = (state::PoolRecord::kChunksFieldNumber << 3) | 2;  // wire type 2: length-delimited
+  std::string bytes;
+  ToRecord(pool).AppendToString(&bytes);
+  bytes.reserve(bytes.size() + pool.chunks.size() * 24);  // a chunk without a fabric handle takes 13 to 24 bytes
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream out(&stream);  // its destructor gives back what it did not write
+    for (const ChunkInfo& c : pool.chunks) {
+      const v1::Chunk chunk = ToProto(c);
+      out.WriteTag(kChunkTag);
+      out.WriteVarint32(static_cast<uint32_t>(chunk.ByteSizeLong()));
+      chunk.SerializeWithCachedSizes(&out);
+    }
+  }
+  return bytes;
+}
+
+absl::StatusOr<SavedPool> ParsePoolRecord(absl::string_view bytes) {
+  state::PoolRecord record;
+  if (!record.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    return absl::DataLossError("not a kvd.state.PoolRecord");
+  }
+  return FromRecord(record);
+}
+
+namespace {
 
 // The FDs the service manager handed this process ($LISTEN_FDS), by chunk id, and the host tier's; others
 // are closed.
@@ -219,10 +255,8 @@ absl::StatusOr<std::unique_ptr<FileStateStore>> FileStateStore::Open(Options opt
     absl::StatusOr<SavedPool> pool = absl::InternalError("unreadable");
     if (absl::StatusOr<std::string> bytes = ReadFile(path); !bytes.ok()) {
       pool = bytes.status();
-    } else if (state::PoolRecord record; !record.ParseFromString(*bytes)) {
-      pool = absl::DataLossError("not a kvd.state.PoolRecord");
     } else {
-      pool = FromRecord(record);
+      pool = ParsePoolRecord(*bytes);
       if (pool.ok() && pool->name != name) pool = absl::DataLossError(absl::StrCat("it names pool ", pool->name));
     }
     if (!pool.ok()) {
@@ -264,7 +298,7 @@ absl::Status FileStateStore::Failed(absl::Status status, bool log) {
 
 // A record that is not written is the manager's to report (it makes the pool stale: PoolManager::Save).
 absl::Status FileStateStore::SavePool(const SavedPool& pool) {
-  absl::Status written = WriteAtomically(options_.dir + "/pools", pool.name, ToRecord(pool).SerializeAsString());
+  absl::Status written = WriteAtomically(options_.dir + "/pools", pool.name, SerializePoolRecord(pool));
   return written.ok() ? written : Failed(written, /*log=*/false);
 }
 

@@ -22,11 +22,18 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/core/durable.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
+
+// A pool's record file (kvd.state.PoolRecord) as SavePool writes it, and read back as Open reads it: DATA_LOSS
+// when the bytes are not a PoolRecord, FAILED_PRECONDITION for a record of another format, INVALID_ARGUMENT for
+// fields that cannot be restored.
+std::string SerializePoolRecord(const SavedPool& pool);
+[[nodiscard]] absl::StatusOr<SavedPool> ParsePoolRecord(absl::string_view bytes);
 
 class FileStateStore final : public StateStore {
  public:

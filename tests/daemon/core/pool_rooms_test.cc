@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <set>
@@ -253,12 +254,12 @@ TEST(PauseScopeTest, WaitsForEveryClientAskedAndLendsTheNewChunksFds) {
   PauseScope scope;
   std::vector<ChunkRecord> added(1);
   added[0].info = {.id = 9, .bytes = 2 * kMiB};
-  added[0].fd.reset(dup(0));
+  added[0].exported.reset(dup(0));
   const uint64_t id = scope.Begin(added, {}).id;
   scope.Ask("a");
   scope.Ask("b");
   EXPECT_EQ(scope.Seal(), 2u);
-  EXPECT_EQ(scope.FdOf(9), added[0].fd.get());
+  EXPECT_EQ(scope.FdOf(9), added[0].fd());
   EXPECT_EQ(scope.FdOf(8), -1);
   EXPECT_FALSE(scope.Acknowledge("a", id + 1)) << "another pause";
   EXPECT_TRUE(scope.Acknowledge("a", id));
@@ -297,14 +298,29 @@ class ChunkMakerTest : public ::testing::Test {
   uint64_t base_ = 0;
 };
 
+// The FDs this process has open.
+size_t OpenFds() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
 TEST_F(ChunkMakerTest, MakesMapsExportsAndKeepsEveryChunkAndDiscardsThem) {
   ChunkMaker maker(device_.get(), &store_, &next_id_, false);
+  const size_t fds_before = OpenFds();
   KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made, maker.Make(base_, Plan(), "needs"));
   ASSERT_EQ(made.size(), 3u);
   EXPECT_EQ(device_->live_chunks(), 3);
   EXPECT_EQ(device_->live_mappings(), 3);
   EXPECT_EQ(inner_.kept_chunk_ids(), (std::set<uint64_t>{1, 2, 3}));
-  for (const ChunkRecord& r : made) EXPECT_GE(r.fd.get(), 0);
+  // On host a chunk's handle is its memfd: the record keeps no export beside it (Note [FD hygiene]), so each
+  // chunk is one FD here and one in the (in-memory) FD store.
+  for (const ChunkRecord& r : made) {
+    EXPECT_TRUE(r.handle_is_fd);
+    EXPECT_FALSE(r.exported.valid());
+    EXPECT_EQ(r.fd(), static_cast<int>(r.chunk.handle));
+  }
+  EXPECT_EQ(OpenFds() - fds_before, 2 * made.size());
   for (ChunkRecord& r : made) maker.Discard(base_, r);
   EXPECT_EQ(device_->live_chunks(), 0);
   EXPECT_EQ(device_->live_mappings(), 0);
@@ -336,15 +352,21 @@ TEST_F(ChunkMakerTest, AdoptsAChunkFromItsFdAndRefusesOneOfAnotherSize) {
   ChunkMaker maker(device_.get(), &store_, &next_id_, false);
   KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made, maker.Make(base_, {Plan()[1]}, "needs"));
   const ChunkInfo info = made[0].info;
-  const UniqueFd fd(dup(made[0].fd.get()));
+  const UniqueFd fd(dup(made[0].fd()));
   maker.Discard(base_, made[0], ChunkMaker::StoreFd::kLeave);
-  EXPECT_THAT(maker.Adopt(base_, {.id = info.id, .offset = info.offset, .bytes = 2 * kMiB}, fd.get()),
+  EXPECT_THAT(maker.Adopt(base_, {.id = info.id, .offset = info.offset, .bytes = 2 * kMiB}, UniqueFd(dup(fd.get()))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes, the chunk")));
-  KVD_ASSERT_OK_AND_ASSIGN(Chunk chunk, maker.Adopt(base_, info, fd.get()));
+  const size_t fds_before = OpenFds();
+  KVD_ASSERT_OK_AND_ASSIGN(ChunkRecord adopted, maker.Adopt(base_, info, UniqueFd(dup(fd.get()))));
   EXPECT_EQ(device_->live_mappings(), 1);
-  device_->Unmap(base_ + info.offset, info.bytes).IgnoreError();
-  device_->Release(chunk).IgnoreError();
+  // The import is a dup of the FD given, which is closed: one FD for the chunk.
+  EXPECT_TRUE(adopted.handle_is_fd);
+  EXPECT_FALSE(adopted.exported.valid());
+  EXPECT_EQ(OpenFds() - fds_before, 1u);
+  maker.Discard(base_, adopted, ChunkMaker::StoreFd::kLeave);
+  EXPECT_EQ(device_->live_mappings(), 0);
   EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(OpenFds(), fds_before);
 }
 
 }  // namespace
