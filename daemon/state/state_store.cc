@@ -312,10 +312,10 @@ absl::Status FileStateStore::KeepChunkFd(uint64_t id, int fd) {
   if (!options_.fd_store) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   if (const uint64_t held = stored_.size() + (host_tier_stored_ ? 1 : 0); held >= options_.fd_store_max) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "chunks: the service manager's file-descriptor store holds ", held, " of ", options_.fd_store_max, " FDs (",
-        stored_.size(), " chunks", host_tier_stored_ ? " and the host tier" : "",
-        "; --fdstore-max, FileDescriptorStoreMax= of the unit): grow in larger steps, or raise both"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("chunks: the service manager's file-descriptor store holds ", held, " of ", options_.fd_store_max,
+                     " FDs (", stored_.size(), " chunks", host_tier_stored_ ? " and the host tier" : "",
+                     "; --fdstore-max, FileDescriptorStoreMax= of the unit): grow in larger steps, or raise both"));
   }
   const std::string message = absl::StrCat("FDSTORE=1\nFDPOLL=0\nFDNAME=c", id);
   const int sent = sd_pid_notify_with_fds(0, 0, message.c_str(), &fd, 1);
