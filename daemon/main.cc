@@ -882,7 +882,17 @@ absl::Status Run(const Flags& f) {
 // reply it built (a thread arena never gives its top back). Buffers of 32 KiB and more (a large pool's chunk
 // lists, replies and records) are mmapped, so that freeing one gives it back, and the heap's top is given back
 // past 32 KiB, keeping no pad. An operator's MALLOC_*_ variable for a setting wins over it.
+// A sanitizer's allocator replaces glibc's: mallopt does not apply there (it fails), so those builds skip it.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVD_SANITIZER_HEAP 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define KVD_SANITIZER_HEAP 1
+#endif
+#endif
+
 void ShapeTheHeap() {
+#ifndef KVD_SANITIZER_HEAP
   const struct {
     const char* env;
     int param;
@@ -896,6 +906,7 @@ void ShapeTheHeap() {
       std::fprintf(stderr, "kvd: mallopt(%s) failed; the heap keeps glibc's default\n", s.env);
     }
   }
+#endif
 }
 
 int Main(int argc, char** argv) {
