@@ -13,7 +13,6 @@ Run: KVD_BINARY=<build>/daemon/kvd KVCTL_BINARY=<build>/client/kvctl/kvctl KVD_L
 """
 import os
 import re
-import subprocess
 import threading
 import time
 import unittest
@@ -21,7 +20,7 @@ import unittest
 import grpc
 
 import kvd
-from kvd_daemon import KvdDaemonCase
+from kvd_daemon import KvdDaemonCase, kvctl
 from scrape import free_port, http_get, parse_samples, poll
 
 pb = kvd.v1_pb2
@@ -127,10 +126,7 @@ class ArbitrationCase(KvdDaemonCase):
         return g
 
     def kvctl(self, *args):
-        r = subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={self.socket}", *args], capture_output=True,
-                           text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return r.stdout
+        return kvctl(self.socket, *args)
 
     def metrics(self):
         return parse_samples(http_get(f"http://127.0.0.1:{self.port}/metrics"))

@@ -28,6 +28,7 @@ import unittest
 import kvd
 from kvd import handles_path
 from kvd._proto import pb
+from kvd_daemon import kvctl
 from played_manager import PlayedManager
 
 KVD = os.environ.get("KVD_BINARY", "kvd")
@@ -462,10 +463,7 @@ class FdStoreTest(DurabilityCase):
         self.assertIn("saved state  current (1 saves failed since start", self.kvctl("status"))
 
     def kvctl(self, *args):
-        r = subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={self.socket}", *args], capture_output=True,
-                           text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return r.stdout
+        return kvctl(self.socket, *args)
 
 class ClientsReturnHandlesTest(DurabilityCase):
     """Without a service manager (a container): the pool table is saved, and clients that still map a

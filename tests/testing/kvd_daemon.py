@@ -22,6 +22,15 @@ KVD = os.environ.get("KVD_BINARY", "kvd")
 WAIT_S = 30
 
 
+def kvctl(socket, *args):
+    """$KVCTL_BINARY --socket=SOCKET ARGS: its stdout; fails the calling test (AssertionError) unless it exits 0."""
+    r = subprocess.run([os.environ["KVCTL_BINARY"], f"--socket={socket}", *args], capture_output=True, text=True,
+                       timeout=60)
+    if r.returncode != 0:
+        raise AssertionError(f"kvctl {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r.stdout
+
+
 class KvdDaemonCase(unittest.TestCase):
     def kvd_args(self):
         return []
