@@ -1041,6 +1041,10 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
   if (ev.release_id() != 0) internal::MarkPhase("release.unmapped");
   if (options.on_ranges_added && !added.empty()) options.on_ranges_added(Merged(std::move(added)));
   if (options.on_resume) options.on_resume(true);
+  // The replaced chunks' handles go before the acknowledgement: the device frees their memory only once the
+  // last process released them, and an acknowledged release is memory the daemon may commit again at once (a
+  // Wake right after a Sleep with wait_for_release needs exactly those bytes).
+  std::move(release_retired).Invoke();
   if (ev.release_id() != 0) {
     internal::MarkPhase("release.acknowledging");
     absl::Status s = Acknowledge(ev.release_id(), /*pause_id=*/0);

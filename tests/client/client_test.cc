@@ -32,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/phase_marks.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/message.h"
 #include "gtest/gtest.h"
@@ -392,6 +393,41 @@ TEST_F(ClientTest, SleepAndWake) {
   EXPECT_EQ(b->state(), Mapping::State::kAwake);
   *At(a->layer(1), 511, 1, 15, 63) = 0x42;
   EXPECT_EQ(*At(b->layer(1), 511, 1, 15, 63), 0x42);
+}
+
+// The memfds (chunk FDs, host backend) this process holds open now.
+int OpenMemfds() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    n += absl::StartsWith(std::filesystem::read_symlink(entry.path(), error).string(), "/memfd:");
+  }
+  return n;
+}
+
+std::atomic<int> memfds_at_acknowledgement{-1};
+
+// An acknowledged release is memory the daemon may commit again at once (a GPU frees it only once every
+// process released its handle), so a paused Mapping gives the replaced chunks' handles and FDs back before it
+// acknowledges, not after.
+TEST_F(ClientTest, APausedMappingGivesTheReleasedChunksBackBeforeItAcknowledges) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  const int before = OpenMemfds();
+  Events eb;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                           connector->Attach("kv", eb.Options("connector", /*pausable=*/true)));
+  ASSERT_EQ(OpenMemfds(), before + 2) << "one FD per chunk mapped";
+  internal::SetPhaseHook([](const char* phase) {
+    if (std::strcmp(phase, "release.acknowledging") == 0) memfds_at_acknowledgement = OpenMemfds();
+  });
+  absl::Cleanup unhook = [] { internal::SetPhaseHook(nullptr); };
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolChange> slept, engine->Sleep("kv", /*wait=*/true));
+  ASSERT_EQ(slept.size(), 1u);
+  EXPECT_EQ(slept[0].pool.pending_release_bytes, 0u);
+  EXPECT_EQ(memfds_at_acknowledgement.load(), before) << "the chunks' FDs were still open at the acknowledgement";
+  EXPECT_EQ(b->state(), Mapping::State::kSleeping);
 }
 
 TEST_F(ClientTest, DeleteWithForceLosesTheMapping) {
