@@ -1631,6 +1631,9 @@ absl::StatusOr<DeviceStatus> Client::DeviceInfo() {
   out.waiting_requests = i.waiting_requests();
   out.waiting_bytes = i.waiting_bytes();
   out.driver_out_of_memory = i.driver_out_of_memory();
+  out.host_tier_bytes = i.host_tier_bytes();
+  out.host_tier_used_bytes = i.host_tier_used_bytes();
+  out.host_tier_ready = i.host_tier_ready();
   for (const v1::PeerAccess& p : c.peers()) {
     out.capabilities.peers.push_back({p.device_index(), p.device_uuid(), p.access(), p.detail()});
   }

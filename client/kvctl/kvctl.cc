@@ -446,6 +446,11 @@ absl::Status Status(Client& client, const Flags& f, const Replies& replies) {
               FormatBytes(d.available_bytes).c_str(), FormatBytes(d.headroom_bytes).c_str(),
               FormatBytes(d.foreign_bytes).c_str());
   std::printf("waiting      %u grows or wakes for %s\n", d.waiting_requests, FormatBytes(d.waiting_bytes).c_str());
+  if (d.host_tier_bytes > 0) {
+    std::printf("host tier    %s, %s kept by sleeping pools%s\n", FormatBytes(d.host_tier_bytes).c_str(),
+                FormatBytes(d.host_tier_used_bytes).c_str(),
+                d.host_tier_ready ? "" : " (still being allocated and registered: keeping sleeps wait)");
+  }
   if (d.driver_out_of_memory > 0) {
     std::printf("driver OOM   %lu creations refused by the driver after admission (raise --device-headroom)\n",
                 d.driver_out_of_memory);

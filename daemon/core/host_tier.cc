@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -33,6 +34,10 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(Device* device, const
     return absl::InvalidArgumentError(absl::StrCat("--host-tier-bytes: ", options.bytes,
                                                    " is not a positive multiple of the device granularity (", alignment,
                                                    " bytes)"));
+  }
+  if (options.register_piece_bytes == 0 || options.register_piece_bytes % alignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host tier: register_piece_bytes ", options.register_piece_bytes,
+                                                   " is not a positive multiple of ", alignment));
   }
   UniqueFd fd;
   if (predecessor.valid()) {
@@ -65,6 +70,7 @@ HostTier::HostTier(Device* device, const HostTierOptions& options, uint64_t alig
       options_(options),
       alignment_(alignment),
       bytes_(options.bytes),
+      piece_(options.register_piece_bytes),
       fd_(std::move(fd)),
       map_(map),
       adopted_(adopted) {
@@ -79,7 +85,9 @@ HostTier::~HostTier() {
     absl::MutexLock lock(&mu_);
     registered = registered_;
   }
-  if (registered) device_->UnregisterHost(map_).IgnoreError();
+  if (registered) {
+    for (size_t i = 0; i < Pieces(); ++i) device_->UnregisterHost(map_ + i * piece_).IgnoreError();
+  }
   munmap(map_, bytes_);
 }
 
@@ -103,15 +111,49 @@ void HostTier::Prepare() {
   } else {
     info("host tier: the device's NUMA node is unknown (no NUMA, or sysfs does not say): not bound to a node");
   }
+  // Pages first, then registration in pieces spread over threads: one registration of the whole tier pins
+  // every page in one call, holding the daemon's mmap lock (and the driver's) all that time, and a thread
+  // that maps anything meanwhile -- a large allocation of any RPC's -- waits behind it.
   const absl::Time start = absl::Now();
-  absl::Status status;
+  absl::Status status;  // fallocate: neither the mmap lock nor the driver's; an adopted tier's pages stay
   if (fallocate(fd_.get(), 0, 0, static_cast<off_t>(bytes_)) != 0) {
     status = Errno(errno, absl::StrCat("fallocate(host tier, ", bytes_, ")"));
   }
-  if (status.ok()) status = device_->RegisterHost(map_, bytes_);
+  const absl::Time allocated = absl::Now();
+  const size_t piece_count = Pieces();
+  const size_t threads = std::min<size_t>(std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8), piece_count);
+  std::vector<char> registered(piece_count, 0);
+  if (status.ok()) {
+    std::atomic<size_t> next{0};
+    absl::Mutex error_mu;
+    auto work = [&] {
+      for (size_t i = next.fetch_add(1); i < piece_count; i = next.fetch_add(1)) {
+        const uint64_t offset = i * piece_;
+        absl::Status s = device_->RegisterHost(map_ + offset, std::min(piece_, bytes_ - offset));
+        if (s.ok()) {
+          registered[i] = 1;
+          continue;
+        }
+        absl::MutexLock lock(&error_mu);
+        if (status.ok()) status = std::move(s);
+        next.store(piece_count);  // the others stop at their next piece
+      }
+    };
+    std::vector<std::thread> workers;
+    for (size_t t = 1; t < threads; ++t) workers.emplace_back(work);
+    work();
+    for (std::thread& w : workers) w.join();
+  }
+  if (!status.ok()) {  // all or nothing: the tier is then used unregistered
+    for (size_t i = 0; i < piece_count; ++i) {
+      if (registered[i]) device_->UnregisterHost(map_ + i * piece_).IgnoreError();
+    }
+  }
   info(status.ok() ? absl::StrCat("host tier: ", FormatBytes(bytes_), " allocated",
-                                  bound ? absl::StrCat(" on NUMA node ", node) : "", " and registered in ",
-                                  absl::FormatDuration(absl::Now() - start))
+                                  bound ? absl::StrCat(" on NUMA node ", node) : "", " in ",
+                                  absl::FormatDuration(allocated - start), " and registered in ",
+                                  absl::FormatDuration(absl::Now() - allocated), " (", piece_count, " pieces of ",
+                                  FormatBytes(std::min(piece_, bytes_)), ", ", threads, " threads)")
                    : absl::StrCat("host tier: ", FormatBytes(bytes_), " not registered (", status.message(),
                                   "); sleeps keep their contents there at pageable-copy speed"));
   absl::MutexLock lock(&mu_);
@@ -187,7 +229,9 @@ absl::Status HostTier::CopyPieces(uint64_t base, const KeptContents& kept, bool 
   uint64_t at = kept.tier_offset;
   for (const KeptRun& run : kept.runs) {
     for (uint64_t done = 0; done < run.bytes;) {
-      const uint64_t n = std::min(options_.copy_piece_bytes, run.bytes - done);
+      // Never across a registered piece's end: each copy's host range lies in one registration.
+      const uint64_t host = at + done;
+      const uint64_t n = std::min({options_.copy_piece_bytes, run.bytes - done, piece_ - host % piece_});
       pieces.push_back({.va = base + run.pool_offset + done, .host = map_ + at + done, .bytes = n});
       done += n;
     }

@@ -2,8 +2,8 @@
 // docs/architecture.md; operators: docs/operations.md, "The host tier").
 //
 // One memfd of --host-tier-bytes, mapped once into the daemon, bound to the GPU's NUMA node where the
-// machine says which it is, its pages allocated (fallocate) and registered with the driver
-// (Device::RegisterHost) in the background after start, so that neither the sleep nor the wake path pins
+// machine says which it is, its pages allocated and registered with the driver (Device::RegisterHost),
+// in pieces by several threads, in the background after start, so that neither the sleep nor the wake path pins
 // or faults in anything. Pools take extents of it (first fit, granularity-aligned) for their kept bytes
 // and give them back on wake or delete. Copies between a pool's mapped memory and its extent are split
 // into pieces copied by several threads at once.
@@ -50,7 +50,10 @@ struct HostTierOptions {
   uint64_t bytes = 0;                               // 0: no tier
   uint32_t copy_threads = 4;                        // copies in flight at once per sleep or wake
   uint64_t copy_piece_bytes = uint64_t{256} << 20;  // each copy is at most this large
-  std::function<void(const std::string&)> info;     // where the background preparation reports
+  // Each registration with the driver is at most this large (a multiple of the alignment): one call over the
+  // whole tier holds the process's mmap lock and the driver's for as long as it pins every page.
+  uint64_t register_piece_bytes = uint64_t{256} << 20;
+  std::function<void(const std::string&)> info;  // where the background preparation reports
 };
 
 // What the tier has done, for metrics.
@@ -105,6 +108,9 @@ class HostTier {
   HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map, bool adopted);
   // The background preparation: NUMA binding, page allocation, registration.
   void Prepare();
+  // The tier is registered in pieces of options_.register_piece_bytes (the last one shorter), each its own
+  // registration with the driver; a copy never crosses a piece's end.
+  size_t Pieces() const { return static_cast<size_t>((bytes_ + piece_ - 1) / piece_); }
   // Copies every piece of `kept`'s runs, several at once: to the host (`out`) or back.
   absl::Status CopyPieces(uint64_t base, const KeptContents& kept, bool out);
 
@@ -112,6 +118,7 @@ class HostTier {
   const HostTierOptions options_;
   const uint64_t alignment_;
   const uint64_t bytes_;
+  const uint64_t piece_;  // options_.register_piece_bytes
   const UniqueFd fd_;
   uint8_t* const map_;
   const bool adopted_;

@@ -248,6 +248,12 @@ absl::StatusOr<DeviceStatus> PoolManager::GetDeviceStatus() const {
   s.waiting_requests = static_cast<uint32_t>(stats.waiting);
   s.waiting_bytes = stats.waiting_bytes;
   s.driver_out_of_memory = stats.driver_out_of_memory;
+  if (host_tier_ != nullptr) {
+    const HostTierStats tier = host_tier_->Stats();
+    s.host_tier_bytes = tier.bytes;
+    s.host_tier_used_bytes = tier.used_bytes;
+    s.host_tier_ready = tier.ready;
+  }
   return s;
 }
 

@@ -272,6 +272,9 @@ struct DeviceStatus {
   uint32_t waiting_requests = 0;
   uint64_t waiting_bytes = 0;
   uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission
+  uint64_t host_tier_bytes = 0;       // 0: no host tier
+  uint64_t host_tier_used_bytes = 0;
+  bool host_tier_ready = false;
 };
 
 }  // namespace kvd::daemon

@@ -273,6 +273,9 @@ v1::DeviceInfo ToProto(const DeviceStatus& status) {
   p.set_waiting_requests(status.waiting_requests);
   p.set_waiting_bytes(status.waiting_bytes);
   p.set_driver_out_of_memory(status.driver_out_of_memory);
+  p.set_host_tier_bytes(status.host_tier_bytes);
+  p.set_host_tier_used_bytes(status.host_tier_used_bytes);
+  p.set_host_tier_ready(status.host_tier_ready);
   const DeviceCapabilities& caps = status.capabilities;
   if (caps.posix_fd.supported) p.add_handle_types(v1::HANDLE_TYPE_POSIX_FD);
   if (caps.fabric.supported) p.add_handle_types(v1::HANDLE_TYPE_FABRIC);

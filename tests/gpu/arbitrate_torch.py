@@ -128,9 +128,16 @@ def reclaim(kvd, sock, dims, block_bytes, size, xp, device):
     print(f"A: {blocks} blocks ({blocks * block_bytes / 2**30:.1f} GiB) in {len(c.pool('a').chunks)} chunks, "
           f"{len(a.where)} live with a pattern, in {time.monotonic() - t0:.1f} s", flush=True)
     c.create_pool("filler", **dict(dims, capacity_blocks=max(info.available_bytes // block_bytes, 1)), priority=1000)
+    # What is available, less what each segment's rounding up to the granularity adds (at most a granule).
     fill = c.device_info().available_bytes // block_bytes
-    if fill > 0:
-        c.grow("filler", fill)
+    while fill > 0:
+        try:
+            c.grow("filler", fill)
+            break
+        except kvd.KvdError as e:
+            if e.code != "RESOURCE_EXHAUSTED":
+                raise
+            fill -= max((2 << 20) * dims["layers"] // block_bytes, 1)
     b = kvd.connect(sock, client_name="engine-b")
     b.create_pool("b", **dims, priority=10)
     want = 4 * step

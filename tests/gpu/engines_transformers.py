@@ -65,6 +65,9 @@ def engine(socket, phase, state_path):
     cache = kvd.transformers.KvdCache(model, POOL, client=client, max_cache_len=65536, block_tokens=16,
                                       initial_tokens=16)
     results = []
+    if phase == "b":  # engine a's segments, then b's own
+        with open(state_path) as f:
+            results = json.load(f)
 
     def run(ids, what):
         before = cache.get_seq_length()

@@ -66,8 +66,15 @@ def engine(sock, pool, first, last, backend):
     sync()
     print("written", flush=True)
     for line in sys.stdin:
-        if line.strip() != "check":
+        words = line.split()
+        if not words or words[0] != "check":
             break
+        # The wake's CHUNKS_ADDED reaches this Mapping after Wake returned to the driver: map them first.
+        chunks = int(words[1])
+        if not m.wait_for(lambda m: m.state == kvd.v1_pb2.POOL_STATE_AWAKE and len(m.mapped_chunks) == chunks,
+                          timeout=60):
+            print(f"unmapped: {len(m.mapped_chunks)} of {chunks} chunks mapped 60 s after the wake", flush=True)
+            continue
         bad = 0
         for layer, v in zip(range(first, last), views()):
             flat = v.reshape(-1)
@@ -119,6 +126,11 @@ def main():
             assert time.monotonic() < deadline, "the engines did not attach"
             time.sleep(0.01)
         t = time.monotonic()
+        while not c.device_info().host_tier_ready:  # allocated and registered in the background after the start
+            assert time.monotonic() - t < 120, "the host tier was not ready 120 s after the engines wrote"
+            time.sleep(0.05)
+        print(f"host tier ready {time.monotonic() - t:.1f} s after the engines wrote", flush=True)
+        t = time.monotonic()
         c.sleep("kv", wait=True, keep=True)
         slept = time.monotonic() - t
         pool = c.pool("kv")
@@ -130,8 +142,9 @@ def main():
         print(f"sleep keeping {tier / 2**30:.2f} GiB: {slept * 1000:.0f} ms ({gb / slept:.1f} GB/s); wake copying them "
               f"back: {woke * 1000:.0f} ms ({gb / woke:.1f} GB/s)", flush=True)
         bad = 0
+        chunks = len(c.pool("kv").chunks)
         for e in engines:
-            e.stdin.write("check\n")
+            e.stdin.write(f"check {chunks}\n")
             e.stdin.flush()
             line = e.stdout.readline().strip()
             assert line.startswith("checked "), f"engine: {line!r}"

@@ -17,12 +17,24 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kvd/device.h"
+#include "kvd/status.h"
 
 namespace kvd::testing {
 
 class FaultDevice final : public Device {
  public:
-  enum class Op { kReserve, kCreate, kMap, kExport, kInfo, kExportFabricHandle, kExportRange, kCopyRange, kImport };
+  enum class Op {
+    kReserve,
+    kCreate,
+    kMap,
+    kExport,
+    kInfo,
+    kExportFabricHandle,
+    kExportRange,
+    kCopyRange,
+    kImport,
+    kRegisterHost
+  };
 
   explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
 
@@ -58,6 +70,13 @@ class FaultDevice final : public Device {
   int live_chunks() const { return live_chunks_; }
   int live_mappings() const { return live_mappings_; }
   int live_reservations() const { return live_reservations_; }
+  // The host ranges registered now (RegisterHost, not yet unregistered): start -> bytes.
+  std::map<uintptr_t, uint64_t> registered_host() const {
+    absl::MutexLock lock(&mu_);
+    return registered_host_;
+  }
+  // Copies to or from host memory whose host range is not inside one registered range.
+  int copies_outside_one_registration() const { return copies_outside_; }
 
   BackendKind kind() const override { return inner_->kind(); }
   uint64_t granularity() const override { return inner_->granularity(); }
@@ -127,10 +146,25 @@ class FaultDevice final : public Device {
     if (absl::Status s = Fault(Op::kExportRange); !s.ok()) return s;
     return inner_->ExportRange(va, bytes);
   }
+  absl::Status RegisterHost(void* host, uint64_t bytes) override {
+    if (absl::Status s = Fault(Op::kRegisterHost); !s.ok()) return s;
+    KVD_RETURN_IF_ERROR(inner_->RegisterHost(host, bytes));
+    absl::MutexLock lock(&mu_);
+    registered_host_[reinterpret_cast<uintptr_t>(host)] = bytes;
+    return absl::OkStatus();
+  }
+  absl::Status UnregisterHost(void* host) override {
+    KVD_RETURN_IF_ERROR(inner_->UnregisterHost(host));
+    absl::MutexLock lock(&mu_);
+    registered_host_.erase(reinterpret_cast<uintptr_t>(host));
+    return absl::OkStatus();
+  }
   absl::Status CopyToHost(void* dst, uint64_t src_va, uint64_t bytes) override {
+    CheckRegistered(dst, bytes);
     return inner_->CopyToHost(dst, src_va, bytes);
   }
   absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override {
+    CheckRegistered(src, bytes);
     return inner_->CopyFromHost(dst_va, src, bytes);
   }
   absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) override {
@@ -167,6 +201,15 @@ class FaultDevice final : public Device {
     return s;
   }
 
+  void CheckRegistered(const void* host, uint64_t bytes) {
+    const auto start = reinterpret_cast<uintptr_t>(host);
+    absl::MutexLock lock(&mu_);
+    auto it = registered_host_.upper_bound(start);
+    if (it == registered_host_.begin() || std::prev(it)->first + std::prev(it)->second < start + bytes) {
+      ++copies_outside_;
+    }
+  }
+
   void Hold() {
     absl::Notification* release;
     {
@@ -183,7 +226,8 @@ class FaultDevice final : public Device {
   absl::Notification* release_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
   Fault_ any_fault_ ABSL_GUARDED_BY(mu_);
-  std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0}, fallible_calls_{0};
+  std::map<uintptr_t, uint64_t> registered_host_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0}, fallible_calls_{0}, copies_outside_{0};
   std::atomic<bool> pretend_fabric_{false};
 };
 

@@ -144,6 +144,9 @@ struct DeviceStatus {
   uint32_t waiting_requests = 0;
   uint64_t waiting_bytes = 0;
   uint64_t driver_out_of_memory = 0;  // creations the driver refused after admission (should stay 0)
+  uint64_t host_tier_bytes = 0;       // where sleeps keep their contents; 0: none
+  uint64_t host_tier_used_bytes = 0;
+  bool host_tier_ready = false;  // allocated and registered: a keeping sleep waits for it
 };
 
 // [L, B, H, N, C] and the element size (proto PoolDims).

@@ -346,6 +346,83 @@ TEST(HostTierTest, ClaimTakesExactlyTheNamedExtentAndOnlyAFreeOne) {
   EXPECT_EQ(whole, 0u) << "given-back extents coalesce";
 }
 
+// Note [The host tier]: registered in pieces, each its own registration, and no copy crosses a piece's end.
+TEST(HostTierTest, RegistersInPiecesAndNoCopyCrossesOne) {
+  absl::StatusOr<std::unique_ptr<Device>> host =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(host, IsOk());
+  FaultDevice device(*std::move(host));
+  auto tier = HostTier::Create(
+      &device, {.bytes = 10 * kMiB, .copy_threads = 3, .copy_piece_bytes = 6 * kMiB, .register_piece_bytes = 4 * kMiB},
+      2 * kMiB);
+  ASSERT_THAT(tier, IsOk());
+  uint64_t extent = 0;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t offset, (*tier)->Take("p", 10 * kMiB, &extent));  // waits for the preparation
+  EXPECT_TRUE((*tier)->Stats().registered);
+  std::vector<uint64_t> sizes;
+  for (const auto& [start, bytes] : device.registered_host()) sizes.push_back(bytes);
+  EXPECT_THAT(sizes, ElementsAre(4 * kMiB, 4 * kMiB, 2 * kMiB));
+
+  // A run of the whole tier from a mapped chunk: copied in pieces cut at each registration's end, and back.
+  KVD_ASSERT_OK_AND_ASSIGN(const uint64_t va, device.Reserve(16 * kMiB));
+  KVD_ASSERT_OK_AND_ASSIGN(const Chunk chunk, device.Create(16 * kMiB));
+  ASSERT_THAT(device.Map(va, chunk, Access::kReadWrite), IsOk());
+  auto* bytes = reinterpret_cast<uint32_t*>(va);
+  for (uint64_t i = 0; i < 10 * kMiB / 4; ++i) bytes[i] = static_cast<uint32_t>(i * 2654435761u);
+  const KeptContents kept{.tier_offset = offset,
+                          .extent_bytes = extent,
+                          .bytes = 10 * kMiB,
+                          .runs = {{.pool_offset = 0, .bytes = 10 * kMiB}}};
+  ASSERT_THAT((*tier)->CopyOut(va, kept), IsOk());
+  std::memset(bytes, 0, 10 * kMiB);
+  ASSERT_THAT((*tier)->CopyIn(va, kept), IsOk());
+  uint64_t differ = 0;
+  for (uint64_t i = 0; i < 10 * kMiB / 4; ++i) differ += bytes[i] != static_cast<uint32_t>(i * 2654435761u);
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(device.copies_outside_one_registration(), 0);
+  ASSERT_THAT(device.Unmap(va, 16 * kMiB), IsOk());
+  ASSERT_THAT(device.Release(chunk), IsOk());
+  ASSERT_THAT(device.Free(va, 16 * kMiB), IsOk());
+  tier->reset();
+  EXPECT_THAT(device.registered_host(), ::testing::IsEmpty()) << "every piece is unregistered";
+}
+
+TEST(HostTierTest, ARegistrationThatFailsLeavesNoPieceRegisteredAndTheTierUsable) {
+  absl::StatusOr<std::unique_ptr<Device>> host =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(host, IsOk());
+  FaultDevice device(*std::move(host));
+  device.FailNth(FaultDevice::Op::kRegisterHost, 2, absl::ResourceExhaustedError("no pinnable memory"));
+  std::vector<std::string> lines;
+  absl::Mutex lines_mu;
+  auto tier = HostTier::Create(&device,
+                               {.bytes = 10 * kMiB,
+                                .register_piece_bytes = 2 * kMiB,
+                                .info =
+                                    [&](const std::string& line) {
+                                      absl::MutexLock lock(&lines_mu);
+                                      lines.push_back(line);
+                                    }},
+                               2 * kMiB);
+  ASSERT_THAT(tier, IsOk());
+  uint64_t extent = 0;
+  ASSERT_THAT((*tier)->Take("p", 2 * kMiB, &extent), IsOk());
+  const HostTierStats stats = (*tier)->Stats();
+  EXPECT_TRUE(stats.ready);
+  EXPECT_FALSE(stats.registered);
+  EXPECT_THAT(device.registered_host(), ::testing::IsEmpty());
+  absl::MutexLock lock(&lines_mu);
+  EXPECT_THAT(lines, ::testing::Contains(HasSubstr("not registered (no pinnable memory)")));
+}
+
+TEST(HostTierTest, ARegistrationPieceThatIsNotAMultipleOfTheAlignmentIsRefused) {
+  absl::StatusOr<std::unique_ptr<Device>> host =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(host, IsOk());
+  EXPECT_THAT(HostTier::Create(host->get(), {.bytes = 4 * kMiB, .register_piece_bytes = 3 * kMiB}, 2 * kMiB),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("register_piece_bytes")));
+}
+
 TEST_F(DurableTest, ARecordWithoutItsFdRecoversAndAnFdWithoutARecordIsReleased) {
   MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
   Start(&memory, &memory);
