@@ -2,8 +2,8 @@
 // docs/architecture.md; operators: docs/operations.md, "The host tier").
 //
 // One memfd of --host-tier-bytes, mapped once into the daemon, bound to the GPU's NUMA node where the
-// machine says which it is, its pages allocated and registered with the driver (Device::RegisterHost),
-// in pieces by several threads, in the background after start, so that neither the sleep nor the wake path pins
+// machine says which it is, its pages allocated, mapped and registered with the driver
+// (Device::RegisterHost, one piece at a time), in the background after start, so that neither the sleep nor the wake path pins
 // or faults in anything. Pools take extents of it (first fit, granularity-aligned) for their kept bytes
 // and give them back on wake or delete. Copies between a pool's mapped memory and its extent are split
 // into pieces copied by several threads at once.
