@@ -614,19 +614,19 @@ struct Mapping::Impl {
 
   // Fetches `lease` on `c` and hands each FD with its chunk of `leased` to `each` (the FD is `each`'s),
   // after checking that the chunk is one of `leased` and lies inside the reservation (INTERNAL otherwise).
-  // With `all`, INTERNAL also when the lease lacks one of `leased`.
+  // With `all` (a PAUSE's lease) the lease must yield every chunk of `leased`: FAILED_PRECONDITION when one
+  // was released since, INTERNAL when the lease lacks one. Without, it yields the chunks still in the pool
+  // (FetchHandles.skip_released; Note [A lease yields what is still in the pool] in docs/architecture.md).
   absl::Status FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
                            const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
                            absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Fetches `lease` on `c` and maps each chunk of `added` at base + offset, keeping its FD. A chunk
-  // mapped already with the same segment, offset and bytes stays as it is.
-  absl::Status MapLease(const Client::Impl::Connection& c, const std::string& lease,
-                        const google::protobuf::RepeatedPtrField<v1::Chunk>& added) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // MapLease, except that a lease refused because its chunks were released meanwhile (a concurrent
-  // shrink or sleep, whose release event follows) maps nothing and returns false.
-  absl::StatusOr<bool> MapLeaseUnlessReleased(const std::string& lease,
-                                              const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
+  // Fetches `lease` on `c` and maps each chunk of `added` that is still in the pool at base + offset,
+  // keeping its FD; a chunk that a release took out since the lease was issued is left out, and that
+  // release's event (on this Mapping's stream, before or after) unmaps or replaces it. A chunk mapped
+  // already with the same segment, offset and bytes stays as it is. Returns the chunks the lease yielded.
+  absl::StatusOr<std::vector<ChunkInfo>> MapLease(const Client::Impl::Connection& c, const std::string& lease,
+                                                  const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The FD a chunk keeps, or none (keep_fds).
   UniqueFd Keep(UniqueFd fd) const { return keep_fds ? std::move(fd) : UniqueFd(); }
@@ -681,7 +681,7 @@ absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const
                                         absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each) {
   std::map<uint64_t, ChunkInfo> wanted;
   for (const v1::Chunk& chunk : leased) wanted[chunk.id()] = FromProto(chunk);
-  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease));
+  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease, /*skip_released=*/!all));
   internal::MarkPhase("lease.fetched");
   size_t next = 0;
   absl::Cleanup close_rest = [&] {
@@ -708,12 +708,15 @@ absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const
   return absl::OkStatus();
 }
 
-absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const std::string& lease,
-                                     const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
-  if (added.empty()) return absl::OkStatus();
-  return FetchLeased(
+absl::StatusOr<std::vector<ChunkInfo>> Mapping::Impl::MapLease(
+    const Client::Impl::Connection& c, const std::string& lease,
+    const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
+  std::vector<ChunkInfo> came;
+  if (added.empty()) return came;
+  KVD_RETURN_IF_ERROR(FetchLeased(
       c, lease, added, /*all=*/false,
       [&](const ChunkInfo& info, UniqueFd fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) -> absl::Status {
+        came.push_back(info);
         if (auto have = chunks.find(info.id); have != chunks.end() && have->second.info.segment == info.segment &&
                                               have->second.info.offset == info.offset &&
                                               have->second.info.bytes == info.bytes) {
@@ -729,25 +732,8 @@ absl::Status Mapping::Impl::MapLease(const Client::Impl::Connection& c, const st
         }
         chunks[info.id] = Mapped{info, chunk, Keep(std::move(fd))};
         return absl::OkStatus();
-      });
-}
-
-absl::StatusOr<bool> Mapping::Impl::MapLeaseUnlessReleased(const std::string& lease,
-                                                           const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
-  absl::Status s = MapLease(*conn, lease, added);
-  if (s.ok()) return true;
-  if (s.code() != absl::StatusCode::kFailedPrecondition) return s;
-  // Fetch is all-or-nothing: nothing of this lease was mapped. Fine if none of its chunks is live.
-  v1::GetPoolRequest req;
-  req.set_name(pool);
-  v1::Pool now;
-  KVD_RETURN_IF_ERROR(client->CallOn(*conn, &v1::Kvd::Stub::GetPool, req, &now));
-  for (const v1::Chunk& live : now.chunks()) {
-    for (const v1::Chunk& c : added) {
-      if (c.id() == live.id()) return s;
-    }
-  }
-  return false;
+      }));
+  return came;
 }
 
 UniqueFd Mapping::Impl::NewFd(const Mapped& m) const {
@@ -843,11 +829,14 @@ absl::Status Mapping::Impl::Acknowledge(uint64_t release_id, uint64_t pause_id) 
 absl::Status Mapping::Impl::ApplyUpdate(const v1::PoolUpdate& update) {
   absl::MutexLock lock(&mu);
   if (closing || state == Mapping::State::kLost) return absl::OkStatus();
-  KVD_ASSIGN_OR_RETURN(bool mapped, MapLeaseUnlessReleased(update.lease().token(), update.added()));
-  if (mapped) {
-    committed_blocks = update.pool().committed_blocks();
-    state = Mapping::State::kAwake;  // chunks are only ever added to an awake pool
+  KVD_ASSIGN_OR_RETURN(const std::vector<ChunkInfo> came, MapLease(*conn, update.lease().token(), update.added()));
+  // See Note [A lease yields what is still in the pool] in docs/architecture.md. A lease that lacks some of
+  // the chunks was overtaken by a release, whose event sets the size; one that has them all was not, and the
+  // follower may already have handled a later grow.
+  if (came.size() == static_cast<size_t>(update.added_size())) {
+    committed_blocks = std::max(committed_blocks, update.pool().committed_blocks());
   }
+  if (!came.empty()) state = Mapping::State::kAwake;  // chunks are only ever added to an awake pool
   return absl::OkStatus();
 }
 
@@ -1067,23 +1056,33 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
     }
     switch (ev.type()) {
       case v1::EVENT_TYPE_CHUNKS_ADDED: {
-        absl::StatusOr<bool> mapped;
+        absl::StatusOr<std::vector<ChunkInfo>> came;
         uint64_t committed = 0;
+        bool whole = false;
         {
           absl::MutexLock lock(&mu);
           if (closing || state == Mapping::State::kLost) break;
-          mapped = MapLeaseUnlessReleased(ev.lease().token(), ev.chunks());
-          if (mapped.ok() && *mapped) {
-            committed_blocks = committed = ev.committed_blocks();
-            state = Mapping::State::kAwake;  // chunks are only ever added to an awake pool
-          }
+          came = MapLease(*conn, ev.lease().token(), ev.chunks());
+          // A lease that lacks some of the chunks was overtaken by a release, whose event follows and sets
+          // the size (Note [A lease yields what is still in the pool] in docs/architecture.md).
+          whole = came.ok() && came->size() == static_cast<size_t>(ev.chunks_size());
+          if (whole) committed_blocks = committed = ev.committed_blocks();
+          if (came.ok() && !came->empty()) state = Mapping::State::kAwake;  // chunks are only added to an awake pool
         }
-        if (!mapped.ok()) {
-          const absl::Status& s = mapped.status();
+        if (!came.ok()) {
+          const absl::Status& s = came.status();
           Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())));
-        } else if (*mapped) {
-          if (options.on_grow) options.on_grow(committed);
-          if (options.on_ranges_added) options.on_ranges_added(Ranges(ev));
+          break;
+        }
+        if (whole && options.on_grow) options.on_grow(committed);
+        if (options.on_ranges_added && !came->empty()) {
+          if (whole) {
+            options.on_ranges_added(Ranges(ev));
+          } else {
+            std::vector<ByteRange> mapped;
+            for (const ChunkInfo& info : *came) mapped.push_back({info.segment, info.offset, info.bytes});
+            options.on_ranges_added(Merged(std::move(mapped)));
+          }
         }
         break;
       }
@@ -1382,7 +1381,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       DropPause(pause);
     }
     pauses.clear();
-    if (absl::Status s = MapLease(*c, resp.lease().token(), resp.pool().chunks()); !s.ok()) {
+    if (absl::Status s = MapLease(*c, resp.lease().token(), resp.pool().chunks()).status(); !s.ok()) {
       return {
           .status = absl::Status(s.code(), absl::StrCat("mapping pool ", pool, " after kvd restarted: ", s.message())),
           .fatal = true};
@@ -1921,7 +1920,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   };
   {
     absl::MutexLock lock(&m->mu);
-    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks()));
+    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks()).status());
     m->committed_blocks = resp.pool().committed_blocks();
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }

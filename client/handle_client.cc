@@ -229,7 +229,8 @@ void HandleSession::Close() {
   fd_ = -1;
 }
 
-absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl::string_view lease_token) const {
+absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl::string_view lease_token,
+                                                                           bool skip_released) const {
   if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
   if (lease_token.empty()) return absl::InvalidArgumentError("lease_token: must not be empty");
   const Clock::time_point deadline = DeadlineAfter(options_.timeout);
@@ -239,6 +240,7 @@ absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl:
   v1::HandleChannelRequest request;
   request.mutable_fetch_handles()->set_session_token(token_);
   request.mutable_fetch_handles()->set_lease_token(std::string(lease_token));
+  request.mutable_fetch_handles()->set_skip_released(skip_released);
 
   std::vector<std::pair<uint64_t, int>> handles;
   absl::Cleanup close_handles = [&handles] {

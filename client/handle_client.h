@@ -55,7 +55,10 @@ class HandleSession {
 
   // Redeems a lease: (chunk id, FD) in the lease's order. The caller owns and closes the FDs (each has
   // FD_CLOEXEC set). On failure every FD received so far is closed. FAILED_PRECONDITION once closed.
-  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token) const;
+  // `skip_released` (FetchHandles.skip_released): the chunks a release took out of the pool since the lease
+  // was issued are left out of the result instead of failing the fetch.
+  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token,
+                                                                            bool skip_released = false) const;
 
   // What the daemon answered to ReturnHandles (proto HandlesReturned).
   struct Returned {

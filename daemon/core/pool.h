@@ -349,14 +349,15 @@ class Pool {
   [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id` (which is
   // then known to hold them): NOT_FOUND once that client detached; FAILED_PRECONDITION for a chunk
-  // released since (naming it). The caller owns the FDs.
+  // released since (naming it), or with `skip_released` no FD for it (FetchHandles.skip_released). The
+  // caller owns the FDs.
   struct LeasedFd {
     uint64_t chunk_id;
     int fd;
   };
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(absl::string_view client_id,
-                                                             const std::vector<uint64_t>& chunk_ids)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                             const std::vector<uint64_t>& chunk_ids,
+                                                             bool skip_released = false) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Connectors (docs/connectors.md) ---
 

@@ -113,7 +113,7 @@ absl::StatusOr<Pool::Client*> Pool::LeaseClientLocked(absl::string_view client_i
 }
 
 absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view client_id,
-                                                         const std::vector<uint64_t>& chunk_ids) {
+                                                         const std::vector<uint64_t>& chunk_ids, bool skip_released) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
   KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
@@ -128,6 +128,8 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
       own = r->fd();
     } else if (pause_.FdOf(id) >= 0) {
       own = pause_.FdOf(id);  // a new chunk of the pause under way (the PAUSE's lease)
+    } else if (skip_released) {
+      continue;  // Note [A lease yields what is still in the pool]
     } else {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", id, " of pool ", name_, " was released after the lease was issued"));
@@ -138,7 +140,7 @@ absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view clien
   }
   std::move(close_all).Cancel();
   // From here the client may map these chunks: Note [A detached client still holds its chunks].
-  client->fetched.insert(chunk_ids.begin(), chunk_ids.end());
+  for (const LeasedFd& f : out) client->fetched.insert(f.chunk_id);
   return out;
 }
 

@@ -337,11 +337,14 @@ class PoolManager : private ReshapeServices {
   // caller owns and closes them), in lease order. UNAUTHENTICATED for an unknown session;
   // PERMISSION_DENIED when `peer_uid` (SO_PEERCRED of the fetching connection) is not the session's
   // uid or the lease was issued to another session; NOT_FOUND for unknown or used leases;
-  // DEADLINE_EXCEEDED for expired ones; FAILED_PRECONDITION if a chunk was released since. A range lease
-  // (ExportRanges) yields one FD per range, with LeasedFd::chunk_id holding the range's index.
+  // DEADLINE_EXCEEDED for expired ones; FAILED_PRECONDITION if a chunk was released since, unless
+  // `skip_released` (FetchHandles.skip_released: the chunks still in the pool, the others left out). A
+  // range lease (ExportRanges) yields one FD per range, with LeasedFd::chunk_id holding the range's index
+  // (`skip_released` does not apply to it).
   using LeasedFd = Pool::LeasedFd;
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
-                                                                  absl::string_view lease_token, uint32_t peer_uid);
+                                                                  absl::string_view lease_token, uint32_t peer_uid,
+                                                                  bool skip_released = false);
 
   // After a restart, before serving: rebuilds the pools of `saved` (their chunks imported from its FDs
   // and mapped; a chunk without an FD leaves its pool kRecovering) and releases FDs no record accounts

@@ -109,7 +109,7 @@ absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view nam
 
 absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl::string_view session,
                                                                             absl::string_view lease_token,
-                                                                            uint32_t peer_uid) {
+                                                                            uint32_t peer_uid, bool skip_released) {
   absl::StatusOr<Caller> owner = sessions_.Authenticate(session);
   if (!owner.ok()) return absl::UnauthenticatedError("session_token: unknown or closed session");
   if (owner->uid != peer_uid) {
@@ -123,7 +123,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl
     if (p != pools_.end()) pool = p->second;
   }
   if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
-  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids);
+  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids, skip_released);
   return RedeemRanges(*pool, lease);
 }
 

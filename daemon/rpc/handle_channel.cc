@@ -46,6 +46,7 @@ struct HandleChannel::Fetch {
   Connection conn;
   std::string session;
   std::string lease;
+  bool skip_released = false;                 // FetchHandles.skip_released
   std::optional<v1::ReturnHandles> returned;  // set for ReturnHandles: its first packet
   std::vector<UniqueFd> fds;                  // and that packet's FDs
 };
@@ -459,7 +460,8 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
       }
       SpawnFetch(Fetch{.conn = std::move(conn),
                        .session = std::move(*fetch->mutable_session_token()),
-                       .lease = std::move(*fetch->mutable_lease_token())});
+                       .lease = std::move(*fetch->mutable_lease_token()),
+                       .skip_released = fetch->skip_released()});
       return false;
     }
     case v1::HandleChannelRequest::kReturnHandles: {
@@ -524,7 +526,7 @@ void HandleChannel::FetchWorker(std::list<std::thread>::iterator self) {
     if (fetch.returned.has_value()) {
       ServeReturn(std::move(fetch.conn), *std::move(fetch.returned), std::move(fetch.fds));
     } else {
-      ServeFetch(std::move(fetch.conn), std::move(fetch.session), std::move(fetch.lease));
+      ServeFetch(std::move(fetch.conn), std::move(fetch.session), std::move(fetch.lease), fetch.skip_released);
     }
   }
 }
@@ -600,9 +602,9 @@ void HandleChannel::ReapFinishedWorkers() {
   for (std::thread& worker : finished) worker.join();
 }
 
-void HandleChannel::ServeFetch(Connection conn, std::string session, std::string lease) {
+void HandleChannel::ServeFetch(Connection conn, std::string session, std::string lease, bool skip_released) {
   absl::StatusOr<std::vector<HandleChannelBackend::LeasedFd>> redeemed =
-      backend_->RedeemLease(session, lease, conn.uid);
+      backend_->RedeemLease(session, lease, conn.uid, skip_released);
   if (!redeemed.ok()) {
     Reject(conn.fd, redeemed.status());
     return;

@@ -68,12 +68,13 @@ class HandleChannelBackend {
     uint64_t chunk_id;
     int fd;  // owned by the channel after the call: it closes it once sent (or on failure)
   };
-  // The FDs of a lease, in the lease's order. `peer_uid` is the fetching connection's SO_PEERCRED uid.
-  // Errors (UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, ...) reach the client unchanged. On error
-  // the backend keeps (and closes) whatever it opened.
+  // The FDs of a lease, in the lease's order. `peer_uid` is the fetching connection's SO_PEERCRED uid;
+  // `skip_released` is the request's FetchHandles.skip_released. Errors (UNAUTHENTICATED,
+  // PERMISSION_DENIED, NOT_FOUND, ...) reach the client unchanged. On error the backend keeps (and closes)
+  // whatever it opened.
   [[nodiscard]] virtual absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
-                                                                          absl::string_view lease,
-                                                                          uint32_t peer_uid) = 0;
+                                                                          absl::string_view lease, uint32_t peer_uid,
+                                                                          bool skip_released) = 0;
   // ReturnHandles after a restart: FDs of `pool`'s chunks, by chunk id, from a connection whose
   // SO_PEERCRED uid is `peer_uid`. The backend owns the FDs.
   [[nodiscard]] virtual absl::StatusOr<v1::HandlesReturned> ReturnHandles(
@@ -159,7 +160,7 @@ class HandleChannel {
   // or closed.
   bool ServeFirstRequest(Connection& conn, std::vector<Connection>& sessions);
   struct Fetch;
-  void ServeFetch(Connection conn, std::string session, std::string lease);
+  void ServeFetch(Connection conn, std::string session, std::string lease, bool skip_released);
   // Queues a fetch and starts a worker when fewer than max_fetch_workers run.
   void SpawnFetch(Fetch fetch);
   // ReturnHandles: the rest of the packets, then the backend (on a fetch worker).

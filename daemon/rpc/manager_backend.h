@@ -28,8 +28,9 @@ class ManagerBackend final : public HandleChannelBackend {
   void CloseSession(absl::string_view session) override { manager_->CloseSession(session); }
 
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session, absl::string_view lease,
-                                                                  uint32_t peer_uid) override {
-    KVD_ASSIGN_OR_RETURN(std::vector<PoolManager::LeasedFd> fds, manager_->RedeemLease(session, lease, peer_uid));
+                                                                  uint32_t peer_uid, bool skip_released) override {
+    KVD_ASSIGN_OR_RETURN(std::vector<PoolManager::LeasedFd> fds,
+                         manager_->RedeemLease(session, lease, peer_uid, skip_released));
     std::vector<LeasedFd> out;
     out.reserve(fds.size());
     for (const PoolManager::LeasedFd& f : fds) out.push_back({.chunk_id = f.chunk_id, .fd = f.fd});

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <sstream>
@@ -1086,6 +1087,140 @@ TEST_F(ClientTest, ANonPausableMappingIsNeverPaused) {
   EXPECT_TRUE(exact.reshape->target_reached);
   EXPECT_EQ(exact.reshape->paused_clients, 1u);
   EXPECT_EQ(CheckPattern(*a, {0, 511, 700}), "");
+}
+
+// A Client whose on_reply runs `hook` once, for the first reply of type `message` after Arm(): on the
+// calling thread, after the daemon answered and before the Client acts on the reply (the window between a
+// Grow's or Wake's reply and the redemption of its lease).
+class ReplyHook {
+ public:
+  absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& socket, const std::string& name) {
+    return Client::Connect(
+        {.socket = socket, .client_name = name, .on_reply = [this](const google::protobuf::Message& m) {
+           std::function<void()> run;
+           {
+             absl::MutexLock lock(&mu_);
+             if (!hook_ || m.GetDescriptor()->full_name() != message_) return;
+             run = std::move(hook_);
+             hook_ = nullptr;
+           }
+           run();
+         }});
+  }
+  void Arm(std::string message, std::function<void()> hook) {
+    absl::MutexLock lock(&mu_);
+    message_ = std::move(message);
+    hook_ = std::move(hook);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::string message_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> hook_ ABSL_GUARDED_BY(mu_);
+};
+
+// The race of docs/api.md "Leases and concurrent releases": the engine's Grow has its reply (and its lease
+// of the new chunks, one a segment) when another session's compaction replaces the chunks of segment 0
+// (its first step) and pauses the engine for segment 1 (its second), all before the lease is redeemed.
+// The Grow maps what is still in the pool and succeeds; the compaction's RESUMEs map the rest: the engine
+// ends with exactly the pool's chunks, every byte in place, and no FD of a chunk it does not map.
+TEST_F(ClientTest, AGrowWhoseNewChunksACompactionReplacedBeforeTheLeaseWasRedeemedMapsWhatIsLive) {
+  ReplyHook hook;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, hook.Connect(daemon_.socket(), "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> op, Connect("operator"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 512)).status(), IsOk());
+  ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());  // two chunks a segment
+  Events ea;
+  PauseGate gate;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", gate.Options(ea, "engine")));
+  absl::StatusOr<PoolChange> compacted = absl::UnknownError("not run");
+  bool second_step_paused = false;
+  std::thread compactor;
+  absl::Cleanup unblock = [&] {
+    gate.Open(1000);
+    if (compactor.joinable()) compactor.join();
+  };
+  std::vector<uint64_t> written = {0, 511, 512, 1023};
+  WritePattern(*a, written);
+
+  gate.Open(1);  // the first step's pause passes; the second one's waits at the gate
+  hook.Arm("kvd.v1.PoolUpdate", [&] {
+    compactor = std::thread([&] { compacted = op->Compact("kv", {.max_chunks_per_pause = 3}); });
+    second_step_paused = ea.WaitFor(&Events::pauses, 2);
+  });
+  absl::StatusOr<PoolChange> grown = engine->Grow("kv", 1536);
+  ASSERT_TRUE(second_step_paused);
+  ASSERT_THAT(grown.status(), IsOk());
+  EXPECT_EQ(grown->added.size(), 2u);
+  gate.Open(2);
+  compactor.join();
+  ASSERT_THAT(compacted.status(), IsOk());
+  ASSERT_TRUE(compacted->reshape.has_value());
+  EXPECT_EQ(compacted->reshape->steps, 2u);
+  EXPECT_EQ(compacted->reshape->chunks_after, 2u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, op->GetPool("kv"));
+  EXPECT_EQ(p.committed_blocks, 1536u);
+  EXPECT_EQ(Ids(a->chunks()), Ids(p.chunks));  // remapped before Compact returned
+  EXPECT_EQ(a->committed_blocks(), 1536u);
+  EXPECT_EQ(a->state(), Mapping::State::kAwake);
+  EXPECT_EQ(Memfds(), a->chunks().size());
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_EQ(ea.lost, 0) << ea.why;
+    EXPECT_EQ(ea.pauses, 2);
+    EXPECT_EQ(ea.resumes, 2);
+  }
+  EXPECT_EQ(CheckPattern(*a, written), "");
+  WritePattern(*a, {1024, 1535});  // the grown blocks are the engine's
+  written.insert(written.end(), {1024, 1535});
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, op->Attach("kv"));
+  EXPECT_EQ(CheckPattern(*b, written), "");
+  EXPECT_EQ(p.pending_release_bytes, 0u);
+}
+
+// The same race for a Wake: another session's shrink of whole chunks releases one of each segment's two
+// new chunks between the Wake's reply and the redemption of its lease. The Wake maps the chunks still in
+// the pool and succeeds; the engine's Mapping is awake at the size the shrink left.
+TEST_F(ClientTest, AWakeWhoseNewChunksAShrinkReleasedBeforeTheLeaseWasRedeemedMapsWhatIsLive) {
+  Daemon sized;
+  ASSERT_THAT(sized.Start({"--max-chunk=2MiB"}), IsOk());
+  absl::Cleanup log = [&] {
+    if (HasFailure()) std::cerr << "---- kvd log (--max-chunk=2MiB) ----\n" << sized.log() << "-----------------\n";
+  };
+  ReplyHook hook;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, hook.Connect(sized.socket(), "engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> op,
+                           Client::Connect({.socket = sized.socket(), .client_name = "op"}));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 1024)).status(), IsOk());
+  Events ea;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", /*pausable=*/true)));
+  ASSERT_THAT(engine->Sleep("kv", /*wait=*/true).status(), IsOk());
+  ASSERT_EQ(a->state(), Mapping::State::kSleeping);
+
+  absl::StatusOr<PoolChange> shrunk = absl::UnknownError("not run");
+  hook.Arm("kvd.v1.PoolUpdates",
+           [&] { shrunk = op->Shrink("kv", 512, ShrinkOptions{.wait = true, .whole_chunks_only = true}); });
+  absl::StatusOr<std::vector<PoolChange>> woken = engine->Wake("kv");
+  ASSERT_THAT(shrunk.status(), IsOk());
+  EXPECT_EQ(shrunk->released_chunk_ids.size(), 2u);
+  ASSERT_THAT(woken.status(), IsOk());
+  ASSERT_EQ(woken->size(), 1u);
+  EXPECT_EQ((*woken)[0].added.size(), 4u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, op->GetPool("kv"));
+  EXPECT_EQ(p.committed_blocks, 512u);
+  EXPECT_EQ(Ids(a->chunks()), Ids(p.chunks));
+  EXPECT_EQ(a->committed_blocks(), 512u);
+  EXPECT_EQ(a->state(), Mapping::State::kAwake);
+  EXPECT_EQ(Memfds(), a->chunks().size());
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_EQ(ea.lost, 0) << ea.why;
+  }
+  WritePattern(*a, {0, 511});
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, op->Attach("kv"));
+  EXPECT_EQ(CheckPattern(*b, {0, 511}), "");
 }
 
 }  // namespace

@@ -6,8 +6,9 @@
 //         reply is read (FDs closed) until the daemon closes the connection (or, for a session it
 //         opened, the session is closed from this side);
 //   odd   a well-formed session is opened and a lease issued for pool "p"; then a FetchHandles is sent
-//         whose session and lease tokens are the real ones or not (byte 1's bits 0 and 1), followed by
-//         the rest of the input (which protobuf reads as more fields, or refuses).
+//         whose session and lease tokens are the real ones or not (byte 1's bits 0 and 1), with
+//         skip_released or not (bit 2), followed by the rest of the input (which protobuf reads as more
+//         fields, or refuses).
 // The daemon must answer or close every connection, never crash, leak an FD or stop serving: after
 // every input the FDs of this process are counted, and after the last one a fresh session must open.
 //
@@ -253,6 +254,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fetch.mutable_fetch_handles()->set_session_token((bits & 1) != 0 ? token : rest.substr(0, rest.size() / 2));
     fetch.mutable_fetch_handles()->set_lease_token((bits & 2) != 0 ? attached->lease.token
                                                                    : rest.substr(rest.size() / 2));
+    fetch.mutable_fetch_handles()->set_skip_released((bits & 4) != 0);
     Exchange(fetch.SerializeAsString() + rest);
     close(session_fd);  // the session ends: its client is detached
   }

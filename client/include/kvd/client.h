@@ -541,7 +541,9 @@ struct AttachOptions {
   // the pair must support it (FAILED_PRECONDITION naming both devices otherwise).
   std::string device;
   // New chunks are mapped (grow or wake by another session; this Client's own Grow/Wake map before
-  // they return and do not call it). Argument: the committed blocks now.
+  // they return and do not call it). Argument: the committed blocks now. Not called when a release took
+  // some of the new chunks before they were fetched: that release's event says the size (docs/api.md,
+  // "Leases and concurrent releases").
   std::function<void(uint64_t committed_blocks)> on_grow;
   // Chunks were unmapped and acknowledged (shrink or sleep). Argument: the committed blocks now.
   std::function<void(uint64_t committed_blocks)> on_release;
@@ -670,9 +672,11 @@ class Client {
   [[nodiscard]] absl::StatusOr<ResolvedLayout> ResolveLayout(const LayoutRequest& request,
                                                              const PoolDims* dims = nullptr);
   // Grow and Wake map this client's new chunks into its Mapping of the pool (if any) before
-  // returning. If the pool changed but mapping failed (its lease expired, say), the error keeps the
-  // failure's code and says "pool P changed but mapping its new chunks failed: ..."; the Mapping then
-  // keeps its previous committed_blocks().
+  // returning; new chunks that another session's release (a compaction, a shrink, a sleep) took before
+  // they were fetched are left to that release's event, which the Mapping follows (docs/api.md, "Leases
+  // and concurrent releases"). If the pool changed but mapping failed (its lease expired, say), the error
+  // keeps the failure's code and says "pool P changed but mapping its new chunks failed: ..."; the Mapping
+  // then keeps its previous committed_blocks().
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks);
   // With wait.wait, waits for memory as WaitOptions says instead of failing at once.
   [[nodiscard]] absl::StatusOr<PoolChange> Grow(absl::string_view pool, uint64_t target_blocks,

@@ -507,9 +507,11 @@ class Client:
     # -- resizing -------------------------------------------------------------------------------
     def grow(self, name, blocks, wait=False, wait_for=None):
         """Grow to `blocks` committed blocks -> kvd.v1.PoolUpdate; this Client's Mapping of the pool
-        has mapped the new chunks when it returns. wait: when memory is short, wait for it (queued by
-        the pool's priority, memory reclaimed from pools of lower priority) for at most wait_for seconds
-        (None: the Client's timeout); then RESOURCE_EXHAUSTED saying what it waited for and whom it asked."""
+        has mapped the new chunks when it returns (those another session's release took first are left to
+        that release's event: docs/api.md, "Leases and concurrent releases"). wait: when memory is short,
+        wait for it (queued by the pool's priority, memory reclaimed from pools of lower priority) for at most
+        wait_for seconds (None: the Client's timeout); then RESOURCE_EXHAUSTED saying what it waited for and
+        whom it asked."""
         if wait:
             return self._reply(pb.PoolUpdate, lib.kvd_client_grow_waiting, text(name), int(blocks),
                                us(wait_for or 0))

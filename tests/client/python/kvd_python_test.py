@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 
 import kvd
@@ -83,7 +84,7 @@ class Peer(LinePeer):
 
 
 class Daemon:
-    def __init__(self):
+    def __init__(self, *flags):
         binary = os.environ.get("KVD_BINARY")
         if not binary:
             raise unittest.SkipTest("KVD_BINARY is not set")
@@ -93,7 +94,7 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "kvd.log")
         self.log = open(self.log_path, "w")
         self.p = subprocess.Popen([binary, "--backend=host", f"--socket={self.socket}", "--host-capacity=1GiB",
-                                   "--budget=512MiB", "--host-granularity=2MiB"], stdout=self.log,
+                                   "--budget=512MiB", "--host-granularity=2MiB", *flags], stdout=self.log,
                                   stderr=subprocess.STDOUT)
         poll(lambda: " ready: " in self.read_log() or self.p.poll() is not None, "kvd ready")
         if self.p.poll() is not None:
@@ -393,6 +394,59 @@ class KvdPythonTest(unittest.TestCase):
         self.assertEqual(len(paused), 1)
         self.assertEqual(m.mapped_chunks, [])
         m.close()
+
+
+class LeaseRaceTest(unittest.TestCase):
+    """A lease overtaken by a release (docs/api.md, "Leases and concurrent releases"), through the package: the
+    follower maps what is still in the pool, and the release's event does the rest."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon("--max-chunk=2MiB")  # a grow of 4 MiB is two chunks
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def test_chunks_added_that_a_release_overtook_map_what_is_still_in_the_pool(self):
+        engine = kvd.connect(self.daemon.socket, client_name="engine")
+        self.addCleanup(engine.close)
+        op = kvd.connect(self.daemon.socket, client_name="operator")
+        self.addCleanup(op.close)
+        engine.create_pool("race", initial_blocks=16, backend_requirements={"FLASHINFER": ["block-outermost"]},
+                           **DIMS)  # one segment, 16 blocks a chunk
+        held, let_go = threading.Event(), threading.Event()
+        grows, releases, lost = [], [], []
+
+        def on_grow(blocks):
+            grows.append(blocks)
+            if len(grows) == 1:  # the follower waits here: the next events queue behind it
+                held.set()
+                let_go.wait(POLL_S)
+
+        m = engine.attach("race", on_grow=on_grow, on_release=releases.append, on_lost=lost.append,
+                          on_pause=lambda ranges: None)
+        self.addCleanup(m.close)
+        self.addCleanup(let_go.set)
+        op.grow("race", 32)
+        self.assertTrue(held.wait(POLL_S))
+        op.grow("race", 64)  # CHUNKS_ADDED: blocks 32-47 and 48-63, one lease
+        # The engine's own session releases the last chunk before its follower redeemed that lease (no pause:
+        # CHUNKS_RELEASED, queued behind it).
+        shrunk = engine.shrink("race", 48, whole_chunks_only=True)
+        self.assertEqual(len(shrunk.released_chunk_ids), 1)
+        let_go.set()
+        poll(lambda: (m.committed_blocks == 48 and releases) or lost,
+             "the follower maps the chunk left and follows the release")
+        self.assertEqual([(e.code, e.message) for e in lost], [])
+        self.assertIsNone(m.gone)
+        self.assertEqual(m.state, kvd.v1_pb2.POOL_STATE_AWAKE)
+        self.assertEqual(m.mapped_chunks, sorted(c.id for c in op.pool("race").chunks))
+        self.assertEqual(grows, [32])  # the overtaken grow's size was never the engine's to use
+        self.assertEqual(releases, [48])
+        m.layer(3)[47] = 7
+        with op.attach("race") as other:
+            self.assertEqual(float(other.layer(3)[47].min()), 7.0)
 
 
 if __name__ == "__main__":

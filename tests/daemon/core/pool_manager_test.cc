@@ -1,8 +1,10 @@
 #include "daemon/core/pool_manager.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -392,6 +394,35 @@ TEST_F(PoolManagerTest, ALeaseForAReleasedChunkFails) {
   ASSERT_THAT(manager_->Shrink(alice_, "p", 64, false, absl::Now()), IsOk());
   EXPECT_THAT(manager_->RedeemLease(alice_.session, a.lease.token, 1000),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("released after the lease")));
+}
+
+// FetchHandles.skip_released: the same lease yields the chunks still in the table, in the lease's order, and
+// leaves out the ones the shrink released.
+TEST_F(PoolManagerTest, ALeaseThatSkipsReleasedChunksYieldsTheOnesStillInThePool) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 256), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", ""));
+  ASSERT_EQ(a.lease.chunk_ids.size(), 4u);  // two a segment
+  ASSERT_THAT(manager_->Shrink(alice_, "p", 64, false, absl::Now()), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView p, manager_->GetPool(alice_, "p"));
+  std::vector<uint64_t> live;
+  for (const ChunkInfo& c : p.chunks) live.push_back(c.id);
+  ASSERT_EQ(live.size(), 2u);
+  std::vector<uint64_t> leased_live;
+  for (uint64_t id : a.lease.chunk_ids) {
+    if (std::find(live.begin(), live.end(), id) != live.end()) leased_live.push_back(id);
+  }
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolManager::LeasedFd> fds,
+                           manager_->RedeemLease(alice_.session, a.lease.token, 1000, /*skip_released=*/true));
+  std::vector<uint64_t> yielded;
+  for (const PoolManager::LeasedFd& f : fds) {
+    yielded.push_back(f.chunk_id);
+    EXPECT_GE(fcntl(f.fd, F_GETFD), 0);
+    close(f.fd);
+  }
+  EXPECT_EQ(yielded, leased_live);
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, a.lease.token, 1000, /*skip_released=*/true),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")));  // single use, as always
 }
 
 TEST_F(PoolManagerTest, OnlyTheOwnerAllowedUidsRootAndTheDaemonUserSeeAPool) {

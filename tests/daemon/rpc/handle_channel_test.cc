@@ -70,9 +70,10 @@ class FakeBackend : public HandleChannelBackend {
   }
 
   absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session, absl::string_view lease,
-                                                    uint32_t peer_uid) override {
+                                                    uint32_t peer_uid, bool skip_released) override {
     absl::MutexLock lock(&mu_);
     ++redeems_;
+    skips_.push_back(skip_released);
     auto known = sessions_.find(std::string(session));
     if (known == sessions_.end()) return absl::UnauthenticatedError(absl::StrCat("session ", session, ": unknown"));
     if (known->second.uid != peer_uid) return absl::PermissionDeniedError("peer uid differs from the session's");
@@ -140,6 +141,11 @@ class FakeBackend : public HandleChannelBackend {
     absl::MutexLock lock(&mu_);
     return redeems_;
   }
+  // Each redemption's skip_released, in order.
+  std::vector<bool> skips() const {
+    absl::MutexLock lock(&mu_);
+    return skips_;
+  }
   std::vector<int> handed() const {
     absl::MutexLock lock(&mu_);
     return handed_;
@@ -149,6 +155,7 @@ class FakeBackend : public HandleChannelBackend {
   mutable absl::Mutex mu_;
   int next_session_ = 0;
   int redeems_ = 0;
+  std::vector<bool> skips_;
   std::map<std::string, SessionInfo> sessions_;
   std::vector<std::string> closed_;
   std::map<std::string, std::vector<std::pair<uint64_t, int>>> leases_;
@@ -418,6 +425,20 @@ TEST_F(HandleChannelTest, AnEmptyLeaseIsOneEmptyLastBatch) {
 
   KVD_ASSERT_OK_AND_ASSIGN(auto handles, session.Fetch("empty"));
   EXPECT_TRUE(handles.empty());
+}
+
+// FetchHandles.skip_released reaches the backend as the client sent it.
+TEST_F(HandleChannelTest, SkipReleasedReachesTheBackend) {
+  StartChannel();
+  MakeLease("strict", 1);
+  MakeLease("skipping", 1);
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
+  for (const auto& [lease, skip] : {std::pair<std::string, bool>{"strict", false}, {"skipping", true}}) {
+    KVD_ASSERT_OK_AND_ASSIGN(auto handles, session.Fetch(lease, skip));
+    ASSERT_EQ(handles.size(), 1u);
+    close(handles[0].second);
+  }
+  EXPECT_EQ(backend_.skips(), (std::vector<bool>{false, true}));
 }
 
 TEST_F(HandleChannelTest, BackendErrorsArriveWithTheirCodeAndMessage) {
