@@ -599,6 +599,9 @@ struct Mapping::Impl {
     std::vector<ByteRange> ranges;
   };
   std::map<uint64_t, Pause> pauses ABSL_GUARDED_BY(mu);  // by pause_id
+  // PAUSEs called off before their lease was fetched (the fetch answered ABORTED), whose RESUME (not applied)
+  // is still to come: the engine was never paused for them (Note [A called-off pause's lease]).
+  std::set<uint64_t> called_off ABSL_GUARDED_BY(mu);
   // The engine was paused (on_pause) for chunks a restarted daemon lacks; on_resume once reattached.
   bool paused_for_restart ABSL_GUARDED_BY(mu) = false;
 
@@ -638,7 +641,8 @@ struct Mapping::Impl {
   // Unmaps every mapped chunk that overlaps [offset, offset + bytes): released by a change whose event
   // this follower has not handled yet.
   void UnmapOverlapping(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // PAUSE: fetches the event's lease on `c` and imports its chunks into pauses[pause_id], unmapped.
+  // PAUSE: fetches the event's lease on `c` and imports its chunks into pauses[pause_id], unmapped. ABORTED
+  // (the handle channel's answer) when the pause was called off before the fetch.
   absl::Status ImportPause(const Client::Impl::Connection& c, const v1::PoolEvent& ev)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Releases the imported chunks of `pause`.
@@ -941,6 +945,13 @@ bool Mapping::Impl::OnPause(const v1::PoolEvent& ev) {
       ++counts.pauses;
     }
   }
+  if (absl::IsAborted(imported)) {
+    // See Note [A called-off pause's lease] in docs/architecture.md: nothing changed, every chunk stays mapped
+    // and the engine runs on; the RESUME (not applied) that follows ends it.
+    absl::MutexLock lock(&mu);
+    called_off.insert(ev.pause_id());
+    return true;
+  }
   if (!imported.ok()) {
     Lose(absl::Status(imported.code(), absl::StrCat("pausing pool ", pool, " (pause ", ev.pause_id(),
                                                     "): importing its new chunks: ", imported.message())));
@@ -961,6 +972,7 @@ bool Mapping::Impl::OnResume(const v1::PoolEvent& ev) {
     {
       absl::MutexLock lock(&mu);
       if (closing || state == Mapping::State::kLost) return false;
+      if (called_off.erase(id) > 0) return true;  // the engine was not paused for it
       if (auto it = pauses.find(id); it != pauses.end()) {
         ranges = it->second.ranges;
         DropPause(it->second);
@@ -1381,6 +1393,7 @@ Mapping::Impl::Attempt Mapping::Impl::TryReattach(DaemonRestart* restart) {
       DropPause(pause);
     }
     pauses.clear();
+    called_off.clear();  // their RESUMEs went with the daemon
     if (absl::Status s = MapLease(*c, resp.lease().token(), resp.pool().chunks()).status(); !s.ok()) {
       return {
           .status = absl::Status(s.code(), absl::StrCat("mapping pool ", pool, " after kvd restarted: ", s.message())),

@@ -421,7 +421,7 @@ size_t Pool::BeginPause(const std::vector<ChunkRecord>& added, const std::set<st
     e.pause_id = pause.id;
     e.chunks = pause.added;
     e.ranges = pause.ranges;
-    if (!ids.empty()) e.lease = shared_.leases->Issue(name_, client.session, id, ids);
+    if (!ids.empty()) e.lease = shared_.leases->Issue(name_, client.session, id, ids, pause.id);
     for (const ChunkInfo& c : pause.added) client.handed[c.id] = c.bytes;
     client.events->Push(std::move(e));
     pause_.Ask(id);
@@ -484,6 +484,10 @@ void Pool::CancelPause() {
     auto it = clients_.find(id);
     if (it == clients_.end()) continue;
     for (const ChunkInfo& c : pause->added) it->second.handed.erase(c.id);
+    // Its lease, not fetched yet, now answers ABORTED: Note [A called-off pause's lease].
+    if (!pause->added.empty() && !it->second.fetched.contains(pause->added.front().id)) {
+      it->second.called_off.insert(pause->id);
+    }
     PoolEvent e = EventLocked(EventType::kResume);
     e.pause_id = pause->id;
     e.applied = false;

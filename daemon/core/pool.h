@@ -349,15 +349,17 @@ class Pool {
   [[nodiscard]] absl::StatusOr<BlockSpan> AwakeSpan() const ABSL_SHARED_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // dup()s of the exported FDs of `chunk_ids`, in order, for a lease of client `client_id` (which is
   // then known to hold them): NOT_FOUND once that client detached; FAILED_PRECONDITION for a chunk
-  // released since (naming it), or with `skip_released` no FD for it (FetchHandles.skip_released). The
-  // caller owns the FDs.
+  // released since (naming it), or with `skip_released` no FD for it (FetchHandles.skip_released);
+  // ABORTED for the lease of pause `pause_id` (a PAUSE's) called off before this fetch (Note [A called-off
+  // pause's lease]). The caller owns the FDs.
   struct LeasedFd {
     uint64_t chunk_id;
     int fd;
   };
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> DupFds(absl::string_view client_id,
                                                              const std::vector<uint64_t>& chunk_ids,
-                                                             bool skip_released = false) ABSL_LOCKS_EXCLUDED(mu_);
+                                                             bool skip_released = false, uint64_t pause_id = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Connectors (docs/connectors.md) ---
 
@@ -402,6 +404,8 @@ class Pool {
     std::string device_uuid;
     Handed handed;               // chunk id -> bytes, until acknowledged as released
     std::set<uint64_t> fetched;  // chunk ids whose FDs a lease of this client yielded
+    // Pauses called off before this client fetched their lease: Note [A called-off pause's lease].
+    std::set<uint64_t> called_off;
     std::shared_ptr<EventQueue> events = std::make_shared<EventQueue>();
     bool watching = false;
     bool pausable = false;

@@ -113,10 +113,16 @@ absl::StatusOr<Pool::Client*> Pool::LeaseClientLocked(absl::string_view client_i
 }
 
 absl::StatusOr<std::vector<Pool::LeasedFd>> Pool::DupFds(absl::string_view client_id,
-                                                         const std::vector<uint64_t>& chunk_ids, bool skip_released) {
+                                                         const std::vector<uint64_t>& chunk_ids, bool skip_released,
+                                                         uint64_t pause_id) {
   absl::MutexLock lock(&mu_);
   if (deleted_) return absl::FailedPreconditionError(absl::StrCat("pool ", name_, " was deleted"));
   KVD_ASSIGN_OR_RETURN(Client * client, LeaseClientLocked(client_id));
+  if (pause_id != 0 && client->called_off.erase(pause_id) > 0) {  // Note [A called-off pause's lease]
+    return absl::AbortedError(absl::StrCat("pause ", pause_id, " of pool ", name_,
+                                           " was called off before its lease was fetched: nothing changed, its "
+                                           "RESUME (applied = false) follows"));
+  }
   std::vector<LeasedFd> out;
   absl::Cleanup close_all = [&] {
     for (const LeasedFd& f : out) close(f.fd);

@@ -123,7 +123,7 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl
     if (p != pools_.end()) pool = p->second;
   }
   if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
-  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids, skip_released);
+  if (lease.ranges.empty()) return pool->DupFds(lease.client, lease.chunk_ids, skip_released, lease.pause_id);
   return RedeemRanges(*pool, lease);
 }
 

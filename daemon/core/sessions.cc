@@ -80,7 +80,7 @@ Lease LeaseTable::IssueRanges(absl::string_view pool, absl::string_view session,
 }
 
 Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, absl::string_view client,
-                        std::vector<uint64_t> chunk_ids) {
+                        std::vector<uint64_t> chunk_ids, uint64_t pause_id) {
   const absl::Time now = absl::Now();
   Lease lease{.token = RandomToken("l-"), .chunk_ids = std::move(chunk_ids), .expires = now + ttl_};
   absl::MutexLock lock(&mu_);
@@ -91,7 +91,8 @@ Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, absl:
                           .session = std::string(session),
                           .client = std::string(client),
                           .chunk_ids = lease.chunk_ids,
-                          .expires = lease.expires};
+                          .expires = lease.expires,
+                          .pause_id = pause_id};
   return lease;
 }
 

@@ -59,16 +59,17 @@ struct LeaseRecord {
   // A range lease (ExportRanges) yields one FD per range instead of chunk FDs.
   std::vector<RangeHandle> ranges;
   bool ranges_span_chunks = false;  // each range is one device range export; else one chunk's FD
+  uint64_t pause_id = 0;            // a PAUSE's lease: its pause (Note [A called-off pause's lease])
 };
 
 class LeaseTable {
  public:
   explicit LeaseTable(absl::Duration ttl) : ttl_(ttl) {}
 
-  // A new lease of `chunk_ids` of `pool` for client `client` of `session`; drops expired leases on the
-  // way.
+  // A new lease of `chunk_ids` of `pool` for client `client` of `session` (a PAUSE's: of pause `pause_id`);
+  // drops expired leases on the way.
   Lease Issue(absl::string_view pool, absl::string_view session, absl::string_view client,
-              std::vector<uint64_t> chunk_ids) ABSL_LOCKS_EXCLUDED(mu_);
+              std::vector<uint64_t> chunk_ids, uint64_t pause_id = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // A new range lease: `ranges` of `pool` for client `client` of `session` (the returned Lease has no
   // chunk_ids).
   Lease IssueRanges(absl::string_view pool, absl::string_view session, absl::string_view client,

@@ -1042,6 +1042,86 @@ TEST_F(ClientTest, ACompactionCalledOffMapsTheOldChunksBackAndOneInStepsPausesOn
   }
 }
 
+// A compaction called off before a slow Mapping's follower even read its PAUSE (the follower is held in the
+// on_grow of the event before): the PAUSE's lease then answers ABORTED, and the Mapping, told that the pause
+// was called off, keeps every chunk and byte, never pauses the engine, takes the RESUME (not applied) that
+// follows and follows the next grow (docs/api.md "Pauses and reshaping").
+TEST_F(ClientTest, APauseCalledOffBeforeItsLeaseWasFetchedKeepsTheMapping) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> slow, Connect("slow"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> op, Connect("operator"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 512)).status(), IsOk());
+  ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());  // two chunks a segment: something to compact
+  Events ea, eb;
+  absl::Mutex hold_mu;
+  bool held = true;  // the slow Mapping's on_grow waits while set
+  AttachOptions ob = eb.Options("slow", /*pausable=*/true);
+  ob.on_grow = [&](uint64_t blocks) {
+    {
+      absl::MutexLock lock(&eb.mu);
+      ++eb.grows;
+      eb.last_blocks = blocks;
+    }
+    absl::MutexLock lock(&hold_mu);
+    auto go = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !held; };
+    hold_mu.Await(absl::Condition(&go));
+  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
+  auto let_go = [&] {
+    absl::MutexLock lock(&hold_mu);
+    held = false;
+  };
+  absl::Cleanup unblock = let_go;  // the follower must be able to stop
+  std::vector<uint64_t> written = {0, 511, 512, 1023};
+  WritePattern(*a, written);
+
+  ASSERT_THAT(engine->Grow("kv", 1536).status(), IsOk());
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));  // the slow follower is held before the compaction's PAUSE
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo before, op->GetPool("kv"));
+  EXPECT_THAT(op->Compact("kv", {.pause = {.timeout = absl::Seconds(1)}}).status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(b->client_id())));
+  ASSERT_TRUE(ea.WaitFor(&Events::resumes, 1));
+  let_go();  // the slow follower reads the PAUSE now: its lease's pause was called off
+
+  ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());
+  const bool followed = eb.WaitFor(&Events::grows, 2);  // past the PAUSE and RESUME, in the stream's order
+  {
+    absl::MutexLock lock(&eb.mu);
+    ASSERT_EQ(eb.lost, 0) << eb.why;
+  }
+  ASSERT_TRUE(followed);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo p, op->GetPool("kv"));
+  EXPECT_EQ(p.committed_blocks, 2048u);
+  EXPECT_EQ(p.chunks.size(), before.chunks.size() + 2);  // the compaction changed nothing
+  EXPECT_EQ(b->state(), Mapping::State::kAwake);
+  EXPECT_EQ(Ids(b->chunks()), Ids(p.chunks));
+  EXPECT_EQ(MappedBytes(*b), uint64_t{16} << 20);
+  EXPECT_EQ(b->committed_blocks(), 2048u);
+  EXPECT_EQ(CheckPattern(*b, written), "");
+  WritePattern(*b, {1024, 2047});  // the grown blocks, through the slow Mapping, read through the engine's
+  written.insert(written.end(), {1024, 2047});
+  EXPECT_EQ(CheckPattern(*a, written), "");
+  {
+    absl::MutexLock lock(&eb.mu);
+    EXPECT_EQ(eb.pauses, 0);  // never paused for a pause it learnt of only once called off
+    EXPECT_EQ(eb.resumes, 0);
+    EXPECT_EQ(eb.last_blocks, 2048u);
+  }
+  const Mapping::Counts counts = b->counts();
+  EXPECT_EQ(counts.pauses, 0u);
+  EXPECT_EQ(counts.resumes, 0u);
+  {
+    absl::MutexLock lock(&ea.mu);
+    EXPECT_EQ(ea.pauses, 1);
+    EXPECT_EQ(ea.resumes, 1);
+    EXPECT_FALSE(ea.applied);
+  }
+  EXPECT_EQ(Memfds(), a->chunks().size() + b->chunks().size());  // no FD of the called-off pause's chunks
+  KVD_ASSERT_OK_AND_ASSIGN(DeviceStatus d, engine->DeviceInfo());
+  EXPECT_EQ(d.committed_bytes, uint64_t{16} << 20);  // its new chunks were given back
+}
+
 // A Mapping without on_pause attaches non-pausable: Compact and an exact shrink that must replace a
 // chunk fail with FAILED_PRECONDITION naming it and change nothing; a whole-chunks shrink still
 // releases what it can and says that it stopped above the target.

@@ -1373,6 +1373,14 @@ TEST_F(PoolManagerTest, APauseNobodyAcknowledgesChangesNothing) {
   EXPECT_FALSE(resume->applied);
   EXPECT_THAT(manager_->AcknowledgePause(alice_, engine.id(), pause->pause_id),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("pause_id")));
+  // Its lease, fetched only now, says that the pause was called off (a client that was slow to read the
+  // PAUSE keeps everything it maps); a lease is single-use all the same.
+  ASSERT_TRUE(pause->lease.has_value());
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, pause->lease->token, alice_.uid),
+              StatusIs(absl::StatusCode::kAborted,
+                       AllOf(HasSubstr(absl::StrCat("pause ", pause->pause_id)), HasSubstr("called off"))));
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, pause->lease->token, alice_.uid),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("lease_token")));
 
   // detach_unresponsive: the silent client is detached and the change goes on.
   KVD_ASSERT_OK_AND_ASSIGN(
