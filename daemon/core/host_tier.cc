@@ -166,10 +166,16 @@ void HostTier::Prepare() {
   ready_ = true;
 }
 
-absl::StatusOr<uint64_t> HostTier::Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes) {
+absl::StatusOr<uint64_t> HostTier::Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes,
+                                        absl::Time ready_by) {
   const uint64_t want = (bytes + alignment_ - 1) / alignment_ * alignment_;
   absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(&ready_));
+  if (!mu_.AwaitWithDeadline(absl::Condition(&ready_), ready_by)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("pool ", pool, ": the host tier (", FormatBytes(bytes_),
+                     ") is still being allocated and registered after the daemon's start; nothing changed. Wait for "
+                     "DeviceInfo.host_tier_ready (kvctl status) or give the sleep a longer deadline"));
+  }
   uint64_t largest = 0;
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     largest = std::max(largest, it->second);

@@ -3,10 +3,10 @@
 //
 // One memfd of --host-tier-bytes, mapped once into the daemon, bound to the GPU's NUMA node where the
 // machine says which it is, its pages allocated, mapped and registered with the driver
-// (Device::RegisterHost, one piece at a time), in the background after start, so that neither the sleep nor the wake path pins
-// or faults in anything. Pools take extents of it (first fit, granularity-aligned) for their kept bytes
-// and give them back on wake or delete. Copies between a pool's mapped memory and its extent are split
-// into pieces copied by several threads at once.
+// (Device::RegisterHost, one piece at a time), in the background after start, so that neither the sleep nor the wake
+// path pins or faults in anything. Pools take extents of it (first fit, granularity-aligned) for their kept bytes and
+// give them back on wake or delete. Copies between a pool's mapped memory and its extent are split into pieces copied
+// by several threads at once.
 //
 // Threads. Every method is thread-safe. mu_ is a leaf: it is never held across a device call or a copy.
 #pragma once
@@ -91,10 +91,11 @@ class HostTier {
   // Takes exactly the extent [offset, offset + extent_bytes) a restored pool's record names (adopted tiers).
   // FAILED_PRECONDITION when it is not free in full (another pool's, or past the tier's end).
   [[nodiscard]] absl::Status Claim(uint64_t offset, uint64_t extent_bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // An extent for `bytes` bytes of `pool` (waits for the background preparation first).
-  // RESOURCE_EXHAUSTED naming the bytes asked, the tier's size and the largest free extent when none fits.
-  [[nodiscard]] absl::StatusOr<uint64_t> Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // An extent for `bytes` bytes of `pool`, once the background preparation is done (waiting for it until
+  // `ready_by`: DEADLINE_EXCEEDED past it, nothing taken). RESOURCE_EXHAUSTED naming the bytes asked, the
+  // tier's size and the largest free extent when none fits.
+  [[nodiscard]] absl::StatusOr<uint64_t> Take(absl::string_view pool, uint64_t bytes, uint64_t* extent_bytes,
+                                              absl::Time ready_by = absl::InfiniteFuture()) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives an extent Take returned back.
   void Give(uint64_t offset, uint64_t extent_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies the runs of the pool mapped at `base` into `kept`'s extent, or back. Each returns once every

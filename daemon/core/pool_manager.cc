@@ -719,7 +719,8 @@ absl::StatusOr<std::optional<KeptContents>> PoolManager::PlanKeep(Pool& pool, co
   }
   for (const KeptRun& run : kept.runs) kept.bytes += run.bytes;
   if (kept.bytes == 0) return std::nullopt;
-  KVD_ASSIGN_OR_RETURN(kept.tier_offset, host_tier_->Take(pool.name(), kept.bytes, &kept.extent_bytes));
+  KVD_ASSIGN_OR_RETURN(kept.tier_offset,
+                       host_tier_->Take(pool.name(), kept.bytes, &kept.extent_bytes, keep.tier_ready_by));
   return kept;
 }
 

@@ -142,6 +142,8 @@ struct WaitOptions {
 struct KeepOptions {
   bool keep = false;
   std::vector<uint64_t> live_blocks;  // empty: every committed byte
+  // How long the sleep waits for the host tier's background preparation (Note [The host tier]).
+  absl::Time tier_ready_by = absl::InfiniteFuture();
 };
 // One page of ListPools: pools by name, after the page before.
 struct PoolPage {

@@ -581,11 +581,12 @@ grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::Compact
 
 namespace {
 
-// SleepRequest's and PrepareRequest's keep and live_blocks.
-absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live) {
+// SleepRequest's and PrepareRequest's keep and live_blocks; the tier is waited for until `ready_by`.
+absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live,
+                                          absl::Time ready_by) {
   if (!keep && !live.empty())
     return absl::InvalidArgumentError("live_blocks: set keep too (they name what a sleep keeps)");
-  return KeepOptions{.keep = keep, .live_blocks = {live.begin(), live.end()}};
+  return KeepOptions{.keep = keep, .live_blocks = {live.begin(), live.end()}, .tier_ready_by = ready_by};
 }
 
 }  // namespace
@@ -606,7 +607,8 @@ grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequ
         return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
     }
     KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
-    KVD_ASSIGN_OR_RETURN(const KeepOptions keep, KeepFromProto(request->keep(), request->live_blocks()));
+    KVD_ASSIGN_OR_RETURN(const KeepOptions keep,
+                         KeepFromProto(request->keep(), request->live_blocks(), ReleaseDeadline(*context)));
     KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kSleep, [&] {
                            return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context),
                                                   {.force = request->force(), .pause = pause}, keep);
@@ -734,7 +736,8 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
     if (request->keep() && op != GroupOp::kSleep) {
       return absl::InvalidArgumentError("keep: applies to OPERATION_SLEEP only");
     }
-    KVD_ASSIGN_OR_RETURN(const KeepOptions keep, KeepFromProto(request->keep(), request->live_blocks()));
+    KVD_ASSIGN_OR_RETURN(const KeepOptions keep,
+                         KeepFromProto(request->keep(), request->live_blocks(), ReleaseDeadline(*context)));
     KVD_ASSIGN_OR_RETURN(PreparedOp prepared, manager_->Prepare(caller, request->pool(), op, request->target_blocks(),
                                                                 ttl, request->force(), keep));
     response->set_transaction(prepared.transaction);

@@ -225,6 +225,7 @@ echo "kvd_bench_test: 1 passed, 0 failed"
 # same copies to registered memory in-process, each with its repetitions, a ratio and a copy rate.
 "$bench" --kvd="$kvd" --backend=host --bytes=128MiB --segments=8 --reps=3 --sections=keep --keep-bytes=64MiB --json \
   >"$dir/keep.json" 2>"$dir/keep.txt"
+grep -q "keep: the host tier was ready" "$dir/keep.txt"  # measured after the tier's background preparation
 python3 - "$dir/keep.json" <<'PY'
 import json, math, sys
 d = json.load(open(sys.argv[1]))

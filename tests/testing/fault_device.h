@@ -57,6 +57,11 @@ class FaultDevice final : public Device {
     entered_ = entered;
     release_ = release;
   }
+  // From now on every RegisterHost waits for `*release` (null: runs at once again); it must outlive them.
+  void HoldRegistrations(absl::Notification* release) {
+    absl::MutexLock lock(&mu_);
+    register_release_ = release;
+  }
   // Whether a FailNthCall fault is still waiting for its call.
   bool fault_pending() const {
     absl::MutexLock lock(&mu_);
@@ -147,6 +152,12 @@ class FaultDevice final : public Device {
     return inner_->ExportRange(va, bytes);
   }
   absl::Status RegisterHost(void* host, uint64_t bytes) override {
+    absl::Notification* release;
+    {
+      absl::MutexLock lock(&mu_);
+      release = register_release_;
+    }
+    if (release != nullptr) release->WaitForNotification();
     if (absl::Status s = Fault(Op::kRegisterHost); !s.ok()) return s;
     KVD_RETURN_IF_ERROR(inner_->RegisterHost(host, bytes));
     absl::MutexLock lock(&mu_);
@@ -224,6 +235,7 @@ class FaultDevice final : public Device {
   mutable absl::Mutex mu_;
   absl::Notification* entered_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Notification* release_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Notification* register_release_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
   Fault_ any_fault_ ABSL_GUARDED_BY(mu_);
   std::map<uintptr_t, uint64_t> registered_host_ ABSL_GUARDED_BY(mu_);

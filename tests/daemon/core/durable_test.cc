@@ -415,6 +415,26 @@ TEST(HostTierTest, ARegistrationThatFailsLeavesNoPieceRegisteredAndTheTierUsable
   EXPECT_THAT(lines, ::testing::Contains(HasSubstr("not registered (no pinnable memory)")));
 }
 
+TEST(HostTierTest, TakeWaitsForThePreparationOnlyUntilItsDeadline) {
+  absl::StatusOr<std::unique_ptr<Device>> host =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(host, IsOk());
+  FaultDevice device(*std::move(host));
+  absl::Notification registered;
+  device.HoldRegistrations(&registered);
+  auto tier = HostTier::Create(&device, {.bytes = 8 * kMiB}, 2 * kMiB);
+  ASSERT_THAT(tier, IsOk());
+  uint64_t extent = 0;
+  EXPECT_THAT((*tier)->Take("p", 2 * kMiB, &extent, absl::Now() + absl::Milliseconds(50)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("still being allocated and registered")));
+  EXPECT_FALSE((*tier)->Stats().ready);
+  EXPECT_EQ((*tier)->Stats().used_bytes, 0u) << "nothing taken";
+  registered.Notify();
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t offset, (*tier)->Take("p", 2 * kMiB, &extent, absl::Now() + absl::Seconds(60)));
+  EXPECT_EQ(offset, 0u);
+  EXPECT_TRUE((*tier)->Stats().registered);
+}
+
 TEST(HostTierTest, ARegistrationPieceThatIsNotAMultipleOfTheAlignmentIsRefused) {
   absl::StatusOr<std::unique_ptr<Device>> host =
       OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
