@@ -111,13 +111,12 @@ void HostTier::Prepare() {
   } else {
     info("host tier: the device's NUMA node is unknown (no NUMA, or sysfs does not say): not bound to a node");
   }
-  // Three passes, each timed in the log line. 1. fallocate: the memfd's pages, in the kernel's fast path.
-  // 2. Every page mapped writable into the daemon's page tables, by up to 8 threads a piece at a time
-  // (madvise(MADV_POPULATE_WRITE); Linux 5.14, skipped before): registration pins pages, and on the H200 it
-  // pinned 64 GiB of pages that were allocated but not mapped at 1.8 GB/s, faulting each in on the way.
-  // 3. Registration, one piece after another: the driver serializes registrations, and one call over the
-  // whole tier holds its lock -- and the daemon's other driver calls behind it, cuMemGetInfo for any
-  // GetDeviceInfo among them -- for as long as it pins every page. An adopted tier's pages stay as they are.
+  // Three passes, each timed in the log line (what the H200 showed: Note [The host tier]). 1. fallocate: the
+  // memfd's pages. 2. Every page mapped writable into the daemon's page tables, by up to 8 threads a piece at a
+  // time (madvise(MADV_POPULATE_WRITE); Linux 5.14, skipped before): registration pins pages, and pages that
+  // are allocated but not mapped it faults in one by one. 3. Registration, one piece after another: one call
+  // over the whole tier kept the daemon from answering for as long as it ran, and 8 registering threads were
+  // no faster and kept GetDeviceInfo's cuMemGetInfo waiting. An adopted tier's pages stay as they are.
   const absl::Time start = absl::Now();
   absl::Status status;
   if (fallocate(fd_.get(), 0, 0, static_cast<off_t>(bytes_)) != 0) {
