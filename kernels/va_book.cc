@@ -148,7 +148,7 @@ absl::Status VaBook::Map(uint64_t va, const Chunk& chunk, Access access,
     return absl::InvalidArgumentError(
         absl::StrCat("Map: ", Range(va, chunk.bytes), " is not inside a reservation of this device"));
   }
-  std::map<uint64_t, Mapping>& mappings = reservation->second.mappings;
+  absl::btree_map<uint64_t, Mapping>& mappings = reservation->second.mappings;
   // Mappings do not overlap, so only the last one starting below the end can reach into the range.
   auto next = mappings.lower_bound(va + chunk.bytes);
   if (next != mappings.begin()) {
@@ -175,7 +175,7 @@ absl::Status VaBook::Unmap(uint64_t va, uint64_t bytes,
     return absl::InvalidArgumentError(
         absl::StrCat("Unmap: ", Range(va, bytes), " is not inside a reservation of this device"));
   }
-  std::map<uint64_t, Mapping>& mappings = reservation->second.mappings;
+  absl::btree_map<uint64_t, Mapping>& mappings = reservation->second.mappings;
   const uint64_t end = va + bytes;  // FindReservation ruled out a wrap
   auto first = mappings.lower_bound(va);
   if (first != mappings.begin()) {
@@ -185,16 +185,16 @@ absl::Status VaBook::Unmap(uint64_t va, uint64_t bytes,
           absl::StrCat("Unmap: ", Range(va, bytes), " cuts the mapping ", Range(prev->first, prev->second.bytes)));
     }
   }
-  auto last = first;
-  for (; last != mappings.end() && last->first < end; ++last) {
-    if (last->first + last->second.bytes > end) {
+  for (auto it = first; it != mappings.end() && it->first < end; ++it) {
+    if (it->first + it->second.bytes > end) {
       return absl::InvalidArgumentError(
-          absl::StrCat("Unmap: ", Range(va, bytes), " cuts the mapping ", Range(last->first, last->second.bytes)));
+          absl::StrCat("Unmap: ", Range(va, bytes), " cuts the mapping ", Range(it->first, it->second.bytes)));
     }
   }
   // One vendor call per mapping (the drivers cannot unmap part of one and need not see the holes);
-  // each mapping is forgotten once its own call succeeded.
-  while (first != last) {
+  // each mapping is forgotten once its own call succeeded. An erase invalidates the btree's other
+  // iterators, so the loop ends by address, not at an iterator taken before it.
+  while (first != mappings.end() && first->first < end) {
     KVD_RETURN_IF_ERROR(vendor_unmap(first->first, first->second.bytes));
     first = mappings.erase(first);
   }
@@ -211,7 +211,7 @@ absl::Status VaBook::CheckMapped(absl::string_view call, uint64_t va, uint64_t b
     return absl::InvalidArgumentError(
         absl::StrCat(call, ": ", Range(va, bytes), " is not inside a reservation of this device"));
   }
-  const std::map<uint64_t, Mapping>& mappings = reservation->second.mappings;
+  const absl::btree_map<uint64_t, Mapping>& mappings = reservation->second.mappings;
   const uint64_t end = va + bytes;
   uint64_t cursor = va;
   auto it = mappings.upper_bound(cursor);

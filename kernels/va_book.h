@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/btree_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -134,7 +134,7 @@ class VaBook {
   };
   struct Reservation {
     uint64_t bytes = 0;
-    std::map<uint64_t, Mapping> mappings;  // by start address
+    absl::btree_map<uint64_t, Mapping> mappings;  // by start address
   };
   struct ChunkRecord {
     uint64_t bytes = 0;
@@ -156,7 +156,7 @@ class VaBook {
   mutable absl::Mutex va_mu_ ABSL_ACQUIRED_BEFORE(chunks_mu_);
   Reservations reservations_ ABSL_GUARDED_BY(va_mu_);  // by start address
   mutable absl::Mutex chunks_mu_;
-  absl::flat_hash_map<uint64_t, ChunkRecord> chunks_ ABSL_GUARDED_BY(chunks_mu_);  // by handle
+  absl::btree_map<uint64_t, ChunkRecord> chunks_ ABSL_GUARDED_BY(chunks_mu_);  // by handle
 };
 
 }  // namespace kvd

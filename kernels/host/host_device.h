@@ -39,12 +39,11 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/btree_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -126,8 +125,8 @@ class HostDevice final : public Device {
   // own chunk is not counted again.
   std::atomic<uint64_t> committed_{0};
   absl::Mutex imports_mu_;
-  std::map<uint64_t, uint64_t> created_inodes_ ABSL_GUARDED_BY(imports_mu_);   // inode -> live created chunks
-  std::map<uint64_t, uint64_t> counted_imports_ ABSL_GUARDED_BY(imports_mu_);  // handle -> bytes counted
+  absl::btree_map<uint64_t, uint64_t> created_inodes_ ABSL_GUARDED_BY(imports_mu_);   // inode -> live created chunks
+  absl::btree_map<uint64_t, uint64_t> counted_imports_ ABSL_GUARDED_BY(imports_mu_);  // handle -> bytes counted
 
   // Reservations, mappings and live chunks (memfds), and every misuse check of the contract.
   VaBook book_;

@@ -143,6 +143,43 @@ TEST_F(VaBookTest, UnmapRefusesToCutAMappingAndCallsTheVendorPerMapping) {
   EXPECT_THAT(book_.Unmap(kBase, 4 * kG, VendorRange), IsOk()) << "unmapping nothing is fine";
 }
 
+// Hundreds of mappings and chunks, as a large pool has: the books hold many entries per node, and an unmap of a
+// run in the middle of them calls the vendor once per mapping, in order, and keeps everything outside the run.
+TEST_F(VaBookTest, AnUnmapOfARunAmongManyMappingsForgetsExactlyThatRun) {
+  constexpr uint64_t kN = 300;
+  const uint64_t base = kBase + (uint64_t{1} << 36);
+  ASSERT_THAT(book_.AddReservation(base, kN * kG), IsOk());
+  for (uint64_t i = 0; i < kN; ++i) {
+    const Chunk c{.handle = 100 + i, .bytes = kG};
+    ASSERT_THAT(book_.AddChunk(c, ChunkOrigin::kCreated), IsOk());
+    ASSERT_THAT(book_.Map(base + i * kG, c, Access::kReadWrite, Vendor), IsOk());
+  }
+  EXPECT_EQ(book_.live_chunk_count(), kN + 1);
+  EXPECT_EQ(book_.mapping_count(), kN);
+
+  std::vector<uint64_t> called;
+  EXPECT_THAT(book_.Unmap(base + 100 * kG, 150 * kG,
+                          [&](uint64_t va, uint64_t bytes) {
+                            called.push_back(va);
+                            return bytes == kG ? absl::OkStatus() : absl::InternalError("not one mapping");
+                          }),
+              IsOk());
+  ASSERT_EQ(called.size(), 150u);
+  for (uint64_t i = 0; i < 150; ++i) EXPECT_EQ(called[i], base + (100 + i) * kG) << i;
+  EXPECT_EQ(book_.mapping_count(), kN - 150);
+  EXPECT_THAT(book_.UseRange("CopyToHost", base, 100 * kG, /*write=*/true, Ok), IsOk());
+  EXPECT_THAT(book_.UseRange("CopyToHost", base + 250 * kG, 50 * kG, /*write=*/true, Ok), IsOk());
+  EXPECT_THAT(book_.UseRange("CopyToHost", base + 99 * kG, 2 * kG, /*write=*/false, Ok),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("reserved but not mapped")));
+
+  for (uint64_t i = 0; i < kN; i += 2)
+    ASSERT_THAT(book_.Release({.handle = 100 + i, .bytes = kG}, VendorRelease), IsOk());
+  EXPECT_EQ(book_.live_chunk_count(), kN / 2 + 1);
+  EXPECT_THAT(book_.Map(base + 100 * kG, {.handle = 100, .bytes = kG}, Access::kReadWrite, Vendor),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not live")));
+  EXPECT_THAT(book_.Map(base + 100 * kG, {.handle = 101, .bytes = kG}, Access::kReadWrite, Vendor), IsOk());
+}
+
 TEST_F(VaBookTest, ReleaseCountsReferencesAndPutsBackOnVendorFailure) {
   ASSERT_THAT(book_.AddChunk(chunk_, ChunkOrigin::kImported), IsOk()) << "a second reference to the same handle";
   EXPECT_THAT(book_.AddChunk(Chunk{.handle = 7, .bytes = 2 * kG}, ChunkOrigin::kImported),
