@@ -183,13 +183,17 @@ ChunkInfo FromProto(const v1::Chunk& proto) {
               proto.fabric_handle().empty() ? nullptr : std::make_shared<const std::string>(proto.fabric_handle())};
 }
 
+void ToProto(const ChunkInfo& chunk, v1::Chunk* out) {
+  out->set_id(chunk.id);
+  out->set_segment(chunk.segment);
+  out->set_offset(chunk.offset);
+  out->set_bytes(chunk.bytes);
+  if (chunk.fabric_handle != nullptr) out->set_fabric_handle(*chunk.fabric_handle);
+}
+
 v1::Chunk ToProto(const ChunkInfo& chunk) {
   v1::Chunk p;
-  p.set_id(chunk.id);
-  p.set_segment(chunk.segment);
-  p.set_offset(chunk.offset);
-  p.set_bytes(chunk.bytes);
-  if (chunk.fabric_handle != nullptr) p.set_fabric_handle(*chunk.fabric_handle);
+  ToProto(chunk, &p);
   return p;
 }
 

@@ -35,6 +35,8 @@ v1::PoolState ToProto(PoolState state);
 v1::PoolMetadata ToProto(absl::string_view pool, const PoolMetadata& metadata);
 PoolMetadata FromProto(const v1::PoolMetadata& proto);
 v1::Chunk ToProto(const ChunkInfo& chunk);
+// The same into `out`, on its arena if it has one.
+void ToProto(const ChunkInfo& chunk, v1::Chunk* out);
 ChunkInfo FromProto(const v1::Chunk& proto);
 v1::ReclaimAction ToProto(ReclaimAction action);
 // INVALID_ARGUMENT naming `field` for a value this build does not know (UNSPECIFIED is NONE).

@@ -113,10 +113,15 @@ v1::EventType ToProto(EventType type) {
 
 v1::Lease ToProto(const Lease& lease) {
   v1::Lease p;
-  p.set_token(lease.token);
-  for (uint64_t id : lease.chunk_ids) p.add_chunk_ids(id);
-  p.set_expires_at_unix_ms(UnixMillis(lease.expires));
+  ToProto(lease, &p);
   return p;
+}
+
+void ToProto(const Lease& lease, v1::Lease* out) {
+  out->set_token(lease.token);
+  out->mutable_chunk_ids()->Reserve(static_cast<int>(lease.chunk_ids.size()));
+  for (uint64_t id : lease.chunk_ids) out->add_chunk_ids(id);
+  out->set_expires_at_unix_ms(UnixMillis(lease.expires));
 }
 
 v1::ClientInfo ToProto(const ClientView& client) {
@@ -134,6 +139,12 @@ v1::ClientInfo ToProto(const ClientView& client) {
 
 v1::Pool ToProto(const PoolView& pool) {
   v1::Pool p;
+  ToProto(pool, &p);
+  return p;
+}
+
+void ToProto(const PoolView& pool, v1::Pool* out) {
+  v1::Pool& p = *out;
   p.set_name(pool.name);
   p.set_state(ToProto(pool.state));
   *p.mutable_geometry() = ToProto(pool.geometry);
@@ -147,7 +158,8 @@ v1::Pool ToProto(const PoolView& pool) {
   p.set_owner_uid(pool.owner_uid);
   for (uint32_t uid : pool.allowed_uids) p.add_allowed_uids(uid);
   for (const ClientView& c : pool.clients) *p.add_clients() = ToProto(c);
-  for (const ChunkInfo& c : pool.chunks) *p.add_chunks() = ToProto(c);
+  p.mutable_chunks()->Reserve(static_cast<int>(pool.chunks.size()));
+  for (const ChunkInfo& c : pool.chunks) ToProto(c, p.add_chunks());
   p.set_generation(pool.generation);
   p.set_created_at_unix_ms(UnixMillis(pool.created_at));
   if (!pool.group.name.empty()) {
@@ -189,14 +201,19 @@ v1::Pool ToProto(const PoolView& pool) {
     q->set_waiting_since_unix_ms(UnixMillis(w.since));
     q->set_position(w.position);
   }
-  return p;
 }
 
 v1::PoolUpdate ToProto(const PoolUpdate& update) {
   v1::PoolUpdate p;
-  *p.mutable_pool() = ToProto(update.pool);
-  for (const ChunkInfo& c : update.added) *p.add_added() = ToProto(c);
-  if (update.lease.has_value()) *p.mutable_lease() = ToProto(*update.lease);
+  ToProto(update, &p);
+  return p;
+}
+
+void ToProto(const PoolUpdate& update, v1::PoolUpdate* out) {
+  v1::PoolUpdate& p = *out;
+  ToProto(update.pool, p.mutable_pool());
+  for (const ChunkInfo& c : update.added) ToProto(c, p.add_added());
+  if (update.lease.has_value()) ToProto(*update.lease, p.mutable_lease());
   for (uint64_t id : update.released_chunk_ids) p.add_released_chunk_ids(id);
   p.set_release_id(update.release_id);
   p.set_elapsed_us(Micros(update.elapsed));
@@ -222,7 +239,6 @@ v1::PoolUpdate ToProto(const PoolUpdate& update) {
     q->set_steps(r.steps);
     q->set_max_pause_us(Micros(r.max_pause));
   }
-  return p;
 }
 
 v1::PoolEvent ToProto(const PoolEvent& event) {

@@ -32,6 +32,11 @@ v1::Lease ToProto(const Lease& lease);
 v1::ClientInfo ToProto(const ClientView& client);
 v1::Pool ToProto(const PoolView& pool);
 v1::PoolUpdate ToProto(const PoolUpdate& update);
+// The same into `out`, whose submessages are made on its arena if it has one (a reply built on an arena
+// allocates nothing per chunk from the heap: Note [Replies are built on an arena] in docs/architecture.md).
+void ToProto(const Lease& lease, v1::Lease* out);
+void ToProto(const PoolView& pool, v1::Pool* out);
+void ToProto(const PoolUpdate& update, v1::PoolUpdate* out);
 v1::PoolEvent ToProto(const PoolEvent& event);
 // daemon_version is the build's version (KVD_VERSION); handle_types lists what status.capabilities says
 // is delivered (POSIX_FD, DMA_BUF, FABRIC); capabilities carries the probes' details.

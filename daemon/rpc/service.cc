@@ -1,5 +1,7 @@
 #include "daemon/rpc/service.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -21,6 +23,7 @@
 #include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status.h"
+#include "google/protobuf/arena.h"
 #include "google/protobuf/descriptor.h"
 #include "kvd/status.h"
 #include "kvd/units.h"
@@ -349,6 +352,43 @@ grpc::ServerUnaryReactor* KvdService::Answer(const char* method, grpc::CallbackS
   return reactor;
 }
 
+namespace {
+
+// Note [Replies are built on an arena] in docs/architecture.md. A serialized reply this large (about 200 chunks) has
+// left more than glibc's trim threshold (32 KiB) free on the heap's top, which glibc gives back only after a single
+// free of 64 KiB.
+constexpr int kTrimAfterReplyBytes = 4 << 10;
+
+// The reply's arena: blocks double from 1 KiB, and from 32 KiB on glibc mmaps them (ShapeTheHeap in daemon/main.cc),
+// so a large reply's memory goes back to the kernel whole and leaves no holes in the heap.
+google::protobuf::ArenaOptions ReplyArenaOptions() {
+  google::protobuf::ArenaOptions options;
+  options.start_block_size = 1 << 10;
+  options.max_block_size = 1 << 20;
+  return options;
+}
+
+}  // namespace
+
+template <typename Request, typename Reply, typename Body>
+grpc::Status KvdService::OnArena(grpc::ServerUnaryStreamer<Request, Reply>* stream, Body&& body) const {
+  google::protobuf::Arena arena(ReplyArenaOptions());
+  Request* request = google::protobuf::Arena::CreateMessage<Request>(&arena);
+  // A request gRPC cannot parse: the same answer as from a unary handler, which the parse-error interceptor
+  // turns into INVALID_ARGUMENT.
+  if (!stream->Read(request)) return grpc::Status(grpc::StatusCode::INTERNAL, "");
+  Reply* reply = google::protobuf::Arena::CreateMessage<Reply>(&arena);
+  grpc::Status status = body(static_cast<const Request*>(request), reply);
+  // Written before the arena goes: gRPC has serialized it when Write returns. A client gone by then reads nothing.
+  if (status.ok()) stream->Write(*reply);
+  // Note [Replies are built on an arena]: what a large reply left on the heap's top goes back now.
+  if (status.ok() && reply->GetCachedSize() >= kTrimAfterReplyBytes) {
+    arena.Reset();
+    malloc_trim(0);
+  }
+  return status;
+}
+
 template <typename Body>
 grpc::Status KvdService::Serve(const char* method, const grpc::ServerContextBase& context,
                                std::initializer_list<Required> required, Body&& body) const {
@@ -500,21 +540,23 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
   });
 }
 
-grpc::Status KvdService::Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
-                                v1::AttachResponse* response) {
-  return Serve("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(AttachResult attached, Timed(options_.metrics, Operation::kAttach, [&] {
-                           return manager_->Attach(caller, request->pool(), request->client_name(),
-                                                   request->device_uuid(), request->pausable());
-                         }));
-    response->set_client_id(attached.client_id);
-    *response->mutable_pool() = ToProto(attached.pool);
-    *response->mutable_lease() = ToProto(attached.lease);
-    spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
-                 request->client_name(), caller.uid, caller.pid, request->pool(),
-                 request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),
-                 attached.lease.chunk_ids.size());
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedAttach(grpc::ServerContext* context,
+                                        grpc::ServerUnaryStreamer<v1::AttachRequest, v1::AttachResponse>* stream) {
+  return OnArena(stream, [&](const v1::AttachRequest* request, v1::AttachResponse* response) {
+    return Serve("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+      KVD_ASSIGN_OR_RETURN(AttachResult attached, Timed(options_.metrics, Operation::kAttach, [&] {
+                             return manager_->Attach(caller, request->pool(), request->client_name(),
+                                                     request->device_uuid(), request->pausable());
+                           }));
+      response->set_client_id(attached.client_id);
+      ToProto(attached.pool, response->mutable_pool());
+      ToProto(attached.lease, response->mutable_lease());
+      spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
+                   request->client_name(), caller.uid, caller.pid, request->pool(),
+                   request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),
+                   attached.lease.chunk_ids.size());
+      return absl::OkStatus();
+    });
   });
 }
 
@@ -526,56 +568,63 @@ grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRe
   });
 }
 
-grpc::Status KvdService::Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) {
-  return Serve("Grow", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-    const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
-                             return context->IsCancelled();
-                           }};
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kGrow, [&] {
-                           return manager_->Grow(caller, request->pool(), request->target_blocks(), wait);
-                         }));
-    *response = ToProto(update);
-    LogUpdate("grew", update);
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedGrow(grpc::ServerContext* context,
+                                      grpc::ServerUnaryStreamer<v1::GrowRequest, v1::PoolUpdate>* stream) {
+  return OnArena(stream, [&](const v1::GrowRequest* request, v1::PoolUpdate* response) {
+    return Serve("Grow", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+      const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
+                               return context->IsCancelled();
+                             }};
+      KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kGrow, [&] {
+                             return manager_->Grow(caller, request->pool(), request->target_blocks(), wait);
+                           }));
+      ToProto(update, response);
+      LogUpdate("grew", update);
+      return absl::OkStatus();
+    });
   });
 }
 
-grpc::Status KvdService::Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
-                                v1::PoolUpdate* response) {
-  return Serve("Shrink", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
-    PoolManager::ShrinkOptions options{.wait = request->wait_for_release(),
-                                       .deadline = ReleaseDeadline(*context),
-                                       .whole_chunks_only = request->whole_chunks_only(),
-                                       .pause = pause,
-                                       .force = request->force()};
-    if (request->has_live()) {
-      options.live.emplace(request->live().blocks().begin(), request->live().blocks().end());
-    }
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kShrink, [&] {
-                           return manager_->Shrink(caller, request->pool(), request->target_blocks(), options);
-                         }));
-    *response = ToProto(update);
-    LogUpdate("shrank", update);
-    LogReshape(update);
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedShrink(grpc::ServerContext* context,
+                                        grpc::ServerUnaryStreamer<v1::ShrinkRequest, v1::PoolUpdate>* stream) {
+  return OnArena(stream, [&](const v1::ShrinkRequest* request, v1::PoolUpdate* response) {
+    return Serve("Shrink", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+      KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+      PoolManager::ShrinkOptions options{.wait = request->wait_for_release(),
+                                         .deadline = ReleaseDeadline(*context),
+                                         .whole_chunks_only = request->whole_chunks_only(),
+                                         .pause = pause,
+                                         .force = request->force()};
+      if (request->has_live()) {
+        options.live.emplace(request->live().blocks().begin(), request->live().blocks().end());
+      }
+      KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kShrink, [&] {
+                             return manager_->Shrink(caller, request->pool(), request->target_blocks(), options);
+                           }));
+      ToProto(update, response);
+      LogUpdate("shrank", update);
+      LogReshape(update);
+      return absl::OkStatus();
+    });
   });
 }
 
-grpc::Status KvdService::Compact(grpc::ServerContext* context, const v1::CompactRequest* request,
-                                 v1::PoolUpdate* response) {
-  return Serve("Compact", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
-    KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kCompact, [&] {
-                           return manager_->Compact(caller, request->pool(),
-                                                    {.pause = pause,
-                                                     .max_chunks_per_pause = request->max_chunks_per_pause(),
-                                                     .interrupt = InterruptOf(*context)});
-                         }));
-    *response = ToProto(update);
-    LogUpdate("compacted", update);
-    LogReshape(update);
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedCompact(grpc::ServerContext* context,
+                                         grpc::ServerUnaryStreamer<v1::CompactRequest, v1::PoolUpdate>* stream) {
+  return OnArena(stream, [&](const v1::CompactRequest* request, v1::PoolUpdate* response) {
+    return Serve("Compact", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+      KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+      KVD_ASSIGN_OR_RETURN(PoolUpdate update, Timed(options_.metrics, Operation::kCompact, [&] {
+                             return manager_->Compact(caller, request->pool(),
+                                                      {.pause = pause,
+                                                       .max_chunks_per_pause = request->max_chunks_per_pause(),
+                                                       .interrupt = InterruptOf(*context)});
+                           }));
+      ToProto(update, response);
+      LogUpdate("compacted", update);
+      LogReshape(update);
+      return absl::OkStatus();
+    });
   });
 }
 
@@ -591,60 +640,66 @@ absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::Rep
 
 }  // namespace
 
-grpc::Status KvdService::Sleep(grpc::ServerContext* context, const v1::SleepRequest* request,
-                               v1::PoolUpdates* response) {
-  return Serve("Sleep", *context, {}, [&](const Caller& caller) -> absl::Status {
-    std::string pool;  // empty: every pool
-    switch (request->target_case()) {
-      case v1::SleepRequest::kPool:
-        KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-        pool = request->pool();
-        break;
-      case v1::SleepRequest::kAll:
-        if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
-        break;
-      case v1::SleepRequest::TARGET_NOT_SET:
-        return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
-    }
-    KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
-    KVD_ASSIGN_OR_RETURN(const KeepOptions keep,
-                         KeepFromProto(request->keep(), request->live_blocks(), ReleaseDeadline(*context)));
-    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kSleep, [&] {
-                           return manager_->Sleep(caller, pool, request->wait_for_release(), ReleaseDeadline(*context),
-                                                  {.force = request->force(), .pause = pause}, keep);
-                         }));
-    for (const PoolUpdate& u : updates) {
-      *response->add_updates() = ToProto(u);
-      LogUpdate("put to sleep", u);
-    }
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedSleep(grpc::ServerContext* context,
+                                       grpc::ServerUnaryStreamer<v1::SleepRequest, v1::PoolUpdates>* stream) {
+  return OnArena(stream, [&](const v1::SleepRequest* request, v1::PoolUpdates* response) {
+    return Serve("Sleep", *context, {}, [&](const Caller& caller) -> absl::Status {
+      std::string pool;  // empty: every pool
+      switch (request->target_case()) {
+        case v1::SleepRequest::kPool:
+          KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+          pool = request->pool();
+          break;
+        case v1::SleepRequest::kAll:
+          if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
+          break;
+        case v1::SleepRequest::TARGET_NOT_SET:
+          return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
+      }
+      KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
+      KVD_ASSIGN_OR_RETURN(const KeepOptions keep,
+                           KeepFromProto(request->keep(), request->live_blocks(), ReleaseDeadline(*context)));
+      KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kSleep, [&] {
+                             return manager_->Sleep(caller, pool, request->wait_for_release(),
+                                                    ReleaseDeadline(*context),
+                                                    {.force = request->force(), .pause = pause}, keep);
+                           }));
+      for (const PoolUpdate& u : updates) {
+        ToProto(u, response->add_updates());
+        LogUpdate("put to sleep", u);
+      }
+      return absl::OkStatus();
+    });
   });
 }
 
-grpc::Status KvdService::Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) {
-  return Serve("Wake", *context, {}, [&](const Caller& caller) -> absl::Status {
-    std::string pool;  // empty: every pool
-    switch (request->target_case()) {
-      case v1::WakeRequest::kPool:
-        KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-        pool = request->pool();
-        break;
-      case v1::WakeRequest::kAll:
-        if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
-        break;
-      case v1::WakeRequest::TARGET_NOT_SET:
-        return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
-    }
-    const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
-                             return context->IsCancelled();
-                           }};
-    KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates,
-                         Timed(options_.metrics, Operation::kWake, [&] { return manager_->Wake(caller, pool, wait); }));
-    for (const PoolUpdate& u : updates) {
-      *response->add_updates() = ToProto(u);
-      LogUpdate("woke", u);
-    }
-    return absl::OkStatus();
+grpc::Status KvdService::StreamedWake(grpc::ServerContext* context,
+                                      grpc::ServerUnaryStreamer<v1::WakeRequest, v1::PoolUpdates>* stream) {
+  return OnArena(stream, [&](const v1::WakeRequest* request, v1::PoolUpdates* response) {
+    return Serve("Wake", *context, {}, [&](const Caller& caller) -> absl::Status {
+      std::string pool;  // empty: every pool
+      switch (request->target_case()) {
+        case v1::WakeRequest::kPool:
+          KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
+          pool = request->pool();
+          break;
+        case v1::WakeRequest::kAll:
+          if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
+          break;
+        case v1::WakeRequest::TARGET_NOT_SET:
+          return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
+      }
+      const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
+                               return context->IsCancelled();
+                             }};
+      KVD_ASSIGN_OR_RETURN(std::vector<PoolUpdate> updates, Timed(options_.metrics, Operation::kWake,
+                                                                  [&] { return manager_->Wake(caller, pool, wait); }));
+      for (const PoolUpdate& u : updates) {
+        ToProto(u, response->add_updates());
+        LogUpdate("woke", u);
+      }
+      return absl::OkStatus();
+    });
   });
 }
 
@@ -752,22 +807,24 @@ grpc::Status KvdService::Prepare(grpc::ServerContext* context, const v1::Prepare
   });
 }
 
-grpc::Status KvdService::Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
-                                v1::PoolUpdate* response) {
-  return Serve(
-      "Commit", *context, {{request->transaction(), "transaction"}}, [&](const Caller& caller) -> absl::Status {
-        KVD_ASSIGN_OR_RETURN(
-            CommittedOp committed,
-            manager_->Commit(caller, request->transaction(), request->wait_for_release(), ReleaseDeadline(*context)));
-        if (options_.metrics != nullptr) {
-          options_.metrics->ObserveOperation(ToMetricsOperation(committed.op), committed.update.elapsed, true);
-        }
-        *response = ToProto(committed.update);
-        LogUpdate(
-            absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
-            committed.update);
-        return absl::OkStatus();
-      });
+grpc::Status KvdService::StreamedCommit(grpc::ServerContext* context,
+                                        grpc::ServerUnaryStreamer<v1::CommitRequest, v1::PoolUpdate>* stream) {
+  return OnArena(stream, [&](const v1::CommitRequest* request, v1::PoolUpdate* response) {
+    return Serve(
+        "Commit", *context, {{request->transaction(), "transaction"}}, [&](const Caller& caller) -> absl::Status {
+          KVD_ASSIGN_OR_RETURN(
+              CommittedOp committed,
+              manager_->Commit(caller, request->transaction(), request->wait_for_release(), ReleaseDeadline(*context)));
+          if (options_.metrics != nullptr) {
+            options_.metrics->ObserveOperation(ToMetricsOperation(committed.op), committed.update.elapsed, true);
+          }
+          ToProto(committed.update, response);
+          LogUpdate(
+              absl::StrCat("committed ", GroupOpName(committed.op), " (transaction ", request->transaction(), ") of"),
+              committed.update);
+          return absl::OkStatus();
+        });
+  });
 }
 
 grpc::Status KvdService::Abort(grpc::ServerContext* context, const v1::AbortRequest* request,

@@ -16,9 +16,11 @@
 // ResolveLayout, GetPool, ListPools, GetPoolMetadata, DescribeTransfer, Acknowledge, ReportUsage,
 // DeclineReclaim: reads and bookkeeping that never wait for a pool's op_mu, a pause, a release, a deadline or
 // another RPC); the synchronous gRPC server's threads call every other unary method concurrently, since those
-// may wait (Note [Quick RPCs answer inline] in docs/architecture.md). The service holds no state of its own
-// beyond its constant configuration. `manager` must outlive the service, and the service the server (a Watch
-// stream detaches its client when gRPC is done with it, which grpc::Server::Shutdown waits for).
+// may wait (Note [Quick RPCs answer inline] in docs/architecture.md); those whose replies carry a pool's chunks
+// (Attach and the resizes) are streamed unary methods there, to build their replies on an arena (Note [Replies are
+// built on an arena]). The service holds no state of its own beyond its constant configuration. `manager` must
+// outlive the service, and the service the server (a Watch stream detaches its client when gRPC is done with it,
+// which grpc::Server::Shutdown waits for).
 #pragma once
 
 #include <grpcpp/support/server_interceptor.h>
@@ -38,12 +40,18 @@ class ControlSocket;
 class Metrics;
 
 // The RPCs on gRPC's callback API: Watch, and the quick unary RPCs, answered inline on the thread that read
-// the request (Note [Quick RPCs answer inline] in docs/architecture.md). Every other RPC is synchronous.
+// the request (Note [Quick RPCs answer inline] in docs/architecture.md). Every other RPC is synchronous: Attach
+// and the resizes as streamed unary methods, whose handlers write their replies (Note [Replies are built on an
+// arena]).
 using KvdServiceBase = v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::WithCallbackMethod_GetDeviceInfo<
-    v1::Kvd::WithCallbackMethod_ResolveLayout<v1::Kvd::WithCallbackMethod_GetPool<v1::Kvd::WithCallbackMethod_ListPools<
-        v1::Kvd::WithCallbackMethod_GetPoolMetadata<v1::Kvd::WithCallbackMethod_DescribeTransfer<
-            v1::Kvd::WithCallbackMethod_Acknowledge<v1::Kvd::WithCallbackMethod_ReportUsage<
-                v1::Kvd::WithCallbackMethod_DeclineReclaim<v1::Kvd::Service>>>>>>>>>>;
+    v1::Kvd::WithCallbackMethod_ResolveLayout<v1::Kvd::WithCallbackMethod_GetPool<
+        v1::Kvd::WithCallbackMethod_ListPools<v1::Kvd::WithCallbackMethod_GetPoolMetadata<
+            v1::Kvd::WithCallbackMethod_DescribeTransfer<v1::Kvd::WithCallbackMethod_Acknowledge<
+                v1::Kvd::WithCallbackMethod_ReportUsage<v1::Kvd::WithCallbackMethod_DeclineReclaim<
+                    v1::Kvd::WithStreamedUnaryMethod_Attach<v1::Kvd::WithStreamedUnaryMethod_Grow<
+                        v1::Kvd::WithStreamedUnaryMethod_Shrink<v1::Kvd::WithStreamedUnaryMethod_Compact<
+                            v1::Kvd::WithStreamedUnaryMethod_Sleep<v1::Kvd::WithStreamedUnaryMethod_Wake<
+                                v1::Kvd::WithStreamedUnaryMethod_Commit<v1::Kvd::Service>>>>>>>>>>>>>>>>>;
 
 class KvdService final : public KvdServiceBase {
  public:
@@ -74,17 +82,20 @@ class KvdService final : public KvdServiceBase {
                                       v1::ListPoolsResponse* response) override;
   grpc::Status DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
                           v1::DeletePoolResponse* response) override;
-  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
-                      v1::AttachResponse* response) override;
+  grpc::Status StreamedAttach(grpc::ServerContext* context,
+                              grpc::ServerUnaryStreamer<v1::AttachRequest, v1::AttachResponse>* stream) override;
   grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse* response) override;
-  grpc::Status Grow(grpc::ServerContext* context, const v1::GrowRequest* request, v1::PoolUpdate* response) override;
-  grpc::Status Shrink(grpc::ServerContext* context, const v1::ShrinkRequest* request,
-                      v1::PoolUpdate* response) override;
-  grpc::Status Compact(grpc::ServerContext* context, const v1::CompactRequest* request,
-                       v1::PoolUpdate* response) override;
-  grpc::Status Sleep(grpc::ServerContext* context, const v1::SleepRequest* request, v1::PoolUpdates* response) override;
-  grpc::Status Wake(grpc::ServerContext* context, const v1::WakeRequest* request, v1::PoolUpdates* response) override;
+  grpc::Status StreamedGrow(grpc::ServerContext* context,
+                            grpc::ServerUnaryStreamer<v1::GrowRequest, v1::PoolUpdate>* stream) override;
+  grpc::Status StreamedShrink(grpc::ServerContext* context,
+                              grpc::ServerUnaryStreamer<v1::ShrinkRequest, v1::PoolUpdate>* stream) override;
+  grpc::Status StreamedCompact(grpc::ServerContext* context,
+                               grpc::ServerUnaryStreamer<v1::CompactRequest, v1::PoolUpdate>* stream) override;
+  grpc::Status StreamedSleep(grpc::ServerContext* context,
+                             grpc::ServerUnaryStreamer<v1::SleepRequest, v1::PoolUpdates>* stream) override;
+  grpc::Status StreamedWake(grpc::ServerContext* context,
+                            grpc::ServerUnaryStreamer<v1::WakeRequest, v1::PoolUpdates>* stream) override;
   grpc::ServerWriteReactor<v1::PoolEvent>* Watch(grpc::CallbackServerContext* context,
                                                  const v1::WatchRequest* request) override;
   grpc::ServerUnaryReactor* Acknowledge(grpc::CallbackServerContext* context, const v1::AcknowledgeRequest* request,
@@ -93,8 +104,8 @@ class KvdService final : public KvdServiceBase {
                           v1::ZeroBlocksResponse* response) override;
   grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                        v1::PrepareResponse* response) override;
-  grpc::Status Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
-                      v1::PoolUpdate* response) override;
+  grpc::Status StreamedCommit(grpc::ServerContext* context,
+                              grpc::ServerUnaryStreamer<v1::CommitRequest, v1::PoolUpdate>* stream) override;
   grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
                      v1::AbortResponse* response) override;
   grpc::Status GrantPeerAccess(grpc::ServerContext* context, const v1::GrantPeerAccessRequest* request,
@@ -139,6 +150,10 @@ class KvdService final : public KvdServiceBase {
   template <typename Body>
   grpc::Status Serve(const char* method, const grpc::ServerContextBase& context,
                      std::initializer_list<Required> required, Body&& body) const;
+  // A synchronous RPC whose reply is built on an arena (Note [Replies are built on an arena]): reads the request
+  // from `stream`, runs `body(request, reply)` (which calls Serve) and writes the reply if it succeeded.
+  template <typename Request, typename Reply, typename Body>
+  grpc::Status OnArena(grpc::ServerUnaryStreamer<Request, Reply>* stream, Body&& body) const;
   template <typename Body>
   grpc::ServerUnaryReactor* Answer(const char* method, grpc::CallbackServerContext* context,
                                    std::initializer_list<Required> required, Body&& body) const;
