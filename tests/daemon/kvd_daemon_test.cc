@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -77,6 +78,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
+constexpr uint64_t kKiB = uint64_t{1} << 10;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 // The bound of every wait. Reaching it is a failure, never an expectation.
 constexpr absl::Duration kWait = absl::Seconds(30);
@@ -299,7 +301,14 @@ class Daemon {
     const std::vector<std::string> kvd = {KvdBinary(),           "--backend=host",
                                           "--socket=" + socket_, "--host-capacity=1GiB",
                                           "--budget=512MiB",     "--host-granularity=2MiB"};
-    argv.insert(argv.end(), kvd.begin(), kvd.end());
+    // An extra argument "--flag=..." replaces the default of the same flag.
+    for (const std::string& arg : kvd) {
+      const std::string flag = arg.substr(0, arg.find('=') + 1);
+      const bool replaced = absl::c_any_of(config_.extra_args, [&](const std::string& extra) {
+        return absl::StartsWith(arg, "--") && absl::StartsWith(extra, flag);
+      });
+      if (!replaced) argv.push_back(arg);
+    }
     argv.insert(argv.end(), config_.extra_args.begin(), config_.extra_args.end());
     KVD_ASSIGN_OR_RETURN(process_, Child::Spawn(argv, config_.extra_env, log_, /*pipes=*/false));
     return absl::OkStatus();
@@ -2026,6 +2035,50 @@ TEST_F(KvdDaemonTest, ShrinkReachesTheTargetAndWholeChunksOnlySaysWhenItDoesNot)
               GrpcIs(grpc::StatusCode::RESOURCE_EXHAUSTED, "live.blocks: 65537 in one request"));
 }
 
+// 64 KiB granules: a pool of hundreds of chunks in a few MiB, whose replies are past the size after which the daemon
+// trims its heap (Note [Replies are built on an arena] in docs/architecture.md).
+class KvdDaemonSmallGranuleTest : public KvdDaemonTest {
+ protected:
+  DaemonConfig Config() override { return {.extra_args = {"--host-granularity=64KiB"}}; }
+};
+
+TEST_F(KvdDaemonSmallGranuleTest, RepliesOfHundredsOfChunksCarryThePoolAsGetPoolDoes) {
+  constexpr int kSteps = 160;  // one granule (2 blocks) per segment per grow, 2 segments: 320 chunks
+  ASSERT_THAT(Create("kv", 0, nullptr, Dims(2 * kSteps)), GrpcOk());
+  v1::PoolUpdate grown;
+  for (int k = 1; k <= kSteps; ++k) ASSERT_THAT(Grow(admin(), "kv", 2 * k, &grown), GrpcOk()) << k;
+  EXPECT_GT(grown.ByteSizeLong(), 4096u) << "a reply past the size after which the daemon trims its heap";
+  auto same_chunks = [](const v1::Pool& a, const v1::Pool& b) {
+    if (a.chunks_size() != b.chunks_size()) return false;
+    for (int i = 0; i < a.chunks_size(); ++i) {
+      if (a.chunks(i).SerializeAsString() != b.chunks(i).SerializeAsString()) return false;
+    }
+    return true;
+  };
+  v1::Pool got = Get("kv");
+  ASSERT_EQ(got.chunks_size(), 2 * kSteps);
+  EXPECT_TRUE(same_chunks(grown.pool(), got));
+  EXPECT_EQ(grown.pool().committed_blocks(), 2u * kSteps);
+  EXPECT_EQ(grown.pool().generation(), got.generation());
+  ASSERT_EQ(grown.added_size(), 2);
+  EXPECT_EQ(grown.added(1).SerializeAsString(), got.chunks(got.chunks_size() - 1).SerializeAsString());
+
+  // Attach: the pool and a lease of every chunk, which the client maps.
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Attachment> a, Attach("kv", "engine"));
+  EXPECT_TRUE(same_chunks(a->pool(), got));
+  EXPECT_EQ(a->mapped_chunks(), static_cast<size_t>(2 * kSteps));
+  ASSERT_TRUE(a->Write(0, 64 * kKiB, 0x5a).ok());
+
+  // Shrink to half, past the attached client: the reply is the pool GetPool sees after it.
+  auto shrunk = ShrinkAsync("kv", kSteps).get();
+  ASSERT_THAT(shrunk.first, GrpcOk());
+  got = Get("kv");
+  ASSERT_EQ(got.chunks_size(), kSteps);
+  EXPECT_TRUE(same_chunks(shrunk.second.pool(), got));
+  EXPECT_EQ(shrunk.second.released_chunk_ids_size(), kSteps);
+  EXPECT_TRUE(a->Check(0, 64 * kKiB, 0x5a).ok()) << "the kept chunks keep their bytes";
+}
+
 TEST_F(KvdDaemonTest, AcknowledgeTakesExactlyOneOfReleaseAndPause) {
   ASSERT_THAT(Create("p", 16), GrpcOk());
   std::unique_ptr<Attachment> engine = *Attach("p", "engine");
@@ -2119,8 +2172,9 @@ TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
                                                                             Buffer("\xff\xff\xff"), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
-  // GetPool and GetDeviceInfo are quick RPCs, on gRPC's callback API; Grow is on the synchronous server: the same
-  // answer (Note [Quick RPCs answer inline]).
+  // GetPool and GetDeviceInfo are quick RPCs, on gRPC's callback API; Grow is on the synchronous server, a streamed
+  // unary method that reads its request itself: the same answer (Note [Quick RPCs answer inline], Note [Replies are
+  // built on an arena]).
   const grpc::internal::RpcMethod grow("/kvd.v1.Kvd/Grow", grpc::internal::RpcMethod::NORMAL_RPC);
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       daemon_->channel().get(), grow, Ctx(admin()).get(), Buffer(LengthDelimited(1, "kv\xff\xfe")), &response);
