@@ -1083,7 +1083,10 @@ std::optional<absl::Status> Mapping::Impl::FollowStream(Reader& reader) {
         }
         if (!came.ok()) {
           const absl::Status& s = came.status();
-          Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())));
+          // Not the engine's choice: a Mapping that is not pausable keeps what it mapped (its engine may be
+          // reading it; a forced delete that overtook the grow fails this fetch, say) until it is closed.
+          Lose(absl::Status(s.code(), absl::StrCat("mapping chunks added to pool ", pool, ": ", s.message())),
+               /*engine_done=*/false, /*forced=*/true);
           break;
         }
         if (whole && options.on_grow) options.on_grow(committed);

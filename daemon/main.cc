@@ -32,7 +32,6 @@
 #include <string>
 #include <string_view>
 #include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -851,25 +850,18 @@ absl::Status Run(const Flags& f) {
   sd_notify(0, keep_pools ? "STOPPING=1\nSTATUS=stopping: keeping every pool for the next start"
                           : "STOPPING=1\nSTATUS=stopping: releasing all memory");
 
-  // Stop accepting RPCs and, while in-flight ones get a short grace period, tell watchers the daemon
-  // is stopping (which also ends their streams and wakes waiting shrinks) and release all memory.
+  // Tell watchers the daemon is stopping (which also ends their streams and wakes waiting shrinks and grows;
+  // a resize that comes meanwhile is UNAVAILABLE "kvd is shutting down"), release or keep the memory, then
+  // stop the server: the RPCs in flight and the streams' last messages get a second from then. Begun together,
+  // a busy machine could spend the second in the manager's shutdown and cut the streams before their
+  // DAEMON_RESTARTING and OK status were sent.
   std::move(stop_server).Cancel();
   control->Stop();
   server->GetHealthCheckService()->SetServingStatus(false);
-  // gRPC waits for clients to close even idle connections: the deadline bounds that too.
-  const auto stop_server_now = [&] { server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1)); };
-  std::thread server_stopper;
-  try {
-    server_stopper = std::thread(stop_server_now);
-  } catch (const std::system_error& e) {
-    // No thread to spare (out of threads or memory): stop the server first; the deadline ends the
-    // watch streams that only manager.Shutdown() would have ended.
-    spdlog::warn("stopping without a helper thread ({}): RPCs in flight get one second", e.what());
-    stop_server_now();
-  }
   manager.Shutdown(keep_pools);
+  // gRPC waits for clients to close even idle connections: the deadline bounds that too.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (!keep_pools) store->DropHostTierFd();  // nothing kept in it is any pool's now
-  if (server_stopper.joinable()) server_stopper.join();
   channel->Stop();
   RemoveSocket(socket_path, socket_id);
   RemoveSocket(handles_path, IdOf(handles_path));

@@ -58,9 +58,10 @@ absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChun
 }
 
 absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const std::vector<PlannedChunk>& plan,
-                                                          absl::string_view needs) {
+                                                          absl::string_view needs, Observer* observer) {
   std::vector<ChunkRecord> made;
   absl::Cleanup undo = [&] {
+    if (observer != nullptr) observer->Undoing();
     for (ChunkRecord& r : made) Discard(base, r, StoreFd::kLeave);
   };
   made.reserve(plan.size());
@@ -76,6 +77,7 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
                                                        " bytes free: ", r.status().message()));
     }
     made.push_back(*std::move(r));
+    if (observer != nullptr) observer->Mapped(made.back().info);
   }
   // Into the FD store before any client can see them: a restart after the commit finds them there.
   KVD_RETURN_IF_ERROR(Keep(made));

@@ -27,11 +27,21 @@ class ChunkMaker {
   ChunkMaker(Device* device, StateStore* store, std::atomic<uint64_t>* next_id, bool fabric)
       : device_(device), store_(store), next_id_(next_id), fabric_(fabric) {}
 
+  // Told, while Make runs, of each chunk once it is mapped in the daemon's view (a wake copies its kept
+  // contents into it while the next chunks are made: Note [The host tier]), and, before a failure undoes
+  // them, that they are about to be unmapped.
+  class Observer {
+   public:
+    virtual ~Observer() = default;
+    virtual void Mapped(const ChunkInfo& chunk) = 0;
+    virtual void Undoing() = 0;
+  };
+
   // Makes the chunks of `plan` in the view at `base`, their FDs kept in the store. All or nothing. A device
   // out of memory (not of file descriptors) is RESOURCE_EXHAUSTED "<needs> but the device has N bytes free:
   // <the device's words>"; every other failure (a store that refuses an FD too) passes as it is.
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> Make(uint64_t base, const std::vector<PlannedChunk>& plan,
-                                                              absl::string_view needs);
+                                                              absl::string_view needs, Observer* observer = nullptr);
   // The record of chunk `info` with the memory of `fd`, imported and mapped at `base`; it keeps `fd` as its
   // export where the device's handle is not an FD itself (on the host backend the import is a dup of it,
   // and `fd` is closed). INVALID_ARGUMENT when the FD cannot be that chunk (on the host backend, a memfd of

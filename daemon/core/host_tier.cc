@@ -228,56 +228,150 @@ void HostTier::Give(uint64_t offset, uint64_t extent_bytes) {
   }
 }
 
-absl::Status HostTier::CopyPieces(uint64_t base, const KeptContents& kept, bool out) {
-  struct Piece {
-    uint64_t va = 0;
-    uint8_t* host = nullptr;
-    uint64_t bytes = 0;
-  };
-  std::vector<Piece> pieces;
+void HostTier::Copied(bool out, uint64_t bytes, absl::Duration took) {
+  absl::MutexLock lock(&mu_);
+  (out ? copied_out_ : copied_in_) += bytes;
+  (out ? out_time_ : in_time_) += took;
+}
+
+absl::Status HostTier::CopyOut(uint64_t base, const KeptContents& kept) {
+  Copy copy(this, base, kept, Copy::Direction::kToHost);
+  for (const KeptRun& run : kept.runs) copy.Ready(run.pool_offset, run.bytes);
+  return copy.Finish();
+}
+
+absl::Status HostTier::CopyIn(uint64_t base, const KeptContents& kept) {
+  Copy copy(this, base, kept, Copy::Direction::kToDevice);
+  for (const KeptRun& run : kept.runs) copy.Ready(run.pool_offset, run.bytes);
+  return copy.Finish();
+}
+
+HostTier::Copy::Copy(HostTier* tier, uint64_t base, const KeptContents& kept, Direction direction)
+    : tier_(tier), base_(base), bytes_(kept.bytes), direction_(direction), start_(absl::Now()) {
   uint64_t at = kept.tier_offset;
   for (const KeptRun& run : kept.runs) {
     for (uint64_t done = 0; done < run.bytes;) {
       // Never across a registered piece's end: each copy's host range lies in one registration.
       const uint64_t host = at + done;
-      const uint64_t n = std::min({options_.copy_piece_bytes, run.bytes - done, piece_ - host % piece_});
-      pieces.push_back({.va = base + run.pool_offset + done, .host = map_ + at + done, .bytes = n});
+      const uint64_t n =
+          std::min({tier->options_.copy_piece_bytes, run.bytes - done, tier->piece_ - host % tier->piece_});
+      pieces_.push_back({.pool_offset = run.pool_offset + done, .host = tier->map_ + host, .bytes = n});
       done += n;
     }
     at += run.bytes;
   }
-  const absl::Time start = absl::Now();
-  std::atomic<size_t> next{0};
-  absl::Mutex error_mu;
-  absl::Status first;
-  auto work = [&] {
-    for (size_t i = next.fetch_add(1); i < pieces.size(); i = next.fetch_add(1)) {
-      const Piece& p = pieces[i];
-      absl::Status s = out ? device_->CopyToHost(p.host, p.va, p.bytes) : device_->CopyFromHost(p.va, p.host, p.bytes);
-      if (!s.ok()) {
-        absl::MutexLock lock(&error_mu);
-        if (first.ok()) first = std::move(s);
-        next.store(pieces.size());  // the others stop at their next piece
-      }
-    }
-  };
-  const size_t threads = std::min<size_t>(std::max<uint32_t>(options_.copy_threads, 1), pieces.size());
-  std::vector<std::thread> workers;
-  for (size_t t = 1; t < threads; ++t) workers.emplace_back(work);
-  work();
-  for (std::thread& w : workers) w.join();
-  const absl::Duration took = absl::Now() - start;
-  absl::MutexLock lock(&mu_);
-  if (first.ok()) {
-    (out ? copied_out_ : copied_in_) += kept.bytes;
-    (out ? out_time_ : in_time_) += took;
+  std::sort(pieces_.begin(), pieces_.end(),
+            [](const Piece& a, const Piece& b) { return a.pool_offset < b.pool_offset; });
+  {
+    absl::MutexLock lock(&mu_);
+    queued_.assign(pieces_.size(), false);
+    queue_.reserve(pieces_.size());
   }
-  return first;
+  const size_t threads = std::min<size_t>(std::max<uint32_t>(tier->options_.copy_threads, 1), pieces_.size());
+  for (size_t t = 0; t < threads; ++t) workers_.emplace_back([this] { Work(); });
 }
 
-absl::Status HostTier::CopyOut(uint64_t base, const KeptContents& kept) { return CopyPieces(base, kept, true); }
+HostTier::Copy::~Copy() { Stop(); }
 
-absl::Status HostTier::CopyIn(uint64_t base, const KeptContents& kept) { return CopyPieces(base, kept, false); }
+bool HostTier::Copy::Covered(uint64_t offset, uint64_t end) const {
+  auto it = ready_.upper_bound(offset);
+  if (it == ready_.begin()) return false;
+  --it;
+  return it->second >= end;
+}
+
+void HostTier::Copy::Ready(uint64_t pool_offset, uint64_t bytes) {
+  if (bytes == 0) return;
+  absl::MutexLock lock(&mu_);
+  uint64_t start = pool_offset, end = pool_offset + bytes;
+  // Coalesce with what touches it, so that a piece across two chunks is found whole.
+  auto it = ready_.upper_bound(start);
+  if (it != ready_.begin() && std::prev(it)->second >= start) --it;
+  while (it != ready_.end() && it->first <= end) {
+    start = std::min(start, it->first);
+    end = std::max(end, it->second);
+    it = ready_.erase(it);
+  }
+  ready_.emplace(start, end);
+  // Only pieces that overlap the new range can have become whole; pieces are sorted and disjoint, so their ends
+  // are sorted too.
+  auto first = std::partition_point(pieces_.begin(), pieces_.end(),
+                                    [&](const Piece& p) { return p.pool_offset + p.bytes <= pool_offset; });
+  for (auto p = first; p != pieces_.end() && p->pool_offset < pool_offset + bytes; ++p) {
+    const size_t i = static_cast<size_t>(p - pieces_.begin());
+    if (!queued_[i] && Covered(p->pool_offset, p->pool_offset + p->bytes)) {
+      queued_[i] = true;
+      queue_.push_back(i);
+    }
+  }
+}
+
+void HostTier::Copy::Work() {
+  Device* const device = tier_->device_;
+  for (;;) {
+    size_t i = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](Copy* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
+            return !c->queue_.empty() || c->stopping_ || c->finishing_;
+          },
+          this));
+      if (stopping_ || queue_.empty()) return;  // stopped, or finishing with nothing left that is ready
+      i = queue_.back();
+      queue_.pop_back();
+      ++in_flight_;
+    }
+    const Piece& p = pieces_[i];
+    const uint64_t va = base_ + p.pool_offset;
+    absl::Status s = direction_ == Direction::kToHost ? device->CopyToHost(p.host, va, p.bytes)
+                                                      : device->CopyFromHost(va, p.host, p.bytes);
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+    if (s.ok()) {
+      ++copied_;
+    } else if (first_.ok()) {
+      first_ = std::move(s);
+      stopping_ = true;  // the others stop at their next piece
+    }
+  }
+}
+
+void HostTier::Copy::Join() {
+  for (std::thread& w : workers_) w.join();
+  workers_.clear();
+}
+
+void HostTier::Copy::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  Join();  // the pieces in flight are done when their workers return
+}
+
+absl::Status HostTier::Copy::Finish() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && first_.ok()) return absl::CancelledError("the copy was stopped");
+    finishing_ = true;
+  }
+  Join();
+  absl::MutexLock lock(&mu_);
+  if (!first_.ok()) return first_;
+  if (copied_ < pieces_.size()) {
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (!queued_[i]) {
+        return absl::InternalError(absl::StrCat("pool bytes at offset ", pieces_[i].pool_offset, " (",
+                                                pieces_[i].bytes, " bytes) were never mapped to copy ",
+                                                direction_ == Direction::kToHost ? "from" : "into"));
+      }
+    }
+  }
+  stopping_ = true;  // done: the destructor has nothing to stop
+  tier_->Copied(direction_ == Direction::kToHost, bytes_, absl::Now() - start_);
+  return absl::OkStatus();
+}
 
 HostTierStats HostTier::Stats() const {
   absl::MutexLock lock(&mu_);

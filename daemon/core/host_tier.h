@@ -105,15 +105,18 @@ class HostTier {
   [[nodiscard]] absl::Status CopyIn(uint64_t base, const KeptContents& kept) ABSL_LOCKS_EXCLUDED(mu_);
   HostTierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  class Copy;
+
  private:
   HostTier(Device* device, const HostTierOptions& options, uint64_t alignment, UniqueFd fd, uint8_t* map, bool adopted);
+
   // The background preparation: NUMA binding, page allocation, registration.
   void Prepare();
   // The tier is registered in pieces of options_.register_piece_bytes (the last one shorter), each its own
   // registration with the driver; a copy never crosses a piece's end.
   size_t Pieces() const { return static_cast<size_t>((bytes_ + piece_ - 1) / piece_); }
-  // Copies every piece of `kept`'s runs, several at once: to the host (`out`) or back.
-  absl::Status CopyPieces(uint64_t base, const KeptContents& kept, bool out);
+  // What a Copy did, for the stats.
+  void Copied(bool out, uint64_t bytes, absl::Duration took) ABSL_LOCKS_EXCLUDED(mu_);
 
   Device* const device_;
   const HostTierOptions options_;
@@ -135,6 +138,60 @@ class HostTier {
   uint64_t copied_in_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration out_time_ ABSL_GUARDED_BY(mu_);
   absl::Duration in_time_ ABSL_GUARDED_BY(mu_);
+};
+
+// One copy of `kept`'s runs between the pool mapped at `base` and the tier, in pieces of at most
+// copy_piece_bytes (never across a registered piece's end) copied by copy_threads threads. A piece is copied
+// once Ready has said that every byte of its pool range is mapped, so that a wake copies into its first chunks
+// while the next ones are still being made (Note [The host tier]). The tier must outlive it.
+class HostTier::Copy {
+ public:
+  enum class Direction { kToHost, kToDevice };
+  Copy(HostTier* tier, uint64_t base, const KeptContents& kept, Direction direction);
+  // Stop, if Finish was not called.
+  ~Copy();
+  Copy(const Copy&) = delete;
+  Copy& operator=(const Copy&) = delete;
+
+  // [pool_offset, pool_offset + bytes) of the pool is mapped in the daemon's view: the pieces inside what is
+  // mapped so far start.
+  void Ready(uint64_t pool_offset, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // No piece starts after this; returns once the pieces being copied are done (before what they copy into
+  // is unmapped). Finish after it gives CANCELLED.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits for every piece: OK once every byte is in place; the device's error of the first piece that
+  // failed (the others stop at their next piece; some may have been copied); INTERNAL naming the first
+  // byte nothing made ready, after the pieces that were ready are done.
+  [[nodiscard]] absl::Status Finish() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Piece {
+    uint64_t pool_offset = 0;
+    uint8_t* host = nullptr;
+    uint64_t bytes = 0;
+  };
+  void Work() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether [offset, end) lies in one run of what is ready.
+  bool Covered(uint64_t offset, uint64_t end) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Join();
+
+  HostTier* const tier_;
+  const uint64_t base_;
+  const uint64_t bytes_;
+  const Direction direction_;
+  std::vector<Piece> pieces_;  // sorted by pool_offset, disjoint
+  const absl::Time start_;
+  std::vector<std::thread> workers_;
+
+  absl::Mutex mu_;
+  std::map<uint64_t, uint64_t> ready_ ABSL_GUARDED_BY(mu_);  // pool offset -> end, coalesced
+  std::vector<bool> queued_ ABSL_GUARDED_BY(mu_);            // per piece
+  std::vector<size_t> queue_ ABSL_GUARDED_BY(mu_);           // ready pieces not yet taken
+  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t copied_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status first_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvd::daemon

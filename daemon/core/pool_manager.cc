@@ -298,7 +298,7 @@ void PoolManager::ForgetClients(const std::vector<std::string>& ids) {
 // ---------------------------------------------------------------------------------------------
 // Chunks
 
-absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
+absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks, ChunkMaker::Observer* observer) {
   KVD_RETURN_IF_ERROR(CheckRunning());
   Staged staged;
   // The budget first, from arithmetic alone: a plan is built only for bytes the budget holds, so its
@@ -320,7 +320,8 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks) {
   absl::StatusOr<std::vector<ChunkRecord>> made =
       maker_.Make(pool.base(), *plan,
                   absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes,
-                               " bytes (", FormatBytes(staged.bytes), ")"));
+                               " bytes (", FormatBytes(staged.bytes), ")"),
+                  observer);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
     return made.status();
@@ -640,15 +641,25 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
                                                   const KeepOptions& keep) {
   KVD_ASSIGN_OR_RETURN(Change change, pool.Check(op, target_blocks));
   if ((op == GroupOp::kGrow || op == GroupOp::kWake) && change.target_blocks > 0) {
-    KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks));
-    // Note [The host tier]: the kept contents land in the new chunks before any client sees them.
     if (std::optional<KeptContents> kept = pool.kept(); op == GroupOp::kWake && kept.has_value()) {
-      if (absl::Status copied = host_tier_->CopyIn(pool.base(), *kept); !copied.ok()) {
+      // Note [The host tier]: the kept contents land in the new chunks before any client sees them, each
+      // chunk's while the next ones are made.
+      HostTier::Copy copy(host_tier_, pool.base(), *kept, HostTier::Copy::Direction::kToDevice);
+      struct CopyAsMapped : ChunkMaker::Observer {
+        explicit CopyAsMapped(HostTier::Copy* c) : copy(c) {}
+        void Mapped(const ChunkInfo& chunk) override { copy->Ready(chunk.offset, chunk.bytes); }
+        void Undoing() override { copy->Stop(); }
+        HostTier::Copy* copy;
+      } observer(&copy);
+      KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks, &observer));
+      if (absl::Status copied = copy.Finish(); !copied.ok()) {
         Unstage(pool, change.staged);
         return absl::Status(copied.code(), absl::StrCat("pool ", pool.name(), ": copying its kept contents back: ",
                                                         copied.message(), "; it still sleeps with them"));
       }
       change.restored = true;
+    } else {
+      KVD_ASSIGN_OR_RETURN(change.staged, Stage(pool, change.target_blocks));
     }
   }
   if (op == GroupOp::kSleep && keep.keep) {

@@ -434,8 +434,10 @@ class PoolManager : private ReshapeServices {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
 
   // The budget and memory that take `pool` from its prefix to `target_blocks`: chunks created, mapped
-  // in the daemon and exported, but not in the table. On failure nothing is left.
-  [[nodiscard]] absl::StatusOr<Staged> Stage(Pool& pool, uint64_t target_blocks)
+  // in the daemon and exported, but not in the table. On failure nothing is left. `observer` is told of each
+  // chunk as it is mapped (ChunkMaker::Make).
+  [[nodiscard]] absl::StatusOr<Staged> Stage(Pool& pool, uint64_t target_blocks,
+                                             ChunkMaker::Observer* observer = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Gives staged memory back: the chunks and their budget.
   void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());

@@ -464,6 +464,49 @@ TEST_F(ClientTest, DeleteWithForceLosesTheMapping) {
   EXPECT_EQ(d->committed_bytes, 0u);
 }
 
+// A forced delete that overtakes another session's grow: the follower's fetch of the grow's lease finds the
+// pool gone. A Mapping that is not pausable must not unmap on that failure (its engine may still be reading):
+// it keeps its chunks until it is closed, as on the forced delete itself.
+TEST_F(ClientTest, AForcedDeleteThatOvertakesAGrowLeavesANonPausableMappingItsChunks) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv", 512)).status(), IsOk());
+  Events eb;
+  absl::Mutex hold_mu;
+  bool held = true;  // the Mapping's on_grow waits while set
+  AttachOptions ob = eb.Options("connector", /*pausable=*/false);
+  ob.on_grow = [&](uint64_t blocks) {
+    {
+      absl::MutexLock lock(&eb.mu);
+      ++eb.grows;
+      eb.last_blocks = blocks;
+    }
+    absl::MutexLock lock(&hold_mu);
+    auto go = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !held; };
+    hold_mu.Await(absl::Condition(&go));
+  };
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", std::move(ob)));
+  auto let_go = [&] {
+    absl::MutexLock lock(&hold_mu);
+    held = false;
+  };
+  absl::Cleanup unblock = let_go;  // the follower must be able to stop
+  ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());
+  ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));  // held: the next grow's event waits in the stream
+  const size_t mapped = b->chunks().size();
+  ASSERT_THAT(engine->Grow("kv", 1536).status(), IsOk());
+  ASSERT_THAT(engine->DeletePool("kv", /*force=*/true).status(), IsOk());
+  let_go();  // the follower now fetches the second grow's lease, of a deleted pool
+  ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
+  EXPECT_EQ(b->state(), Mapping::State::kLost);
+  {
+    absl::MutexLock lock(&eb.mu);
+    EXPECT_THAT(eb.why, StatusIs(absl::StatusCode::kNotFound, HasSubstr("mapping chunks added to pool kv")));
+  }
+  EXPECT_EQ(b->chunks().size(), mapped) << "the chunks it mapped stay mapped until it is closed";
+  *At(b->layer(0), 3, 0, 0, 0) = 0x42;
+}
+
 TEST_F(ClientTest, DeleteWithForcePausesAPausableMappingFirstAndItUnmaps) {
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));

@@ -69,17 +69,19 @@ def engine(socket, phase, state_path):
         with open(state_path) as f:
             results = json.load(f)
 
-    def run(ids, what):
-        before = cache.get_seq_length()
-        seq, new, logits = generate(model, ids, cache, SEGMENT)
+    def while_kvd_restarts(call):
         for attempt in range(300):  # kvd may be restarting (the parent kills it during a segment)
             try:
-                cache.checkpoint(seq[0].tolist())
-                break
+                return call()
             except kvd.KvdError as e:
                 if e.code != "UNAVAILABLE" or attempt == 299:
                     raise
                 time.sleep(0.1)
+
+    def run(ids, what):
+        before = cache.get_seq_length()
+        seq, new, logits = generate(model, ids, cache, SEGMENT)
+        while_kvd_restarts(lambda: cache.checkpoint(seq[0].tolist()))
         results.append({"what": what, "tokens": new, "cache_before": before, "input": ids.shape[1],
                         "logits": [l.tolist() for l in logits]})
         with open(state_path, "w") as f:
@@ -93,7 +95,8 @@ def engine(socket, phase, state_path):
             if cmd == "exit":
                 break
             ids = run(ids, cmd)
-            print("done", cmd, cache.get_seq_length(), len(client.pool(POOL).chunks), flush=True)
+            chunks = while_kvd_restarts(lambda: len(client.pool(POOL).chunks))
+            print("done", cmd, cache.get_seq_length(), chunks, flush=True)
         time.sleep(600)  # killed here
     else:
         assert cache.store.adopted, "the new engine did not adopt the pool"

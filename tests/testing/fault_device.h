@@ -57,6 +57,18 @@ class FaultDevice final : public Device {
     entered_ = entered;
     release_ = release;
   }
+  // From now on the Creates after the next `pass` wait for `*release` (null: Create runs at once again); it
+  // must outlive them.
+  void HoldCreatesAfter(int pass, absl::Notification* release) {
+    absl::MutexLock lock(&mu_);
+    hold_after_pass_ = pass;
+    hold_after_release_ = release;
+  }
+  // The next CopyFromHost notifies `*copied` (it must outlive that call).
+  void NotifyNextCopyFromHost(absl::Notification* copied) {
+    absl::MutexLock lock(&mu_);
+    copied_from_host_ = copied;
+  }
   // From now on every RegisterHost waits for `*release` (null: runs at once again); it must outlive them.
   void HoldRegistrations(absl::Notification* release) {
     absl::MutexLock lock(&mu_);
@@ -176,7 +188,10 @@ class FaultDevice final : public Device {
   }
   absl::Status CopyFromHost(uint64_t dst_va, const void* src, uint64_t bytes) override {
     CheckRegistered(src, bytes);
-    return inner_->CopyFromHost(dst_va, src, bytes);
+    absl::Status s = inner_->CopyFromHost(dst_va, src, bytes);
+    absl::MutexLock lock(&mu_);
+    if (copied_from_host_ != nullptr) std::exchange(copied_from_host_, nullptr)->Notify();
+    return s;
   }
   absl::Status CopyRange(uint64_t dst_va, uint64_t src_va, uint64_t bytes) override {
     if (absl::Status s = Fault(Op::kCopyRange); !s.ok()) return s;
@@ -223,12 +238,15 @@ class FaultDevice final : public Device {
 
   void Hold() {
     absl::Notification* release;
+    absl::Notification* after = nullptr;
     {
       absl::MutexLock lock(&mu_);
       release = release_;
       if (entered_ != nullptr) std::exchange(entered_, nullptr)->Notify();
+      if (hold_after_release_ != nullptr && hold_after_pass_-- <= 0) after = hold_after_release_;
     }
     if (release != nullptr) release->WaitForNotification();
+    if (after != nullptr) after->WaitForNotification();
   }
 
   std::unique_ptr<Device> inner_;
@@ -236,6 +254,9 @@ class FaultDevice final : public Device {
   absl::Notification* entered_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Notification* release_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Notification* register_release_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int hold_after_pass_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Notification* hold_after_release_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Notification* copied_from_host_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<Op, Fault_> faults_ ABSL_GUARDED_BY(mu_);
   Fault_ any_fault_ ABSL_GUARDED_BY(mu_);
   std::map<uintptr_t, uint64_t> registered_host_ ABSL_GUARDED_BY(mu_);

@@ -13,11 +13,13 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "daemon/core/memory_state_store.h"
 #include "daemon/core/pool_manager.h"
@@ -298,6 +300,64 @@ TEST_F(DurableTest, WhatASleepKeptInTheHostTierComesBackAfterARestart) {
   EXPECT_EQ(tier_->Stats().used_bytes, 4 * kMiB);
 }
 
+// Note [The host tier]: a wake copies the kept bytes into its first chunk while the next one is being made.
+TEST_F(DurableTest, AWakeCopiesIntoItsFirstChunkWhileTheNextIsMade) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  MakeTier(32 * kMiB);
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());  // one 4 MiB chunk per segment
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(2));
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    ASSERT_TRUE(PoolBytes(fds, before, 3, /*check=*/false));
+  }
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+
+  absl::Notification copied, second_may_go;
+  device_->NotifyNextCopyFromHost(&copied);
+  device_->HoldCreatesAfter(1, &second_may_go);  // the wake's second chunk waits
+  absl::Status woke;
+  std::thread waker([&] { woke = manager_->Wake(alice_, "p").status(); });
+  const bool overlapped = copied.WaitForNotificationWithTimeout(absl::Seconds(30));
+  second_may_go.Notify();
+  waker.join();
+  device_->HoldCreatesAfter(0, nullptr);
+  EXPECT_TRUE(overlapped) << "no byte was copied back while the second chunk was being made";
+  ASSERT_THAT(woke, IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView woken, manager_->GetPool(alice_, "p"));
+  std::map<uint64_t, UniqueFd> fds = Fetch("p");
+  EXPECT_TRUE(PoolBytes(fds, woken, 3, /*check=*/true)) << "every byte the pool kept, at the same offsets";
+  EXPECT_EQ(tier_->Stats().copied_to_device_bytes, 8 * kMiB);
+}
+
+// A wake whose second chunk cannot be made while the first one's bytes are copied back: the copy stops
+// before the first chunk is unmapped, and the pool sleeps on with its contents (Note [The host tier]).
+TEST_F(DurableTest, AWakeThatCannotMakeAChunkStopsItsCopyAndTheContentsStayKept) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  MakeTier(32 * kMiB);
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    ASSERT_TRUE(PoolBytes(fds, before, 5, /*check=*/false));
+  }
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  for (int i = 0; i < 8; ++i) {  // the failure lands at various points of the first chunk's copy
+    device_->FailNth(FaultDevice::Op::kCreate, 2, absl::ResourceExhaustedError("out of memory"));
+    EXPECT_THAT(manager_->Wake(alice_, "p"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView asleep, manager_->GetPool(alice_, "p"));
+    EXPECT_EQ(asleep.state, PoolState::kSleeping);
+    EXPECT_EQ(asleep.kept_bytes, 8 * kMiB);
+    EXPECT_EQ(device_->live_chunks(), 0) << "the first chunk went back";
+  }
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView woken, manager_->GetPool(alice_, "p"));
+  std::map<uint64_t, UniqueFd> fds = Fetch("p");
+  EXPECT_TRUE(PoolBytes(fds, woken, 5, /*check=*/true));
+}
+
 TEST_F(DurableTest, KeptContentsATierOfAnotherSizeOrNoneCannotHoldAreDroppedAndSaid) {
   MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
   MakeTier(32 * kMiB);
@@ -385,6 +445,57 @@ TEST(HostTierTest, RegistersInPiecesAndNoCopyCrossesOne) {
   ASSERT_THAT(device.Free(va, 16 * kMiB), IsOk());
   tier->reset();
   EXPECT_THAT(device.registered_host(), ::testing::IsEmpty()) << "every piece is unregistered";
+}
+
+// A Copy starts a piece only once its whole range is ready (a piece across two chunks waits for both), and
+// Finish names the first byte that never was.
+TEST(HostTierTest, ACopyStartsAPieceOnceItsWholeRangeIsReadyAndFinishNamesWhatNeverWas) {
+  absl::StatusOr<std::unique_ptr<Device>> device =
+      OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
+  ASSERT_THAT(device, IsOk());
+  auto tier = HostTier::Create(device->get(), {.bytes = 8 * kMiB, .copy_threads = 2, .copy_piece_bytes = 4 * kMiB},
+                               2 * kMiB);
+  ASSERT_THAT(tier, IsOk());
+  uint64_t extent = 0;
+  KVD_ASSERT_OK_AND_ASSIGN(uint64_t offset, (*tier)->Take("p", 6 * kMiB, &extent));
+  Device& d = **device;
+  KVD_ASSERT_OK_AND_ASSIGN(const uint64_t va, d.Reserve(8 * kMiB));
+  KVD_ASSERT_OK_AND_ASSIGN(const Chunk chunk, d.Create(8 * kMiB));
+  ASSERT_THAT(d.Map(va, chunk, Access::kReadWrite), IsOk());
+  auto* bytes = reinterpret_cast<uint8_t*>(va);
+  for (uint64_t i = 0; i < 6 * kMiB; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+  const KeptContents kept{.tier_offset = offset,
+                          .extent_bytes = extent,
+                          .bytes = 6 * kMiB,
+                          .runs = {{.pool_offset = 0, .bytes = 6 * kMiB}}};  // pieces [0, 4) and [4, 6) MiB
+  ASSERT_THAT((*tier)->CopyOut(va, kept), IsOk());
+  std::memset(bytes, 0, 6 * kMiB);
+  {
+    HostTier::Copy copy(tier->get(), va, kept, HostTier::Copy::Direction::kToDevice);
+    copy.Ready(0, 2 * kMiB);
+    copy.Ready(2 * kMiB, 1 * kMiB);  // the first piece is still not whole
+    copy.Ready(3 * kMiB, 1 * kMiB);  // now it is
+    EXPECT_THAT(copy.Finish(), StatusIs(absl::StatusCode::kInternal, HasSubstr("offset 4194304 (2097152 bytes)")));
+  }
+  EXPECT_EQ(bytes[4 * kMiB - 1], static_cast<uint8_t>((4 * kMiB - 1) * 7 + (4 * kMiB - 1) / 4096));
+  EXPECT_EQ(bytes[4 * kMiB], 0) << "the piece never made ready was not copied";
+  {
+    HostTier::Copy copy(tier->get(), va, kept, HostTier::Copy::Direction::kToDevice);
+    copy.Ready(4 * kMiB, 2 * kMiB);
+    copy.Ready(0, 4 * kMiB);
+    EXPECT_THAT(copy.Finish(), IsOk());
+  }
+  uint64_t differ = 0;
+  for (uint64_t i = 0; i < 6 * kMiB; ++i) differ += bytes[i] != static_cast<uint8_t>(i * 7 + i / 4096);
+  EXPECT_EQ(differ, 0u);
+  {
+    HostTier::Copy copy(tier->get(), va, kept, HostTier::Copy::Direction::kToDevice);
+    copy.Stop();
+    EXPECT_THAT(copy.Finish(), StatusIs(absl::StatusCode::kCancelled, HasSubstr("stopped")));
+  }
+  ASSERT_THAT(d.Unmap(va, 8 * kMiB), IsOk());
+  ASSERT_THAT(d.Release(chunk), IsOk());
+  ASSERT_THAT(d.Free(va, 8 * kMiB), IsOk());
 }
 
 TEST(HostTierTest, ARegistrationThatFailsLeavesNoPieceRegisteredAndTheTierUsable) {
