@@ -310,13 +310,60 @@ class ParseErrorInterceptorFactory final : public grpc::experimental::ServerInte
   }
 };
 
+// Note [Replies are built on an arena] in docs/architecture.md. A serialized reply this large (about 200 chunks) has
+// left more than glibc's trim threshold (32 KiB) free on the heap's top, which glibc gives back only after a single
+// free of 64 KiB.
+constexpr int kTrimAfterReplyBytes = 4 << 10;
+
+// The reply's arena: blocks double from 1 KiB, and from 32 KiB on glibc mmaps them (ShapeTheHeap in daemon/main.cc),
+// so a large reply's memory goes back to the kernel whole and leaves no holes in the heap.
+google::protobuf::ArenaOptions ReplyArenaOptions() {
+  google::protobuf::ArenaOptions options;
+  options.start_block_size = 1 << 10;
+  options.max_block_size = 1 << 20;
+  return options;
+}
+
+// A callback method's request and reply on an arena of their own, dropped once gRPC is done with the call, with the
+// trim after a large reply (Note [Replies are built on an arena]).
+template <typename Request, typename Reply>
+class ArenaMessages final : public grpc::MessageAllocator<Request, Reply> {
+ public:
+  grpc::MessageHolder<Request, Reply>* AllocateMessages() override { return new Holder(); }
+
+ private:
+  class Holder final : public grpc::MessageHolder<Request, Reply> {
+   public:
+    Holder() : arena_(ReplyArenaOptions()) {
+      this->set_request(google::protobuf::Arena::CreateMessage<Request>(&arena_));
+      this->set_response(google::protobuf::Arena::CreateMessage<Reply>(&arena_));
+    }
+    void Release() override {
+      // A reply that was never serialized (a failed call) has no cached size: 0.
+      const bool trim = this->response()->GetCachedSize() >= kTrimAfterReplyBytes;
+      delete this;
+      if (trim) malloc_trim(0);
+    }
+
+   private:
+    google::protobuf::Arena arena_;
+  };
+};
+
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeParseErrorInterceptorFactory() {
   return std::make_unique<ParseErrorInterceptorFactory>();
 }
 
-KvdService::KvdService(PoolManager* manager, Options options) : manager_(manager), options_(options) {}
+KvdService::KvdService(PoolManager* manager, Options options)
+    : manager_(manager),
+      options_(options),
+      get_pool_messages_(std::make_unique<ArenaMessages<v1::GetPoolRequest, v1::Pool>>()),
+      list_pools_messages_(std::make_unique<ArenaMessages<v1::ListPoolsRequest, v1::ListPoolsResponse>>()) {
+  SetMessageAllocatorFor_GetPool(get_pool_messages_.get());
+  SetMessageAllocatorFor_ListPools(list_pools_messages_.get());
+}
 
 grpc::Status KvdService::Finish(const char* method, const absl::Status& status) const {
   if (!status.ok()) {
@@ -351,24 +398,6 @@ grpc::ServerUnaryReactor* KvdService::Answer(const char* method, grpc::CallbackS
   reactor->Finish(Serve(method, *context, required, std::forward<Body>(body)));
   return reactor;
 }
-
-namespace {
-
-// Note [Replies are built on an arena] in docs/architecture.md. A serialized reply this large (about 200 chunks) has
-// left more than glibc's trim threshold (32 KiB) free on the heap's top, which glibc gives back only after a single
-// free of 64 KiB.
-constexpr int kTrimAfterReplyBytes = 4 << 10;
-
-// The reply's arena: blocks double from 1 KiB, and from 32 KiB on glibc mmaps them (ShapeTheHeap in daemon/main.cc),
-// so a large reply's memory goes back to the kernel whole and leaves no holes in the heap.
-google::protobuf::ArenaOptions ReplyArenaOptions() {
-  google::protobuf::ArenaOptions options;
-  options.start_block_size = 1 << 10;
-  options.max_block_size = 1 << 20;
-  return options;
-}
-
-}  // namespace
 
 template <typename Request, typename Reply, typename Body>
 grpc::Status KvdService::OnArena(grpc::ServerUnaryStreamer<Request, Reply>* stream, Body&& body) const {
@@ -489,7 +518,7 @@ grpc::ServerUnaryReactor* KvdService::GetPool(grpc::CallbackServerContext* conte
                                               v1::Pool* response) {
   return Answer("GetPool", context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
-    *response = ToProto(pool);
+    ToProto(pool, response);
     return absl::OkStatus();
   });
 }
@@ -512,14 +541,15 @@ grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* con
     // token (a base64 name of at most 64 bytes, with its tag and length).
     size_t bytes = 96;
     for (size_t i = 0; i < page.pools.size(); ++i) {
-      v1::Pool pool = ToProto(page.pools[i]);
-      bytes += pool.ByteSizeLong() + 6;
+      v1::Pool* pool = response->add_pools();
+      ToProto(page.pools[i], pool);
+      bytes += pool->ByteSizeLong() + 6;
       // Never past the page's byte bound, but never an empty page while pools remain.
       if (i > 0 && bytes > kMaxListPageBytes) {
+        response->mutable_pools()->RemoveLast();
         page.more = true;
         break;
       }
-      *response->add_pools() = std::move(pool);
     }
     if (page.more && response->pools_size() > 0) {
       response->set_next_page_token(absl::WebSafeBase64Escape(response->pools(response->pools_size() - 1).name()));

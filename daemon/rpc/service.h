@@ -17,12 +17,14 @@
 // DeclineReclaim: reads and bookkeeping that never wait for a pool's op_mu, a pause, a release, a deadline or
 // another RPC); the synchronous gRPC server's threads call every other unary method concurrently, since those
 // may wait (Note [Quick RPCs answer inline] in docs/architecture.md); those whose replies carry a pool's chunks
-// (Attach and the resizes) are streamed unary methods there, to build their replies on an arena (Note [Replies are
-// built on an arena]). The service holds no state of its own beyond its constant configuration. `manager` must
+// (Attach and the resizes) are streamed unary methods there, to build their replies on an arena, as GetPool and
+// ListPools do through gRPC's message allocator (Note [Replies are built on an arena]). The service holds no state
+// of its own beyond its constant configuration (and those allocators). `manager` must
 // outlive the service, and the service the server (a Watch stream detaches its client when gRPC is done with it,
 // which grpc::Server::Shutdown waits for).
 #pragma once
 
+#include <grpcpp/support/message_allocator.h>
 #include <grpcpp/support/server_interceptor.h>
 
 #include <cstdint>
@@ -170,6 +172,9 @@ class KvdService final : public KvdServiceBase {
 
   PoolManager* const manager_;
   const Options options_;
+  // GetPool's and ListPools' requests and replies, on an arena each (Note [Replies are built on an arena]).
+  const std::unique_ptr<grpc::MessageAllocator<v1::GetPoolRequest, v1::Pool>> get_pool_messages_;
+  const std::unique_ptr<grpc::MessageAllocator<v1::ListPoolsRequest, v1::ListPoolsResponse>> list_pools_messages_;
 };
 
 // A server interceptor that answers a request gRPC could not parse (a malformed message, or a string
