@@ -697,19 +697,29 @@ class RawExporter {
     }
     return absl::OkStatus();
   }
-  // Create, map (+ access) and export every chunk of the plan: what a grow does in the daemon.
+  // Create, map (+ access) and export every chunk of the plan: what a grow does in the daemon. The time of
+  // each kind of call, summed over the chunks, in grow_phases_ms().
   absl::Status Grow() {
     KVD_RETURN_IF_ERROR(Reserve());
+    int64_t create_ns = 0, map_ns = 0, export_ns = 0;
     for (const PlanChunk& c : plan_.chunks) {
+      int64_t t = NowNs();
       KVD_ASSIGN_OR_RETURN(Chunk chunk, d_->Create(c.bytes));
       chunks_.push_back(chunk);
+      const int64_t created = NowNs();
       KVD_RETURN_IF_ERROR(d_->Map(va_ + c.offset, chunk, Access::kReadWrite));
       mapped_.push_back(c);
+      const int64_t mapped = NowNs();
       KVD_ASSIGN_OR_RETURN(int fd, d_->Export(chunk));
       fds_.push_back(fd);
+      create_ns += created - t;
+      map_ns += mapped - created;
+      export_ns += NowNs() - mapped;
     }
+    grow_phases_ms_ = {{"create", create_ns / 1e6}, {"map", map_ns / 1e6}, {"export", export_ns / 1e6}};
     return absl::OkStatus();
   }
+  const std::vector<std::pair<std::string, double>>& grow_phases_ms() const { return grow_phases_ms_; }
   // Grow and SendAttach in batches of kMaxFdsPerMessage chunks: create, map and export a batch, send it,
   // close its FDs, next batch; the second process imports each batch as it arrives. A few hundred FDs
   // are open at once on either side, however many chunks (the granule design has one per 2 MiB). The
@@ -763,6 +773,7 @@ class RawExporter {
 
  private:
   Device* d_;
+  std::vector<std::pair<std::string, double>> grow_phases_ms_;  // of the last Grow
   Plan plan_;
   uint64_t va_ = 0;
   std::vector<Chunk> chunks_;
@@ -1415,9 +1426,17 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   };
   pause();
   int64_t t = NowNs();
-  KVD_RETURN_IF_ERROR(client_->Grow(pool_, blocks_).status());
+  KVD_ASSIGN_OR_RETURN(const PoolChange grown, client_->Grow(pool_, blocks_));
   const double grow_ms = MsSince(t);
   add("grow", grow_ms);
+  // The daemon's own time on the change (PoolUpdate.elapsed_us) and the rest: the RPC, gRPC and libkvd.
+  auto split = [&](const char* op, double ms, uint64_t elapsed_us) {
+    if (!record) return;
+    Line& l = GetLine(op, variant);
+    AddPhase(l.kvd_phases, "in_daemon", elapsed_us / 1e3);
+    AddPhase(l.kvd_phases, "outside", ms - elapsed_us / 1e3);
+  };
+  split("grow", grow_ms, grown.elapsed_us);
   pause();
   const std::string attach = absl::StrCat("kvd-attach ", socket_, " ", pool_, " ", pool_bytes_);
   t = NowNs();
@@ -1454,8 +1473,10 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   }
   pause();
   t = NowNs();
-  KVD_RETURN_IF_ERROR(client_->Wake(pool_).status());
-  add("wake", MsSince(t));
+  KVD_ASSIGN_OR_RETURN(const std::vector<PoolChange> woken, client_->Wake(pool_));
+  const double wake_ms = MsSince(t);
+  add("wake", wake_ms);
+  if (woken.size() == 1) split("wake", wake_ms, woken[0].elapsed_us);
   const std::string wait = absl::StrCat("kvd-wait ", pool_bytes_);
   KVD_RETURN_IF_ERROR(SendWithFds(child_->socket(), wait, {}));
   KVD_ASSIGN_OR_RETURN(ms, child_->TimedReply(wait, t));  // the importer's follower has mapped it again
@@ -1463,9 +1484,18 @@ absl::Status Bench::KvdCycle(bool paused, bool record) {
   pause();
   KVD_ASSIGN_OR_RETURN(before, FreeBytes());
   t = NowNs();
-  KVD_RETURN_IF_ERROR(client_->Shrink(pool_, 0, /*wait=*/true).status());
+  KVD_ASSIGN_OR_RETURN(const PoolChange shrunk, client_->Shrink(pool_, 0, /*wait=*/true));
+  const double shrink_reply_ms = MsSince(t);
   KVD_RETURN_IF_ERROR(WaitFree(before, pool_bytes_));
   add("shrink", MsSince(t));
+  if (record) {
+    // The daemon's time until it committed (its own references released), then until the reply (the
+    // importer's acknowledgement), then the free count.
+    Line& l = GetLine("shrink", variant);
+    AddPhase(l.kvd_phases, "in_daemon", shrunk.elapsed_us / 1e3);
+    AddPhase(l.kvd_phases, "to_reply", shrink_reply_ms - shrunk.elapsed_us / 1e3);
+    AddPhase(l.kvd_phases, "free_wait", MsSince(t) - shrink_reply_ms);
+  }
   return child_->Call("kvd-detach").status();
 }
 
@@ -1488,6 +1518,9 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   KVD_RETURN_IF_ERROR(raw.Grow());
   const double grow_ms = MsSince(t);
   add("grow", grow_ms);
+  if (record) {
+    for (const auto& [phase, ms] : raw.grow_phases_ms()) AddPhase(GetLine("grow", variant).base_phases, phase, ms);
+  }
   pause();
   t = NowNs();
   KVD_RETURN_IF_ERROR(raw.SendAttach(*child_));

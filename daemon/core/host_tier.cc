@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -268,10 +269,16 @@ HostTier::Copy::Copy(HostTier* tier, uint64_t base, const KeptContents& kept, Di
     queue_.reserve(pieces_.size());
   }
   const size_t threads = std::min<size_t>(std::max<uint32_t>(tier->options_.copy_threads, 1), pieces_.size());
-  for (size_t t = 0; t < threads; ++t) workers_.emplace_back([this] { Work(); });
+  try {
+    for (size_t t = 0; t < threads; ++t) workers_.emplace_back([this] { Work(); });
+  } catch (const std::system_error&) {
+    // No thread to spare: fewer copy at once, and with none Finish copies on its caller's thread.
+  }
 }
 
 HostTier::Copy::~Copy() { Stop(); }
+
+bool HostTier::Copy::HasWorkOrEnds() const { return !queue_.empty() || stopping_ || finishing_; }
 
 bool HostTier::Copy::Covered(uint64_t offset, uint64_t end) const {
   auto it = ready_.upper_bound(offset);
@@ -312,11 +319,7 @@ void HostTier::Copy::Work() {
     size_t i = 0;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](Copy* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) {
-            return !c->queue_.empty() || c->stopping_ || c->finishing_;
-          },
-          this));
+      mu_.Await(absl::Condition(this, &Copy::HasWorkOrEnds));
       if (stopping_ || queue_.empty()) return;  // stopped, or finishing with nothing left that is ready
       i = queue_.back();
       queue_.pop_back();
@@ -356,14 +359,15 @@ absl::Status HostTier::Copy::Finish() {
     if (stopping_ && first_.ok()) return absl::CancelledError("the copy was stopped");
     finishing_ = true;
   }
+  if (workers_.empty()) Work();
   Join();
   absl::MutexLock lock(&mu_);
   if (!first_.ok()) return first_;
   if (copied_ < pieces_.size()) {
     for (size_t i = 0; i < pieces_.size(); ++i) {
       if (!queued_[i]) {
-        return absl::InternalError(absl::StrCat("pool bytes at offset ", pieces_[i].pool_offset, " (",
-                                                pieces_[i].bytes, " bytes) were never mapped to copy ",
+        return absl::InternalError(absl::StrCat("pool bytes at offset ", pieces_[i].pool_offset, " (", pieces_[i].bytes,
+                                                " bytes) were never mapped to copy ",
                                                 direction_ == Direction::kToHost ? "from" : "into"));
       }
     }

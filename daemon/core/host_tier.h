@@ -141,7 +141,8 @@ class HostTier {
 };
 
 // One copy of `kept`'s runs between the pool mapped at `base` and the tier, in pieces of at most
-// copy_piece_bytes (never across a registered piece's end) copied by copy_threads threads. A piece is copied
+// copy_piece_bytes (never across a registered piece's end) copied by copy_threads threads (with no thread to
+// spare, by Finish's caller). A piece is copied
 // once Ready has said that every byte of its pool range is mapped, so that a wake copies into its first chunks
 // while the next ones are still being made (Note [The host tier]). The tier must outlive it.
 class HostTier::Copy {
@@ -171,6 +172,8 @@ class HostTier::Copy {
     uint64_t bytes = 0;
   };
   void Work() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a worker has a piece to copy, or should return.
+  bool HasWorkOrEnds() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether [offset, end) lies in one run of what is ready.
   bool Covered(uint64_t offset, uint64_t end) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Join();

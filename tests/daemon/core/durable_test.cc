@@ -346,7 +346,8 @@ TEST_F(DurableTest, AWakeThatCannotMakeAChunkStopsItsCopyAndTheContentsStayKept)
   ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
   for (int i = 0; i < 8; ++i) {  // the failure lands at various points of the first chunk's copy
     device_->FailNth(FaultDevice::Op::kCreate, 2, absl::ResourceExhaustedError("out of memory"));
-    EXPECT_THAT(manager_->Wake(alice_, "p"), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));
+    EXPECT_THAT(manager_->Wake(alice_, "p"),
+                StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));
     KVD_ASSERT_OK_AND_ASSIGN(PoolView asleep, manager_->GetPool(alice_, "p"));
     EXPECT_EQ(asleep.state, PoolState::kSleeping);
     EXPECT_EQ(asleep.kept_bytes, 8 * kMiB);
@@ -453,8 +454,8 @@ TEST(HostTierTest, ACopyStartsAPieceOnceItsWholeRangeIsReadyAndFinishNamesWhatNe
   absl::StatusOr<std::unique_ptr<Device>> device =
       OpenDevice({.backend = "host", .host_capacity = 64 * kMiB, .host_granularity = 2 * kMiB});
   ASSERT_THAT(device, IsOk());
-  auto tier = HostTier::Create(device->get(), {.bytes = 8 * kMiB, .copy_threads = 2, .copy_piece_bytes = 4 * kMiB},
-                               2 * kMiB);
+  auto tier =
+      HostTier::Create(device->get(), {.bytes = 8 * kMiB, .copy_threads = 2, .copy_piece_bytes = 4 * kMiB}, 2 * kMiB);
   ASSERT_THAT(tier, IsOk());
   uint64_t extent = 0;
   KVD_ASSERT_OK_AND_ASSIGN(uint64_t offset, (*tier)->Take("p", 6 * kMiB, &extent));
