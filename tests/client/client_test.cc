@@ -112,6 +112,34 @@ struct Events {
   }
 };
 
+// A follower held in its on_grow: `events`' options whose on_grow counts, then waits until LetGo(). Call LetGo
+// (a Cleanup declared after the Mapping) before the Mapping is destroyed: its follower may wait here.
+class GrowHold {
+ public:
+  AttachOptions Options(Events& events, std::string name, bool pausable) {
+    AttachOptions o = events.Options(std::move(name), pausable);
+    o.on_grow = [this, &events](uint64_t blocks) {
+      {
+        absl::MutexLock lock(&events.mu);
+        ++events.grows;
+        events.last_blocks = blocks;
+      }
+      absl::MutexLock lock(&mu_);
+      auto go = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !held_; };
+      mu_.Await(absl::Condition(&go));
+    };
+    return o;
+  }
+  void LetGo() {
+    absl::MutexLock lock(&mu_);
+    held_ = false;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool held_ ABSL_GUARDED_BY(mu_) = true;
+};
+
 // Pausable Mappings whose pause hook returns only once the test lets pause number n of that Mapping go
 // (Open(n)). Open every pause (a Cleanup declared after the Mappings) before they are destroyed: their
 // followers may wait here.
@@ -472,31 +500,16 @@ TEST_F(ClientTest, AForcedDeleteThatOvertakesAGrowLeavesANonPausableMappingItsCh
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> connector, Connect("connector"));
   ASSERT_THAT(engine->CreatePool(SmallPool("kv", 512)).status(), IsOk());
   Events eb;
-  absl::Mutex hold_mu;
-  bool held = true;  // the Mapping's on_grow waits while set
-  AttachOptions ob = eb.Options("connector", /*pausable=*/false);
-  ob.on_grow = [&](uint64_t blocks) {
-    {
-      absl::MutexLock lock(&eb.mu);
-      ++eb.grows;
-      eb.last_blocks = blocks;
-    }
-    absl::MutexLock lock(&hold_mu);
-    auto go = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !held; };
-    hold_mu.Await(absl::Condition(&go));
-  };
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, connector->Attach("kv", std::move(ob)));
-  auto let_go = [&] {
-    absl::MutexLock lock(&hold_mu);
-    held = false;
-  };
-  absl::Cleanup unblock = let_go;  // the follower must be able to stop
+  GrowHold hold;
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b,
+                           connector->Attach("kv", hold.Options(eb, "connector", /*pausable=*/false)));
+  absl::Cleanup unblock = [&] { hold.LetGo(); };  // the follower must be able to stop
   ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());
   ASSERT_TRUE(eb.WaitFor(&Events::grows, 1));  // held: the next grow's event waits in the stream
   const size_t mapped = b->chunks().size();
   ASSERT_THAT(engine->Grow("kv", 1536).status(), IsOk());
   ASSERT_THAT(engine->DeletePool("kv", /*force=*/true).status(), IsOk());
-  let_go();  // the follower now fetches the second grow's lease, of a deleted pool
+  hold.LetGo();  // the follower now fetches the second grow's lease, of a deleted pool
   ASSERT_TRUE(eb.WaitFor(&Events::lost, 1));
   EXPECT_EQ(b->state(), Mapping::State::kLost);
   {
@@ -1096,26 +1109,10 @@ TEST_F(ClientTest, APauseCalledOffBeforeItsLeaseWasFetchedKeepsTheMapping) {
   ASSERT_THAT(engine->CreatePool(SmallPool("kv", 512)).status(), IsOk());
   ASSERT_THAT(engine->Grow("kv", 1024).status(), IsOk());  // two chunks a segment: something to compact
   Events ea, eb;
-  absl::Mutex hold_mu;
-  bool held = true;  // the slow Mapping's on_grow waits while set
-  AttachOptions ob = eb.Options("slow", /*pausable=*/true);
-  ob.on_grow = [&](uint64_t blocks) {
-    {
-      absl::MutexLock lock(&eb.mu);
-      ++eb.grows;
-      eb.last_blocks = blocks;
-    }
-    absl::MutexLock lock(&hold_mu);
-    auto go = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return !held; };
-    hold_mu.Await(absl::Condition(&go));
-  };
+  GrowHold hold;  // the slow Mapping's on_grow waits until let go
   KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> a, engine->Attach("kv", ea.Options("engine", true)));
-  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", std::move(ob)));
-  auto let_go = [&] {
-    absl::MutexLock lock(&hold_mu);
-    held = false;
-  };
-  absl::Cleanup unblock = let_go;  // the follower must be able to stop
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> b, slow->Attach("kv", hold.Options(eb, "slow", true)));
+  absl::Cleanup unblock = [&] { hold.LetGo(); };  // the follower must be able to stop
   std::vector<uint64_t> written = {0, 511, 512, 1023};
   WritePattern(*a, written);
 
@@ -1125,7 +1122,7 @@ TEST_F(ClientTest, APauseCalledOffBeforeItsLeaseWasFetchedKeepsTheMapping) {
   EXPECT_THAT(op->Compact("kv", {.pause = {.timeout = absl::Seconds(1)}}).status(),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr(b->client_id())));
   ASSERT_TRUE(ea.WaitFor(&Events::resumes, 1));
-  let_go();  // the slow follower reads the PAUSE now: its lease's pause was called off
+  hold.LetGo();  // the slow follower reads the PAUSE now: its lease's pause was called off
 
   ASSERT_THAT(engine->Grow("kv", 2048).status(), IsOk());
   const bool followed = eb.WaitFor(&Events::grows, 2);  // past the PAUSE and RESUME, in the stream's order
