@@ -660,6 +660,22 @@ grpc::Status KvdService::StreamedCompact(grpc::ServerContext* context,
 
 namespace {
 
+// SleepRequest's and WakeRequest's target: the pool named, or "" for `all` (`every` says which pools that is).
+template <typename Request>
+absl::StatusOr<std::string> Target(const Request& request, absl::string_view every) {
+  switch (request.target_case()) {
+    case Request::kPool:
+      KVD_RETURN_IF_ERROR(RequireNonEmpty(request.pool(), "pool"));
+      return request.pool();
+    case Request::kAll:
+      if (!request.all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
+      return std::string();
+    case Request::TARGET_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("target: set pool (one pool) or all (", every, ")"));
+}
+
 // SleepRequest's and PrepareRequest's keep and live_blocks; the tier is waited for until `ready_by`.
 absl::StatusOr<KeepOptions> KeepFromProto(bool keep, const google::protobuf::RepeatedField<uint64_t>& live,
                                           absl::Time ready_by) {
@@ -674,18 +690,7 @@ grpc::Status KvdService::StreamedSleep(grpc::ServerContext* context,
                                        grpc::ServerUnaryStreamer<v1::SleepRequest, v1::PoolUpdates>* stream) {
   return OnArena(stream, [&](const v1::SleepRequest* request, v1::PoolUpdates* response) {
     return Serve("Sleep", *context, {}, [&](const Caller& caller) -> absl::Status {
-      std::string pool;  // empty: every pool
-      switch (request->target_case()) {
-        case v1::SleepRequest::kPool:
-          KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-          pool = request->pool();
-          break;
-        case v1::SleepRequest::kAll:
-          if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
-          break;
-        case v1::SleepRequest::TARGET_NOT_SET:
-          return absl::InvalidArgumentError("target: set pool (one pool) or all (every awake pool)");
-      }
+      KVD_ASSIGN_OR_RETURN(const std::string pool, Target(*request, "every awake pool"));
       KVD_ASSIGN_OR_RETURN(PauseOptions pause, FromProto(request->pause(), "pause"));
       KVD_ASSIGN_OR_RETURN(const KeepOptions keep,
                            KeepFromProto(request->keep(), request->live_blocks(), ReleaseDeadline(*context)));
@@ -707,18 +712,7 @@ grpc::Status KvdService::StreamedWake(grpc::ServerContext* context,
                                       grpc::ServerUnaryStreamer<v1::WakeRequest, v1::PoolUpdates>* stream) {
   return OnArena(stream, [&](const v1::WakeRequest* request, v1::PoolUpdates* response) {
     return Serve("Wake", *context, {}, [&](const Caller& caller) -> absl::Status {
-      std::string pool;  // empty: every pool
-      switch (request->target_case()) {
-        case v1::WakeRequest::kPool:
-          KVD_RETURN_IF_ERROR(RequireNonEmpty(request->pool(), "pool"));
-          pool = request->pool();
-          break;
-        case v1::WakeRequest::kAll:
-          if (!request->all()) return absl::InvalidArgumentError("all: must be true when set (or set pool instead)");
-          break;
-        case v1::WakeRequest::TARGET_NOT_SET:
-          return absl::InvalidArgumentError("target: set pool (one pool) or all (every sleeping pool)");
-      }
+      KVD_ASSIGN_OR_RETURN(const std::string pool, Target(*request, "every sleeping pool"));
       const WaitOptions wait{.wait = request->wait(), .deadline = ReleaseDeadline(*context), .cancelled = [context] {
                                return context->IsCancelled();
                              }};

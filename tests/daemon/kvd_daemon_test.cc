@@ -2159,6 +2159,35 @@ TEST_F(KvdDaemonTest, NothingFromTheWireReachesTheLogUnescaped) {
   }
 }
 
+// Sleep's and Wake's target is one pool or all of them: a request that sets neither, all = false or an empty
+// pool name is refused naming the field, and changes nothing.
+TEST_F(KvdDaemonTest, SleepAndWakeRefuseATargetThatNamesNoPool) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  v1::PoolUpdates updates;
+  v1::SleepRequest sleep;
+  EXPECT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &updates),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "target: set pool (one pool) or all (every awake pool)"));
+  sleep.set_all(false);
+  EXPECT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &updates),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "all: must be true when set"));
+  sleep.set_pool("");
+  EXPECT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &updates), GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "pool"));
+  EXPECT_EQ(Get("kv").state(), v1::POOL_STATE_AWAKE);
+  v1::WakeRequest wake;
+  EXPECT_THAT(stub().Wake(Ctx(admin()).get(), wake, &updates),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "target: set pool (one pool) or all (every sleeping pool)"));
+  wake.set_all(false);
+  EXPECT_THAT(stub().Wake(Ctx(admin()).get(), wake, &updates),
+              GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "all: must be true when set"));
+  // The same requests with a target work.
+  sleep.set_pool("kv");
+  ASSERT_THAT(stub().Sleep(Ctx(admin()).get(), sleep, &updates), GrpcOk());
+  EXPECT_EQ(Get("kv").state(), v1::POOL_STATE_SLEEPING);
+  wake.set_all(true);
+  ASSERT_THAT(stub().Wake(Ctx(admin()).get(), wake, &updates), GrpcOk());
+  EXPECT_EQ(Get("kv").state(), v1::POOL_STATE_AWAKE);
+}
+
 TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   // GetPoolRequest.name (field 1) holding bytes that are not UTF-8.
   const grpc::internal::RpcMethod method("/kvd.v1.Kvd/GetPool", grpc::internal::RpcMethod::NORMAL_RPC);
