@@ -300,19 +300,28 @@ TEST_F(DurableTest, WhatASleepKeptInTheHostTierComesBackAfterARestart) {
   EXPECT_EQ(tier_->Stats().used_bytes, 4 * kMiB);
 }
 
-// Note [The host tier]: a wake copies the kept bytes into its first chunk while the next one is being made.
-TEST_F(DurableTest, AWakeCopiesIntoItsFirstChunkWhileTheNextIsMade) {
-  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
-  MakeTier(32 * kMiB);
-  Start(&memory, &memory);
-  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());  // one 4 MiB chunk per segment
-  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
-  ASSERT_THAT(before.chunks, SizeIs(2));
-  {
-    std::map<uint64_t, UniqueFd> fds = Fetch("p");
-    ASSERT_TRUE(PoolBytes(fds, before, 3, /*check=*/false));
+// A daemon with a 32 MiB host tier and pool p of 64 blocks, one 4 MiB chunk per segment.
+class KeptWakeTest : public DurableTest {
+ protected:
+  // Starts it, writes `seed`'s pattern over p and puts p to sleep keeping its contents.
+  void SleepKeeping(uint8_t seed) {
+    MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+    MakeTier(32 * kMiB);
+    Start(&memory, &memory);
+    ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+    KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+    ASSERT_THAT(before.chunks, SizeIs(2));
+    {
+      std::map<uint64_t, UniqueFd> fds = Fetch("p");
+      ASSERT_TRUE(PoolBytes(fds, before, seed, /*check=*/false));
+    }
+    ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
   }
-  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+};
+
+// Note [The host tier]: a wake copies the kept bytes into its first chunk while the next one is being made.
+TEST_F(KeptWakeTest, AWakeCopiesIntoItsFirstChunkWhileTheNextIsMade) {
+  ASSERT_NO_FATAL_FAILURE(SleepKeeping(3));
 
   absl::Notification copied, second_may_go;
   device_->NotifyNextCopyFromHost(&copied);
@@ -333,17 +342,8 @@ TEST_F(DurableTest, AWakeCopiesIntoItsFirstChunkWhileTheNextIsMade) {
 
 // A wake whose second chunk cannot be made while the first one's bytes are copied back: the copy stops
 // before the first chunk is unmapped, and the pool sleeps on with its contents (Note [The host tier]).
-TEST_F(DurableTest, AWakeThatCannotMakeAChunkStopsItsCopyAndTheContentsStayKept) {
-  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
-  MakeTier(32 * kMiB);
-  Start(&memory, &memory);
-  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
-  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
-  {
-    std::map<uint64_t, UniqueFd> fds = Fetch("p");
-    ASSERT_TRUE(PoolBytes(fds, before, 5, /*check=*/false));
-  }
-  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+TEST_F(KeptWakeTest, AWakeThatCannotMakeAChunkStopsItsCopyAndTheContentsStayKept) {
+  ASSERT_NO_FATAL_FAILURE(SleepKeeping(5));
   for (int i = 0; i < 8; ++i) {  // the failure lands at various points of the first chunk's copy
     device_->FailNth(FaultDevice::Op::kCreate, 2, absl::ResourceExhaustedError("out of memory"));
     EXPECT_THAT(manager_->Wake(alice_, "p"),
