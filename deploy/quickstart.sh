@@ -39,6 +39,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   hipcc libamdhip64-dev
   python3 python3-protobuf python3-numpy python3-venv  # python3-venv: the install test pip-installs the package
+  python3-grpcio  # tests/daemon/arbitration_api_test.py sends raw requests through grpcio
   prometheus  # promtool and a real Prometheus server for the metrics tests
   systemd yamllint  # tests/deploy/validate.sh: systemd-analyze, systemd-sysusers, yamllint
 )

@@ -25,40 +25,33 @@ absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
 
 }  // namespace
 
-absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p) {
+absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p, Map map) {
   ChunkRecord r;
   r.info = {.id = next_id_->fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
   KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
-  if (absl::Status s = device_->Map(base + p.offset, r.chunk, Access::kReadWrite); !s.ok()) {
-    device_->Release(r.chunk).IgnoreError();
-    return s;
-  }
+  absl::Cleanup undo = [&] { Discard(base, r, StoreFd::kLeave); };
   // Note [FD hygiene]: where the handle is the chunk's FD, a dup of it beside it would be a second FD per chunk
   // held for nothing.
   r.handle_is_fd = HandleIsFd();
   if (!r.handle_is_fd) {
-    absl::StatusOr<int> fd = device_->Export(r.chunk);
-    if (!fd.ok()) {
-      device_->Unmap(base + p.offset, p.bytes).IgnoreError();
-      device_->Release(r.chunk).IgnoreError();
-      return fd.status();
-    }
-    r.exported.reset(*fd);
+    KVD_ASSIGN_OR_RETURN(const int fd, device_->Export(r.chunk));
+    r.exported.reset(fd);
   }
   if (fabric_) {
     // Export once, like the FD: every reply and event then carries the same bytes.
-    absl::StatusOr<std::string> fabric = device_->ExportFabricHandle(r.chunk);
-    if (!fabric.ok()) {
-      Discard(base, r, StoreFd::kLeave);
-      return fabric.status();
-    }
-    r.info.fabric_handle = std::make_shared<const std::string>(*std::move(fabric));
+    KVD_ASSIGN_OR_RETURN(std::string fabric, device_->ExportFabricHandle(r.chunk));
+    r.info.fabric_handle = std::make_shared<const std::string>(std::move(fabric));
   }
+  if (map == Map::kNow) {
+    KVD_RETURN_IF_ERROR(device_->Map(base + p.offset, r.chunk, Access::kReadWrite));
+    r.mapped = true;
+  }
+  std::move(undo).Cancel();
   return r;
 }
 
 absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const std::vector<PlannedChunk>& plan,
-                                                          absl::string_view needs, Observer* observer) {
+                                                          absl::string_view needs, Map map, Observer* observer) {
   std::vector<ChunkRecord> made;
   absl::Cleanup undo = [&] {
     if (observer != nullptr) observer->Undoing();
@@ -66,7 +59,7 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
   };
   made.reserve(plan.size());
   for (const PlannedChunk& p : plan) {
-    absl::StatusOr<ChunkRecord> r = MakeOne(base, p);
+    absl::StatusOr<ChunkRecord> r = MakeOne(base, p, map);
     if (!r.ok()) {
       // Out of memory is worded with the bytes asked and free; out of file descriptors is not about memory
       // and passes as the device said it.
@@ -77,12 +70,29 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
                                                        " bytes free: ", r.status().message()));
     }
     made.push_back(*std::move(r));
-    if (observer != nullptr) observer->Mapped(made.back().info);
+    if (observer != nullptr && made.back().mapped) observer->Mapped(made.back().info);
   }
   // Into the FD store before any client can see them: a restart after the commit finds them there.
   KVD_RETURN_IF_ERROR(Keep(made));
   std::move(undo).Cancel();
   return made;
+}
+
+absl::Status ChunkMaker::MapInView(uint64_t base, absl::Span<ChunkRecord* const> chunks) {
+  std::vector<ChunkRecord*> mapped;
+  for (ChunkRecord* r : chunks) {
+    if (r->mapped) continue;
+    if (absl::Status s = device_->Map(base + r->info.offset, r->chunk, Access::kReadWrite); !s.ok()) {
+      for (ChunkRecord* m : mapped) {
+        device_->Unmap(base + m->info.offset, m->info.bytes).IgnoreError();
+        m->mapped = false;
+      }
+      return s;
+    }
+    r->mapped = true;
+    mapped.push_back(r);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ChunkRecord> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& info, UniqueFd fd) {
@@ -95,7 +105,7 @@ absl::StatusOr<ChunkRecord> ChunkMaker::Adopt(uint64_t base, const ChunkInfo& in
     device_->Release(*chunk).IgnoreError();
     return absl::Status(mapped.code(), absl::StrCat("cannot be mapped: ", mapped.message()));
   }
-  ChunkRecord r{.info = info, .chunk = *chunk, .handle_is_fd = HandleIsFd()};
+  ChunkRecord r{.info = info, .chunk = *chunk, .handle_is_fd = HandleIsFd(), .mapped = true};
   if (!r.handle_is_fd) r.exported = std::move(fd);
   return r;
 }
@@ -112,7 +122,8 @@ absl::Status ChunkMaker::Keep(absl::Span<const ChunkRecord> chunks) {
 
 void ChunkMaker::Discard(uint64_t base, ChunkRecord& r, StoreFd store_fd) {
   if (store_fd == StoreFd::kForget) store_->DropChunkFd(r.info.id);
-  device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
+  if (r.mapped) device_->Unmap(base + r.info.offset, r.info.bytes).IgnoreError();
+  r.mapped = false;
   device_->Release(r.chunk).IgnoreError();
   r.exported.reset();
 }

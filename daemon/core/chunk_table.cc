@@ -40,6 +40,14 @@ ChunkRecord* ChunkTable::Find(uint64_t id) {
   return const_cast<ChunkRecord*>(static_cast<const ChunkTable*>(this)->Find(id));
 }
 
+std::vector<ChunkRecord*> ChunkTable::Unmapped() {
+  std::vector<ChunkRecord*> out;
+  for (ChunkRecord& r : chunks_) {
+    if (!r.mapped && !missing_.contains(r.info.id)) out.push_back(&r);
+  }
+  return out;
+}
+
 std::vector<ChunkInfo> ChunkTable::Leaving(uint64_t prefix_bytes) const {
   std::vector<ChunkInfo> out;
   for (const ChunkRecord& r : chunks_) {

@@ -22,11 +22,14 @@ namespace kvd::daemon {
 // One physical allocation of a pool, as the daemon holds it.
 struct ChunkRecord {
   ChunkInfo info;
-  Chunk chunk;  // the daemon's own handle, mapped at base + info.offset
+  Chunk chunk;  // the daemon's own handle
   // Exported once at creation (or the FD it was adopted from). Empty where the handle is an FD itself (the
   // host backend's memfd; handle_is_fd): one FD per chunk either way (Note [FD hygiene] in docs/architecture.md).
   UniqueFd exported;
   bool handle_is_fd = false;
+  // Whether the daemon maps it in its own view, at base + info.offset: only once the daemon touches its bytes
+  // (Note [The daemon maps on demand] in docs/architecture.md).
+  bool mapped = false;
   // The chunk's FD, borrowed (consumers get dup()s of it); -1 for a missing chunk (Recover).
   int fd() const { return handle_is_fd ? static_cast<int>(chunk.handle) : exported.get(); }
 };
@@ -53,6 +56,8 @@ class ChunkTable {
   // The chunk `id` (a missing one too), or null.
   const ChunkRecord* Find(uint64_t id) const;
   ChunkRecord* Find(uint64_t id);
+  // The chunks with memory that the daemon does not map in its view (ChunkRecord::mapped).
+  std::vector<ChunkRecord*> Unmapped();
   // The chunks that have memory and start at or past `prefix_bytes` in their segment (0: all).
   std::vector<ChunkInfo> Leaving(uint64_t prefix_bytes) const;
 

@@ -495,6 +495,11 @@ void Pool::CancelPause() {
   }
 }
 
+std::vector<ChunkRecord*> Pool::UnmappedChunks() {
+  absl::MutexLock lock(&mu_);
+  return table_.Unmapped();
+}
+
 std::vector<ChunkRecord*> Pool::ChunksById(const std::vector<uint64_t>& ids) {
   absl::MutexLock lock(&mu_);
   std::vector<ChunkRecord*> out;

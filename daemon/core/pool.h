@@ -289,6 +289,8 @@ class Pool {
   // and every client asked to pause gets the RESUME (applied) naming them.
   PoolUpdate ApplyReshape(const ReshapePlan& plan, std::vector<ChunkRecord> added, std::vector<ChunkRecord>* removed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon's chunks with memory that it does not map in its view yet (Note [The daemon maps on demand]).
+  std::vector<ChunkRecord*> UnmappedChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // The daemon's chunks with these ids (for the manager's copy and remap), in the order asked.
   std::vector<ChunkRecord*> ChunksById(const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -317,17 +317,27 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks, Ch
     budget_.Give(staged.bytes);
     return plan.status();
   }
+  // Mapped in the daemon's view only where it copies into them (a wake's kept contents): Note [The daemon maps
+  // on demand].
   absl::StatusOr<std::vector<ChunkRecord>> made =
       maker_.Make(pool.base(), *plan,
                   absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes,
                                " bytes (", FormatBytes(staged.bytes), ")"),
-                  observer);
+                  observer != nullptr ? ChunkMaker::Map::kNow : ChunkMaker::Map::kOnDemand, observer);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
     return made.status();
   }
   staged.chunks = *std::move(made);
   return staged;
+}
+
+absl::Status PoolManager::MapView(Pool& pool) {
+  if (absl::Status mapped = maker_.MapInView(pool.base(), pool.UnmappedChunks()); !mapped.ok()) {
+    return absl::Status(mapped.code(),
+                        absl::StrCat("pool ", pool.name(), ": mapping its chunks into kvd's view: ", mapped.message()));
+  }
+  return absl::OkStatus();
 }
 
 void PoolManager::Unstage(Pool& pool, Staged& staged) {
@@ -671,6 +681,8 @@ absl::StatusOr<Change> PoolManager::PrepareLocked(Pool& pool, GroupOp op, uint64
     pool.op_mu().AssertHeld();  // the lambda runs in this scope, under the caller's hold of op_mu
     Unprepare(pool, change);
   };
+  // The copy to the host tier reads the pool through the daemon's view: mapped before the clients pause.
+  if (change.kept.has_value()) KVD_RETURN_IF_ERROR(MapView(pool));
   if (op == GroupOp::kShrink || op == GroupOp::kSleep) {
     const uint64_t prefix = op == GroupOp::kSleep ? 0 : pool.geometry().PrefixBytes(target_blocks);
     KVD_RETURN_IF_ERROR(QuiesceLocked(

@@ -441,6 +441,7 @@ class PoolManager : private ReshapeServices {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   // Gives staged memory back: the chunks and their budget.
   void Unstage(Pool& pool, Staged& staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
+
   // After a grow: queues the pool for compactor_ when it has more chunks than compact_above_chunks.
   void CompactLaterIfFragmented(const PoolView& pool);
   // compactor_'s loop: compacts the queued pools as the daemon, one at a time, until Shutdown.
@@ -470,6 +471,9 @@ class PoolManager : private ReshapeServices {
                                       absl::Span<const Entry> entries, Op op) const ABSL_LOCKS_EXCLUDED(mu_);
   // Writes the pool's record (op_mu held, so one pool's records are written in order). A failure is
   // sticky: the pool is stale (StateHealth) until a later save of it succeeds.
+  // Maps the pool's chunks that the daemon does not map yet into its view, before it touches their bytes
+  // (Note [The daemon maps on demand]); the device's failure, naming the pool.
+  [[nodiscard]] absl::Status MapView(Pool& pool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu());
   void Save(Pool& pool) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) ABSL_LOCKS_EXCLUDED(mu_);
   // After an acknowledgement, a detach or a session's end: when `pool`'s record counts more bytes pending
   // release than the pool now does (a release settled after the operation saved it), queues the pool for

@@ -87,6 +87,7 @@ absl::Status PoolManager::ZeroBlocks(const Caller& caller, absl::string_view nam
           absl::StrCat("block_ids[", i, "]: block ", blocks[i], " repeats block_ids[", it->second, "]"));
     }
   }
+  KVD_RETURN_IF_ERROR(MapView(*pool));
   return InSlices("ZeroBlocks", interrupt, span, blocks,
                   [&](absl::Span<const uint64_t> slice) { return device_->ZeroBlocks(span, slice); });
 }
@@ -100,6 +101,7 @@ absl::Status PoolManager::CopyBlocks(const Caller& caller, absl::string_view nam
   // The whole request is checked first: no destination twice (which bounds the work by the committed
   // blocks), and none also a source, so the slices may run in any order.
   KVD_RETURN_IF_ERROR(ValidateCopies(span, copies));
+  KVD_RETURN_IF_ERROR(MapView(*pool));
   return InSlices("CopyBlocks", interrupt, span, copies,
                   [&](absl::Span<const BlockCopy> slice) { return device_->CopyBlocks(span, slice); });
 }
@@ -152,11 +154,12 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemRanges(Poo
       for (LeasedFd& f : one) out.push_back({.chunk_id = i, .fd = f.fd});
     }
   } else {
-    // op_mu keeps every covered chunk mapped in the daemon while the device exports the range.
-    absl::ReaderMutexLock op(&pool.op_mu());
+    // The device exports a range of the daemon's view: op_mu keeps every covered chunk mapped there meanwhile.
+    absl::MutexLock op(&pool.op_mu());
     for (size_t i = 0; i < lease.ranges.size(); ++i) {
       const RangeHandle& r = lease.ranges[i];
       KVD_RETURN_IF_ERROR(pool.CheckChunksLive(lease.client, r.chunk_ids));
+      KVD_RETURN_IF_ERROR(MapView(pool));
       KVD_ASSIGN_OR_RETURN(const int fd, device_->ExportRange(pool.base() + r.offset, r.bytes));
       out.push_back({.chunk_id = i, .fd = fd});
     }

@@ -336,6 +336,9 @@ absl::StatusOr<Reshaper::Step> Reshaper::RunLocked(Pool& pool, const ReshapePlan
                                                    absl::string_view what, View* spare) {
   KVD_RETURN_IF_ERROR(services_->CheckRunning());
   KVD_RETURN_IF_ERROR(pool.CheckPausable(what));
+  // The copy reads the pool through the daemon's view, and the next view replaces all of it (Note [The daemon
+  // maps on demand]).
+  KVD_RETURN_IF_ERROR(services_->MapView(pool));
   const absl::Duration timeout = PauseTimeout(pause);
   ReshapeReport report{.chunks_before = plan.chunks_before,
                        .chunks_replaced = static_cast<uint32_t>(plan.replaced.size()),
@@ -388,7 +391,8 @@ absl::StatusOr<Reshaper::Step> Reshaper::RunLocked(Pool& pool, const ReshapePlan
   absl::StatusOr<std::vector<ChunkRecord>> made =
       maker_->Make(staging.next, plan.added,
                    absl::StrCat("pool ", pool.name(), ": ", what, " needs ", bytes, " bytes (", FormatBytes(bytes),
-                                ") of new chunks"));
+                                ") of new chunks"),
+                   ChunkMaker::Map::kNow);
   *admission = Arbiter::Admission();  // made, or given up: no longer being made
   KVD_ASSIGN_OR_RETURN(staging.added, std::move(made));
   staging.staying = pool.ChunksById(staying_ids);

@@ -77,6 +77,9 @@ class ReshapeServices {
                                                      const Pool::PauseOutcome& outcome, absl::Duration timeout,
                                                      bool detach, std::vector<std::string>* detached)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) = 0;
+  // Maps the pool's chunks into the daemon's view before it touches their bytes (Note [The daemon maps on
+  // demand]).
+  [[nodiscard]] virtual absl::Status MapView(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) = 0;
   // Writes the pool's record (Note [Durable pools]).
   virtual void Save(Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool.op_mu()) = 0;
   // Each step that moved bytes, for metrics.

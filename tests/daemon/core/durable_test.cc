@@ -36,6 +36,7 @@ using ::kvd::testing::FaultDevice;
 using ::kvd::testing::FaultStore;
 using ::kvd::testing::IsOk;
 using ::kvd::testing::StatusIs;
+using ::testing::AnyOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -764,7 +765,8 @@ TEST_F(DurableTest, AnFdTheStoreRefusesLeavesNothingBehindWhereverAChunkIsMade) 
     EXPECT_EQ(memory.kept_chunk_ids(), kept);
     EXPECT_EQ(Committed(), committed);
     EXPECT_EQ(device_->live_chunks(), static_cast<int>(before.chunks.size()));
-    EXPECT_EQ(device_->live_mappings(), static_cast<int>(before.chunks.size()));
+    // The daemon's view: unmapped until a change touched the bytes (Note [The daemon maps on demand]), then whole.
+    EXPECT_THAT(device_->live_mappings(), AnyOf(0, static_cast<int>(before.chunks.size())));
     EXPECT_EQ(device_->live_reservations(), 1);
   };
 

@@ -126,7 +126,11 @@ class FaultSweepTest : public ::testing::TestWithParam<Operation> {
 
   static void ExpectSame(const Snapshot& before, const Snapshot& after) {
     EXPECT_EQ(after.chunks, before.chunks) << "live chunks";
-    EXPECT_EQ(after.mappings, before.mappings) << "live mappings";
+    // The daemon maps its view on demand (Note [The daemon maps on demand]): a change that failed after it mapped
+    // the whole view for a copy leaves it mapped, and maps nothing else.
+    if (after.mappings != before.mappings) {
+      EXPECT_EQ(after.mappings, after.chunks) << "live mappings";
+    }
     EXPECT_EQ(after.reservations, before.reservations) << "live reservations";
     EXPECT_EQ(after.fds, before.fds) << "open FDs";
     EXPECT_EQ(after.committed, before.committed) << "committed bytes (the budget)";

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -308,7 +309,7 @@ size_t OpenFds() {
 TEST_F(ChunkMakerTest, MakesMapsExportsAndKeepsEveryChunkAndDiscardsThem) {
   ChunkMaker maker(device_.get(), &store_, &next_id_, false);
   const size_t fds_before = OpenFds();
-  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made, maker.Make(base_, Plan(), "needs"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made, maker.Make(base_, Plan(), "needs", ChunkMaker::Map::kNow));
   ASSERT_EQ(made.size(), 3u);
   EXPECT_EQ(device_->live_chunks(), 3);
   EXPECT_EQ(device_->live_mappings(), 3);
@@ -317,6 +318,7 @@ TEST_F(ChunkMakerTest, MakesMapsExportsAndKeepsEveryChunkAndDiscardsThem) {
   // chunk is one FD here and one in the (in-memory) FD store.
   for (const ChunkRecord& r : made) {
     EXPECT_TRUE(r.handle_is_fd);
+    EXPECT_TRUE(r.mapped);
     EXPECT_FALSE(r.exported.valid());
     EXPECT_EQ(r.fd(), static_cast<int>(r.chunk.handle));
   }
@@ -327,22 +329,59 @@ TEST_F(ChunkMakerTest, MakesMapsExportsAndKeepsEveryChunkAndDiscardsThem) {
   EXPECT_TRUE(inner_.kept_chunk_ids().empty());
 }
 
+// Note [The daemon maps on demand]: a grow's chunks are made unmapped, mapped by MapInView when the daemon
+// touches them, and a discard unmaps exactly the ones that are.
+TEST_F(ChunkMakerTest, MakesChunksUnmappedUntilTheDaemonMapsThemInItsView) {
+  ChunkMaker maker(device_.get(), &store_, &next_id_, false);
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made,
+                           maker.Make(base_, Plan(), "needs", ChunkMaker::Map::kOnDemand));
+  ASSERT_EQ(made.size(), 3u);
+  EXPECT_EQ(device_->live_chunks(), 3);
+  EXPECT_EQ(device_->live_mappings(), 0);
+  for (const ChunkRecord& r : made) EXPECT_FALSE(r.mapped);
+  // Unmapped chunks are discarded without an unmap.
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> spare,
+                           maker.Make(base_, {Plan()[0]}, "needs", ChunkMaker::Map::kOnDemand));
+  maker.Discard(base_, spare[0]);
+  EXPECT_EQ(device_->live_chunks(), 3);
+  // A map that fails part way leaves none of them mapped; the next call maps them all, and one after it none.
+  std::vector<ChunkRecord*> all{&made[0], &made[1], &made[2]};
+  device_->FailNth(FaultDevice::Op::kMap, 2, absl::InternalError("map failed"));
+  EXPECT_THAT(maker.MapInView(base_, all), StatusIs(absl::StatusCode::kInternal, "map failed"));
+  for (const ChunkRecord& r : made) EXPECT_FALSE(r.mapped);
+  EXPECT_EQ(device_->live_mappings(), 0);
+  ASSERT_THAT(maker.MapInView(base_, all), IsOk());
+  ASSERT_THAT(maker.MapInView(base_, all), IsOk());
+  EXPECT_EQ(device_->live_mappings(), 3);
+  // The daemon's view holds the chunks' bytes: what one mapping writes the chunk's FD reads.
+  const uint64_t va = base_ + made[2].info.offset;
+  std::memset(reinterpret_cast<void*>(va), 0x5a, 4096);
+  char back = 0;
+  ASSERT_EQ(pread(made[2].fd(), &back, 1, 4095), 1);
+  EXPECT_EQ(back, 0x5a);
+  for (ChunkRecord& r : made) maker.Discard(base_, r);
+  EXPECT_EQ(device_->live_chunks(), 0);
+  EXPECT_EQ(device_->live_mappings(), 0);
+}
+
 TEST_F(ChunkMakerTest, AFailureAtAnyStepLeavesNothing) {
   ChunkMaker maker(device_.get(), &store_, &next_id_, false);
   device_->FailNth(FaultDevice::Op::kMap, 3, absl::InternalError("map failed"));
-  EXPECT_THAT(maker.Make(base_, Plan(), "needs"), StatusIs(absl::StatusCode::kInternal, "map failed"));
+  EXPECT_THAT(maker.Make(base_, Plan(), "needs", ChunkMaker::Map::kNow),
+              StatusIs(absl::StatusCode::kInternal, "map failed"));
   EXPECT_EQ(device_->live_chunks(), 0);
   EXPECT_EQ(device_->live_mappings(), 0);
   // Out of device memory is worded with what was needed.
   device_->FailNth(FaultDevice::Op::kCreate, 2, absl::ResourceExhaustedError("out of memory"));
-  EXPECT_THAT(maker.Make(base_, Plan(), "pool p: growing needs 8 MiB"),
+  EXPECT_THAT(maker.Make(base_, Plan(), "pool p: growing needs 8 MiB", ChunkMaker::Map::kOnDemand),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        ::testing::AllOf(HasSubstr("pool p: growing needs 8 MiB but the device has "),
                                         HasSubstr("bytes free: out of memory"))));
   EXPECT_EQ(device_->live_chunks(), 0);
   // A store that refuses an FD: the ones it took are taken back.
   store_.FailNth(FaultStore::Op::kKeep, 2, absl::ResourceExhaustedError("store full"));
-  EXPECT_THAT(maker.Make(base_, Plan(), "needs"), StatusIs(absl::StatusCode::kResourceExhausted, "store full"));
+  EXPECT_THAT(maker.Make(base_, Plan(), "needs", ChunkMaker::Map::kNow),
+              StatusIs(absl::StatusCode::kResourceExhausted, "store full"));
   EXPECT_EQ(device_->live_chunks(), 0);
   EXPECT_EQ(device_->live_mappings(), 0);
   EXPECT_TRUE(inner_.kept_chunk_ids().empty());
@@ -350,7 +389,8 @@ TEST_F(ChunkMakerTest, AFailureAtAnyStepLeavesNothing) {
 
 TEST_F(ChunkMakerTest, AdoptsAChunkFromItsFdAndRefusesOneOfAnotherSize) {
   ChunkMaker maker(device_.get(), &store_, &next_id_, false);
-  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made, maker.Make(base_, {Plan()[1]}, "needs"));
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<ChunkRecord> made,
+                           maker.Make(base_, {Plan()[1]}, "needs", ChunkMaker::Map::kOnDemand));
   const ChunkInfo info = made[0].info;
   const UniqueFd fd(dup(made[0].fd()));
   maker.Discard(base_, made[0], ChunkMaker::StoreFd::kLeave);
