@@ -6,6 +6,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kvd/status.h"
 
 namespace kvd::daemon {
@@ -25,11 +26,19 @@ absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
 
 }  // namespace
 
-absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p, Map map) {
+absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p, Map map,
+                                                ResizePhases& phases) {
   ChunkRecord r;
   r.info = {.id = next_id_->fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
+  absl::Time start = absl::Now();
   KVD_ASSIGN_OR_RETURN(r.chunk, device_->Create(p.bytes));
   absl::Cleanup undo = [&] { Discard(base, r, StoreFd::kLeave); };
+  const auto lap = [&start](absl::Duration& phase) {
+    const absl::Time now = absl::Now();
+    phase += now - start;
+    start = now;
+  };
+  lap(phases.create);
   // Note [FD hygiene]: where the handle is the chunk's FD, a dup of it beside it would be a second FD per chunk
   // held for nothing.
   r.handle_is_fd = HandleIsFd();
@@ -42,16 +51,21 @@ absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChun
     KVD_ASSIGN_OR_RETURN(std::string fabric, device_->ExportFabricHandle(r.chunk));
     r.info.fabric_handle = std::make_shared<const std::string>(std::move(fabric));
   }
+  lap(phases.exported);
   if (map == Map::kNow) {
     KVD_RETURN_IF_ERROR(device_->Map(base + p.offset, r.chunk, Access::kReadWrite));
     r.mapped = true;
+    lap(phases.map);
   }
   std::move(undo).Cancel();
   return r;
 }
 
 absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const std::vector<PlannedChunk>& plan,
-                                                          absl::string_view needs, Map map, Observer* observer) {
+                                                          absl::string_view needs, Map map, Observer* observer,
+                                                          ResizePhases* phases) {
+  ResizePhases unused;
+  ResizePhases& times = phases != nullptr ? *phases : unused;
   std::vector<ChunkRecord> made;
   absl::Cleanup undo = [&] {
     if (observer != nullptr) observer->Undoing();
@@ -59,7 +73,7 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
   };
   made.reserve(plan.size());
   for (const PlannedChunk& p : plan) {
-    absl::StatusOr<ChunkRecord> r = MakeOne(base, p, map);
+    absl::StatusOr<ChunkRecord> r = MakeOne(base, p, map, times);
     if (!r.ok()) {
       // Out of memory is worded with the bytes asked and free; out of file descriptors is not about memory
       // and passes as the device said it.
@@ -73,7 +87,9 @@ absl::StatusOr<std::vector<ChunkRecord>> ChunkMaker::Make(uint64_t base, const s
     if (observer != nullptr && made.back().mapped) observer->Mapped(made.back().info);
   }
   // Into the FD store before any client can see them: a restart after the commit finds them there.
+  const absl::Time keep_start = absl::Now();
   KVD_RETURN_IF_ERROR(Keep(made));
+  times.store += absl::Now() - keep_start;
   std::move(undo).Cancel();
   return made;
 }

@@ -18,6 +18,7 @@
 #include "daemon/core/chunk_table.h"
 #include "daemon/core/durable.h"
 #include "daemon/core/geometry.h"
+#include "daemon/core/pool_types.h"
 #include "kvd/device.h"
 
 namespace kvd::daemon {
@@ -45,10 +46,12 @@ class ChunkMaker {
   // Makes the chunks of `plan` for the view at `base`, their FDs kept in the store. All or nothing. A device
   // out of memory (not of file descriptors) is RESOURCE_EXHAUSTED "<needs> but the device has N bytes free:
   // <the device's words>"; every other failure (a store that refuses an FD too) passes as it is.
-  // `observer` (with Map::kNow) is told of each chunk once it is mapped.
+  // `observer` (with Map::kNow) is told of each chunk once it is mapped; `phases`, where given, gets the time
+  // of each step added (create, exported, map, store).
   [[nodiscard]] absl::StatusOr<std::vector<ChunkRecord>> Make(uint64_t base, const std::vector<PlannedChunk>& plan,
                                                               absl::string_view needs, Map map,
-                                                              Observer* observer = nullptr);
+                                                              Observer* observer = nullptr,
+                                                              ResizePhases* phases = nullptr);
   // Maps `chunks` (a pool's; those mapped already are skipped) into the daemon's view at `base`, before the
   // daemon touches their bytes. All or nothing: on the device's failure the ones this call mapped are unmapped.
   [[nodiscard]] absl::Status MapInView(uint64_t base, absl::Span<ChunkRecord* const> chunks);
@@ -78,7 +81,8 @@ class ChunkMaker {
   // keeps no export beside it.
   bool HandleIsFd() const { return device_->kind() == BackendKind::kHost; }
   // Create, export and (Map::kNow) map, without the store.
-  [[nodiscard]] absl::StatusOr<ChunkRecord> MakeOne(uint64_t base, const PlannedChunk& planned, Map map);
+  [[nodiscard]] absl::StatusOr<ChunkRecord> MakeOne(uint64_t base, const PlannedChunk& planned, Map map,
+                                                    ResizePhases& phases);
 
   Device* const device_;
   StateStore* const store_;

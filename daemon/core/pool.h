@@ -61,6 +61,7 @@ namespace kvd::daemon {
 struct Staged {
   std::vector<ChunkRecord> chunks;
   uint64_t bytes = 0;
+  ResizePhases phases;  // admit, create, exported, map and store
 };
 
 // One resize between its prepare (checks, and the memory a grow or wake needs) and its commit.

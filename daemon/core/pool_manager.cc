@@ -307,11 +307,13 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks, Ch
   // Taken now, so that concurrent grows of other pools see it: admitted against the budget and what the
   // device can back, with what other admitted grows are still making (Note [Arbitration]). The admission
   // ends (those bytes are no longer "being made") when this returns: made, or given back.
+  const absl::Time admit_start = absl::Now();
   KVD_ASSIGN_OR_RETURN(Arbiter::Admission admission,
                        arbiter_.Admit({.pool = pool.name(),
                                        .committed_bytes = pool.Summary().committed_bytes,
                                        .bytes = staged.bytes,
                                        .what = absl::StrCat("growing to ", target_blocks, " blocks")}));
+  staged.phases.admit = absl::Now() - admit_start;
   absl::StatusOr<std::vector<PlannedChunk>> plan = pool.PlanGrow(target_blocks, options_.max_chunk_bytes);
   if (!plan.ok()) {
     budget_.Give(staged.bytes);
@@ -323,7 +325,8 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks, Ch
       maker_.Make(pool.base(), *plan,
                   absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes,
                                " bytes (", FormatBytes(staged.bytes), ")"),
-                  observer != nullptr ? ChunkMaker::Map::kNow : ChunkMaker::Map::kOnDemand, observer);
+                  observer != nullptr ? ChunkMaker::Map::kNow : ChunkMaker::Map::kOnDemand, observer,
+                  &staged.phases);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
     return made.status();
@@ -775,7 +778,16 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
   const uint64_t target_blocks = change.target_blocks;
   const size_t chunks_before = pool.Summary().chunks;
   const std::optional<KeptContents> restored = change.restored ? pool.kept() : std::nullopt;
+  const ResizePhases staged = change.staged.phases;
+  absl::Time lap = absl::Now();
   PoolUpdate update = pool.Apply(std::move(change), session, &released);
+  update.phases = staged;
+  const auto next = [&lap](absl::Duration& phase) {
+    const absl::Time now = absl::Now();
+    phase = now - lap;
+    lap = now;
+  };
+  next(update.phases.apply);
   // Woken with its contents: the tier's copy is no longer needed.
   if (restored.has_value()) host_tier_->Give(restored->tier_offset, restored->extent_bytes);
   if (op == GroupOp::kShrink) {
@@ -786,9 +798,12 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
                       .chunks_after = static_cast<uint32_t>(update.pool.chunks.size()),
                       .target_reached = update.pool.committed_bytes == g.CommittedBytes(g.PrefixBytes(target_blocks))};
   }
+  lap = absl::Now();
   Save(pool);
+  next(update.phases.save);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
   for (ChunkRecord& r : released) maker_.Discard(pool.base(), r);
+  next(update.phases.release);
   update.elapsed = absl::Now() - start;
   return update;
 }

@@ -172,6 +172,19 @@ struct ReshapeReport {
   absl::Duration max_pause;  // the longest of them
 };
 
+// Where a resize's time went in the daemon, summed over its chunks (the service's debug line); zero for a step
+// that did not run.
+struct ResizePhases {
+  absl::Duration admit;     // the arbiter's admission (the device's free count)
+  absl::Duration create;    // Device::Create
+  absl::Duration exported;  // Device::Export (and the fabric handle)
+  absl::Duration map;       // Device::Map into the daemon's view (Note [The daemon maps on demand])
+  absl::Duration store;     // the FDs into the state store
+  absl::Duration apply;     // the table, the events and the leases
+  absl::Duration save;      // the pool's record
+  absl::Duration release;   // the daemon's own references to released chunks
+};
+
 // The result of one change to a pool's chunk table.
 struct PoolUpdate {
   PoolView pool;
@@ -180,6 +193,7 @@ struct PoolUpdate {
   std::vector<uint64_t> released_chunk_ids;
   uint64_t release_id = 0;  // 0: nothing to acknowledge
   absl::Duration elapsed;
+  ResizePhases phases;                   // grow, shrink, sleep and wake
   std::optional<ReshapeReport> reshape;  // shrink and compact
 };
 

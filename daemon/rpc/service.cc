@@ -116,6 +116,11 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
   spdlog::info("{} pool {}: {} blocks committed ({}), +{} / -{} chunks, {} pending release, {} elapsed", verb,
                u.pool.name, u.pool.committed_blocks, FormatBytes(u.pool.committed_bytes), u.added.size(),
                u.released_chunk_ids.size(), FormatBytes(u.pool.pending_release_bytes), Elapsed(u.elapsed));
+  if (!spdlog::should_log(spdlog::level::debug)) return;
+  const ResizePhases& p = u.phases;
+  spdlog::debug("{} pool {}: admit {}, create {}, export {}, map {}, store {}, apply {}, save {}, release {}", verb,
+                u.pool.name, Elapsed(p.admit), Elapsed(p.create), Elapsed(p.exported), Elapsed(p.map),
+                Elapsed(p.store), Elapsed(p.apply), Elapsed(p.save), Elapsed(p.release));
 }
 
 // A shrink or compact that moved bytes: its pause and copy, in the log (metrics see each step: main.cc).
