@@ -620,9 +620,8 @@ struct Mapping::Impl {
   // With `all` (a PAUSE's lease) the lease must yield every chunk of `leased`: FAILED_PRECONDITION when one
   // was released since, INTERNAL when the lease lacks one. Without, it yields the chunks still in the pool
   // (FetchHandles.skip_released; Note [A lease yields what is still in the pool] in docs/architecture.md).
-  // `early`, where valid, is a handle-channel connection opened ahead for this fetch (HandleSession::Connect).
   absl::Status FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
-                           const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all, UniqueFd early,
+                           const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
                            absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Fetches `lease` on `c` and maps each chunk of `added` that is still in the pool at base + offset,
@@ -630,8 +629,8 @@ struct Mapping::Impl {
   // release's event (on this Mapping's stream, before or after) unmaps or replaces it. A chunk mapped
   // already with the same segment, offset and bytes stays as it is. Returns the chunks the lease yielded.
   absl::StatusOr<std::vector<ChunkInfo>> MapLease(const Client::Impl::Connection& c, const std::string& lease,
-                                                  const google::protobuf::RepeatedPtrField<v1::Chunk>& added,
-                                                  UniqueFd early = UniqueFd()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+                                                  const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The FD a chunk keeps, or none (keep_fds).
   UniqueFd Keep(UniqueFd fd) const { return keep_fds ? std::move(fd) : UniqueFd(); }
   // A new FD of a mapped chunk, for ReturnHandles: a dup of the one it keeps, else the device's export.
@@ -683,11 +682,10 @@ struct Mapping::Impl {
 
 absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
                                         const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
-                                        UniqueFd early,
                                         absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each) {
   std::map<uint64_t, ChunkInfo> wanted;
   for (const v1::Chunk& chunk : leased) wanted[chunk.id()] = FromProto(chunk);
-  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease, /*skip_released=*/!all, std::move(early)));
+  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease, /*skip_released=*/!all));
   internal::MarkPhase("lease.fetched");
   size_t next = 0;
   absl::Cleanup close_rest = [&] {
@@ -716,11 +714,11 @@ absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const
 
 absl::StatusOr<std::vector<ChunkInfo>> Mapping::Impl::MapLease(
     const Client::Impl::Connection& c, const std::string& lease,
-    const google::protobuf::RepeatedPtrField<v1::Chunk>& added, UniqueFd early) {
+    const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
   std::vector<ChunkInfo> came;
   if (added.empty()) return came;
   KVD_RETURN_IF_ERROR(FetchLeased(
-      c, lease, added, /*all=*/false, std::move(early),
+      c, lease, added, /*all=*/false,
       [&](const ChunkInfo& info, UniqueFd fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) -> absl::Status {
         came.push_back(info);
         if (auto have = chunks.find(info.id); have != chunks.end() && have->second.info.segment == info.segment &&
@@ -775,7 +773,7 @@ absl::Status Mapping::Impl::ImportPause(const Client::Impl::Connection& c, const
   for (const v1::ByteRange& r : ev.ranges()) pause.ranges.push_back({r.segment(), r.offset(), r.bytes()});
   absl::Cleanup drop = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { DropPause(pause); };
   if (!ev.chunks().empty()) {
-    KVD_RETURN_IF_ERROR(FetchLeased(c, ev.lease().token(), ev.chunks(), /*all=*/true, UniqueFd(),
+    KVD_RETURN_IF_ERROR(FetchLeased(c, ev.lease().token(), ev.chunks(), /*all=*/true,
                                     [&](const ChunkInfo& info, UniqueFd fd) -> absl::Status {
                                       KVD_ASSIGN_OR_RETURN(Chunk chunk, device->Import(fd.get(), info.bytes));
                                       pause.chunks.push_back(Imported{info, chunk, Keep(std::move(fd))});
@@ -1882,11 +1880,6 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   internal::MarkPhase("attach.device");
 
   KVD_ASSIGN_OR_RETURN(const Impl::Conn conn, impl_->Live());
-  // The lease's handle-channel connection is opened before the RPC, so that the daemon accepts it while it
-  // answers; after a slow answer (the daemon drops a silent connection after its first-request timeout) the
-  // fetch opens a fresh one.
-  absl::StatusOr<UniqueFd> early = conn->session.Connect();
-  const absl::Time asked = absl::Now();
   v1::AttachRequest req;
   req.set_pool(name);
   req.set_client_name(options.client_name);
@@ -1895,7 +1888,6 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   v1::AttachResponse resp;
   KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::Attach, req, &resp));
   impl_->Observe(resp);
-  if (!early.ok() || absl::Now() - asked > absl::Seconds(1)) early = UniqueFd();
   internal::MarkPhase("attach.rpc");
 
   KVD_ASSIGN_OR_RETURN(kvd::DeviceInfo local_info, device->Info());
@@ -1944,7 +1936,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   };
   {
     absl::MutexLock lock(&m->mu);
-    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks(), *std::move(early)).status());
+    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks()).status());
     m->committed_blocks = resp.pool().committed_blocks();
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }

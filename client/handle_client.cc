@@ -37,7 +37,7 @@ Clock::duration Left(Clock::time_point deadline) { return std::max(deadline - Cl
 
 // Connects a SOCK_SEQPACKET socket to `path`; sends (and a connect to a full backlog) give up at
 // `deadline` through SO_SNDTIMEO.
-absl::StatusOr<UniqueFd> Dial(const std::string& path, Clock::time_point deadline, absl::Duration timeout) {
+absl::StatusOr<UniqueFd> Connect(const std::string& path, Clock::time_point deadline, absl::Duration timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty()) return absl::InvalidArgumentError("handles_path: must not be empty");
@@ -168,7 +168,7 @@ absl::StatusOr<HandleSession> HandleSession::Open(std::string handles_path, absl
                                                   HandleClientOptions options) {
   const Clock::time_point deadline = DeadlineAfter(options.timeout);
   HandleSession session(std::move(handles_path), options);  // closes the connection on every early return
-  KVD_ASSIGN_OR_RETURN(UniqueFd connection, Dial(session.path_, deadline, options.timeout));
+  KVD_ASSIGN_OR_RETURN(UniqueFd connection, Connect(session.path_, deadline, options.timeout));
   session.fd_ = connection.release();
 
   v1::HandleChannelRequest request;
@@ -231,23 +231,10 @@ void HandleSession::Close() {
 
 absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl::string_view lease_token,
                                                                            bool skip_released) const {
-  return Fetch(lease_token, skip_released, UniqueFd());
-}
-
-absl::StatusOr<UniqueFd> HandleSession::Connect() const {
-  if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
-  return Dial(path_, DeadlineAfter(options_.timeout), options_.timeout);
-}
-
-absl::StatusOr<std::vector<std::pair<uint64_t, int>>> HandleSession::Fetch(absl::string_view lease_token,
-                                                                           bool skip_released,
-                                                                           UniqueFd connection) const {
   if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
   if (lease_token.empty()) return absl::InvalidArgumentError("lease_token: must not be empty");
   const Clock::time_point deadline = DeadlineAfter(options_.timeout);
-  if (!connection) {
-    KVD_ASSIGN_OR_RETURN(connection, Dial(path_, deadline, options_.timeout));
-  }
+  KVD_ASSIGN_OR_RETURN(const UniqueFd connection, Connect(path_, deadline, options_.timeout));
   const int fd = connection.get();
 
   v1::HandleChannelRequest request;
@@ -293,7 +280,7 @@ absl::StatusOr<HandleSession::Returned> HandleSession::ReturnHandles(
     absl::string_view pool, const std::vector<std::pair<uint64_t, int>>& chunks) const {
   if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
   const Clock::time_point deadline = DeadlineAfter(options_.timeout);
-  KVD_ASSIGN_OR_RETURN(const UniqueFd connection, Dial(path_, deadline, options_.timeout));
+  KVD_ASSIGN_OR_RETURN(const UniqueFd connection, Connect(path_, deadline, options_.timeout));
   const int fd = connection.get();
   size_t next = 0;
   do {

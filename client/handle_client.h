@@ -16,7 +16,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "kvd/unique_fd.h"
 
 namespace kvd {
 
@@ -60,15 +59,6 @@ class HandleSession {
   // was issued are left out of the result instead of failing the fetch.
   [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token,
                                                                             bool skip_released = false) const;
-  // The same on `connection`, a connection for one fetch opened ahead with Connect(), or on a new one where it
-  // is not valid.
-  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token,
-                                                                            bool skip_released,
-                                                                            UniqueFd connection) const;
-  // A connection for one Fetch, opened ahead: the daemon accepts it while the caller is still asking for the lease
-  // (libkvd's attach opens it before its Attach RPC). The daemon drops a connection that sends nothing within its
-  // first-request timeout (5 s by default), so a caller uses it within a second or opens another.
-  [[nodiscard]] absl::StatusOr<UniqueFd> Connect() const;
 
   // What the daemon answered to ReturnHandles (proto HandlesReturned).
   struct Returned {

@@ -325,8 +325,7 @@ absl::StatusOr<Staged> PoolManager::Stage(Pool& pool, uint64_t target_blocks, Ch
       maker_.Make(pool.base(), *plan,
                   absl::StrCat("pool ", pool.name(), ": growing to ", target_blocks, " blocks needs ", staged.bytes,
                                " bytes (", FormatBytes(staged.bytes), ")"),
-                  observer != nullptr ? ChunkMaker::Map::kNow : ChunkMaker::Map::kOnDemand, observer,
-                  &staged.phases);
+                  observer != nullptr ? ChunkMaker::Map::kNow : ChunkMaker::Map::kOnDemand, observer, &staged.phases);
   if (!made.ok()) {
     budget_.Give(staged.bytes);
     return made.status();
@@ -802,8 +801,10 @@ PoolUpdate PoolManager::CommitLocked(Pool& pool, Change change, absl::string_vie
   Save(pool);
   next(update.phases.save);
   // The daemon's own references go now; clients' mappings keep the memory until they acknowledge.
-  for (ChunkRecord& r : released) maker_.Discard(pool.base(), r);
-  next(update.phases.release);
+  if (!released.empty()) {
+    for (ChunkRecord& r : released) maker_.Discard(pool.base(), r);
+    next(update.phases.release);
+  }
   update.elapsed = absl::Now() - start;
   return update;
 }

@@ -250,9 +250,8 @@ void HandleChannel::Stop() {
   std::vector<std::thread> finished;
   {
     absl::MutexLock lock(&mu_);
-    // Every worker sees the stop eventfd and gives up its fetch, an idle one stops waiting; the last thing each
-    // does is move itself from workers_ to finished_.
-    stopping_ = true;
+    // Every worker sees the stop eventfd and gives up its fetch; the last thing it does is move itself
+    // from workers_ to finished_.
     mu_.Await(absl::Condition(
         +[](std::list<std::thread>* workers) { return workers->empty(); }, &workers_));
     accepted.swap(accepted_);
@@ -487,8 +486,7 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
 void HandleChannel::SpawnFetch(Fetch fetch) {
   absl::MutexLock lock(&mu_);
   fetches_.push_back(std::move(fetch));
-  // An idle worker takes it, or a running one once it is done.
-  if (fetches_.size() <= idle_workers_ || workers_.size() >= options_.max_fetch_workers) return;
+  if (workers_.size() >= options_.max_fetch_workers) return;  // a running worker takes it
   auto self = workers_.emplace(workers_.end());
   // The worker cannot finish before `*self` is assigned: it takes mu_, held here, before it ends.
   try {
@@ -511,11 +509,6 @@ void HandleChannel::FetchWorker(std::list<std::thread>::iterator self) {
     Fetch fetch;
     {
       absl::MutexLock lock(&mu_);
-      if (fetches_.empty() && !stopping_) {
-        ++idle_workers_;
-        mu_.AwaitWithTimeout(absl::Condition(this, &HandleChannel::HasFetchOrStopping), options_.fetch_worker_idle);
-        --idle_workers_;
-      }
       if (fetches_.empty()) {
         finished_.push_back(std::move(*self));
         workers_.erase(self);

@@ -13,8 +13,7 @@
 // and checks the connection limits; one watcher thread polls every connection that has not sent its request yet (with
 // a deadline) and every open session (for EOF), and answers OpenSession itself; FetchHandles requests
 // are queued and served by at most Options::max_fetch_workers worker threads, started on demand and
-// ending once the queue has been empty for Options::fetch_worker_idle (so that an engine's attach or grow
-// finds one waiting instead of paying for a thread's start). A worker that cannot be started (the process is out of threads or
+// ending when the queue is empty. A worker that cannot be started (the process is out of threads or
 // memory) is not an abort: the fetch waits for a running worker, or, when none runs, is answered
 // RESOURCE_EXHAUSTED. The number of connections of any kind is bounded by Options::max_connections in
 // total and Options::max_connections_per_uid per peer uid, so the queue is too. No socket operation
@@ -97,8 +96,6 @@ class HandleChannel {
     size_t max_connections_per_uid = 1024;
     // Fetches served at once; the rest wait in a queue, in arrival order.
     size_t max_fetch_workers = 16;
-    // How long a fetch worker with nothing to do waits for the next fetch before it ends.
-    absl::Duration fetch_worker_idle = absl::Seconds(2);
     // A peer that connects and sends no request within this is sent DEADLINE_EXCEEDED and dropped.
     absl::Duration first_request_timeout = absl::Seconds(5);
     // A larger request is refused with INVALID_ARGUMENT.
@@ -168,8 +165,7 @@ class HandleChannel {
   void SpawnFetch(Fetch fetch);
   // ReturnHandles: the rest of the packets, then the backend (on a fetch worker).
   void ServeReturn(Connection conn, v1::ReturnHandles first, std::vector<UniqueFd> fds);
-  // A worker: serves queued fetches until the queue has been empty for Options::fetch_worker_idle.
-  bool HasFetchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !fetches_.empty() || stopping_; }
+  // A worker: serves queued fetches until the queue is empty.
   void FetchWorker(std::list<std::thread>::iterator self);
   void ReapFinishedWorkers();
   // After a failed poll (errno set): returns at once on EINTR, else counts an error and waits a little.
@@ -201,8 +197,6 @@ class HandleChannel {
   std::vector<Connection> accepted_ ABSL_GUARDED_BY(mu_);   // accept thread -> watcher
   std::list<Fetch> fetches_ ABSL_GUARDED_BY(mu_);           // fetches waiting for a worker
   std::list<std::thread> workers_ ABSL_GUARDED_BY(mu_);     // running workers
-  size_t idle_workers_ ABSL_GUARDED_BY(mu_) = 0;           // of them, waiting for a fetch
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;             // Stop() began: idle workers end
   std::vector<std::thread> finished_ ABSL_GUARDED_BY(mu_);  // workers done, to be joined
 
   absl::Mutex stop_mu_;

@@ -8,6 +8,7 @@ carries every scalar and repeated field of the message (so a new proto field sho
 change). $KVD_BINARY and $KVCTL_BINARY name the binaries, $PYTHONPATH finds kvd/v1 (ctest sets them).
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -346,6 +347,45 @@ class KvctlTest(KvctlCase):
             r = subprocess.run([KVCTL] + verb + ["--help"], capture_output=True, text=True, timeout=WAIT_S)
             self.assertEqual(r.returncode, 0, verb)
             self.assertIn("Usage", r.stdout, verb)
+
+
+class KvctlDebugLogTest(KvctlCase):
+    """docs/operations.md, "Troubleshooting with kvctl": at --log-level=debug every resize's info line is followed
+    by where the daemon's time went."""
+
+    def kvd_args(self):
+        return ["--log-level=debug"]
+
+    def phases(self, verb):
+        """The phases (name -> seconds) of the last debug line for `verb` ("grew", "shrank", ...) of pool kv."""
+        lines = [line for line in self.log().splitlines() if f"{verb} pool kv: admit " in line]
+        self.assertTrue(lines, f"no debug line for {verb}: {self.log()}")
+        units = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+        found = {}
+        for part in lines[-1].split(f"{verb} pool kv: ", 1)[1].split(", "):
+            name, value = part.split(" ", 1)
+            m = re.fullmatch(r"([0-9.]+)(ns|us|ms|s)?", value)
+            self.assertIsNotNone(m, f"{name}: {value!r} in {lines[-1]}")
+            found[name] = float(m.group(1)) * units[m.group(2) or "s"]
+        self.assertEqual(list(found), ["admit", "create", "export", "map", "store", "apply", "save", "release"])
+        return found
+
+    def test_every_resize_says_where_its_time_went(self):
+        self.ok("create", "kv", *DIMS, "--initial-blocks", "1024")
+        self.ok("grow", "kv", "--blocks", "2048")
+        grew = self.phases("grew")
+        self.assertGreater(grew["create"], 0)
+        self.assertGreater(grew["admit"], 0)
+        self.assertEqual(grew["map"], 0, "a grow maps nothing into kvd's view (Note [The daemon maps on demand])")
+        self.assertEqual(grew["release"], 0)
+        self.ok("shrink", "kv", "--blocks", "1024", "--wait")
+        shrank = self.phases("shrank")
+        self.assertEqual(shrank["create"], 0)
+        self.assertGreater(shrank["release"], 0)
+        self.ok("sleep", "kv", "--wait")
+        self.assertGreater(self.phases("put to sleep")["release"], 0)
+        self.ok("wake", "kv")
+        self.assertGreater(self.phases("woke")["create"], 0)
 
 
 class KvctlGroupTest(KvctlCase):

@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
@@ -582,74 +581,6 @@ TEST_F(HandleChannelTest, FetchesBeyondTheWorkerLimitWaitTheirTurn) {
     for (const auto& [chunk_id, fd] : *fds) close(fd);
   }
   EXPECT_EQ(backend_.redeems(), 2);
-}
-
-// The process's threads, from /proc/self/task.
-size_t Threads() {
-  size_t n = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++n;
-  return n;
-}
-
-// A worker waits a while for the next fetch (an engine's attach finds it ready), then ends; Stop() does not wait
-// for an idle worker's time to run out.
-TEST_F(HandleChannelTest, AnIdleFetchWorkerServesTheNextFetchThenEnds) {
-  HandleChannel::Options options;
-  options.fetch_worker_idle = absl::Seconds(2);
-  StartChannel(options);
-  MakeLease("one", 2);
-  MakeLease("two", 3, 2000);
-  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
-  const size_t before = Threads();
-  KVD_ASSERT_OK_AND_ASSIGN(auto one, session.Fetch("one"));
-  EXPECT_EQ(Threads(), before + 1) << "the worker waits for the next fetch";
-  KVD_ASSERT_OK_AND_ASSIGN(auto two, session.Fetch("two"));
-  EXPECT_EQ(one.size(), 2u);
-  EXPECT_EQ(two.size(), 3u);
-  for (const auto* fds : {&one, &two}) {
-    for (const auto& [chunk_id, fd] : *fds) close(fd);
-  }
-  // (A second worker starts only when the fetch came before the first one was back waiting.)
-  EXPECT_LE(Threads(), before + 2);
-  ASSERT_TRUE(WaitFor([&] { return Threads() == before; })) << "an idle worker ends after fetch_worker_idle";
-  channel_->Stop();
-}
-
-TEST_F(HandleChannelTest, StopDoesNotWaitForAnIdleFetchWorker) {
-  HandleChannel::Options options;
-  options.fetch_worker_idle = absl::Hours(1);
-  StartChannel(options);
-  MakeLease("one", 2);
-  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
-  KVD_ASSERT_OK_AND_ASSIGN(auto one, session.Fetch("one"));
-  for (const auto& [chunk_id, fd] : one) close(fd);
-  const absl::Time start = absl::Now();
-  channel_->Stop();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
-}
-
-// HandleSession::Connect opens a fetch's connection ahead (libkvd's attach, before its Attach RPC); a Fetch on it
-// is served as on its own, and one the daemon dropped for its silence fails with the daemon's word.
-TEST_F(HandleChannelTest, AFetchOnAConnectionOpenedAheadIsServed) {
-  HandleChannel::Options options;
-  options.first_request_timeout = absl::Milliseconds(500);
-  StartChannel(options);
-  MakeLease("ahead", 3);
-  MakeLease("late", 1, 2000);
-  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
-  KVD_ASSERT_OK_AND_ASSIGN(UniqueFd ahead, session.Connect());
-  KVD_ASSERT_OK_AND_ASSIGN(auto fds, session.Fetch("ahead", false, std::move(ahead)));
-  EXPECT_EQ(fds.size(), 3u);
-  for (const auto& [chunk_id, fd] : fds) close(fd);
-  KVD_ASSERT_OK_AND_ASSIGN(UniqueFd silent, session.Connect());
-  absl::SleepFor(absl::Seconds(1));
-  EXPECT_THAT(session.Fetch("late", false, std::move(silent)),
-              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("no request within")));
-  KVD_ASSERT_OK_AND_ASSIGN(auto late, session.Fetch("late", false, UniqueFd()));
-  EXPECT_EQ(late.size(), 1u);
-  for (const auto& [chunk_id, fd] : late) close(fd);
-  session.Close();
-  EXPECT_THAT(session.Connect(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("closed")));
 }
 
 TEST_F(HandleChannelTest, StopClosesEverySessionAndUnlinksTheSocket) {
