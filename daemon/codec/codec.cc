@@ -46,23 +46,33 @@ v1::LayoutRule ToProto(LayoutRule rule) {
 
 v1::LayoutResolution ToProto(const LayoutResolution& resolution) {
   v1::LayoutResolution p;
+  ToProto(resolution, &p);
+  return p;
+}
+
+void ToProto(const LayoutResolution& resolution, v1::LayoutResolution* out) {
+  v1::LayoutResolution& p = *out;
   p.set_layout(std::string(resolution.layout.name()));
   p.set_rule(ToProto(resolution.rule));
   p.set_rule_detail(resolution.rule_detail);
   for (Layout l : resolution.allowed.layouts()) p.add_allowed_layouts(std::string(l.name()));
   for (const std::string& w : resolution.warnings) p.add_warnings(w);
-  return p;
 }
 
 v1::PoolDims ToProto(const PoolDims& dims) {
   v1::PoolDims p;
+  ToProto(dims, &p);
+  return p;
+}
+
+void ToProto(const PoolDims& dims, v1::PoolDims* out) {
+  v1::PoolDims& p = *out;
   p.set_layers(dims.layers);
   p.set_capacity_blocks(dims.capacity_blocks);
   p.set_heads(dims.heads);
   p.set_block_tokens(dims.block_tokens);
   p.set_channels(dims.channels);
   p.set_element_bytes(dims.element_bytes);
-  return p;
 }
 
 v1::Backend ToProto(BackendKind backend) {
@@ -127,12 +137,17 @@ absl::StatusOr<ReclaimAction> FromProto(v1::ReclaimAction action, absl::string_v
 
 v1::PoolPolicy ToProto(const PoolPolicy& policy) {
   v1::PoolPolicy p;
+  ToProto(policy, &p);
+  return p;
+}
+
+void ToProto(const PoolPolicy& policy, v1::PoolPolicy* out) {
+  v1::PoolPolicy& p = *out;
   p.set_priority(policy.priority);
   p.set_min_bytes(policy.min_bytes);
   p.set_max_bytes(policy.max_bytes);
   p.set_reclaim_timeout_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(policy.reclaim_timeout)));
   p.set_on_reclaim_timeout(ToProto(policy.on_timeout));
-  return p;
 }
 
 absl::StatusOr<PoolPolicy> FromProto(const v1::PoolPolicy& proto, absl::string_view field) {

@@ -26,8 +26,11 @@ uint64_t UnixMillis(absl::Time t);
 
 PoolDims FromProto(const v1::PoolDims& proto);
 v1::PoolDims ToProto(const PoolDims& dims);
+void ToProto(const PoolDims& dims, v1::PoolDims* out);
 v1::LayoutRule ToProto(LayoutRule rule);
 v1::LayoutResolution ToProto(const LayoutResolution& resolution);
+// The same into `out`, on its arena if it has one (a reply built on an arena copies a message assigned to it).
+void ToProto(const LayoutResolution& resolution, v1::LayoutResolution* out);
 // INVALID_ARGUMENT for a layout or rule this build does not know.
 absl::StatusOr<LayoutResolution> FromProto(const v1::LayoutResolution& proto);
 v1::Backend ToProto(BackendKind backend);
@@ -43,6 +46,7 @@ v1::ReclaimAction ToProto(ReclaimAction action);
 absl::StatusOr<ReclaimAction> FromProto(v1::ReclaimAction action, absl::string_view field);
 // operator_bounds travels beside it (Pool.policy_operator_bounds).
 v1::PoolPolicy ToProto(const PoolPolicy& policy);
+void ToProto(const PoolPolicy& policy, v1::PoolPolicy* out);
 // INVALID_ARGUMENT naming "<field>.<member>" for an unknown on_reclaim_timeout or a timeout past 64 bits of
 // milliseconds; the values are the Arbiter's to check (ValidatePolicy).
 absl::StatusOr<PoolPolicy> FromProto(const v1::PoolPolicy& proto, absl::string_view field);

@@ -33,8 +33,14 @@ LayoutRequest FromProto(const v1::LayoutRequest& proto) {
 
 v1::Geometry ToProto(const Geometry& g) {
   v1::Geometry p;
+  ToProto(g, &p);
+  return p;
+}
+
+void ToProto(const Geometry& g, v1::Geometry* out) {
+  v1::Geometry& p = *out;
   p.set_layout(std::string(g.layout().name()));
-  *p.mutable_dims() = ToProto(g.dims());
+  ToProto(g.dims(), p.mutable_dims());
   p.set_stride_l(g.stride(Dim::kL));
   p.set_stride_b(g.stride(Dim::kB));
   p.set_stride_h(g.stride(Dim::kH));
@@ -47,7 +53,6 @@ v1::Geometry ToProto(const Geometry& g) {
   p.set_segment_stride(g.segment_stride());
   p.set_reserved_bytes(g.reserved_bytes());
   p.set_granularity_bytes(g.granularity());
-  return p;
 }
 
 PoolSpec FromProto(const v1::CreatePoolRequest& proto) {
@@ -124,8 +129,8 @@ void ToProto(const Lease& lease, v1::Lease* out) {
   out->set_expires_at_unix_ms(UnixMillis(lease.expires));
 }
 
-v1::ClientInfo ToProto(const ClientView& client) {
-  v1::ClientInfo p;
+void ToProto(const ClientView& client, v1::ClientInfo* out) {
+  v1::ClientInfo& p = *out;
   p.set_client_id(client.id);
   p.set_name(client.name);
   p.set_uid(client.uid);
@@ -134,7 +139,6 @@ v1::ClientInfo ToProto(const ClientView& client) {
   p.set_attached_at_unix_ms(UnixMillis(client.attached_at));
   p.set_device_uuid(client.device_uuid);
   p.set_pausable(client.pausable);
-  return p;
 }
 
 v1::Pool ToProto(const PoolView& pool) {
@@ -147,8 +151,9 @@ void ToProto(const PoolView& pool, v1::Pool* out) {
   v1::Pool& p = *out;
   p.set_name(pool.name);
   p.set_state(ToProto(pool.state));
-  *p.mutable_geometry() = ToProto(pool.geometry);
-  *p.mutable_layout() = ToProto(pool.layout);
+  // In place: the reply may be on an arena, where assigning a message built on the heap copies it.
+  ToProto(pool.geometry, p.mutable_geometry());
+  ToProto(pool.layout, p.mutable_layout());
   p.set_committed_blocks(pool.committed_blocks);
   p.set_committed_bytes(pool.committed_bytes);
   p.set_reserved_bytes(pool.reserved_bytes);
@@ -157,7 +162,7 @@ void ToProto(const PoolView& pool, v1::Pool* out) {
   p.set_kept_bytes(pool.kept_bytes);
   p.set_owner_uid(pool.owner_uid);
   for (uint32_t uid : pool.allowed_uids) p.add_allowed_uids(uid);
-  for (const ClientView& c : pool.clients) *p.add_clients() = ToProto(c);
+  for (const ClientView& c : pool.clients) ToProto(c, p.add_clients());
   p.mutable_chunks()->Reserve(static_cast<int>(pool.chunks.size()));
   for (const ChunkInfo& c : pool.chunks) ToProto(c, p.add_chunks());
   p.set_generation(pool.generation);
@@ -175,7 +180,7 @@ void ToProto(const PoolView& pool, v1::Pool* out) {
   for (uint64_t id : pool.missing_chunk_ids) p.add_missing_chunk_ids(id);
   p.set_client_count(static_cast<uint32_t>(pool.client_count));
   const PoolClaim& claim = pool.claim;
-  *p.mutable_policy() = ToProto(claim.policy);
+  ToProto(claim.policy, p.mutable_policy());
   p.set_policy_operator_bounds(claim.policy.operator_bounds);
   if (claim.usage.has_value()) {
     v1::PoolUsage* u = p.mutable_usage();

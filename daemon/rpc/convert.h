@@ -19,6 +19,8 @@ namespace kvd::daemon {
 LayoutRequest FromProto(const v1::LayoutRequest& proto);
 
 v1::Geometry ToProto(const Geometry& geometry);
+// The same into `out`, on its arena if it has one.
+void ToProto(const Geometry& geometry, v1::Geometry* out);
 
 // Pools, chunks, leases and events (the PoolManager's views). Times become Unix milliseconds.
 PoolSpec FromProto(const v1::CreatePoolRequest& proto);
@@ -29,7 +31,7 @@ v1::Durability ToProto(Durability durability);
 absl::StatusOr<PauseOptions> FromProto(const v1::PauseOptions& proto, absl::string_view field);
 v1::EventType ToProto(EventType type);
 v1::Lease ToProto(const Lease& lease);
-v1::ClientInfo ToProto(const ClientView& client);
+void ToProto(const ClientView& client, v1::ClientInfo* out);
 v1::Pool ToProto(const PoolView& pool);
 v1::PoolUpdate ToProto(const PoolUpdate& update);
 // The same into `out`, whose submessages are made on its arena if it has one (a reply built on an arena
