@@ -26,8 +26,7 @@ absl::Status CheckChunkFd(BackendKind backend, int fd, uint64_t bytes) {
 
 }  // namespace
 
-absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p, Map map,
-                                                ResizePhases& phases) {
+absl::StatusOr<ChunkRecord> ChunkMaker::MakeOne(uint64_t base, const PlannedChunk& p, Map map, ResizePhases& phases) {
   ChunkRecord r;
   r.info = {.id = next_id_->fetch_add(1), .segment = p.segment, .offset = p.offset, .bytes = p.bytes};
   absl::Time start = absl::Now();

@@ -119,8 +119,8 @@ void LogUpdate(const std::string& verb, const PoolUpdate& u) {
   if (!spdlog::should_log(spdlog::level::debug)) return;
   const ResizePhases& p = u.phases;
   spdlog::debug("{} pool {}: admit {}, create {}, export {}, map {}, store {}, apply {}, save {}, release {}", verb,
-                u.pool.name, Elapsed(p.admit), Elapsed(p.create), Elapsed(p.exported), Elapsed(p.map),
-                Elapsed(p.store), Elapsed(p.apply), Elapsed(p.save), Elapsed(p.release));
+                u.pool.name, Elapsed(p.admit), Elapsed(p.create), Elapsed(p.exported), Elapsed(p.map), Elapsed(p.store),
+                Elapsed(p.apply), Elapsed(p.save), Elapsed(p.release));
 }
 
 // A shrink or compact that moved bytes: its pause and copy, in the log (metrics see each step: main.cc).

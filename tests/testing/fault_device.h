@@ -8,12 +8,15 @@
 // Release, Unmap) and the block operations are forwarded and counted, never failed.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "kvd/device.h"
@@ -84,6 +87,10 @@ class FaultDevice final : public Device {
   // From now on the device claims fabric handles (a stand-in for a CUDA node whose fabric probe
   // succeeded): Capabilities() says so and ExportFabricHandle returns 64 bytes naming the chunk.
   void PretendFabric() { pretend_fabric_ = true; }
+  // From now on the device claims range exports that span chunks (a stand-in for CUDA's DMA-BUF):
+  // ExportRange refuses a range of which the process cannot read the first or last byte (as the driver
+  // refuses one that is not mapped: FAILED_PRECONDITION "not mapped") and otherwise returns an FD of its own.
+  void PretendRangeExport() { pretend_range_export_ = true; }
   int live_chunks() const { return live_chunks_; }
   int live_mappings() const { return live_mappings_; }
   int live_reservations() const { return live_reservations_; }
@@ -150,6 +157,10 @@ class FaultDevice final : public Device {
   DeviceCapabilities Capabilities() const override {
     DeviceCapabilities caps = inner_->Capabilities();
     if (pretend_fabric_) caps.fabric = {true, "FaultDevice::PretendFabric"};
+    if (pretend_range_export_) {
+      caps.dma_buf = {true, "FaultDevice::PretendRangeExport"};
+      caps.range_spans_chunks = true;
+    }
     return caps;
   }
   absl::StatusOr<std::string> ExportFabricHandle(const Chunk& chunk) override {
@@ -161,7 +172,21 @@ class FaultDevice final : public Device {
   }
   absl::StatusOr<int> ExportRange(uint64_t va, uint64_t bytes) override {
     if (absl::Status s = Fault(Op::kExportRange); !s.ok()) return s;
-    return inner_->ExportRange(va, bytes);
+    if (!pretend_range_export_) return inner_->ExportRange(va, bytes);
+    // write(2) from memory the process cannot read fails with EFAULT instead of faulting: a probe of the range.
+    int probe[2];
+    if (pipe(probe) != 0) return absl::InternalError("FaultDevice::ExportRange: pipe");
+    bool readable = true;
+    for (const uint64_t at : {va, va + bytes - 1}) {
+      readable = readable && write(probe[1], reinterpret_cast<const void*>(at), 1) == 1;
+    }
+    close(probe[1]);
+    if (!readable) {
+      close(probe[0]);
+      return absl::FailedPreconditionError(
+          absl::StrCat("FaultDevice::ExportRange: [0x", absl::Hex(va), ", +", bytes, ") is not mapped"));
+    }
+    return probe[0];
   }
   absl::Status RegisterHost(void* host, uint64_t bytes) override {
     absl::Notification* release;
@@ -262,6 +287,7 @@ class FaultDevice final : public Device {
   std::map<uintptr_t, uint64_t> registered_host_ ABSL_GUARDED_BY(mu_);
   std::atomic<int> live_chunks_{0}, live_mappings_{0}, live_reservations_{0}, fallible_calls_{0}, copies_outside_{0};
   std::atomic<bool> pretend_fabric_{false};
+  std::atomic<bool> pretend_range_export_{false};
 };
 
 }  // namespace kvd::testing

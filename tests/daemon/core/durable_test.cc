@@ -36,6 +36,7 @@ using ::kvd::testing::FaultDevice;
 using ::kvd::testing::FaultStore;
 using ::kvd::testing::IsOk;
 using ::kvd::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -299,6 +300,42 @@ TEST_F(DurableTest, WhatASleepKeptInTheHostTierComesBackAfterARestart) {
   std::map<uint64_t, UniqueFd> fds = Fetch("p");
   EXPECT_TRUE(PoolBytes(fds, woken, 7, /*check=*/true)) << "every byte the pool kept, at the same offsets";
   EXPECT_EQ(tier_->Stats().used_bytes, 4 * kMiB);
+}
+
+// Note [The daemon maps on demand]: a keeping sleep reads the pool through kvd's view, mapped before anything else.
+// One whose view cannot be mapped is refused with the device's error naming the pool; the pool stays awake with
+// every byte, the tier holds nothing for it and nothing stays mapped; the next try keeps it all.
+TEST_F(DurableTest, AKeepingSleepWhoseViewCannotBeMappedChangesNothing) {
+  MemoryStateStore& memory = MakeMemory({.durability = Durability::kFdStore});
+  MakeTier(32 * kMiB);
+  Start(&memory, &memory);
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView before, manager_->GetPool(alice_, "p"));
+  ASSERT_THAT(before.chunks, SizeIs(2));
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    ASSERT_TRUE(PoolBytes(fds, before, 5, /*check=*/false));
+  }
+  EXPECT_EQ(device_->live_mappings(), 0) << "a grow maps nothing into kvd's view";
+  device_->FailNth(FaultDevice::Op::kMap, 2, absl::ResourceExhaustedError("injected: no page tables"));
+  EXPECT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("pool p: mapping its chunks into kvd's view"), HasSubstr("injected"))));
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView after, manager_->GetPool(alice_, "p"));
+  EXPECT_EQ(after.state, PoolState::kAwake);
+  EXPECT_EQ(after.generation, before.generation);
+  EXPECT_EQ(after.kept_bytes, 0u);
+  EXPECT_EQ(tier_->Stats().used_bytes, 0u) << "the extent the sleep took is back";
+  EXPECT_EQ(device_->live_mappings(), 0) << "the one chunk mapped before the failure is unmapped again";
+  {
+    std::map<uint64_t, UniqueFd> fds = Fetch("p");
+    EXPECT_TRUE(PoolBytes(fds, after, 5, /*check=*/true));
+  }
+  ASSERT_THAT(manager_->Sleep(alice_, "p", false, absl::InfiniteFuture(), {}, {.keep = true}), IsOk());
+  ASSERT_THAT(manager_->Wake(alice_, "p"), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(PoolView woken, manager_->GetPool(alice_, "p"));
+  std::map<uint64_t, UniqueFd> fds = Fetch("p");
+  EXPECT_TRUE(PoolBytes(fds, woken, 5, /*check=*/true)) << "every byte kept through the retried sleep";
 }
 
 // A daemon with a 32 MiB host tier and pool p of 64 blocks, one 4 MiB chunk per segment.

@@ -207,6 +207,38 @@ TEST_P(GrowRollbackTest, AFailedGrowLeavesThePoolAndTheDeviceAsTheyWere) {
 INSTANTIATE_TEST_SUITE_P(EveryStep, GrowRollbackTest,
                          ::testing::Values(Fault{FaultDevice::Op::kCreate, 1}, Fault{FaultDevice::Op::kCreate, 2}));
 
+// A range export (CUDA's DMA-BUF over several chunks) is made of the daemon's view of the pool, which is mapped
+// on demand (Note [The daemon maps on demand]): the redemption maps it first, and a map that fails refuses the
+// redemption with the device's error naming the pool, mapping nothing.
+TEST_F(PoolManagerTest, ARangeExportMapsTheDaemonsViewBeforeTheDeviceExportsIt) {
+  manager_.reset();
+  device_->PretendRangeExport();
+  manager_ =
+      std::make_unique<PoolManager>(device_.get(), ManagerOptions{.budget_bytes = 256 * kMiB, .daemon_uid = 4242});
+  alice_ = Session(1000, "alice");
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
+  ASSERT_THAT(manager_->Grow(alice_, "p", 128), IsOk());  // two chunks a segment: each range spans both
+  KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", "connector"));
+  ASSERT_EQ(device_->live_chunks(), 4);
+  ASSERT_EQ(device_->live_mappings(), 0);
+  KVD_ASSERT_OK_AND_ASSIGN(RangeExport whole, manager_->ExportRanges(alice_, a.client_id, {}));
+  ASSERT_THAT(whole.handles, SizeIs(2));
+  KVD_ASSERT_OK_AND_ASSIGN(std::vector<PoolManager::LeasedFd> fds,
+                           manager_->RedeemLease(alice_.session, whole.lease.token, alice_.uid));
+  EXPECT_THAT(fds, SizeIs(2));
+  for (const PoolManager::LeasedFd& f : fds) close(f.fd);
+  EXPECT_EQ(device_->live_mappings(), 4) << "the view was mapped for the export, and stays mapped";
+
+  ASSERT_THAT(manager_->Grow(alice_, "p", 192), IsOk());
+  KVD_ASSERT_OK_AND_ASSIGN(RangeExport grown, manager_->ExportRanges(alice_, a.client_id, {}));
+  device_->FailNth(FaultDevice::Op::kMap, 2, absl::ResourceExhaustedError("injected: no page tables"));
+  EXPECT_THAT(manager_->RedeemLease(alice_.session, grown.lease.token, alice_.uid),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("pool p: mapping its chunks into kvd's view"), HasSubstr("injected"))));
+  EXPECT_EQ(device_->live_mappings(), 4) << "the grown chunks stay unmapped";
+  EXPECT_THAT(manager_->Detach(alice_, a.client_id, /*released=*/true), IsOk());
+}
+
 TEST_F(PoolManagerTest, AGrowMapsNothingInTheDaemonUntilItTouchesTheBytes) {
   ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
   ASSERT_GT(device_->live_chunks(), 0);
