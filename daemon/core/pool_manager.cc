@@ -585,18 +585,37 @@ void PoolManager::Destroy(Pool& pool, EventType why, absl::string_view session) 
 absl::StatusOr<AttachResult> PoolManager::Attach(const Caller& caller, absl::string_view pool_name,
                                                  absl::string_view client_name, absl::string_view device_uuid,
                                                  bool pausable) {
+  return *Attach(Wait::kYes, caller, pool_name, client_name, device_uuid, pausable);
+}
+
+std::optional<absl::StatusOr<AttachResult>> PoolManager::TryAttach(const Caller& caller, absl::string_view pool_name,
+                                                                   absl::string_view client_name,
+                                                                   absl::string_view device_uuid, bool pausable) {
+  return Attach(Wait::kNo, caller, pool_name, client_name, device_uuid, pausable);
+}
+
+std::optional<absl::StatusOr<AttachResult>> PoolManager::Attach(Wait wait, const Caller& caller,
+                                                                absl::string_view pool_name,
+                                                                absl::string_view client_name,
+                                                                absl::string_view device_uuid, bool pausable) {
   if (!client_name.empty()) KVD_RETURN_IF_ERROR(ValidateName(client_name, "client_name"));
   const bool peer = !device_uuid.empty() && device_uuid != device_info_.uuid;
   if (peer) KVD_RETURN_IF_ERROR(ValidateDeviceUuid(device_uuid, "device_uuid", false));
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, Find(caller, pool_name));
-  absl::MutexLock op(&pool->op_mu());
+  if (wait == Wait::kYes) {
+    pool->op_mu().Lock();
+  } else if (!pool->op_mu().TryLock()) {
+    return std::nullopt;
+  }
   absl::StatusOr<AttachResult> attached =
       pool->Attach(caller, client_name, peer ? device_uuid : absl::string_view(), pausable, sessions_);
+  if (attached.ok()) {
+    absl::MutexLock lock(&mu_);
+    client_pools_[attached->client_id] = pool->name();
+  }
+  pool->op_mu().Unlock();
   if (!attached.ok()) return Refused(attached.status());
-  AttachResult result = *std::move(attached);
-  absl::MutexLock lock(&mu_);
-  client_pools_[result.client_id] = pool->name();
-  return result;
+  return attached;
 }
 
 absl::Status PoolManager::Detach(const Caller& caller, absl::string_view client_id, bool released) {

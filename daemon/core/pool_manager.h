@@ -223,6 +223,12 @@ class PoolManager : private ReshapeServices {
   [[nodiscard]] absl::StatusOr<AttachResult> Attach(const Caller& caller, absl::string_view pool,
                                                     absl::string_view client_name, absl::string_view device_uuid = {},
                                                     bool pausable = false);
+  // Attach without waiting: nullopt, having done nothing, while another operation holds the pool's op_mu (a
+  // resize, a reshape, a delete); then Attach waits for it (Note [Attach answers inline when it can] in
+  // docs/architecture.md).
+  [[nodiscard]] std::optional<absl::StatusOr<AttachResult>> TryAttach(const Caller& caller, absl::string_view pool,
+                                                                      absl::string_view client_name,
+                                                                      absl::string_view device_uuid, bool pausable);
   // Adds (or with `revoke` removes) a device UUID or "*" to the pool's peer devices. Attached clients
   // keep their mappings when a grant is revoked.
   [[nodiscard]] absl::StatusOr<PoolView> GrantPeerAccess(const Caller& caller, absl::string_view pool,
@@ -393,6 +399,12 @@ class PoolManager : private ReshapeServices {
   // The resize state machine, op_mu held: Check, Stage (grow and wake), Apply, then the daemon's
   // references to released chunks go. Prepare and Commit split it at Stage.
   // A shrink or sleep first quiesces the clients of sessions other than `session` (QuiesceLocked).
+  // Attach (kYes) and TryAttach (kNo, nullopt while op_mu is held).
+  enum class Wait { kNo, kYes };
+  [[nodiscard]] std::optional<absl::StatusOr<AttachResult>> Attach(Wait wait, const Caller& caller,
+                                                                   absl::string_view pool,
+                                                                   absl::string_view client_name,
+                                                                   absl::string_view device_uuid, bool pausable);
   [[nodiscard]] absl::StatusOr<Change> PrepareLocked(Pool& pool, GroupOp op, uint64_t target_blocks,
                                                      absl::string_view session, const ReleaseOptions& release,
                                                      const KeepOptions& keep = {})

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -365,9 +367,11 @@ KvdService::KvdService(PoolManager* manager, Options options)
     : manager_(manager),
       options_(options),
       get_pool_messages_(std::make_unique<ArenaMessages<v1::GetPoolRequest, v1::Pool>>()),
-      list_pools_messages_(std::make_unique<ArenaMessages<v1::ListPoolsRequest, v1::ListPoolsResponse>>()) {
+      list_pools_messages_(std::make_unique<ArenaMessages<v1::ListPoolsRequest, v1::ListPoolsResponse>>()),
+      attach_messages_(std::make_unique<ArenaMessages<v1::AttachRequest, v1::AttachResponse>>()) {
   SetMessageAllocatorFor_GetPool(get_pool_messages_.get());
   SetMessageAllocatorFor_ListPools(list_pools_messages_.get());
+  SetMessageAllocatorFor_Attach(attach_messages_.get());
 }
 
 grpc::Status KvdService::Finish(const char* method, const absl::Status& status) const {
@@ -575,14 +579,28 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
   });
 }
 
-grpc::Status KvdService::StreamedAttach(grpc::ServerContext* context,
-                                        grpc::ServerUnaryStreamer<v1::AttachRequest, v1::AttachResponse>* stream) {
-  return OnArena(stream, [&](const v1::AttachRequest* request, v1::AttachResponse* response) {
-    return Serve("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-      KVD_ASSIGN_OR_RETURN(AttachResult attached, Timed(options_.metrics, Operation::kAttach, [&] {
-                             return manager_->Attach(caller, request->pool(), request->client_name(),
-                                                     request->device_uuid(), request->pausable());
-                           }));
+// Note [Attach answers inline when it can] in docs/architecture.md: inline while no other operation holds the pool,
+// else on a thread of its own that waits for it.
+grpc::ServerUnaryReactor* KvdService::Attach(grpc::CallbackServerContext* context, const v1::AttachRequest* request,
+                                             v1::AttachResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Run, not Serve: a try that found the pool busy did nothing and is neither logged nor counted.
+  auto attach = [this, context, request, response](bool wait, bool* busy) {
+    return Run("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+      const absl::Time start = absl::Now();
+      std::optional<absl::StatusOr<AttachResult>> tried =
+          wait ? manager_->Attach(caller, request->pool(), request->client_name(), request->device_uuid(),
+                                  request->pausable())
+               : manager_->TryAttach(caller, request->pool(), request->client_name(), request->device_uuid(),
+                                     request->pausable());
+      if (!tried.has_value()) {
+        *busy = true;
+        return absl::OkStatus();
+      }
+      if (options_.metrics != nullptr) {
+        options_.metrics->ObserveOperation(Operation::kAttach, absl::Now() - start, tried->ok());
+      }
+      KVD_ASSIGN_OR_RETURN(AttachResult attached, *std::move(tried));
       response->set_client_id(attached.client_id);
       ToProto(attached.pool, response->mutable_pool());
       ToProto(attached.lease, response->mutable_lease());
@@ -592,7 +610,26 @@ grpc::Status KvdService::StreamedAttach(grpc::ServerContext* context,
                    attached.lease.chunk_ids.size());
       return absl::OkStatus();
     });
-  });
+  };
+  bool busy = false;
+  const absl::Status inline_status = attach(/*wait=*/false, &busy);
+  if (!busy) {
+    reactor->Finish(Finish("Attach", inline_status));
+    return reactor;
+  }
+  spdlog::debug("Attach to pool {} waits on a thread of its own: another operation holds the pool", request->pool());
+  try {
+    // gRPC's Shutdown waits for this call's Finish; the thread touches nothing of the call's after it.
+    std::thread([this, reactor, attach] {
+      bool unused = false;
+      reactor->Finish(Finish("Attach", attach(/*wait=*/true, &unused)));
+    }).detach();
+  } catch (const std::system_error& e) {
+    reactor->Finish(Finish("Attach", absl::ResourceExhaustedError(absl::StrCat(
+                                         "Attach: pool ", request->pool(),
+                                         " is busy and no thread could be started to wait for it: ", e.what()))));
+  }
+  return reactor;
 }
 
 grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request, v1::DetachResponse*) {

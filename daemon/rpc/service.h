@@ -15,9 +15,10 @@
 // Threads: gRPC's callback threads run the Watch streams and answer the quick RPCs inline (GetDeviceInfo,
 // ResolveLayout, GetPool, ListPools, GetPoolMetadata, DescribeTransfer, Acknowledge, ReportUsage,
 // DeclineReclaim: reads and bookkeeping that never wait for a pool's op_mu, a pause, a release, a deadline or
-// another RPC); the synchronous gRPC server's threads call every other unary method concurrently, since those
-// may wait (Note [Quick RPCs answer inline] in docs/architecture.md); those whose replies carry a pool's chunks
-// (Attach and the resizes) are streamed unary methods there, to build their replies on an arena, as GetPool and
+// another RPC), and Attach while nothing holds its pool (else on a thread of its own: Note [Attach answers
+// inline when it can]); the synchronous gRPC server's threads call every other unary method concurrently, since
+// those may wait (Note [Quick RPCs answer inline] in docs/architecture.md); those whose replies carry a pool's
+// chunks (the resizes) are streamed unary methods there, to build their replies on an arena, as GetPool and
 // ListPools do through gRPC's message allocator (Note [Replies are built on an arena]). The service holds no state
 // of its own beyond its constant configuration (and those allocators). `manager` must
 // outlive the service, and the service the server (a Watch stream detaches its client when gRPC is done with it,
@@ -41,16 +42,16 @@ namespace kvd::daemon {
 class ControlSocket;
 class Metrics;
 
-// The RPCs on gRPC's callback API: Watch, and the quick unary RPCs, answered inline on the thread that read
-// the request (Note [Quick RPCs answer inline] in docs/architecture.md). Every other RPC is synchronous: Attach
-// and the resizes as streamed unary methods, whose handlers write their replies (Note [Replies are built on an
-// arena]).
+// The RPCs on gRPC's callback API: Watch, the quick unary RPCs, answered inline on the thread that read the
+// request (Note [Quick RPCs answer inline] in docs/architecture.md), and Attach (Note [Attach answers inline when
+// it can]). Every other RPC is synchronous: the resizes as streamed unary methods, whose handlers write their
+// replies (Note [Replies are built on an arena]).
 using KvdServiceBase = v1::Kvd::WithCallbackMethod_Watch<v1::Kvd::WithCallbackMethod_GetDeviceInfo<
     v1::Kvd::WithCallbackMethod_ResolveLayout<v1::Kvd::WithCallbackMethod_GetPool<
         v1::Kvd::WithCallbackMethod_ListPools<v1::Kvd::WithCallbackMethod_GetPoolMetadata<
             v1::Kvd::WithCallbackMethod_DescribeTransfer<v1::Kvd::WithCallbackMethod_Acknowledge<
                 v1::Kvd::WithCallbackMethod_ReportUsage<v1::Kvd::WithCallbackMethod_DeclineReclaim<
-                    v1::Kvd::WithStreamedUnaryMethod_Attach<v1::Kvd::WithStreamedUnaryMethod_Grow<
+                    v1::Kvd::WithCallbackMethod_Attach<v1::Kvd::WithStreamedUnaryMethod_Grow<
                         v1::Kvd::WithStreamedUnaryMethod_Shrink<v1::Kvd::WithStreamedUnaryMethod_Compact<
                             v1::Kvd::WithStreamedUnaryMethod_Sleep<v1::Kvd::WithStreamedUnaryMethod_Wake<
                                 v1::Kvd::WithStreamedUnaryMethod_Commit<v1::Kvd::Service>>>>>>>>>>>>>>>>>;
@@ -84,8 +85,8 @@ class KvdService final : public KvdServiceBase {
                                       v1::ListPoolsResponse* response) override;
   grpc::Status DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
                           v1::DeletePoolResponse* response) override;
-  grpc::Status StreamedAttach(grpc::ServerContext* context,
-                              grpc::ServerUnaryStreamer<v1::AttachRequest, v1::AttachResponse>* stream) override;
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* context, const v1::AttachRequest* request,
+                                   v1::AttachResponse* response) override;
   grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse* response) override;
   grpc::Status StreamedGrow(grpc::ServerContext* context,
@@ -172,9 +173,10 @@ class KvdService final : public KvdServiceBase {
 
   PoolManager* const manager_;
   const Options options_;
-  // GetPool's and ListPools' requests and replies, on an arena each (Note [Replies are built on an arena]).
+  // GetPool's, ListPools' and Attach's requests and replies, on an arena each (Note [Replies are built on an arena]).
   const std::unique_ptr<grpc::MessageAllocator<v1::GetPoolRequest, v1::Pool>> get_pool_messages_;
   const std::unique_ptr<grpc::MessageAllocator<v1::ListPoolsRequest, v1::ListPoolsResponse>> list_pools_messages_;
+  const std::unique_ptr<grpc::MessageAllocator<v1::AttachRequest, v1::AttachResponse>> attach_messages_;
 };
 
 // A server interceptor that answers a request gRPC could not parse (a malformed message, or a string

@@ -151,6 +151,8 @@ class ReshapeTest(KvdDaemonCase):
         if self._testMethodName == "test_a_full_budget_compacts_and_shrinks_in_steps_that_fit_what_is_free":
             # 896 MiB of the 1 GiB budget: 128 MiB free. The host device has more, so the budget binds.
             args += ["--budget=1GiB", "--host-capacity=2GiB"]
+        if self._testMethodName == "test_an_attach_during_a_reshape_waits_for_it_and_maps_what_it_left":
+            args.append("--log-level=debug")
         if self._testMethodName == "test_metrics_count_pauses_copies_and_compactions":
             self.metrics_port = free_port()
             args += [f"--metrics-address=127.0.0.1:{self.metrics_port}", "--compact-above-chunks=6"]
@@ -446,6 +448,43 @@ class ReshapeTest(KvdDaemonCase):
              f"{self.c.pool('kv')}")
         stuck.close()
         self.assertEqual(stuck.p.returncode, 0)
+
+    def test_an_attach_during_a_reshape_waits_for_it_and_maps_what_it_left(self):
+        """Note [Attach answers inline when it can] (docs/architecture.md): an Attach while a shrink holds the
+        pool waits for it on a thread of its own, the quick RPCs answering meanwhile, and then maps the pool
+        as the shrink left it."""
+        self.create(256)
+        good, stuck = self.engines(modes=("pausable", "stuck"))
+        self.write_all([good, stuck], 256)
+        done, late = {}, []
+        shrink = threading.Thread(target=lambda: done.update(update=self.c.shrink("kv", 100, pause_timeout=120)))
+        attach = threading.Thread(target=lambda: late.append(self.engine(2)))
+
+        def let_go():  # on any failure too: the shrink, then the Attach, end once engine-1 acknowledges
+            stuck("unstick")
+            for t in (shrink, attach):
+                if t.ident is not None:
+                    t.join()
+        self.addCleanup(let_go)
+        shrink.start()
+        poll(lambda: stuck("state")["in_pause"], "engine-1 to be paused by the shrink")
+        attach.start()
+        poll(lambda: "Attach to pool kv waits on a thread of its own" in self.log(), lambda: "the Attach to wait for the shrink: " + self.log()[-3000:])
+        # The shrink holds the pool until engine-1 acknowledges its pause, so the Attach is still waiting.
+        self.assertEqual(self.c.pool("kv").committed_blocks, 256)
+        self.assertEqual(len(self.c.pools()), 1)
+        self.assertTrue(attach.is_alive())
+        stuck("unstick")
+        shrink.join()
+        attach.join()
+        u = done["update"]
+        self.assert_exact(u, 100, holders=False)
+        self.assertEqual(len(late), 1)
+        self.assertEqual(sorted(cl.client_id for cl in self.c.pool("kv").clients),
+                         sorted([good.client_id, stuck.client_id, late[0].client_id]))
+        self.assert_follows([good, stuck, late[0]], u.pool)
+        self.assert_intact([good, stuck, late[0]], kept(100))
+        self.assertEqual(self.log().count("Attach to pool kv waits"), 1)
 
     def test_a_compaction_called_off_maps_the_old_chunks_back(self):
         """A compaction called off (the other engine never acknowledges): the engine that paused keeps

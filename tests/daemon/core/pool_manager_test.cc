@@ -553,6 +553,42 @@ TEST_F(PoolManagerTest, QuickReadsDoNotWaitForAGrowInsideTheDevice) {
   EXPECT_GE(manager_->GetPool(alice_, "p")->committed_blocks, 128u);
 }
 
+TEST_F(PoolManagerTest, TryAttachDoesNothingWhileAGrowHoldsThePoolAndAttachWaitsForIt) {
+  ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 32)), IsOk());
+  std::optional<absl::StatusOr<AttachResult>> before = manager_->TryAttach(alice_, "p", "early", {}, false);
+  ASSERT_TRUE(before.has_value());  // nothing holds the pool: attached at once
+  ASSERT_THAT(*before, IsOk());
+  absl::Notification entered, release;
+  device_->HoldCreates(&entered, &release);
+  std::thread grow([&] { EXPECT_THAT(manager_->Grow(alice_, "p", 128), IsOk()); });
+  entered.WaitForNotification();  // the grow holds the pool's op_mu, inside the device's Create
+  // Note [Attach answers inline when it can]: the try returns at once, having attached nobody.
+  EXPECT_FALSE(manager_->TryAttach(alice_, "p", "late", {}, false).has_value());
+  EXPECT_THAT(manager_->GetPool(alice_, "p")->clients, SizeIs(1));
+  // Refusals that need no hold of the pool are answered as from Attach.
+  std::optional<absl::StatusOr<AttachResult>> refused = manager_->TryAttach(alice_, "nope", "late", {}, false);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_THAT(*refused, StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope")));
+  refused = manager_->TryAttach(alice_, "p", "bad/name", {}, false);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_THAT(*refused, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("client_name")));
+  // Attach waits for the grow and is handed the grown pool.
+  absl::Notification attached;
+  absl::StatusOr<AttachResult> late = absl::UnknownError("not run");
+  std::thread attach([&] {
+    late = manager_->Attach(alice_, "p", "late");
+    attached.Notify();
+  });
+  EXPECT_FALSE(attached.WaitForNotificationWithTimeout(absl::Milliseconds(100)));  // the grow is still held
+  device_->HoldCreates(nullptr, nullptr);
+  release.Notify();
+  grow.join();
+  attach.join();
+  ASSERT_THAT(late, IsOk());
+  EXPECT_EQ(late->pool.committed_blocks, 128u);
+  EXPECT_THAT(manager_->GetPool(alice_, "p")->clients, SizeIs(2));
+}
+
 TEST_F(PoolManagerTest, DeleteRefusesWhileAttachedUnlessForcedAndFreesEverything) {
   ASSERT_THAT(manager_->CreatePool(alice_, Spec("p", 64)), IsOk());
   KVD_ASSERT_OK_AND_ASSIGN(AttachResult a, manager_->Attach(alice_, "p", ""));
