@@ -444,6 +444,9 @@ struct Client::Impl {
   }
 
   absl::Mutex reopen_mu ABSL_ACQUIRED_BEFORE(conn_mu);  // one re-open at a time
+  // One Attach with push_handles at a time, from its RPC until its pushed batch is read (docs/api.md, "Pushed
+  // handles"): concurrent attaches would read each other's batches.
+  absl::Mutex push_mu;
   mutable absl::Mutex conn_mu;
   Conn conn ABSL_GUARDED_BY(conn_mu);
 
@@ -620,16 +623,19 @@ struct Mapping::Impl {
   // With `all` (a PAUSE's lease) the lease must yield every chunk of `leased`: FAILED_PRECONDITION when one
   // was released since, INTERNAL when the lease lacks one. Without, it yields the chunks still in the pool
   // (FetchHandles.skip_released; Note [A lease yields what is still in the pool] in docs/architecture.md).
+  // `pushed`: the lease's FDs, pushed with its Attach (docs/api.md, "Pushed handles"), taken instead of fetched.
   absl::Status FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
                            const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
-                           absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each)
+                           absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each,
+                           std::optional<HandleSession::LeasedFds> pushed = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Fetches `lease` on `c` and maps each chunk of `added` that is still in the pool at base + offset,
   // keeping its FD; a chunk that a release took out since the lease was issued is left out, and that
   // release's event (on this Mapping's stream, before or after) unmaps or replaces it. A chunk mapped
   // already with the same segment, offset and bytes stays as it is. Returns the chunks the lease yielded.
   absl::StatusOr<std::vector<ChunkInfo>> MapLease(const Client::Impl::Connection& c, const std::string& lease,
-                                                  const google::protobuf::RepeatedPtrField<v1::Chunk>& added)
+                                                  const google::protobuf::RepeatedPtrField<v1::Chunk>& added,
+                                                  std::optional<HandleSession::LeasedFds> pushed = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The FD a chunk keeps, or none (keep_fds).
   UniqueFd Keep(UniqueFd fd) const { return keep_fds ? std::move(fd) : UniqueFd(); }
@@ -682,10 +688,16 @@ struct Mapping::Impl {
 
 absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const std::string& lease,
                                         const google::protobuf::RepeatedPtrField<v1::Chunk>& leased, bool all,
-                                        absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each) {
+                                        absl::FunctionRef<absl::Status(const ChunkInfo&, UniqueFd)> each,
+                                        std::optional<HandleSession::LeasedFds> pushed) {
   std::map<uint64_t, ChunkInfo> wanted;
   for (const v1::Chunk& chunk : leased) wanted[chunk.id()] = FromProto(chunk);
-  KVD_ASSIGN_OR_RETURN(auto fds, c.session.Fetch(lease, /*skip_released=*/!all));
+  HandleSession::LeasedFds fds;
+  if (pushed.has_value()) {
+    fds = *std::move(pushed);
+  } else {
+    KVD_ASSIGN_OR_RETURN(fds, c.session.Fetch(lease, /*skip_released=*/!all));
+  }
   internal::MarkPhase("lease.fetched");
   size_t next = 0;
   absl::Cleanup close_rest = [&] {
@@ -714,9 +726,12 @@ absl::Status Mapping::Impl::FetchLeased(const Client::Impl::Connection& c, const
 
 absl::StatusOr<std::vector<ChunkInfo>> Mapping::Impl::MapLease(
     const Client::Impl::Connection& c, const std::string& lease,
-    const google::protobuf::RepeatedPtrField<v1::Chunk>& added) {
+    const google::protobuf::RepeatedPtrField<v1::Chunk>& added, std::optional<HandleSession::LeasedFds> pushed) {
   std::vector<ChunkInfo> came;
-  if (added.empty()) return came;
+  if (added.empty()) {
+    if (pushed.has_value()) CloseLeased(*pushed);
+    return came;
+  }
   KVD_RETURN_IF_ERROR(FetchLeased(
       c, lease, added, /*all=*/false,
       [&](const ChunkInfo& info, UniqueFd fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) -> absl::Status {
@@ -736,7 +751,8 @@ absl::StatusOr<std::vector<ChunkInfo>> Mapping::Impl::MapLease(
         }
         chunks[info.id] = Mapped{info, chunk, Keep(std::move(fd))};
         return absl::OkStatus();
-      }));
+      },
+      std::move(pushed)));
   return came;
 }
 
@@ -1885,8 +1901,27 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   req.set_client_name(options.client_name);
   req.set_device_uuid(local.peer_uuid);
   req.set_pausable(options.on_pause != nullptr);
+  // The daemon pushes the lease's FDs on the session's connection before it replies (docs/api.md, "Pushed
+  // handles"): one attach of this Client at a time reads them there.
+  req.set_push_handles(true);
   v1::AttachResponse resp;
-  KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::Attach, req, &resp));
+  std::optional<HandleSession::LeasedFds> pushed;
+  absl::Status taken;  // a push that cannot be read: answered once the client is detached again (below)
+  {
+    absl::MutexLock one_push(&impl_->push_mu);
+    KVD_RETURN_IF_ERROR(impl_->CallOn(*conn, &v1::Kvd::Stub::Attach, req, &resp));
+    if (resp.handles_pushed()) {
+      absl::StatusOr<HandleSession::LeasedFds> take = conn->session.TakePushed(resp.lease().token());
+      if (take.ok()) {
+        pushed = *std::move(take);
+      } else {
+        taken = take.status();
+      }
+    }
+  }
+  absl::Cleanup close_pushed = [&pushed] {
+    if (pushed.has_value()) CloseLeased(*pushed);
+  };
   impl_->Observe(resp);
   internal::MarkPhase("attach.rpc");
 
@@ -1908,6 +1943,7 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
     v1::DetachResponse r;
     impl_->CallOn(*conn, &v1::Kvd::Stub::Detach, d, &r).IgnoreError();  // best effort: the session's end detaches too
   };
+  KVD_RETURN_IF_ERROR(taken);
   // The event stream starts now and is confirmed after the import (WaitForInitialMetadata below), so its
   // round trip overlaps the import instead of following it. Events since the Attach are queued in the
   // daemon either way, and the follower reads them only once the lease is mapped.
@@ -1936,7 +1972,8 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   };
   {
     absl::MutexLock lock(&m->mu);
-    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks()).status());
+    std::move(close_pushed).Cancel();
+    KVD_RETURN_IF_ERROR(m->MapLease(*conn, resp.lease().token(), resp.pool().chunks(), std::move(pushed)).status());
     m->committed_blocks = resp.pool().committed_blocks();
     m->state = resp.pool().state() == v1::POOL_STATE_SLEEPING ? Mapping::State::kSleeping : Mapping::State::kAwake;
   }

@@ -219,9 +219,53 @@ bool HandleSession::Alive() const {
   do {
     ready = poll(&polled, 1, 0);
   } while (ready < 0 && errno == EINTR);
-  // The daemon sends nothing on a session's connection after SessionOpened: anything readable is its
-  // end of file.
-  return ready == 0;
+  if (ready == 0) return true;
+  if (ready < 0 || (polled.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) return false;
+  // Readable: a batch pushed with an Attach and not read yet (docs/api.md, "Pushed handles"), or the end of file,
+  // which a peek of 0 bytes tells apart.
+  char byte;
+  ssize_t n;
+  do {
+    n = recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  return n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+}
+
+absl::StatusOr<HandleSession::LeasedFds> HandleSession::TakePushed(absl::string_view lease_token) const {
+  if (fd_ < 0) return absl::FailedPreconditionError("handle session: closed");
+  while (true) {
+    // The batch came before the Attach's reply: it is in the queue now, or the daemon broke the protocol.
+    absl::StatusOr<MessageWithFds> received = ReceivePacket(fd_, path_, Clock::now(), options_.timeout);
+    if (absl::IsDeadlineExceeded(received.status())) {
+      return absl::InternalError(absl::StrCat("handle channel ", path_, ": the daemon pushed lease ", lease_token,
+                                              " but the session's connection holds no batch"));
+    }
+    if (!received.ok()) return received.status();
+    MessageWithFds& packet = *received;
+    absl::Cleanup close_packet_fds = [&packet] { CloseAll(packet.fds); };
+    v1::HandleChannelReply reply;
+    if (!reply.ParseFromString(packet.payload) || !reply.has_handle_batch() ||
+        reply.handle_batch().lease_token().empty()) {
+      return absl::InternalError(absl::StrCat("handle channel ", path_,
+                                              ": the session's connection carried something else than a pushed batch"));
+    }
+    const v1::HandleBatch& batch = reply.handle_batch();
+    if (batch.lease_token() != lease_token) continue;  // an earlier Attach's, whose reply never came: dropped
+    if (!batch.last() || static_cast<size_t>(batch.chunk_ids_size()) != packet.fds.size()) {
+      return absl::DataLossError(absl::StrCat("handle channel ", path_, ": a pushed batch of ", batch.chunk_ids_size(),
+                                              " chunk ids came with ", packet.fds.size(), " FDs"));
+    }
+    LeasedFds handles;
+    for (size_t i = 0; i < packet.fds.size(); ++i)
+      handles.emplace_back(batch.chunk_ids(static_cast<int>(i)), packet.fds[i]);
+    packet.fds.clear();  // now the caller's
+    return handles;
+  }
+}
+
+void CloseLeased(HandleSession::LeasedFds& fds) {
+  for (const auto& [chunk_id, fd] : fds) close(fd);
+  fds.clear();
 }
 
 void HandleSession::Close() {

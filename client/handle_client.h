@@ -57,8 +57,14 @@ class HandleSession {
   // FD_CLOEXEC set). On failure every FD received so far is closed. FAILED_PRECONDITION once closed.
   // `skip_released` (FetchHandles.skip_released): the chunks a release took out of the pool since the lease
   // was issued are left out of the result instead of failing the fetch.
-  [[nodiscard]] absl::StatusOr<std::vector<std::pair<uint64_t, int>>> Fetch(absl::string_view lease_token,
-                                                                            bool skip_released = false) const;
+  using LeasedFds = std::vector<std::pair<uint64_t, int>>;
+  [[nodiscard]] absl::StatusOr<LeasedFds> Fetch(absl::string_view lease_token, bool skip_released = false) const;
+
+  // After an Attach with push_handles answered handles_pushed (docs/api.md, "Pushed handles"): the lease's
+  // (chunk id, FD) from the batch the daemon pushed on the session's connection before its reply. Batches of
+  // other leases queued before it (an earlier Attach whose reply never came) are dropped, their FDs closed.
+  // Never waits. One caller at a time per session (libkvd: Client::Impl::push_mu).
+  [[nodiscard]] absl::StatusOr<LeasedFds> TakePushed(absl::string_view lease_token) const;
 
   // What the daemon answered to ReturnHandles (proto HandlesReturned).
   struct Returned {
@@ -85,5 +91,8 @@ class HandleSession {
   uint32_t uid_ = 0;
   int32_t pid_ = 0;
 };
+
+// Closes every FD of `fds` and empties it.
+void CloseLeased(HandleSession::LeasedFds& fds);
 
 }  // namespace kvd

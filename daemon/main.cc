@@ -749,8 +749,20 @@ absl::Status Run(const Flags& f) {
                                                    .max_connections_per_uid = f.max_control_connections_per_uid}));
   const std::optional<SocketId> socket_id = IdOf(socket_path);
   absl::Cleanup remove_socket = [&] { RemoveSocket(socket_path, socket_id); };
-  KvdService service(&manager,
-                     KvdService::Options{.granularity = granularity, .metrics = metrics.get(), .peers = control.get()});
+  // Before the service, which pushes leases on its sessions' connections (KvdService::Options::handles): it
+  // outlives the server.
+  KVD_ASSIGN_OR_RETURN(
+      std::unique_ptr<HandleChannel> channel,
+      HandleChannel::Start(handles_path, &backend,
+                           HandleChannel::Options{.max_connections = f.max_handle_connections,
+                                                  .reserved_connections = OperatorShare(
+                                                      f.max_handle_connections, limits.operator_reserve_percent),
+                                                  .operator_uid = limits.daemon_uid,
+                                                  .max_connections_per_uid = f.max_handle_connections_per_uid}));
+  KvdService service(
+      &manager,
+      KvdService::Options{
+          .granularity = granularity, .metrics = metrics.get(), .peers = control.get(), .handles = channel.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -790,14 +802,6 @@ absl::Status Run(const Flags& f) {
   // The manager's threads stop reporting before the server and metrics go.
   absl::Cleanup forget_observers = [&] { manager.Observe({}); };
 
-  KVD_ASSIGN_OR_RETURN(
-      std::unique_ptr<HandleChannel> channel,
-      HandleChannel::Start(handles_path, &backend,
-                           HandleChannel::Options{.max_connections = f.max_handle_connections,
-                                                  .reserved_connections = OperatorShare(
-                                                      f.max_handle_connections, limits.operator_reserve_percent),
-                                                  .operator_uid = limits.daemon_uid,
-                                                  .max_connections_per_uid = f.max_handle_connections_per_uid}));
   if (metrics != nullptr) {
     const HandleChannel* served = channel.get();
     const ControlSocket* controlled = control.get();

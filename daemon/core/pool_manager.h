@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -353,6 +354,11 @@ class PoolManager : private ReshapeServices {
   [[nodiscard]] absl::StatusOr<std::vector<LeasedFd>> RedeemLease(absl::string_view session,
                                                                   absl::string_view lease_token, uint32_t peer_uid,
                                                                   bool skip_released = false);
+  // Attach's push_handles (docs/api.md, "Pushed handles"): redeems the chunk lease `lease_token` as RedeemLease
+  // does and hands its FDs to `push` (they stay the manager's, closed after it). When `push` fails, the lease is
+  // put back unredeemed, for a FetchHandles, and push's status returned.
+  [[nodiscard]] absl::Status PushLease(absl::string_view session, absl::string_view lease_token, uint32_t peer_uid,
+                                       absl::FunctionRef<absl::Status(absl::Span<const LeasedFd>)> push);
 
   // After a restart, before serving: rebuilds the pools of `saved` (their chunks imported from its FDs
   // and mapped; a chunk without an FD leaves its pool kRecovering) and releases FDs no record accounts

@@ -129,6 +129,34 @@ absl::StatusOr<std::vector<PoolManager::LeasedFd>> PoolManager::RedeemLease(absl
   return RedeemRanges(*pool, lease);
 }
 
+absl::Status PoolManager::PushLease(absl::string_view session, absl::string_view lease_token, uint32_t peer_uid,
+                                    absl::FunctionRef<absl::Status(absl::Span<const LeasedFd>)> push) {
+  absl::StatusOr<Caller> owner = sessions_.Authenticate(session);
+  if (!owner.ok()) return absl::UnauthenticatedError("session_token: unknown or closed session");
+  if (owner->uid != peer_uid) {
+    return absl::PermissionDeniedError(absl::StrCat("uid ", peer_uid, " may not use the session of uid ", owner->uid));
+  }
+  KVD_ASSIGN_OR_RETURN(LeaseRecord lease, leases_.Redeem(session, lease_token, /*keep_expired=*/true));
+  if (!lease.ranges.empty()) {
+    leases_.Restore(std::string(lease_token), std::move(lease));
+    return absl::InvalidArgumentError("lease_token: a range lease is fetched, not pushed");
+  }
+  std::shared_ptr<Pool> pool;
+  {
+    absl::MutexLock lock(&mu_);
+    auto p = pools_.find(lease.pool);
+    if (p != pools_.end()) pool = p->second;
+  }
+  if (pool == nullptr) return absl::FailedPreconditionError(absl::StrCat("pool ", lease.pool, " was deleted"));
+  absl::StatusOr<std::vector<LeasedFd>> fds = pool->DupFds(lease.client, lease.chunk_ids, false, lease.pause_id);
+  absl::Status pushed = fds.ok() ? push(*fds) : fds.status();
+  if (fds.ok()) {
+    for (const LeasedFd& f : *fds) close(f.fd);
+  }
+  if (!pushed.ok()) leases_.Restore(std::string(lease_token), std::move(lease));
+  return pushed;
+}
+
 absl::StatusOr<RangeExport> PoolManager::ExportRanges(const Caller& caller, absl::string_view client_id,
                                                       const std::vector<ByteRange>& ranges) {
   if (!capabilities_.dma_buf.supported) {

@@ -96,19 +96,26 @@ Lease LeaseTable::Issue(absl::string_view pool, absl::string_view session, absl:
   return lease;
 }
 
-absl::StatusOr<LeaseRecord> LeaseTable::Redeem(absl::string_view session, absl::string_view token) {
+absl::StatusOr<LeaseRecord> LeaseTable::Redeem(absl::string_view session, absl::string_view token, bool keep_expired) {
   absl::MutexLock lock(&mu_);
   auto it = leases_.find(token);
   if (it == leases_.end()) return absl::NotFoundError("lease_token: unknown or already used lease");
   if (it->second.session != session) return absl::PermissionDeniedError("lease_token: issued to another session");
+  const absl::Time now = absl::Now();
+  if (it->second.expires < now) {
+    const absl::Duration ago = now - it->second.expires;
+    if (!keep_expired) leases_.erase(it);
+    return absl::DeadlineExceededError(
+        absl::StrCat("lease_token: expired ", absl::FormatDuration(ago), " ago; attach again for a new lease"));
+  }
   LeaseRecord lease = std::move(it->second);
   leases_.erase(it);
-  const absl::Time now = absl::Now();
-  if (lease.expires < now) {
-    return absl::DeadlineExceededError(absl::StrCat("lease_token: expired ", absl::FormatDuration(now - lease.expires),
-                                                    " ago; attach again for a new lease"));
-  }
   return lease;
+}
+
+void LeaseTable::Restore(std::string token, LeaseRecord lease) {
+  absl::MutexLock lock(&mu_);
+  leases_.emplace(std::move(token), std::move(lease));
 }
 
 void LeaseTable::DropSession(absl::string_view session) {

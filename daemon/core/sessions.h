@@ -76,8 +76,12 @@ class LeaseTable {
                     std::vector<RangeHandle> ranges, bool span_chunks) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes the lease out, whatever happens next (single use). NOT_FOUND for an unknown or used lease,
   // PERMISSION_DENIED when it was issued to another session, DEADLINE_EXCEEDED once expired.
-  [[nodiscard]] absl::StatusOr<LeaseRecord> Redeem(absl::string_view session, absl::string_view token)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `keep_expired` (a push, which leaves a lease it cannot use to FetchHandles): an expired lease stays in.
+  [[nodiscard]] absl::StatusOr<LeaseRecord> Redeem(absl::string_view session, absl::string_view token,
+                                                   bool keep_expired = false) ABSL_LOCKS_EXCLUDED(mu_);
+  // Puts back a lease Redeem took out whose FDs could not be handed over after all (Attach's push, which then
+  // leaves the lease to FetchHandles).
+  void Restore(std::string token, LeaseRecord lease) ABSL_LOCKS_EXCLUDED(mu_);
   void DropSession(absl::string_view session) ABSL_LOCKS_EXCLUDED(mu_);
   // Revokes every unredeemed lease of a client that detached.
   void DropClient(absl::string_view client) ABSL_LOCKS_EXCLUDED(mu_);

@@ -281,6 +281,7 @@ HandleChannel::Stats HandleChannel::stats() const {
   stats.sessions_closed = sessions_closed_.load(std::memory_order_relaxed);
   stats.fetches_served = fetches_served_.load(std::memory_order_relaxed);
   stats.fds_sent = fds_sent_.load(std::memory_order_relaxed);
+  stats.leases_pushed = leases_pushed_.load(std::memory_order_relaxed);
   stats.errors = errors_.load(std::memory_order_relaxed) + (acceptor_ != nullptr ? acceptor_->accept_errors() : 0);
   return stats;
 }
@@ -347,6 +348,7 @@ void HandleChannel::WatchLoop() {
         live.push_back(std::move(conn));
         continue;
       }
+      ForgetSession(conn.session);
       backend_->CloseSession(conn.session);
       open_sessions_.fetch_sub(1, std::memory_order_relaxed);
       sessions_closed_.fetch_add(1, std::memory_order_relaxed);
@@ -389,6 +391,7 @@ void HandleChannel::WatchLoop() {
     CloseConnection(conn.fd);
   }
   for (Connection& conn : sessions) {
+    ForgetSession(conn.session);
     backend_->CloseSession(conn.session);
     open_sessions_.fetch_sub(1, std::memory_order_relaxed);
     sessions_closed_.fetch_add(1, std::memory_order_relaxed);
@@ -443,6 +446,10 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
         errors_.fetch_add(1, std::memory_order_relaxed);
         CloseConnection(conn.fd);
         return false;
+      }
+      {
+        absl::MutexLock lock(&sessions_mu_);
+        session_fds_[token] = conn.fd;
       }
       conn.session = std::move(token);
       sessions.push_back(std::move(conn));
@@ -643,6 +650,37 @@ void HandleChannel::ServeFetch(Connection conn, std::string session, std::string
   fds_sent_.fetch_add(leased.size(), std::memory_order_relaxed);
   CloseConnection(conn.fd);
   fetches_served_.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status HandleChannel::Push(absl::string_view session, absl::string_view lease_token,
+                                 absl::Span<const uint64_t> chunk_ids, absl::Span<const int> fds) {
+  if (fds.size() > kMaxFdsPerMessage) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a lease of ", fds.size(), " chunks needs more than one packet of ", kMaxFdsPerMessage));
+  }
+  if (chunk_ids.size() != fds.size()) return absl::InvalidArgumentError("Push: one chunk id per FD");
+  v1::HandleChannelReply reply;
+  v1::HandleBatch* batch = reply.mutable_handle_batch();
+  for (uint64_t id : chunk_ids) batch->add_chunk_ids(id);
+  batch->set_last(true);
+  batch->set_lease_token(std::string(lease_token));
+  const std::string payload = reply.SerializeAsString();
+  absl::MutexLock lock(&sessions_mu_);
+  auto it = session_fds_.find(session);
+  if (it == session_fds_.end()) return absl::NotFoundError("the session has no open handle-channel connection");
+  const MessageIo io = SendMessage(it->second, payload, fds, MSG_DONTWAIT);
+  if (io.error == EAGAIN || io.error == EWOULDBLOCK) {
+    return absl::UnavailableError("the session's connection has no room now (its client is not reading it)");
+  }
+  if (io.error != 0) return ErrnoToStatus("sendmsg", io.error);
+  fds_sent_.fetch_add(fds.size(), std::memory_order_relaxed);
+  leases_pushed_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+void HandleChannel::ForgetSession(const std::string& session) {
+  absl::MutexLock lock(&sessions_mu_);
+  session_fds_.erase(session);
 }
 
 void HandleChannel::Reject(int fd, const absl::Status& status) {

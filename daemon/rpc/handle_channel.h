@@ -5,7 +5,9 @@
 //     connection reaches EOF (the client closed it or died) the backend's CloseSession is called;
 //   - redeems a lease (FetchHandles): the backend checks the lease against the session and the peer's
 //     uid and hands over one FD per chunk; the channel sends them as HandleBatch packets of at most
-//     kMaxFdsPerMessage FDs, closes every FD and then the connection.
+//     kMaxFdsPerMessage FDs, closes every FD and then the connection;
+//   - is pushed a lease on its session's connection (Push, for Attach's push_handles: Note [Pushed handles] in
+//     docs/architecture.md).
 // Every failure is answered with one HandleChannelError (a canonical absl::StatusCode and a message)
 // before the connection is closed.
 //
@@ -39,11 +41,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/rpc/peer_acceptor.h"
 #include "kvd/unique_fd.h"
 #include "kvd/v1/kvd.pb.h"
@@ -111,8 +115,9 @@ class HandleChannel {
     uint64_t sessions_opened = 0;
     uint64_t sessions_closed = 0;
     uint64_t fetches_served = 0;  // leases whose every batch was sent
-    uint64_t fds_sent = 0;
-    uint64_t errors = 0;  // error replies sent, connections refused, dropped or failed
+    uint64_t fds_sent = 0;        // fetched and pushed
+    uint64_t leases_pushed = 0;   // leases sent on their session's connection (Push)
+    uint64_t errors = 0;          // error replies sent, connections refused, dropped or failed
   };
 
   // Binds a SOCK_SEQPACKET|SOCK_CLOEXEC Unix socket at `path` (the caller has already made sure no live
@@ -137,6 +142,13 @@ class HandleChannel {
   // path still names it). Returns promptly whatever the peers do (a backend call in progress is waited
   // for). Idempotent and thread-safe; must not be called from a backend callback.
   void Stop();
+
+  // Sends `fds`, the FDs of `chunk_ids` (a lease just redeemed for Attach's push_handles; they stay the caller's),
+  // on the connection of session `session` as one HandleBatch with last and `lease_token` set (docs/api.md,
+  // "Pushed handles"). Never blocks: FAILED_PRECONDITION when they need more than one packet, NOT_FOUND when the
+  // session has no open connection, UNAVAILABLE when its queue has no room now or the send fails. Thread-safe.
+  [[nodiscard]] absl::Status Push(absl::string_view session, absl::string_view lease_token,
+                                  absl::Span<const uint64_t> chunk_ids, absl::Span<const int> fds);
 
   const std::string& path() const { return path_; }
   size_t open_sessions() const { return open_sessions_.load(std::memory_order_relaxed); }
@@ -175,6 +187,8 @@ class HandleChannel {
   // Sends `status` as a HandleChannelError (best effort, never blocking) and closes the connection.
   void Reject(int fd, const absl::Status& status);
   void CloseConnection(int fd);
+  // A session's connection is about to close: Push no longer sends on it.
+  void ForgetSession(const std::string& session);
 
   const std::string path_;
   HandleChannelBackend* const backend_;
@@ -189,9 +203,15 @@ class HandleChannel {
   std::atomic<uint64_t> sessions_closed_{0};
   std::atomic<uint64_t> fetches_served_{0};
   std::atomic<uint64_t> fds_sent_{0};
+  std::atomic<uint64_t> leases_pushed_{0};
   std::atomic<uint64_t> errors_{0};
 
   std::thread watch_thread_;
+
+  // Each open session's connection by token, for Push. The watcher adds a session and removes it before it
+  // closes the connection; Push sends under the lock, so the FD it sends on is the session's.
+  absl::Mutex sessions_mu_;
+  absl::flat_hash_map<std::string, int> session_fds_ ABSL_GUARDED_BY(sessions_mu_);
 
   mutable absl::Mutex mu_;
   std::vector<Connection> accepted_ ABSL_GUARDED_BY(mu_);   // accept thread -> watcher

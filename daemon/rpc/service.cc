@@ -24,6 +24,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/convert.h"
+#include "daemon/rpc/handle_channel.h"
 #include "daemon/rpc/status.h"
 #include "google/protobuf/arena.h"
 #include "google/protobuf/descriptor.h"
@@ -604,6 +605,21 @@ grpc::ServerUnaryReactor* KvdService::Attach(grpc::CallbackServerContext* contex
       response->set_client_id(attached.client_id);
       ToProto(attached.pool, response->mutable_pool());
       ToProto(attached.lease, response->mutable_lease());
+      if (request->push_handles() && options_.handles != nullptr) {
+        // docs/api.md, "Pushed handles": sent before the reply; a push that cannot go leaves the lease to fetch.
+        const absl::Status pushed = manager_->PushLease(
+            caller.session, attached.lease.token, caller.uid, [&](absl::Span<const PoolManager::LeasedFd> leased) {
+              std::vector<uint64_t> ids;
+              std::vector<int> fds;
+              for (const PoolManager::LeasedFd& l : leased) {
+                ids.push_back(l.chunk_id);
+                fds.push_back(l.fd);
+              }
+              return options_.handles->Push(caller.session, attached.lease.token, ids, fds);
+            });
+        response->set_handles_pushed(pushed.ok());
+        if (!pushed.ok()) spdlog::debug("client {}: lease not pushed: {}", attached.client_id, Sv(pushed.message()));
+      }
       spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
                    request->client_name(), caller.uid, caller.pid, request->pool(),
                    request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),

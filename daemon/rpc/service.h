@@ -40,6 +40,7 @@
 namespace kvd::daemon {
 
 class ControlSocket;
+class HandleChannel;
 class Metrics;
 
 // The RPCs on gRPC's callback API: Watch, the quick unary RPCs, answered inline on the thread that read the
@@ -69,6 +70,9 @@ class KvdService final : public KvdServiceBase {
     // control socket that accepted every connection: a session token presented on a connection whose
     // SO_PEERCRED uid is not the session's is PERMISSION_DENIED.
     const ControlSocket* peers = nullptr;
+    // Not owned; may be null (then AttachRequest.push_handles is not honoured: handles_pushed stays false). The
+    // handle channel on whose session connections Attach pushes leases (docs/api.md, "Pushed handles").
+    HandleChannel* handles = nullptr;
   };
 
   KvdService(PoolManager* manager, Options options);

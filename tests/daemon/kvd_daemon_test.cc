@@ -1853,6 +1853,46 @@ TEST_F(KvdDaemonTest, LeaseIsNotRedeemableAfterItsClientDetached) {
   EXPECT_EQ(DeviceInfo().committed_bytes(), 0u);
 }
 
+// docs/api.md, "Pushed handles".
+TEST_F(KvdDaemonTest, AnAttachThatAsksPushesItsLeaseOnTheSessionsConnectionBeforeItReplies) {
+  ASSERT_THAT(Create("kv", 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "pusher"));
+  v1::AttachRequest attach;
+  attach.set_pool("kv");
+  attach.set_push_handles(true);
+  v1::AttachResponse attached;
+  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &attached), GrpcOk());
+  ASSERT_TRUE(attached.handles_pushed());
+  ASSERT_EQ(attached.lease().chunk_ids_size(), attached.pool().chunks_size());
+  EXPECT_TRUE(session.Alive());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds pushed, session.TakePushed(attached.lease().token()));
+  ASSERT_EQ(pushed.size(), static_cast<size_t>(attached.lease().chunk_ids_size()));
+  for (size_t i = 0; i < pushed.size(); ++i) {
+    const v1::Chunk& chunk = attached.pool().chunks(static_cast<int>(i));
+    EXPECT_EQ(pushed[i].first, attached.lease().chunk_ids(static_cast<int>(i)));
+    EXPECT_EQ(pushed[i].first, chunk.id());
+    struct stat st {};
+    ASSERT_EQ(fstat(pushed[i].second, &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), chunk.bytes());  // the chunk's memfd
+  }
+  CloseLeased(pushed);
+  // The push redeemed the lease.
+  absl::StatusOr<HandleSession::LeasedFds> again = session.Fetch(attached.lease().token());
+  if (again.ok()) CloseLeased(*again);
+  EXPECT_THAT(again.status(), testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("already used")));
+  // A client that does not ask gets its lease to fetch, and nothing on the session's connection.
+  attach.set_push_handles(false);
+  v1::AttachResponse plain;
+  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &plain), GrpcOk());
+  EXPECT_FALSE(plain.handles_pushed());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds fetched, session.Fetch(plain.lease().token()));
+  EXPECT_EQ(fetched.size(), static_cast<size_t>(plain.lease().chunk_ids_size()));
+  CloseLeased(fetched);
+  EXPECT_THAT(session.TakePushed(plain.lease().token()),
+              testing::StatusIs(absl::StatusCode::kInternal, HasSubstr("holds no batch")));
+  EXPECT_EQ(Get("kv").clients_size(), 2);
+}
+
 TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrItsSessionEnds) {
   // Chunks of blocks [0, 64), [64, 512) and [512, 1024) in each of the two segments.
   constexpr uint64_t kFirstRelease = 2 * 512 * kBlockBytes;
@@ -2290,6 +2330,28 @@ TEST_F(KvdDaemonSmallAddressSpaceTest, PoolPastTheAddressSpaceStatesBytesAskedAn
                   }(),
                   &pool),
               GrpcIs(grpc::StatusCode::NOT_FOUND, "kv"));
+}
+
+// Chunks of 2 MiB: a pool of 2 x 8192 blocks of 32 KiB is 256 chunks, more than one packet carries.
+class KvdDaemonSmallChunksTest : public KvdDaemonTest {
+ protected:
+  DaemonConfig Config() override { return {.extra_args = {"--max-chunk=2MiB"}}; }
+};
+
+TEST_F(KvdDaemonSmallChunksTest, ALeaseOfMoreThanOnePacketIsLeftToFetchInsteadOfPushed) {
+  ASSERT_THAT(Create("kv", 8192, nullptr, Dims(8192)), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "pusher"));
+  v1::AttachRequest attach;
+  attach.set_pool("kv");
+  attach.set_push_handles(true);
+  v1::AttachResponse attached;
+  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &attached), GrpcOk());
+  EXPECT_FALSE(attached.handles_pushed());
+  ASSERT_EQ(attached.lease().chunk_ids_size(), 256);
+  EXPECT_TRUE(session.Alive());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds fetched, session.Fetch(attached.lease().token()));
+  EXPECT_EQ(fetched.size(), 256u);
+  CloseLeased(fetched);
 }
 
 class KvdDaemonShortLeaseTest : public KvdDaemonTest {

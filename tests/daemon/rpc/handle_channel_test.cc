@@ -406,6 +406,55 @@ TEST_F(HandleChannelTest, SixHundredFdsArriveInThreeOrderedBatchesOfTheSameFiles
   EXPECT_EQ(channel_->stats().fds_sent, 1200u);
 }
 
+// docs/api.md, "Pushed handles": a lease pushed on the session's own connection, read by TakePushed, which drops an
+// earlier push whose reply never came; the session stays alive with a batch queued.
+TEST_F(HandleChannelTest, APushedLeaseArrivesOnTheSessionsConnectionAndTheSessionStaysAlive) {
+  StartChannel();
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(path_, "engine", ClientOptions()));
+  ASSERT_TRUE(WaitFor([&] { return channel_->open_sessions() == 1; }));
+  const std::vector<std::pair<uint64_t, int>> stale = MakeLease("unused-stale", 2, 50);
+  const std::vector<std::pair<uint64_t, int>> chunks = MakeLease("unused", 3);
+  auto split = [](const std::vector<std::pair<uint64_t, int>>& leased) {
+    std::pair<std::vector<uint64_t>, std::vector<int>> out;
+    for (const auto& [id, fd] : leased) {
+      out.first.push_back(id);
+      out.second.push_back(fd);
+    }
+    return out;
+  };
+  const auto [stale_ids, stale_fds] = split(stale);
+  const auto [ids, fds] = split(chunks);
+  ASSERT_THAT(channel_->Push(session.token(), "lease-stale", stale_ids, stale_fds), IsOk());
+  ASSERT_THAT(channel_->Push(session.token(), "lease-1", ids, fds), IsOk());
+  EXPECT_TRUE(session.Alive());  // two batches queued on the connection: not its end
+  EXPECT_EQ(channel_->stats().leases_pushed, 2u);
+  EXPECT_EQ(channel_->stats().fds_sent, 5u);
+
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds got, session.TakePushed("lease-1"));
+  ASSERT_EQ(got.size(), chunks.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].first, chunks[i].first);
+    EXPECT_EQ(Contents(got[i].second), absl::StrCat("chunk ", chunks[i].first));
+    EXPECT_NE(fcntl(got[i].second, F_GETFD) & FD_CLOEXEC, 0);
+  }
+  CloseLeased(got);
+  EXPECT_TRUE(got.empty());
+  EXPECT_TRUE(session.Alive());
+  // Nothing pushed: a protocol error, not a wait.
+  EXPECT_THAT(session.TakePushed("lease-2"), StatusIs(absl::StatusCode::kInternal, HasSubstr("holds no batch")));
+  // The session's end: Push finds no connection, and the client sees the end of file.
+  EXPECT_THAT(channel_->Push("session-none", "lease-3", ids, fds),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no open")));
+  std::vector<uint64_t> many_ids(kMaxFdsPerMessage + 1, 1);
+  std::vector<int> many_fds(kMaxFdsPerMessage + 1, fds[0]);
+  EXPECT_THAT(channel_->Push(session.token(), "lease-4", many_ids, many_fds),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("more than one packet")));
+  channel_->Stop();
+  EXPECT_TRUE(WaitFor([&] { return !session.Alive(); }));
+  EXPECT_THAT(channel_->Push(session.token(), "lease-5", ids, fds),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no open")));
+}
+
 TEST_F(HandleChannelTest, AnEmptyLeaseIsOneEmptyLastBatch) {
   StartChannel();
   MakeLease("empty", 0);
