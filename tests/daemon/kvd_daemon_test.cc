@@ -903,6 +903,15 @@ class KvdDaemonTest : public ::testing::Test {
     return s;
   }
 
+  // Attach through `session` (docs/api.md, "Pushed handles" for `push_handles`).
+  grpc::Status Attach(const HandleSession& session, const std::string& pool, bool push_handles,
+                      v1::AttachResponse* out) {
+    v1::AttachRequest request;
+    request.set_pool(pool);
+    request.set_push_handles(push_handles);
+    return stub().Attach(Ctx(session.token()).get(), request, out);
+  }
+
   v1::Pool Get(const std::string& name) {
     v1::GetPoolRequest request;
     request.set_name(name);
@@ -1857,11 +1866,8 @@ TEST_F(KvdDaemonTest, LeaseIsNotRedeemableAfterItsClientDetached) {
 TEST_F(KvdDaemonTest, AnAttachThatAsksPushesItsLeaseOnTheSessionsConnectionBeforeItReplies) {
   ASSERT_THAT(Create("kv", 64), GrpcOk());
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "pusher"));
-  v1::AttachRequest attach;
-  attach.set_pool("kv");
-  attach.set_push_handles(true);
   v1::AttachResponse attached;
-  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &attached), GrpcOk());
+  ASSERT_THAT(Attach(session, "kv", /*push_handles=*/true, &attached), GrpcOk());
   ASSERT_TRUE(attached.handles_pushed());
   ASSERT_EQ(attached.lease().chunk_ids_size(), attached.pool().chunks_size());
   EXPECT_TRUE(session.Alive());
@@ -1881,9 +1887,8 @@ TEST_F(KvdDaemonTest, AnAttachThatAsksPushesItsLeaseOnTheSessionsConnectionBefor
   if (again.ok()) CloseLeased(*again);
   EXPECT_THAT(again.status(), testing::StatusIs(absl::StatusCode::kNotFound, HasSubstr("already used")));
   // A client that does not ask gets its lease to fetch, and nothing on the session's connection.
-  attach.set_push_handles(false);
   v1::AttachResponse plain;
-  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &plain), GrpcOk());
+  ASSERT_THAT(Attach(session, "kv", /*push_handles=*/false, &plain), GrpcOk());
   EXPECT_FALSE(plain.handles_pushed());
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds fetched, session.Fetch(plain.lease().token()));
   EXPECT_EQ(fetched.size(), static_cast<size_t>(plain.lease().chunk_ids_size()));
@@ -2341,11 +2346,8 @@ class KvdDaemonSmallChunksTest : public KvdDaemonTest {
 TEST_F(KvdDaemonSmallChunksTest, ALeaseOfMoreThanOnePacketIsLeftToFetchInsteadOfPushed) {
   ASSERT_THAT(Create("kv", 8192, nullptr, Dims(8192)), GrpcOk());
   KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "pusher"));
-  v1::AttachRequest attach;
-  attach.set_pool("kv");
-  attach.set_push_handles(true);
   v1::AttachResponse attached;
-  ASSERT_THAT(stub().Attach(Ctx(session.token()).get(), attach, &attached), GrpcOk());
+  ASSERT_THAT(Attach(session, "kv", /*push_handles=*/true, &attached), GrpcOk());
   EXPECT_FALSE(attached.handles_pushed());
   ASSERT_EQ(attached.lease().chunk_ids_size(), 256);
   EXPECT_TRUE(session.Alive());
