@@ -3,7 +3,7 @@
 add_library(kvd_handle_channel STATIC ${CMAKE_CURRENT_LIST_DIR}/handle_channel.cc)
 target_include_directories(kvd_handle_channel PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(kvd_handle_channel
-  PUBLIC kvd_proto kvd_device kvd_peer_acceptor absl::status absl::statusor absl::strings absl::synchronization
-         absl::time
-  PRIVATE kvd_codec absl::cleanup absl::memory absl::span Threads::Threads)
+  PUBLIC kvd_proto kvd_device kvd_peer_acceptor absl::flat_hash_map absl::span absl::status absl::statusor
+         absl::strings absl::synchronization absl::time
+  PRIVATE kvd_codec absl::cleanup absl::memory Threads::Threads)
 kvd_target_defaults(kvd_handle_channel)
