@@ -184,7 +184,9 @@ class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public
   void OnWriteDone(bool ok) override {
     absl::MutexLock lock(&mu_);
     writing_ = false;
-    if (!ok) {
+    // A cancel that came while the write was in flight left the stream to this call, also when the write
+    // itself got through (ok): nothing else would end it, and the client would stay attached.
+    if (!ok || cancelled_) {
       EndLocked(grpc::Status::CANCELLED, cancelled_ ? "the client closed the stream" : "the stream broke");
       return;
     }
