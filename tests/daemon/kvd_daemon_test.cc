@@ -1898,6 +1898,48 @@ TEST_F(KvdDaemonTest, AnAttachThatAsksPushesItsLeaseOnTheSessionsConnectionBefor
   EXPECT_EQ(Get("kv").clients_size(), 2);
 }
 
+// docs/api.md, "Pushed handles": a session that does not read its connection fills its queue; the Attach that
+// finds no room answers handles_pushed false and its lease is left to fetch, whole, and what was pushed before
+// stays queued in order.
+TEST_F(KvdDaemonTest, AnAttachWhoseSessionsQueueIsFullLeavesItsLeaseToFetch) {
+  // A Unix stream socket's default send buffer holds some 280 small packets: two pools of at most 250
+  // clients each (256 per pool) fill it.
+  const std::string pools[] = {"kv", "kv2"};
+  for (const std::string& pool : pools) ASSERT_THAT(Create(pool, 64), GrpcOk());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession session, HandleSession::Open(daemon_->handles(), "not-reading"));
+  std::vector<v1::AttachResponse> pushed;
+  v1::AttachResponse refused;
+  for (int i = 0; i < 500 && !refused.has_lease(); ++i) {
+    v1::AttachResponse attached;
+    ASSERT_THAT(Attach(session, pools[i % 2], /*push_handles=*/true, &attached), GrpcOk());
+    (attached.handles_pushed() ? pushed.emplace_back() : refused) = std::move(attached);
+  }
+  ASSERT_TRUE(refused.has_lease()) << pushed.size() << " leases pushed and the queue still had room";
+  ASSERT_FALSE(pushed.empty());
+  EXPECT_TRUE(session.Alive());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds fetched, session.Fetch(refused.lease().token()));
+  ASSERT_EQ(fetched.size(), static_cast<size_t>(refused.lease().chunk_ids_size()));
+  for (size_t i = 0; i < fetched.size(); ++i) {
+    EXPECT_EQ(fetched[i].first, refused.lease().chunk_ids(static_cast<int>(i)));
+    struct stat st {};
+    ASSERT_EQ(fstat(fetched[i].second, &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), refused.pool().chunks(static_cast<int>(i)).bytes());
+  }
+  CloseLeased(fetched);
+  for (const v1::AttachResponse& a : pushed) {
+    KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds batch, session.TakePushed(a.lease().token()));
+    EXPECT_EQ(batch.size(), static_cast<size_t>(a.lease().chunk_ids_size()));
+    CloseLeased(batch);
+  }
+  // Read, the queue has room again.
+  v1::AttachResponse again;
+  ASSERT_THAT(Attach(session, "kv", /*push_handles=*/true, &again), GrpcOk());
+  EXPECT_TRUE(again.handles_pushed());
+  KVD_ASSERT_OK_AND_ASSIGN(HandleSession::LeasedFds last, session.TakePushed(again.lease().token()));
+  CloseLeased(last);
+  EXPECT_EQ(Get("kv").clients_size() + Get("kv2").clients_size(), static_cast<int>(pushed.size()) + 2);
+}
+
 TEST_F(KvdDaemonTest, DetachedClientKeepsItsBytesCountedUntilItAcknowledgesOrItsSessionEnds) {
   // Chunks of blocks [0, 64), [64, 512) and [512, 1024) in each of the two segments.
   constexpr uint64_t kFirstRelease = 2 * 512 * kBlockBytes;
