@@ -86,7 +86,17 @@ absl::StatusOr<MessageWithFds> ReceiveWithFds(int socket, size_t max_payload) {
   std::vector<UniqueFd> received;
   const MessageIo io = ReceiveMessage(socket, absl::MakeSpan(out.payload), 0, &received);
   if (io.error != 0) return ErrnoStatus(io.error, "recvmsg");
-  if ((io.flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) return absl::DataLossError("recvmsg: message or FDs truncated");
+  if ((io.flags & MSG_TRUNC) != 0) return absl::DataLossError("recvmsg: message truncated");
+  if ((io.flags & MSG_CTRUNC) != 0) {
+    // The kernel installs the FDs it can and drops the rest: this process reached its open-file limit, or the
+    // peer sent more than one message carries.
+    rlimit files{};
+    getrlimit(RLIMIT_NOFILE, &files);
+    return absl::DataLossError(
+        absl::StrCat("recvmsg: file descriptors dropped: this process is at its open-file "
+                     "limit (RLIMIT_NOFILE ",
+                     files.rlim_cur, "), or more than ", kMaxFdsPerMessage, " came"));
+  }
   if (io.bytes == 0 && received.empty()) return absl::UnavailableError("recvmsg: the peer has closed the socket");
   out.payload.resize(io.bytes);
   out.fds.reserve(received.size());

@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -684,6 +685,33 @@ TEST_F(ClientTest, ConcurrentResizesKeepMappingsInStep) {
   EXPECT_EQ(p.pending_release_bytes, 0u);
   *At(a->layer(1), 511, 1, 15, 63) = 9;
   EXPECT_EQ(*At(b->layer(1), 511, 1, 15, 63), 9);
+}
+
+// docs/api.md, "Pushed handles": an engine at its open-file limit cannot take the FDs pushed with its Attach. The
+// Attach fails with DATA_LOSS naming the limit, detaches the client it made and keeps none of the FDs, and
+// the session goes on: the next Attach, with room, maps.
+TEST_F(ClientTest, AnAttachThatCannotTakeItsPushedHandlesFailsDetachedAndKeepsNoFd) {
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> engine, Connect("engine"));
+  ASSERT_THAT(engine->CreatePool(SmallPool("kv")).status(), IsOk());
+  for (uint64_t blocks = 1024; blocks <= 2048; blocks += 512) ASSERT_THAT(engine->Grow("kv", blocks).status(), IsOk());
+  {  // warm the client's channel and device up
+    KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> warm, engine->Attach("kv"));
+    ASSERT_EQ(warm->chunks().size(), 8u);
+  }
+  const int baseline = OpenFds();
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit tight = saved;
+  tight.rlim_cur = static_cast<rlim_t>(baseline + 3);  // room for 3 of the 8 FDs pushed
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &tight), 0);
+  absl::StatusOr<std::unique_ptr<Mapping>> refused = engine->Attach("kv");
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_THAT(refused.status(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("RLIMIT_NOFILE")));
+  EXPECT_EQ(OpenFds(), baseline);
+  KVD_ASSERT_OK_AND_ASSIGN(PoolInfo pool, engine->GetPool("kv"));
+  EXPECT_THAT(pool.clients, ::testing::IsEmpty());
+  KVD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Mapping> m, engine->Attach("kv"));
+  EXPECT_EQ(m->chunks().size(), 8u);
 }
 
 TEST_F(ClientTest, MappingOutlivesItsClient) {
