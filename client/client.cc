@@ -459,6 +459,11 @@ struct Client::Impl {
   struct LocalDevice {
     Device* device = nullptr;
     std::string peer_uuid;  // set when it is not the daemon's device: the AttachRequest's device_uuid
+    // What a Mapping reports of the device it maps on (MappedDevice), read once: Device::Info also asks for
+    // the free memory (cuMemGetInfo on CUDA), which an Attach does not need.
+    BackendKind backend = BackendKind::kHost;
+    int index = 0;
+    std::string uuid;
   };
   // Asks the daemon for its device once per selector: a restarted daemon serves the same device (its
   // --device), so the answer does not change (an Attach saves a round trip).
@@ -541,7 +546,7 @@ absl::StatusOr<Client::Impl::LocalDevice> Client::Impl::OpenLocalDevice(absl::st
     device = *std::move(opened);
   }
   KVD_ASSIGN_OR_RETURN(kvd::DeviceInfo local, device->Info());
-  LocalDevice out{.device = device.get()};
+  LocalDevice out{.device = device.get(), .backend = local.backend, .index = local.index, .uuid = local.uuid};
   if (local.uuid != info.device_uuid()) {
     // Peer access: this process maps another device's memory with access for its own device.
     KVD_RETURN_IF_ERROR(device->CheckPeerAccess(info.device_uuid()));
@@ -1925,12 +1930,11 @@ absl::StatusOr<std::unique_ptr<Mapping>> Client::Attach(absl::string_view pool, 
   impl_->Observe(resp);
   internal::MarkPhase("attach.rpc");
 
-  KVD_ASSIGN_OR_RETURN(kvd::DeviceInfo local_info, device->Info());
   auto m = std::make_shared<Mapping::Impl>();
   m->client = impl_;
   m->device = device;
-  m->mapped_device = {.backend = BackendName(local_info.backend), .index = local_info.index, .uuid = local_info.uuid};
-  m->keep_fds = local_info.backend != BackendKind::kHost;
+  m->mapped_device = {.backend = BackendName(local.backend), .index = local.index, .uuid = local.uuid};
+  m->keep_fds = local.backend != BackendKind::kHost;
   m->peer_uuid = local.peer_uuid;
   m->pool = name;
   m->geometry = FromProto(resp.pool().geometry());
