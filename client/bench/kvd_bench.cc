@@ -185,6 +185,24 @@ class PingService final : public kvd::v1::Kvd::Service {
   const std::optional<kvd::v1::Pool> reply_;
 };
 
+// The same answers from a server shaped as kvd's (Note [Quick RPCs answer inline] in docs/architecture.md):
+// GetPool a callback method, answered inline, beside synchronous methods, with the health service on.
+class MixedPingService final : public kvd::v1::Kvd::WithCallbackMethod_GetPool<kvd::v1::Kvd::Service> {
+ public:
+  explicit MixedPingService(kvd::v1::Pool reply) : reply_(std::move(reply)) {}
+
+  grpc::ServerUnaryReactor* GetPool(grpc::CallbackServerContext* context, const kvd::v1::GetPoolRequest*,
+                                    kvd::v1::Pool* reply) override {
+    *reply = reply_;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  const kvd::v1::Pool reply_;
+};
+
 // libkvd's phase marks (client/phase_marks.h) in the second process, in the order they were passed.
 absl::Mutex g_marks_mu;
 std::vector<std::pair<const char*, int64_t>>& Marks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_marks_mu) {
@@ -291,7 +309,7 @@ struct ChildState {
   std::unique_ptr<Device> raw;         // the bare importer
   uint64_t raw_va = 0, raw_bytes = 0;
   std::vector<std::pair<uint64_t, Chunk>> raw_chunks;  // offset, imported chunk (mapped)
-  std::vector<std::unique_ptr<PingService>> pings;
+  std::vector<std::unique_ptr<grpc::Service>> pings;
   std::vector<std::unique_ptr<grpc::Server>> ping_servers;
 };
 
@@ -553,17 +571,24 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     c.raw_va = 0;
     return std::string("ok");
   }
-  // "ping-serve PATH [REPLY]": a bare gRPC server on PATH; REPLY, a base64 kvd.v1.Pool, is what it answers.
-  if (op == "ping-serve" && (w.size() == 2 || w.size() == 3)) {
+  // "ping-serve PATH [REPLY]": a bare synchronous gRPC server on PATH; REPLY, a base64 kvd.v1.Pool, is what it
+  // answers. "ping-serve-mixed PATH REPLY": the same answers from a server shaped as kvd's (MixedPingService).
+  if ((op == "ping-serve" && (w.size() == 2 || w.size() == 3)) || (op == "ping-serve-mixed" && w.size() == 3)) {
     std::optional<kvd::v1::Pool> reply;
     if (w.size() == 3) {
       std::string bytes;
       reply.emplace();
       if (!absl::Base64Unescape(w[2], &bytes) || !reply->ParseFromString(bytes)) {
-        return absl::InvalidArgumentError("ping-serve: the reply is not a base64 kvd.v1.Pool");
+        return absl::InvalidArgumentError(absl::StrCat(op, ": the reply is not a base64 kvd.v1.Pool"));
       }
     }
-    c.pings.push_back(std::make_unique<PingService>(std::move(reply)));
+    const bool mixed = op == "ping-serve-mixed";
+    if (mixed) {
+      c.pings.push_back(std::make_unique<MixedPingService>(*std::move(reply)));
+    } else {
+      c.pings.push_back(std::make_unique<PingService>(std::move(reply)));
+    }
+    grpc::EnableDefaultHealthCheckService(mixed);  // read when the server is built
     grpc::ServerBuilder builder;
     builder.AddListeningPort(absl::StrCat("unix:", w[1]), grpc::InsecureServerCredentials());
     builder.RegisterService(c.pings.back().get());
@@ -2035,23 +2060,23 @@ absl::Status Bench::ShrinkToHalf() {
   return client_->DeletePool(pool.name, true).status();
 }
 
-// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then three
-// informative lines take the difference apart, from a second run of batches of four kinds of call: libkvd's
+// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then four
+// informative lines take the difference apart, from a second run of batches of five kinds of call: libkvd's
 // GetPool, the same GetPool through a plain gRPC stub on kvd's socket, a second bare server (in the second
-// process, started after the idle line) answering with kvd's own reply, and the bare server. Their ratios
-// chain: libkvd / stub (what the client library adds), stub / bare with kvd's reply (what the daemon's
-// handler adds over a server sending the same bytes), bare with kvd's reply / bare (what the reply's size
-// costs gRPC alone).
+// process, started after the idle line) answering with kvd's own reply, the bare server, and a third bare
+// server shaped as kvd's (MixedPingService) with kvd's reply. Their ratios chain: libkvd / stub (what the client
+// library adds), stub / bare with kvd's reply (what the daemon's handler adds over a server sending the same
+// bytes), bare with kvd's reply / bare (what the reply's size costs gRPC alone); kvd-shaped / bare, both with
+// kvd's reply, is the part of the second that is the server's shape alone.
 absl::Status Bench::ControlRpc() {
   KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
   const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
   const std::string sized_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), "-sized.sock");
-  unlink(ping_path.c_str());
-  unlink(sized_path.c_str());
+  const std::string mixed_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), "-mixed.sock");
+  for (const std::string& path : {ping_path, sized_path, mixed_path}) unlink(path.c_str());
   KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve ", ping_path)).status());
   absl::Cleanup unlink_ping = [&] {
-    unlink(ping_path.c_str());
-    unlink(sized_path.c_str());
+    for (const std::string& path : {ping_path, sized_path, mixed_path}) unlink(path.c_str());
   };
   const auto channel = [](const std::string& path) {
     return kvd::v1::Kvd::NewStub(grpc::CreateChannel(absl::StrCat("unix:", path), grpc::InsecureChannelCredentials()));
@@ -2102,6 +2127,15 @@ absl::Status Bench::ControlRpc() {
       child_->Call(absl::StrCat("ping-serve ", sized_path, " ", absl::Base64Escape(kvd_reply.SerializeAsString())))
           .status());
   std::unique_ptr<kvd::v1::Kvd::Stub> sized = channel(sized_path);
+  KVD_RETURN_IF_ERROR(
+      child_
+          ->Call(absl::StrCat("ping-serve-mixed ", mixed_path, " ", absl::Base64Escape(kvd_reply.SerializeAsString())))
+          .status());
+  std::unique_ptr<kvd::v1::Kvd::Stub> mixed = channel(mixed_path);
+  auto mixed_ping = [&]() -> absl::Status {
+    kvd::v1::Pool reply;
+    return unary(*mixed, "kvd-shaped ping with kvd's reply", nullptr, &reply);
+  };
   auto stub_get = [&]() -> absl::Status {
     kvd::v1::Pool reply;
     return unary(*direct, "GetPool on kvd's socket", &session.token(), &reply);
@@ -2113,10 +2147,11 @@ absl::Status Bench::ControlRpc() {
   for (int i = 0; i < 50; ++i) {
     KVD_RETURN_IF_ERROR(stub_get());
     KVD_RETURN_IF_ERROR(sized_ping());
+    KVD_RETURN_IF_ERROR(mixed_ping());
   }
-  std::vector<double> libkvd, stubbed, bare_sized, bare;
+  std::vector<double> libkvd, stubbed, bare_sized, bare, mixed_sized;
   const std::vector<std::pair<std::function<absl::Status()>, std::vector<double>*>> kinds = {
-      {get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}};
+      {get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}, {mixed_ping, &mixed_sized}};
   for (int batch = 0; batch < calls; batch += 100) {
     for (size_t k = 0; k < kinds.size(); ++k) {  // each kind in turn, a different one first each round
       const auto& [call, samples] = kinds[(k + batch / 100) % kinds.size()];
@@ -2147,6 +2182,13 @@ absl::Status Bench::ControlRpc() {
   reply_share.base = bare;
   reply_share.note =
       absl::StrFormat("kvd's reply %d bytes, the bare one %d", kvd_reply.ByteSizeLong(), 2 + ctl.name.size());
+  Line& server_share = GetLine("control_rpc", "idle_server");
+  server_share.kvd_what =
+      "a bare server shaped as kvd's (GetPool a callback method beside synchronous ones) with kvd's reply";
+  server_share.base_what = "a bare synchronous server answering with kvd's reply";
+  server_share.ratio_means = "kvd-shaped/synchronous p50";
+  server_share.kvd = mixed_sized;
+  server_share.base = bare_sized;
 
   // During grows of another pool (the main one, to the full size): only calls that start inside a
   // Grow count.
