@@ -1081,6 +1081,10 @@ struct Options {
   std::string sections = "all";
   std::string layout = "LBHNC";
   int pause_ms = -1;
+  // Who releases first in the raw lifecycle's sleep and shrink: "importer" (the second process; the exporter's
+  // release then frees) or "exporter" (then the importer's release frees, as in kvd: Note [Who holds a released
+  // chunk] in docs/architecture.md).
+  std::string raw_release_first = "importer";
   int threads = 4;
   int rpc_calls = 0;
   int watch_streams = 200;
@@ -1533,9 +1537,11 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   auto pause = [&] {
     if (paused) Pause();
   };
+  const bool exporter_first = o_.raw_release_first == "exporter";
   auto release_both = [&]() -> absl::Status {
+    if (exporter_first) KVD_RETURN_IF_ERROR(raw.Release());
     KVD_RETURN_IF_ERROR(child_->Call("raw-release").status());
-    return raw.Release();
+    return exporter_first ? absl::OkStatus() : raw.Release();
   };
   KVD_RETURN_IF_ERROR(raw.Reserve());
   pause();
@@ -1557,16 +1563,19 @@ absl::Status Bench::RawCycle(RawExporter& raw, bool paused, bool record) {
   pause();
   KVD_ASSIGN_OR_RETURN(uint64_t before, FreeBytes());
   t = NowNs();
-  KVD_RETURN_IF_ERROR(child_->Call("raw-release").status());
-  const int64_t importer_done = NowNs();
-  KVD_RETURN_IF_ERROR(raw.Release());
+  int64_t importer_ns = 0, exporter_ns = 0;
+  for (const bool exporter : {exporter_first, !exporter_first}) {
+    const int64_t start = NowNs();
+    KVD_RETURN_IF_ERROR(exporter ? raw.Release() : child_->Call("raw-release").status());
+    (exporter ? exporter_ns : importer_ns) = NowNs() - start;
+  }
   const int64_t released = NowNs();
   KVD_RETURN_IF_ERROR(WaitFree(before, raw.plan().bytes()));
   add("sleep", MsSince(t));
   if (record) {
     Line& l = GetLine("sleep", variant);
-    AddPhase(l.base_phases, "importer_unmap", Between(t, importer_done));  // request + unmap + release there
-    AddPhase(l.base_phases, "exporter_release", Between(importer_done, released));
+    AddPhase(l.base_phases, "importer_unmap", importer_ns / 1e6);  // request + unmap + release there
+    AddPhase(l.base_phases, "exporter_release", exporter_ns / 1e6);
     AddPhase(l.base_phases, "free_wait", MsSince(released));
   }
   pause();
@@ -3456,12 +3465,13 @@ std::string Bench::Json() const {
       "\"compact_bytes\": %d, \"shrink_bytes\": %d, "
       "\"threads\": %d, \"watch_streams\": %d, \"granule_reps\": %d, \"torch\": %s, \"free_timeouts\": %d, "
       "\"sections\": %s, "
-      "\"lifecycle_reps\": %d, \"deadline_s\": %d},\n \"lines\": [",
+      "\"lifecycle_reps\": %d, \"deadline_s\": %d, \"raw_release_first\": %s},\n \"lines\": [",
       Quote(backend_), Quote(daemon_.name), Quote(daemon_.uuid), Quote(daemon_.driver_version),
       Quote(daemon_.daemon_version), daemon_.total_bytes, daemon_.granularity_bytes, daemon_.max_chunk_bytes, bytes_,
       layers_, segments_, Quote(o_.layout), chunks_, max_chunk_, o_.reps, pause_ms_, fragments_, compact_grows_,
       o_.compact_chunks_per_pause, compact_bytes_, shrink_bytes_, o_.threads, o_.watch_streams, o_.granule_reps,
-      Quote(torch_version_), free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s);
+      Quote(torch_version_), free_timeouts_, Quote(o_.sections), lifecycle_reps_, o_.deadline_s,
+      Quote(o_.raw_release_first));
   for (size_t i = 0; i < lines_.size(); ++i) {
     const Line& l = lines_[i];
     absl::StrAppend(&j, i ? ",\n  " : "\n  ", "{\"name\": ", Quote(l.name), ", \"variant\": ", Quote(l.variant));
@@ -3809,6 +3819,11 @@ int main(int argc, char** argv) {
                  "lifecycle's grow + attach)")
       ->capture_default_str();
   app.add_option("--pause-ms", o.pause_ms, "The pause of the after_pause variants (default 2000 on a GPU, 20 on host)");
+  app.add_option("--raw-release-first", o.raw_release_first,
+                 "Who releases first in the raw lifecycle's sleep and shrink: importer (the exporter's release frees) "
+                 "or exporter (the importer's release frees, as in kvd)")
+      ->check(CLI::IsMember({"importer", "exporter"}))
+      ->capture_default_str();
   app.add_option("--threads", o.threads, "Pools resized at once in the concurrent line")
       ->capture_default_str()
       ->check(CLI::Range(2, 64));
