@@ -29,6 +29,7 @@ d = json.load(open(sys.argv[1]))
 assert d["program"] == "kvd_bench" and d["device"]["backend"] == "host", d["device"]
 for key in ("bytes", "segments", "chunks", "reps", "pause_ms", "compact_grows", "compact_bytes", "shrink_bytes"):
     assert d["config"][key] >= 0, key
+assert d["config"]["raw_release_first"] == "importer", d["config"]
 want = {("grow", v) for v in ("after_release", "after_pause")}
 lifecycle = ("grow", "attach", "grow_mapped", "sleep", "wake", "wake_mapped", "shrink")
 want |= {(op, v) for op in lifecycle for v in ("after_release", "after_pause")}
@@ -36,6 +37,8 @@ want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"
          ("compact", "4_grows"), ("compact_pause", "4_grows"), ("compact_attach", "before_compact"),
          ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
          ("control_rpc", "idle"), ("control_rpc", "during_grow"), ("control_rpc", "watch_streams"),
+         ("control_rpc", "idle_client"), ("control_rpc", "idle_daemon"), ("control_rpc", "idle_reply"),
+         ("control_rpc", "idle_server"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause"),
@@ -146,14 +149,17 @@ assert "skipped" not in r and r["kvd"]["n"] == 2 and r["baseline"]["n"] == 2, r
 assert list(r["phases"]["kvd"]) == ["to_ask", "give_to_reply"], r["phases"]
 assert "skipped" not in s and s["ratio"] == 0, s
 PY
-# A block-outermost pool: one segment, so one in-process peer (one allocation), which carries the target.
-"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --chunk=16MiB --reps=1 --layout=BLHNC --sections=lifecycle --json \
+# A block-outermost pool: one segment, so one in-process peer (one allocation), which carries the target; raw
+# releases in kvd's order.
+"$bench" --kvd="$kvd" --backend=host --bytes=64MiB --chunk=16MiB --reps=1 --layout=BLHNC --sections=lifecycle \
+  --raw-release-first=exporter --json \
   >"$dir/blhnc.json" 2>"$dir/blhnc.txt"
 python3 - "$dir/blhnc.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 c = d["config"]
 assert c["layout"] == "BLHNC" and c["segments"] == 1 and c["layers"] == 8 and c["chunks"] == 4, c
+assert c["raw_release_first"] == "exporter", c
 for l in d["lines"]:
     peers = l["in_process"]
     assert list(peers) == ["single"] and peers["single"]["allocations"] == 1 and peers["single"]["n"] == 1, (l["name"], peers)
