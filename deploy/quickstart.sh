@@ -116,8 +116,24 @@ case $mode in
     cmake --build "$clang_build" -j "$jobs" >"$clang_build/build.log" 2>&1 ||
       { grep -E 'error|warning' "$clang_build/build.log" | head -50; say "the clang thread-safety build failed (log: $clang_build/build.log)"; exit 1; }
     say "thread-safety build clean; set-up took $((SECONDS - started)) s"
+    # A failed suite prints each failing test's output again at the very end (ctest's log in DIR), so a log
+    # read from its tail says why, not only which.
+    suite() {  # dir [ctest args...]
+      local dir=$1
+      shift
+      (cd "$dir" && ctest --output-on-failure -j "$jobs" "$@") && return 0
+      awk '/^[0-9]+\/[0-9]+ Testing: / { name = $3; n = 0; next }
+           /^Output:$/ { on = 1; next }
+           /^<end of output>$/ { on = 0; next }
+           on { out[n++] = $0 }
+           /^Test (Failed|Not Run)/ {
+             printf "\n===== %s failed; the last lines of its output:\n", name
+             for (i = (n > 60 ? n - 60 : 0); i < n; i++) print out[i]
+           }' "$dir/Testing/Temporary/LastTest.log" >&2
+      return 1
+    }
     say "running the test suite (tests labelled gpu are skipped without a GPU)"
-    (cd "$build" && ctest --output-on-failure -j "$jobs" "$@")
+    suite "$build" "$@"
     [[ ${KVD_SANITIZERS:-ON} == OFF ]] && exit 0
 
     # Sanitizers and fuzzing (docs/reliability.md): host only, clang. The whole suite under ASan+UBSan
@@ -148,7 +164,7 @@ case $mode in
     say "ASan+UBSan build took $((SECONDS - step)) s; running the suite under it"
     step=$SECONDS
     # deploy_validate and kvd_install_test check files and packaging, not the C++ code: the first run covers them.
-    (cd "$asan_build" && ctest --output-on-failure -j "$jobs" -E '^(deploy_validate|kvd_install_test)$' "$@")
+    suite "$asan_build" -E '^(deploy_validate|kvd_install_test)$' "$@"
     say "the suite under ASan+UBSan took $((SECONDS - step)) s"
 
     step=$SECONDS

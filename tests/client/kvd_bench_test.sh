@@ -6,6 +6,12 @@ set -euo pipefail
 kvd=$1 bench=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+# A failing step says which it was and shows what the bench printed (its stderr goes to files below).
+failed() {
+  echo "kvd_bench_test: line $1 failed: $2" >&2
+  for f in "$dir"/*.txt "$dir"/err; do [[ -s $f ]] && { echo "--- the end of ${f##*/}:"; tail -n 40 "$f"; }; done >&2
+}
+trap 'failed $LINENO "$BASH_COMMAND"' ERR
 "$bench" --help >"$dir/help"  # not into grep -q: it would close the pipe before the help is written (pipefail)
 grep -q -- "--bytes" "$dir/help"
 grep -q -- "--chunk-sweep" "$dir/help"
