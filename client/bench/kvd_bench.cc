@@ -68,6 +68,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/handle_client.h"
 #include "client/phase_marks.h"
@@ -646,6 +647,7 @@ class Child {
     waitpid(pid_, &status, 0);
   }
   int socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
   // Sends a request, returns the words of an "ok" reply after "ok".
   absl::StatusOr<std::vector<std::string>> Call(absl::string_view request) {
     KVD_RETURN_IF_ERROR(SendWithFds(socket_, request, {}));
@@ -2069,14 +2071,73 @@ absl::Status Bench::ShrinkToHalf() {
   return client_->DeletePool(pool.name, true).status();
 }
 
-// GetPool of a small pool through libkvd against a bare gRPC server answering the same method. Then four
-// informative lines take the difference apart, from a second run of batches of five kinds of call: libkvd's
-// GetPool, the same GetPool through a plain gRPC stub on kvd's socket, a second bare server (in the second
-// process, started after the idle line) answering with kvd's own reply, the bare server, and a third bare
-// server shaped as kvd's (MixedPingService) with kvd's reply. Their ratios chain: libkvd / stub (what the client
-// library adds), stub / bare with kvd's reply (what the daemon's handler adds over a server sending the same
-// bytes), bare with kvd's reply / bare (what the reply's size costs gRPC alone); kvd-shaped / bare, both with
-// kvd's reply, is the part of the second that is the server's shape alone.
+namespace {
+
+// The threads of process `pid`; 0 when it cannot be read.
+size_t ThreadsOf(pid_t pid) {
+  std::error_code ec;
+  size_t n = 0;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// The CPU time process `pid` has used (user + system, /proc/<pid>/stat), in ms; -1 when it cannot be read.
+double CpuMs(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t end = stat.rfind(')');  // the command may hold spaces
+  if (end == std::string::npos) return -1;
+  const std::vector<std::string> fields = absl::StrSplit(stat.substr(end + 2), ' ');
+  uint64_t user = 0, system = 0;
+  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &user) || !absl::SimpleAtoi(fields[12], &system)) return -1;
+  return (user + system) * 1e3 / sysconf(_SC_CLK_TCK);
+}
+
+
+// The threads of process `pid` named `name` (their comm, as gRPC names its own), and the voluntary context
+// switches of all its threads (each a wait for another thread or the kernel); 0 when they cannot be read.
+size_t ThreadsNamed(pid_t pid, absl::string_view name) {
+  std::error_code ec;
+  size_t n = 0;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    std::ifstream in(it->path() / "comm");
+    std::string comm;
+    std::getline(in, comm);
+    n += comm == name ? 1 : 0;
+  }
+  return n;
+}
+uint64_t VoluntarySwitches(pid_t pid) {
+  std::error_code ec;
+  uint64_t n = 0;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    std::ifstream in(it->path() / "status");
+    for (std::string line; std::getline(in, line);) {
+      absl::string_view rest = line;
+      uint64_t v = 0;
+      if (absl::ConsumePrefix(&rest, "voluntary_ctxt_switches:") && absl::SimpleAtoi(rest, &v)) n += v;
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+// GetPool of a small pool through libkvd against a bare gRPC server answering the same method; the idle line's
+// note counts the daemon's context switches per call. Then informative lines take the difference apart, from
+// batches of four kinds of call: libkvd's GetPool, the same GetPool through a plain gRPC stub on kvd's socket, a
+// second bare server (in the second process, started after the idle line) answering with kvd's own reply, and
+// the bare server. Their ratios chain: libkvd / stub (what the client library adds), stub / bare with kvd's
+// reply (what the daemon adds over a synchronous server sending the same bytes), bare with kvd's reply / bare
+// (what the reply's size costs gRPC alone). Last, a third bare server shaped as kvd's (MixedPingService: a
+// callback method, so gRPC starts its callback threads in the second process) against the second, both with
+// kvd's reply: the server's shape (idle_server), and what the callback threads cost the synchronous server
+// beside them (callback_threads, the second server's p50 now against before).
 absl::Status Bench::ControlRpc() {
   KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
   const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
@@ -2117,6 +2178,7 @@ absl::Status Bench::ControlRpc() {
   idle.kvd_what = "libkvd GetPool";
   idle.base_what = "bare gRPC unary (GetPool of a trivial server, second process)";
   idle.ratio_means = "kvd/bare p50";
+  const uint64_t switches_before = daemon_pid_ > 0 ? VoluntarySwitches(daemon_pid_) : 0;
   for (int batch = 0; batch < calls; batch += 100) {
     for (const bool is_kvd : {batch % 200 == 0, batch % 200 != 0}) {  // alternate which goes first
       for (int i = 0; i < 100; ++i) {
@@ -2126,25 +2188,37 @@ absl::Status Bench::ControlRpc() {
       }
     }
   }
+  if (daemon_pid_ > 0) {
+    idle.note = absl::StrFormat(
+        "the daemon: %.1f voluntary context switches per call, %d of gRPC's callback threads (nexting_thread)",
+        static_cast<double>(VoluntarySwitches(daemon_pid_) - switches_before) / idle.kvd.size(),
+        ThreadsNamed(daemon_pid_, "nexting_thread"));
+  }
+  // Runs `kinds` in batches of 100, each kind in turn and a different one first each round.
+  using Kinds = std::vector<std::pair<std::function<absl::Status()>, std::vector<double>*>>;
+  auto batches = [&](const Kinds& kinds) -> absl::Status {
+    for (int batch = 0; batch < calls; batch += 100) {
+      for (size_t k = 0; k < kinds.size(); ++k) {
+        const auto& [call, samples] = kinds[(k + batch / 100) % kinds.size()];
+        for (int i = 0; i < 100; ++i) {
+          const int64_t t = NowNs();
+          KVD_RETURN_IF_ERROR(call());
+          samples->push_back(MsSince(t));
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
 
-  // Where the difference goes: a plain stub on kvd's socket, and a bare server answering with kvd's reply.
+  // Where the difference goes: a plain stub on kvd's socket, and a bare server answering with kvd's reply,
+  // while the second process serves synchronous methods only.
   KVD_ASSIGN_OR_RETURN(HandleSession session, HandleSession::Open(wire::HandlesPathFor(socket_), "stub"));
   std::unique_ptr<kvd::v1::Kvd::Stub> direct = channel(socket_);
   kvd::v1::Pool kvd_reply;
   KVD_RETURN_IF_ERROR(unary(*direct, "GetPool on kvd's socket", &session.token(), &kvd_reply));
-  KVD_RETURN_IF_ERROR(
-      child_->Call(absl::StrCat("ping-serve ", sized_path, " ", absl::Base64Escape(kvd_reply.SerializeAsString())))
-          .status());
+  const std::string reply64 = absl::Base64Escape(kvd_reply.SerializeAsString());
+  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve ", sized_path, " ", reply64)).status());
   std::unique_ptr<kvd::v1::Kvd::Stub> sized = channel(sized_path);
-  KVD_RETURN_IF_ERROR(
-      child_
-          ->Call(absl::StrCat("ping-serve-mixed ", mixed_path, " ", absl::Base64Escape(kvd_reply.SerializeAsString())))
-          .status());
-  std::unique_ptr<kvd::v1::Kvd::Stub> mixed = channel(mixed_path);
-  auto mixed_ping = [&]() -> absl::Status {
-    kvd::v1::Pool reply;
-    return unary(*mixed, "kvd-shaped ping with kvd's reply", nullptr, &reply);
-  };
   auto stub_get = [&]() -> absl::Status {
     kvd::v1::Pool reply;
     return unary(*direct, "GetPool on kvd's socket", &session.token(), &reply);
@@ -2156,21 +2230,25 @@ absl::Status Bench::ControlRpc() {
   for (int i = 0; i < 50; ++i) {
     KVD_RETURN_IF_ERROR(stub_get());
     KVD_RETURN_IF_ERROR(sized_ping());
+  }
+  std::vector<double> libkvd, stubbed, bare_sized, bare;
+  KVD_RETURN_IF_ERROR(batches({{get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}}));
+  // Then the second process also serves a callback method (a server shaped as kvd's): gRPC starts its callback
+  // threads there, and the synchronous server with kvd's reply is measured again beside it.
+  const size_t child_callback_threads = ThreadsNamed(child_->pid(), "nexting_thread");
+  KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve-mixed ", mixed_path, " ", reply64)).status());
+  std::unique_ptr<kvd::v1::Kvd::Stub> mixed = channel(mixed_path);
+  auto mixed_ping = [&]() -> absl::Status {
+    kvd::v1::Pool reply;
+    return unary(*mixed, "kvd-shaped ping with kvd's reply", nullptr, &reply);
+  };
+  for (int i = 0; i < 50; ++i) {
+    KVD_RETURN_IF_ERROR(sized_ping());
     KVD_RETURN_IF_ERROR(mixed_ping());
   }
-  std::vector<double> libkvd, stubbed, bare_sized, bare, mixed_sized;
-  const std::vector<std::pair<std::function<absl::Status()>, std::vector<double>*>> kinds = {
-      {get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}, {mixed_ping, &mixed_sized}};
-  for (int batch = 0; batch < calls; batch += 100) {
-    for (size_t k = 0; k < kinds.size(); ++k) {  // each kind in turn, a different one first each round
-      const auto& [call, samples] = kinds[(k + batch / 100) % kinds.size()];
-      for (int i = 0; i < 100; ++i) {
-        const int64_t t = NowNs();
-        KVD_RETURN_IF_ERROR(call());
-        samples->push_back(MsSince(t));
-      }
-    }
-  }
+  std::vector<double> bare_sized_beside, mixed_sized;
+  KVD_RETURN_IF_ERROR(batches({{sized_ping, &bare_sized_beside}, {mixed_ping, &mixed_sized}}));
+
   Line& client_share = GetLine("control_rpc", "idle_client");
   client_share.kvd_what = "libkvd GetPool";
   client_share.base_what = "the same GetPool through a plain gRPC stub on kvd's socket";
@@ -2179,7 +2257,7 @@ absl::Status Bench::ControlRpc() {
   client_share.base = stubbed;
   Line& daemon_share = GetLine("control_rpc", "idle_daemon");
   daemon_share.kvd_what = "GetPool through a plain gRPC stub on kvd's socket";
-  daemon_share.base_what = "a bare server answering with kvd's reply";
+  daemon_share.base_what = "a bare synchronous server answering with kvd's reply";
   daemon_share.ratio_means = "stub/bare-with-kvd's-reply p50";
   daemon_share.kvd = stubbed;
   daemon_share.base = bare_sized;
@@ -2194,10 +2272,18 @@ absl::Status Bench::ControlRpc() {
   Line& server_share = GetLine("control_rpc", "idle_server");
   server_share.kvd_what =
       "a bare server shaped as kvd's (GetPool a callback method beside synchronous ones) with kvd's reply";
-  server_share.base_what = "a bare synchronous server answering with kvd's reply";
+  server_share.base_what = "a bare synchronous server answering with kvd's reply, in the same process";
   server_share.ratio_means = "kvd-shaped/synchronous p50";
   server_share.kvd = mixed_sized;
-  server_share.base = bare_sized;
+  server_share.base = bare_sized_beside;
+  Line& threads_share = GetLine("control_rpc", "callback_threads");
+  threads_share.kvd_what = "a bare synchronous server with kvd's reply, its process also serving a callback method";
+  threads_share.base_what = "the same server before its process served one";
+  threads_share.ratio_means = "after/before p50";
+  threads_share.kvd = bare_sized_beside;
+  threads_share.base = bare_sized;
+  threads_share.note = absl::StrFormat("the second process's gRPC callback threads (nexting_thread): %d -> %d",
+                                       child_callback_threads, ThreadsNamed(child_->pid(), "nexting_thread"));
 
   // During grows of another pool (the main one, to the full size): only calls that start inside a
   // Grow count.
@@ -2491,32 +2577,6 @@ absl::Status Bench::Saturate() {
   return absl::OkStatus();
 }
 
-namespace {
-
-// The threads of process `pid`; 0 when it cannot be read.
-size_t ThreadsOf(pid_t pid) {
-  std::error_code ec;
-  size_t n = 0;
-  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    ++n;
-  }
-  return n;
-}
-
-// The CPU time process `pid` has used (user + system, /proc/<pid>/stat), in ms; -1 when it cannot be read.
-double CpuMs(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t end = stat.rfind(')');  // the command may hold spaces
-  if (end == std::string::npos) return -1;
-  const std::vector<std::string> fields = absl::StrSplit(stat.substr(end + 2), ' ');
-  uint64_t user = 0, system = 0;
-  if (fields.size() < 13 || !absl::SimpleAtoi(fields[11], &user) || !absl::SimpleAtoi(fields[12], &system)) return -1;
-  return (user + system) * 1e3 / sysconf(_SC_CLK_TCK);
-}
-
-}  // namespace
 
 // GetPool of the small pool while --watch-streams Watch streams are open (clients of another pool, in a
 // session of their own, none reading), against GetPool idle: what open streams cost the daemon's other RPCs

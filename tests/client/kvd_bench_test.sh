@@ -44,7 +44,7 @@ want |= {("fragmented_grow", "after_pause"), ("fragmented_attach", "after_pause"
          ("compact_attach", "after_compact"), ("shrink_to_half", "once_grown"),
          ("control_rpc", "idle"), ("control_rpc", "during_grow"), ("control_rpc", "watch_streams"),
          ("control_rpc", "idle_client"), ("control_rpc", "idle_daemon"), ("control_rpc", "idle_reply"),
-         ("control_rpc", "idle_server"),
+         ("control_rpc", "idle_server"), ("control_rpc", "callback_threads"),
          ("concurrent_resize_grow", "4_pools"), ("concurrent_resize_shrink", "4_pools"),
          ("concurrent_raw_grow", "4_pools"), ("concurrent_raw_shrink", "4_pools"),
          ("granule_design", "after_pause"), ("torch_zeros", "after_pause"),
@@ -122,6 +122,10 @@ for key in ("daemon_bytes_per_chunk", "raw_bytes_per_chunk", "daemon_own_bytes_p
     assert b[key] is not None and math.isfinite(b[key]), (key, b[key])
 assert b["fds_per_chunk"] >= 0, b
 assert isinstance(b["exports_per_chunk"], dict) or b["exports_per_chunk"] > 0, b
+# The idle line counts the daemon's context switches per call and its callback threads; callback_threads counts the
+# second process's before and after its callback server started.
+assert "voluntary context switches per call" in got[("control_rpc", "idle")]["note"], got[("control_rpc", "idle")]
+assert "(nexting_thread): " in got[("control_rpc", "callback_threads")]["note"], got[("control_rpc", "callback_threads")]
 print("kvd_bench JSON: %d lines, bookkeeping complete" % len(got))
 PY
 # A bad size is refused with the flag's name.
