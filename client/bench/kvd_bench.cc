@@ -2098,7 +2098,8 @@ double CpuMs(pid_t pid) {
 
 
 // The threads of process `pid` named `name` (their comm, as gRPC names its own), and the voluntary context
-// switches of all its threads (each a wait for another thread or the kernel); 0 when they cannot be read.
+// switches of its live threads (each a wait for another thread or the kernel; a thread that exits takes its
+// count with it, so it is read only across calls served by threads that stay); 0 when they cannot be read.
 size_t ThreadsNamed(pid_t pid, absl::string_view name) {
   std::error_code ec;
   size_t n = 0;
@@ -2232,11 +2233,7 @@ absl::Status Bench::ControlRpc() {
     KVD_RETURN_IF_ERROR(sized_ping());
   }
   std::vector<double> libkvd, stubbed, bare_sized, bare;
-  const uint64_t child_switches = VoluntarySwitches(child_->pid());
   KVD_RETURN_IF_ERROR(batches({{get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}}));
-  // The second process served the bare calls of these batches, and nothing else.
-  const double sync_switches =
-      static_cast<double>(VoluntarySwitches(child_->pid()) - child_switches) / (bare_sized.size() + bare.size());
   // Then the second process also serves a callback method (a server shaped as kvd's): gRPC starts its callback
   // threads there, and the synchronous server with kvd's reply is measured again beside it.
   const size_t child_callback_threads = ThreadsNamed(child_->pid(), "nexting_thread");
@@ -2251,10 +2248,7 @@ absl::Status Bench::ControlRpc() {
     KVD_RETURN_IF_ERROR(mixed_ping());
   }
   std::vector<double> bare_sized_beside, mixed_sized;
-  const uint64_t beside_switches = VoluntarySwitches(child_->pid());
   KVD_RETURN_IF_ERROR(batches({{sized_ping, &bare_sized_beside}, {mixed_ping, &mixed_sized}}));
-  const double mixed_switches = static_cast<double>(VoluntarySwitches(child_->pid()) - beside_switches) /
-                                (bare_sized_beside.size() + mixed_sized.size());
 
   Line& client_share = GetLine("control_rpc", "idle_client");
   client_share.kvd_what = "libkvd GetPool";
@@ -2289,10 +2283,8 @@ absl::Status Bench::ControlRpc() {
   threads_share.ratio_means = "after/before p50";
   threads_share.kvd = bare_sized_beside;
   threads_share.base = bare_sized;
-  threads_share.note = absl::StrFormat(
-      "the second process's gRPC callback threads (nexting_thread): %d -> %d; its voluntary context switches per "
-      "call: %.1f serving synchronous methods only, %.1f with the callback server beside",
-      child_callback_threads, ThreadsNamed(child_->pid(), "nexting_thread"), sync_switches, mixed_switches);
+  threads_share.note = absl::StrFormat("the second process's gRPC callback threads (nexting_thread): %d -> %d",
+                                       child_callback_threads, ThreadsNamed(child_->pid(), "nexting_thread"));
 
   // During grows of another pool (the main one, to the full size): only calls that start inside a
   // Grow count.
