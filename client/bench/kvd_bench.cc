@@ -2073,14 +2073,20 @@ absl::Status Bench::ShrinkToHalf() {
 
 namespace {
 
-// The threads of process `pid`; 0 when it cannot be read.
-size_t ThreadsOf(pid_t pid) {
+// Calls `fn` with the /proc directory of each live thread of process `pid`; none when it cannot be read.
+template <typename Fn>
+void ForEachThread(pid_t pid, Fn fn) {
   std::error_code ec;
-  size_t n = 0;
   for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
        !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    ++n;
+    fn(it->path());
   }
+}
+
+// The threads of process `pid`; 0 when it cannot be read.
+size_t ThreadsOf(pid_t pid) {
+  size_t n = 0;
+  ForEachThread(pid, [&](const std::filesystem::path&) { ++n; });
   return n;
 }
 
@@ -2096,34 +2102,29 @@ double CpuMs(pid_t pid) {
   return (user + system) * 1e3 / sysconf(_SC_CLK_TCK);
 }
 
-
 // The threads of process `pid` named `name` (their comm, as gRPC names its own), and the voluntary context
 // switches of its live threads (each a wait for another thread or the kernel; a thread that exits takes its
 // count with it, so it is read only across calls served by threads that stay); 0 when they cannot be read.
 size_t ThreadsNamed(pid_t pid, absl::string_view name) {
-  std::error_code ec;
   size_t n = 0;
-  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    std::ifstream in(it->path() / "comm");
+  ForEachThread(pid, [&](const std::filesystem::path& task) {
+    std::ifstream in(task / "comm");
     std::string comm;
     std::getline(in, comm);
     n += comm == name ? 1 : 0;
-  }
+  });
   return n;
 }
 uint64_t VoluntarySwitches(pid_t pid) {
-  std::error_code ec;
   uint64_t n = 0;
-  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    std::ifstream in(it->path() / "status");
+  ForEachThread(pid, [&](const std::filesystem::path& task) {
+    std::ifstream in(task / "status");
     for (std::string line; std::getline(in, line);) {
       absl::string_view rest = line;
       uint64_t v = 0;
       if (absl::ConsumePrefix(&rest, "voluntary_ctxt_switches:") && absl::SimpleAtoi(rest, &v)) n += v;
     }
-  }
+  });
   return n;
 }
 
@@ -2165,10 +2166,14 @@ absl::Status Bench::ControlRpc() {
     if (!s.ok()) return absl::UnavailableError(absl::StrCat(what, ": ", s.error_message()));
     return absl::OkStatus();
   };
-  auto ping = [&]() -> absl::Status {
-    kvd::v1::Pool reply;
-    return unary(*stub, "bare ping", nullptr, &reply);
+  // A call of GetPool on `on` (with the session's token when `token` is set), as a kind of call to time.
+  auto call_on = [&](kvd::v1::Kvd::Stub* on, const char* what, const std::string* token) {
+    return [&unary, on, what, token]() -> absl::Status {
+      kvd::v1::Pool reply;
+      return unary(*on, what, token, &reply);
+    };
   };
+  auto ping = call_on(stub.get(), "bare ping", nullptr);
   auto get = [&]() -> absl::Status { return client_->GetPool(ctl.name).status(); };
   const int calls = o_.rpc_calls;
   for (int i = 0; i < 50; ++i) {
@@ -2220,14 +2225,8 @@ absl::Status Bench::ControlRpc() {
   const std::string reply64 = absl::Base64Escape(kvd_reply.SerializeAsString());
   KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve ", sized_path, " ", reply64)).status());
   std::unique_ptr<kvd::v1::Kvd::Stub> sized = channel(sized_path);
-  auto stub_get = [&]() -> absl::Status {
-    kvd::v1::Pool reply;
-    return unary(*direct, "GetPool on kvd's socket", &session.token(), &reply);
-  };
-  auto sized_ping = [&]() -> absl::Status {
-    kvd::v1::Pool reply;
-    return unary(*sized, "bare ping with kvd's reply", nullptr, &reply);
-  };
+  auto stub_get = call_on(direct.get(), "GetPool on kvd's socket", &session.token());
+  auto sized_ping = call_on(sized.get(), "bare ping with kvd's reply", nullptr);
   for (int i = 0; i < 50; ++i) {
     KVD_RETURN_IF_ERROR(stub_get());
     KVD_RETURN_IF_ERROR(sized_ping());
@@ -2239,10 +2238,7 @@ absl::Status Bench::ControlRpc() {
   const size_t child_callback_threads = ThreadsNamed(child_->pid(), "nexting_thread");
   KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve-mixed ", mixed_path, " ", reply64)).status());
   std::unique_ptr<kvd::v1::Kvd::Stub> mixed = channel(mixed_path);
-  auto mixed_ping = [&]() -> absl::Status {
-    kvd::v1::Pool reply;
-    return unary(*mixed, "kvd-shaped ping with kvd's reply", nullptr, &reply);
-  };
+  auto mixed_ping = call_on(mixed.get(), "kvd-shaped ping with kvd's reply", nullptr);
   for (int i = 0; i < 50; ++i) {
     KVD_RETURN_IF_ERROR(sized_ping());
     KVD_RETURN_IF_ERROR(mixed_ping());
@@ -2577,7 +2573,6 @@ absl::Status Bench::Saturate() {
   }
   return absl::OkStatus();
 }
-
 
 // GetPool of the small pool while --watch-streams Watch streams are open (clients of another pool, in a
 // session of their own, none reading), against GetPool idle: what open streams cost the daemon's other RPCs
