@@ -11,7 +11,6 @@
 #include <grpc/support/log.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <malloc.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -56,8 +55,10 @@
 #include "daemon/core/memory_state_store.h"
 #include "daemon/core/pool_manager.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/async_stream.h"
 #include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/handle_channel.h"
+#include "daemon/rpc/health_service.h"
 #include "daemon/rpc/manager_backend.h"
 #include "daemon/rpc/service.h"
 #include "daemon/state/state_store.h"
@@ -79,6 +80,10 @@ namespace kvd::daemon {
 namespace {
 
 using wire::kLayoutEnv;
+
+// The threads that answer the quick RPCs and run the streams (Note [No callback API] in docs/architecture.md): as
+// many as gRPC's callback API has at least, whatever the machine's CPUs.
+constexpr int kCompletionThreads = 2;
 
 // The health service's name for the saved state (docs/operations.md, "When saving the state fails").
 constexpr char kStateHealthService[] = "kvd.state";
@@ -764,31 +769,41 @@ absl::Status Run(const Flags& f) {
       KvdService::Options{
           .granularity = granularity, .metrics = metrics.get(), .peers = control.get(), .handles = channel.get()});
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // No method of gRPC's callback API, whose threads would take part in every call (Note [No callback API] in
+  // docs/architecture.md): the health service is kvd's, and the quick RPCs and the streams run on kvd's completion
+  // threads.
+  HealthService health;
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // Larger requests are refused by gRPC itself, before any handler runs (RESOURCE_EXHAUSTED).
   builder.SetMaxReceiveMessageSize(static_cast<int>(max_request_bytes));
   builder.RegisterService(&service);
+  builder.RegisterService(&health);
+  CompletionThreads threads(&builder, kCompletionThreads);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(MakeParseErrorInterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
+  service.ListenForCalls(threads.cq());
+  health.ListenForWatches(threads.cq());
+  threads.Start();
   absl::Cleanup stop_server = [&] {
     control->Stop();
+    health.Shutdown();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    service.WaitForAttaches();
+    threads.Stop();
   };
   KVD_RETURN_IF_ERROR(control->Serve(server.get()));
-  server->GetHealthCheckService()->SetServingStatus(true);  // the server as a whole ("")
-  server->GetHealthCheckService()->SetServingStatus(v1::Kvd::service_full_name(), true);
+  health.SetServingStatus("", true);  // the server as a whole
+  health.SetServingStatus(v1::Kvd::service_full_name(), true);
 
   // What the manager reports on its own: metrics, and whether the saved state is current, as the health
   // service's "kvd.state" (NOT_SERVING while degraded; "" and kvd.v1.Kvd stay SERVING: the daemon serves
   // as before, and a probe that restarted it would make the stale records count). docs/operations.md.
-  PoolManager::Observers observers{.state_degraded = [health = server->GetHealthCheckService()](bool degraded) {
-    health->SetServingStatus(kStateHealthService, !degraded);
-  }};
+  PoolManager::Observers observers{
+      .state_degraded = [&health](bool degraded) { health.SetServingStatus(kStateHealthService, !degraded); }};
   if (Metrics* m = metrics.get(); m != nullptr) {
     observers.reshape_step = [m](const ReshapeReport& r) {
       m->ObserveReshape(r.pause, r.paused_clients > 0, r.copied_bytes, r.chunks_replaced);
@@ -861,10 +876,12 @@ absl::Status Run(const Flags& f) {
   // DAEMON_RESTARTING and OK status were sent.
   std::move(stop_server).Cancel();
   control->Stop();
-  server->GetHealthCheckService()->SetServingStatus(false);
+  health.Shutdown();
   manager.Shutdown(keep_pools);
   // gRPC waits for clients to close even idle connections: the deadline bounds that too.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  service.WaitForAttaches();
+  threads.Stop();
   if (!keep_pools) store->DropHostTierFd();  // nothing kept in it is any pool's now
   channel->Stop();
   RemoveSocket(socket_path, socket_id);

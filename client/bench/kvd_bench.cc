@@ -186,8 +186,9 @@ class PingService final : public kvd::v1::Kvd::Service {
   const std::optional<kvd::v1::Pool> reply_;
 };
 
-// The same answers from a server shaped as kvd's (Note [Quick RPCs answer inline] in docs/architecture.md):
-// GetPool a callback method, answered inline, beside synchronous methods, with the health service on.
+// The same answers from a server with GetPool on gRPC's callback API, answered inline, beside synchronous methods,
+// with gRPC's health service on: kvd's shape until it left the callback API (Note [No callback API] in
+// docs/architecture.md), kept to measure what that API costs.
 class MixedPingService final : public kvd::v1::Kvd::WithCallbackMethod_GetPool<kvd::v1::Kvd::Service> {
  public:
   explicit MixedPingService(kvd::v1::Pool reply) : reply_(std::move(reply)) {}
@@ -573,7 +574,7 @@ absl::StatusOr<std::string> ChildRequest(ChildState& c, int socket, const std::v
     return std::string("ok");
   }
   // "ping-serve PATH [REPLY]": a bare synchronous gRPC server on PATH; REPLY, a base64 kvd.v1.Pool, is what it
-  // answers. "ping-serve-mixed PATH REPLY": the same answers from a server shaped as kvd's (MixedPingService).
+  // answers. "ping-serve-mixed PATH REPLY": the same answers from a server on gRPC's callback API (MixedPingService).
   if ((op == "ping-serve" && (w.size() == 2 || w.size() == 3)) || (op == "ping-serve-mixed" && w.size() == 3)) {
     std::optional<kvd::v1::Pool> reply;
     if (w.size() == 3) {
@@ -2136,10 +2137,10 @@ uint64_t VoluntarySwitches(pid_t pid) {
 // second bare server (in the second process, started after the idle line) answering with kvd's own reply, and
 // the bare server. Their ratios chain: libkvd / stub (what the client library adds), stub / bare with kvd's
 // reply (what the daemon adds over a synchronous server sending the same bytes), bare with kvd's reply / bare
-// (what the reply's size costs gRPC alone). Last, a third bare server shaped as kvd's (MixedPingService: a
-// callback method, so gRPC starts its callback threads in the second process) against the second, both with
-// kvd's reply: the server's shape (idle_server), and what the callback threads cost the synchronous server
-// beside them (callback_threads, the second server's p50 now against before).
+// (what the reply's size costs gRPC alone). Last, a third bare server with a callback method (MixedPingService,
+// kvd's shape before Note [No callback API]: gRPC starts its callback threads in the second process) against the
+// second, both with kvd's reply: what the callback API costs a call (idle_server), and what its threads cost the
+// synchronous server beside them (callback_threads, the second server's p50 now against before).
 absl::Status Bench::ControlRpc() {
   KVD_ASSIGN_OR_RETURN(PoolInfo ctl, CreatePool("ctl", 1));
   const std::string ping_path = absl::StrCat("/tmp/kvd-bench-ping-", getpid(), ".sock");
@@ -2233,12 +2234,12 @@ absl::Status Bench::ControlRpc() {
   }
   std::vector<double> libkvd, stubbed, bare_sized, bare;
   KVD_RETURN_IF_ERROR(batches({{get, &libkvd}, {stub_get, &stubbed}, {sized_ping, &bare_sized}, {ping, &bare}}));
-  // Then the second process also serves a callback method (a server shaped as kvd's): gRPC starts its callback
-  // threads there, and the synchronous server with kvd's reply is measured again beside it.
+  // Then the second process also serves a callback method: gRPC starts its callback threads there, and the
+  // synchronous server with kvd's reply is measured again beside it.
   const size_t child_callback_threads = ThreadsNamed(child_->pid(), "nexting_thread");
   KVD_RETURN_IF_ERROR(child_->Call(absl::StrCat("ping-serve-mixed ", mixed_path, " ", reply64)).status());
   std::unique_ptr<kvd::v1::Kvd::Stub> mixed = channel(mixed_path);
-  auto mixed_ping = call_on(mixed.get(), "kvd-shaped ping with kvd's reply", nullptr);
+  auto mixed_ping = call_on(mixed.get(), "callback ping with kvd's reply", nullptr);
   for (int i = 0; i < 50; ++i) {
     KVD_RETURN_IF_ERROR(sized_ping());
     KVD_RETURN_IF_ERROR(mixed_ping());
@@ -2268,9 +2269,10 @@ absl::Status Bench::ControlRpc() {
       absl::StrFormat("kvd's reply %d bytes, the bare one %d", kvd_reply.ByteSizeLong(), 2 + ctl.name.size());
   Line& server_share = GetLine("control_rpc", "idle_server");
   server_share.kvd_what =
-      "a bare server shaped as kvd's (GetPool a callback method beside synchronous ones) with kvd's reply";
+      "a bare server with GetPool on gRPC's callback API beside synchronous methods (kvd's shape before it left "
+      "that API) with kvd's reply";
   server_share.base_what = "a bare synchronous server answering with kvd's reply, in the same process";
-  server_share.ratio_means = "kvd-shaped/synchronous p50";
+  server_share.ratio_means = "callback/synchronous p50";
   server_share.kvd = mixed_sized;
   server_share.base = bare_sized_beside;
   Line& threads_share = GetLine("control_rpc", "callback_threads");

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/rpc/async_stream.h"
 #include "daemon/rpc/control_socket.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/handle_channel.h"
@@ -138,132 +139,12 @@ void LogReshape(const PoolUpdate& u) {
       r.detached_client_ids.empty() ? "" : absl::StrCat(", ", r.detached_client_ids.size(), " detached"));
 }
 
-// A Watch refused before its stream started: its status only.
-class RefusedWatch final : public grpc::ServerWriteReactor<v1::PoolEvent> {
- public:
-  explicit RefusedWatch(grpc::Status status) { Finish(std::move(status)); }
-  void OnDone() override { delete this; }
-};
-
-// One Watch stream (Note [Watch streams are pushed] in docs/architecture.md): the client's events are written
-// as they are pushed, one write in flight at a time, until they end (OK), the client goes or a write fails
-// (CANCELLED). When it is done, the client is detached (the stream is its liveness) and the RPC counted.
-//
-// Threads: Ready runs on whichever thread pushed (maybe inside a pool's lock), the reactions on gRPC's; both
-// take mu_ first, and nothing under mu_ calls into the manager (Detach runs in OnDone, outside it). The stream
-// owns itself (self_) from Start to OnDone; the queue holds it weakly, so a Ready that races OnDone keeps it
-// alive for its own call and finds it ended.
-class WatchStream final : public grpc::ServerWriteReactor<v1::PoolEvent>, public EventQueue::Listener {
- public:
-  static grpc::ServerWriteReactor<v1::PoolEvent>* Start(PoolManager* manager, Metrics* metrics, Caller caller,
-                                                        std::string client_id, std::shared_ptr<EventQueue> queue) {
-    auto stream = std::make_shared<WatchStream>(manager, metrics, std::move(caller), std::move(client_id), queue);
-    absl::MutexLock lock(&stream->mu_);
-    stream->self_ = stream;
-    // Initial metadata now, not with the first event: a client that waits for it knows its stream is
-    // registered (events since Attach are queued either way).
-    stream->StartSendInitialMetadata();
-    queue->Listen(stream);
-    stream->PumpLocked();
-    return stream.get();
-  }
-
-  WatchStream(PoolManager* manager, Metrics* metrics, Caller caller, std::string client_id,
-              std::shared_ptr<EventQueue> queue)
-      : manager_(manager),
-        metrics_(metrics),
-        caller_(std::move(caller)),
-        client_id_(std::move(client_id)),
-        queue_(std::move(queue)) {}
-
-  void Ready() override {
-    absl::MutexLock lock(&mu_);
-    PumpLocked();
-  }
-
-  void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    // A cancel that came while the write was in flight left the stream to this call, also when the write
-    // itself got through (ok): nothing else would end it, and the client would stay attached.
-    if (!ok || cancelled_) {
-      EndLocked(grpc::Status::CANCELLED, cancelled_ ? "the client closed the stream" : "the stream broke");
-      return;
-    }
-    PumpLocked();
-  }
-
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
-    // A write in flight ends too, and its OnWriteDone finishes the stream.
-    if (!writing_) EndLocked(grpc::Status::CANCELLED, "the client closed the stream");
-  }
-
-  void OnDone() override {
-    std::shared_ptr<WatchStream> self;  // the last reference but a racing Ready's: released on return
-    const char* reason;
-    grpc::StatusCode code;
-    {
-      absl::MutexLock lock(&mu_);
-      self = std::move(self_);
-      reason = reason_;
-      code = code_;
-    }
-    // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already
-    // gone and this is a harmless NOT_FOUND/UNAVAILABLE.
-    const absl::Status detached = manager_->Detach(caller_, client_id_);
-    spdlog::info("watch of client {} ended: {}{}", client_id_, reason, detached.ok() ? "; client detached" : "");
-    if (metrics_ != nullptr) metrics_->CountRpc("Watch", static_cast<absl::StatusCode>(code));
-  }
-
- private:
-  // Writes the next event if none is in flight, or ends the stream once the events ended.
-  void PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (ended_ || writing_) return;
-    bool drained = false;
-    std::optional<PoolEvent> next = queue_->TryPop(&drained);
-    if (!next.has_value()) {
-      if (drained) EndLocked(grpc::Status::OK, "its events ended (detached, pool deleted or daemon stopping)");
-      return;
-    }
-    v1::PoolEvent event;
-    const absl::Status converted = Guarded("Watch", [&] {
-      event = ToProto(*next);
-      return absl::OkStatus();
-    });
-    if (!converted.ok()) {
-      spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(converted.code())), Sv(converted.message()));
-      EndLocked(ToGrpcStatus(converted), "the stream failed");
-      return;
-    }
-    event_ = std::move(event);
-    writing_ = true;
-    StartWrite(&event_);
-  }
-
-  void EndLocked(grpc::Status status, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (ended_) return;
-    ended_ = true;
-    reason_ = reason;
-    code_ = status.error_code();
-    Finish(std::move(status));
-  }
-
-  PoolManager* const manager_;
-  Metrics* const metrics_;
-  const Caller caller_;
-  const std::string client_id_;
-  const std::shared_ptr<EventQueue> queue_;
-  absl::Mutex mu_;
-  std::shared_ptr<WatchStream> self_ ABSL_GUARDED_BY(mu_);
-  v1::PoolEvent event_ ABSL_GUARDED_BY(mu_);  // the write in flight: gRPC reads it until OnWriteDone
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool ended_ ABSL_GUARDED_BY(mu_) = false;  // Finish was called: no write ever again
-  const char* reason_ ABSL_GUARDED_BY(mu_) = "";
-  grpc::StatusCode code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
-};
+// The answer to a request gRPC could not parse: INVALID_ARGUMENT naming the method and the request's type.
+grpc::Status UnparseableRequest(absl::string_view method, absl::string_view type) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("request: the ", method, " request is not a valid ", type,
+                                   " (a malformed message, or a string field that is not valid UTF-8)"));
+}
 
 class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
  public:
@@ -279,10 +160,7 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
       if (status.error_message().empty() &&
           (status.error_code() == grpc::StatusCode::INTERNAL ||
            (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && IsKvdMethod()))) {
-        methods->ModifySendStatus(
-            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                         absl::StrCat("request: the ", method_, " request is not a valid ", RequestType(),
-                                      " (a malformed message, or a string field that is not valid UTF-8)")));
+        methods->ModifySendStatus(UnparseableRequest(method_, RequestType()));
       }
     }
     methods->Proceed();
@@ -334,48 +212,198 @@ google::protobuf::ArenaOptions ReplyArenaOptions() {
   return options;
 }
 
-// A callback method's request and reply on an arena of their own, dropped once gRPC is done with the call, with the
-// trim after a large reply (Note [Replies are built on an arena]).
-template <typename Request, typename Reply>
-class ArenaMessages final : public grpc::MessageAllocator<Request, Reply> {
+}  // namespace
+
+// One Watch stream (Note [Watch streams are pushed] in docs/architecture.md): the client's events are written as
+// they are pushed, one write in flight at a time, until they end (OK), the client goes or a write fails
+// (CANCELLED). When it is closed, the client is detached (the stream is its liveness) and the RPC counted. A refused
+// Watch (no session, an unknown client, a second watcher) never opened a stream: nobody to detach.
+//
+// Threads: Ready runs on whichever thread pushed (maybe inside a pool's lock), the steps on the stream thread; the
+// stream's mu_ is taken before the queue's (a leaf), and nothing under it calls into the manager (Detach runs in
+// Closed, outside it). The queue holds the stream weakly, so a Ready that races its close keeps it alive for its own
+// call and finds it ended.
+//
+// The method is raw (its request and events are bytes, parsed and serialized here), so that a request that does not
+// parse gets the same INVALID_ARGUMENT as on every other method: on the asynchronous API, gRPC would answer a typed
+// method's unparseable request itself, past the interceptors.
+class KvdService::WatchStream final : public AsyncStream<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                      public EventQueue::Listener {
  public:
-  grpc::MessageHolder<Request, Reply>* AllocateMessages() override { return new Holder(); }
+  explicit WatchStream(KvdService* service) : service_(service) {}
+
+  void Ready() override { Pump(); }
 
  private:
-  class Holder final : public grpc::MessageHolder<Request, Reply> {
-   public:
-    Holder() : arena_(ReplyArenaOptions()) {
-      this->set_request(google::protobuf::Arena::CreateMessage<Request>(&arena_));
-      this->set_response(google::protobuf::Arena::CreateMessage<Reply>(&arena_));
-    }
-    void Release() override {
-      // A reply that was never serialized (a failed call) has no cached size: 0.
-      const bool trim = this->response()->GetCachedSize() >= kTrimAfterReplyBytes;
-      delete this;
-      if (trim) malloc_trim(0);
-    }
+  void RequestCall(grpc::ServerContext* context, grpc::ByteBuffer* request, Writer* writer,
+                   grpc::ServerCompletionQueue* cq, void* tag) override {
+    service_->RequestWatch(context, request, writer, cq, cq, tag);
+  }
 
-   private:
-    google::protobuf::Arena arena_;
-  };
+  std::shared_ptr<AsyncStream> Successor() override { return std::make_shared<WatchStream>(service_); }
+
+  // watch_, caller_ and queue_ are written here, before the stream opens (under mu_), and only read after.
+  grpc::Status Open() override {
+    grpc::ByteBuffer bytes(request());
+    if (!grpc::SerializationTraits<v1::WatchRequest>::Deserialize(&bytes, &watch_).ok()) {
+      return UnparseableRequest("/kvd.v1.Kvd/Watch", v1::WatchRequest::descriptor()->full_name());
+    }
+    const absl::Status status =
+        service_->Run("Watch", context(), {{watch_.client_id(), "client_id"}}, [&](const Caller& caller) {
+          caller_ = caller;
+          KVD_ASSIGN_OR_RETURN(queue_, service_->manager_->Watch(caller, watch_.client_id()));
+          return absl::OkStatus();
+        });
+    if (!status.ok()) return service_->Finish("Watch", status);
+    queue_->Listen(std::static_pointer_cast<WatchStream>(shared_from_this()));
+    return grpc::Status::OK;
+  }
+
+  bool NextLocked(grpc::ByteBuffer* message, End* end) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool drained = false;
+    std::optional<PoolEvent> next = queue_->TryPop(&drained);
+    if (!next.has_value()) {
+      if (drained) *end = End{grpc::Status::OK, "its events ended (detached, pool deleted or daemon stopping)"};
+      return false;
+    }
+    const absl::Status converted = Guarded("Watch", [&] {
+      bool own_buffer = false;
+      const grpc::Status serialized =
+          grpc::SerializationTraits<v1::PoolEvent>::Serialize(ToProto(*next), message, &own_buffer);
+      if (!serialized.ok()) return absl::InternalError(absl::StrCat("event: ", serialized.error_message()));
+      return absl::OkStatus();
+    });
+    if (!converted.ok()) {
+      spdlog::warn("rpc Watch failed: {}: {}", Sv(absl::StatusCodeToString(converted.code())), Sv(converted.message()));
+      *end = End{ToGrpcStatus(converted), "the stream failed"};
+      return false;
+    }
+    return true;
+  }
+
+  void Closed(const End& end) override {
+    // The stream is the client's liveness. After a detach, a delete or a shutdown the client is already gone and
+    // this is a harmless NOT_FOUND/UNAVAILABLE.
+    const absl::Status detached = service_->manager_->Detach(caller_, watch_.client_id());
+    spdlog::info("watch of client {} ended: {}{}", watch_.client_id(), end.reason,
+                 detached.ok() ? "; client detached" : "");
+    if (service_->options_.metrics != nullptr) {
+      service_->options_.metrics->CountRpc("Watch", static_cast<absl::StatusCode>(end.status.error_code()));
+    }
+  }
+
+  KvdService* const service_;
+  v1::WatchRequest watch_;
+  Caller caller_;
+  std::shared_ptr<EventQueue> queue_;
 };
 
-}  // namespace
+// One call of a quick RPC or of Attach on kvd's completion threads (Note [Quick RPCs answer inline] in
+// docs/architecture.md): it waits for its method's next call, listens for the one after, parses the request, runs
+// the handler inline and finishes with the reply it serialized. The method is raw, so that a request that does not
+// parse gets the same INVALID_ARGUMENT as everywhere else (on the asynchronous API gRPC would answer a typed
+// method's itself, past the interceptors). Request and reply live on the call's arena, dropped with the call (Note
+// [Replies are built on an arena]). The call owns itself from Listen until gRPC is done with it; Finish may come
+// from another thread (a waiting Attach's).
+template <typename Request, typename Reply>
+class KvdService::QuickCall final : public CompletionThreads::Step {
+ public:
+  using RequestFn = void (KvdService::*)(grpc::ServerContext*, grpc::ByteBuffer*,
+                                         grpc::ServerAsyncResponseWriter<grpc::ByteBuffer>*, grpc::CompletionQueue*,
+                                         grpc::ServerCompletionQueue*, void*);
+  // Null for Attach, which KvdService::Attach serves.
+  using Handler = grpc::Status (KvdService::*)(grpc::ServerContext*, const Request*, Reply*);
+
+  static void Listen(KvdService* service, grpc::ServerCompletionQueue* cq, const char* method, RequestFn request,
+                     Handler handler) {
+    auto* call = new QuickCall(service, cq, method, request, handler);
+    HandOff(call);
+    (service->*request)(&call->context_, &call->bytes_, &call->responder_, cq, cq, call);
+  }
+
+  const grpc::ServerContext& context() const { return context_; }
+  const Request& request() const { return *request_; }
+  Reply* reply() { return reply_; }
+
+  // Sends the reply (OK) or the status alone.
+  void Finish(const grpc::Status& status) {
+    finishing_ = true;
+    if (status.ok()) {
+      bytes_.Clear();
+      bool own_buffer = false;
+      const grpc::Status serialized = grpc::SerializationTraits<Reply>::Serialize(*reply_, &bytes_, &own_buffer);
+      HandOff(this);
+      if (serialized.ok()) {
+        responder_.Finish(bytes_, status, this);
+      } else {
+        responder_.FinishWithError(
+            grpc::Status(grpc::StatusCode::INTERNAL,
+                         absl::StrCat(method_, ": the reply could not be serialized: ", serialized.error_message())),
+            this);
+      }
+      return;
+    }
+    HandOff(this);
+    responder_.FinishWithError(status, this);
+  }
+
+  void Run(bool ok) override {
+    if (finishing_) {
+      // Note [Replies are built on an arena]: what a large reply left on the heap's top goes back now.
+      const bool trim = reply_->GetCachedSize() >= kTrimAfterReplyBytes;
+      delete this;
+      if (trim) malloc_trim(0);
+      return;
+    }
+    // Not ok: the server is shutting down, and no call came.
+    if (!ok) {
+      delete this;
+      return;
+    }
+    Listen(service_, cq_, method_, request_fn_, handler_);
+    if (!grpc::SerializationTraits<Request>::Deserialize(&bytes_, request_).ok()) {
+      Finish(UnparseableRequest(absl::StrCat("/", v1::Kvd::service_full_name(), "/", method_),
+                                Request::descriptor()->full_name()));
+      return;
+    }
+    if constexpr (std::is_same_v<Request, v1::AttachRequest>) {
+      service_->AnswerAttach(this);
+    } else {
+      Finish((service_->*handler_)(&context_, request_, reply_));
+    }
+  }
+
+ private:
+  QuickCall(KvdService* service, grpc::ServerCompletionQueue* cq, const char* method, RequestFn request_fn,
+            Handler handler)
+      : service_(service),
+        cq_(cq),
+        method_(method),
+        request_fn_(request_fn),
+        handler_(handler),
+        arena_(ReplyArenaOptions()),
+        request_(google::protobuf::Arena::CreateMessage<Request>(&arena_)),
+        reply_(google::protobuf::Arena::CreateMessage<Reply>(&arena_)) {}
+
+  KvdService* const service_;
+  grpc::ServerCompletionQueue* const cq_;
+  const char* const method_;
+  const RequestFn request_fn_;
+  const Handler handler_;
+  google::protobuf::Arena arena_;
+  Request* const request_;
+  Reply* const reply_;
+  grpc::ServerContext context_;
+  grpc::ByteBuffer bytes_;  // the request, then the reply
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&context_};
+  bool finishing_ = false;  // set before Finish, read after its completion
+};
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeParseErrorInterceptorFactory() {
   return std::make_unique<ParseErrorInterceptorFactory>();
 }
 
-KvdService::KvdService(PoolManager* manager, Options options)
-    : manager_(manager),
-      options_(options),
-      get_pool_messages_(std::make_unique<ArenaMessages<v1::GetPoolRequest, v1::Pool>>()),
-      list_pools_messages_(std::make_unique<ArenaMessages<v1::ListPoolsRequest, v1::ListPoolsResponse>>()),
-      attach_messages_(std::make_unique<ArenaMessages<v1::AttachRequest, v1::AttachResponse>>()) {
-  SetMessageAllocatorFor_GetPool(get_pool_messages_.get());
-  SetMessageAllocatorFor_ListPools(list_pools_messages_.get());
-  SetMessageAllocatorFor_Attach(attach_messages_.get());
-}
+KvdService::KvdService(PoolManager* manager, Options options) : manager_(manager), options_(options) {}
 
 grpc::Status KvdService::Finish(const char* method, const absl::Status& status) const {
   if (!status.ok()) {
@@ -401,14 +429,6 @@ absl::Status KvdService::Run(const char* method, const grpc::ServerContextBase& 
       return body();
     }
   });
-}
-
-template <typename Body>
-grpc::ServerUnaryReactor* KvdService::Answer(const char* method, grpc::CallbackServerContext* context,
-                                             std::initializer_list<Required> required, Body&& body) const {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(Serve(method, *context, required, std::forward<Body>(body)));
-  return reactor;
 }
 
 template <typename Request, typename Reply, typename Body>
@@ -483,19 +503,18 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContextBase& context) c
   return rpc_deadline - std::max(margin, absl::ZeroDuration());
 }
 
-grpc::ServerUnaryReactor* KvdService::GetDeviceInfo(grpc::CallbackServerContext* context,
-                                                    const v1::GetDeviceInfoRequest*, v1::DeviceInfo* response) {
-  return Answer("GetDeviceInfo", context, {}, [&]() -> absl::Status {
+grpc::Status KvdService::AnswerGetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest*,
+                                             v1::DeviceInfo* response) {
+  return Serve("GetDeviceInfo", *context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
     *response = ToProto(device);
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::ResolveLayout(grpc::CallbackServerContext* context,
-                                                    const v1::ResolveLayoutRequest* request,
-                                                    v1::ResolveLayoutResponse* response) {
-  return Answer("ResolveLayout", context, {}, [&]() -> absl::Status {
+grpc::Status KvdService::AnswerResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
+                                             v1::ResolveLayoutResponse* response) {
+  return Serve("ResolveLayout", *context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(LayoutResolution resolution, manager_->ResolveLayout(FromProto(request->layout_request())));
     *response->mutable_resolution() = ToProto(resolution);
     if (request->has_dims()) {
@@ -526,18 +545,18 @@ grpc::Status KvdService::CreatePool(grpc::ServerContext* context, const v1::Crea
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::GetPool(grpc::CallbackServerContext* context, const v1::GetPoolRequest* request,
-                                              v1::Pool* response) {
-  return Answer("GetPool", context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerGetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request,
+                                       v1::Pool* response) {
+  return Serve("GetPool", *context, {{request->name(), "name"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolView pool, manager_->GetPool(caller, request->name()));
     ToProto(pool, response);
     return absl::OkStatus();
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* context,
-                                                const v1::ListPoolsRequest* request, v1::ListPoolsResponse* response) {
-  return Answer("ListPools", context, {}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerListPools(grpc::ServerContext* context, const v1::ListPoolsRequest* request,
+                                         v1::ListPoolsResponse* response) {
+  return Serve("ListPools", *context, {}, [&](const Caller& caller) -> absl::Status {
     // The token is the last name of the previous page, base64url-encoded: pools listed by name, and a
     // page starts after it, so creates and deletes between pages neither repeat nor skip other pools.
     std::string after;
@@ -584,70 +603,87 @@ grpc::Status KvdService::DeletePool(grpc::ServerContext* context, const v1::Dele
 
 // Note [Attach answers inline when it can] in docs/architecture.md: inline while no other operation holds the pool,
 // else on a thread of its own that waits for it.
-grpc::ServerUnaryReactor* KvdService::Attach(grpc::CallbackServerContext* context, const v1::AttachRequest* request,
-                                             v1::AttachResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  // Run, not Serve: a try that found the pool busy did nothing and is neither logged nor counted.
-  auto attach = [this, context, request, response](bool wait, bool* busy) {
-    return Run("Attach", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
-      const absl::Time start = absl::Now();
-      std::optional<absl::StatusOr<AttachResult>> tried =
-          wait ? manager_->Attach(caller, request->pool(), request->client_name(), request->device_uuid(),
-                                  request->pausable())
-               : manager_->TryAttach(caller, request->pool(), request->client_name(), request->device_uuid(),
-                                     request->pausable());
-      if (!tried.has_value()) {
-        *busy = true;
-        return absl::OkStatus();
-      }
-      if (options_.metrics != nullptr) {
-        options_.metrics->ObserveOperation(Operation::kAttach, absl::Now() - start, tried->ok());
-      }
-      KVD_ASSIGN_OR_RETURN(AttachResult attached, *std::move(tried));
-      response->set_client_id(attached.client_id);
-      ToProto(attached.pool, response->mutable_pool());
-      ToProto(attached.lease, response->mutable_lease());
-      if (request->push_handles() && options_.handles != nullptr) {
-        // docs/api.md, "Pushed handles": sent before the reply; a push that cannot go leaves the lease to fetch.
-        const absl::Status pushed = manager_->PushLease(
-            caller.session, attached.lease.token, caller.uid, [&](absl::Span<const PoolManager::LeasedFd> leased) {
-              std::vector<uint64_t> ids;
-              std::vector<int> fds;
-              for (const PoolManager::LeasedFd& l : leased) {
-                ids.push_back(l.chunk_id);
-                fds.push_back(l.fd);
-              }
-              return options_.handles->Push(caller.session, attached.lease.token, ids, fds);
-            });
-        response->set_handles_pushed(pushed.ok());
-        if (!pushed.ok()) spdlog::debug("client {}: lease not pushed: {}", attached.client_id, Sv(pushed.message()));
-      }
-      spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
-                   request->client_name(), caller.uid, caller.pid, request->pool(),
-                   request->device_uuid().empty() ? "" : absl::StrCat(" from device ", request->device_uuid()),
-                   attached.lease.chunk_ids.size());
-      return absl::OkStatus();
-    });
-  };
+void KvdService::AnswerAttach(AttachCall* call) {
   bool busy = false;
-  const absl::Status inline_status = attach(/*wait=*/false, &busy);
+  const absl::Status inline_status = AttachNow(call->context(), call->request(), call->reply(), /*wait=*/false, &busy);
   if (!busy) {
-    reactor->Finish(Finish("Attach", inline_status));
-    return reactor;
+    call->Finish(Finish("Attach", inline_status));
+    return;
   }
-  spdlog::debug("Attach to pool {} waits on a thread of its own: another operation holds the pool", request->pool());
+  spdlog::debug("Attach to pool {} waits on a thread of its own: another operation holds the pool",
+                call->request().pool());
+  {
+    absl::MutexLock lock(&attach_mu_);
+    ++waiting_attaches_;
+  }
   try {
-    // gRPC's Shutdown waits for this call's Finish; the thread touches nothing of the call's after it.
-    std::thread([this, reactor, attach] {
+    // The thread touches nothing of the call's after its Finish (a completion thread then drops the call).
+    std::thread([this, call] {
       bool unused = false;
-      reactor->Finish(Finish("Attach", attach(/*wait=*/true, &unused)));
+      call->Finish(
+          Finish("Attach", AttachNow(call->context(), call->request(), call->reply(), /*wait=*/true, &unused)));
+      absl::MutexLock lock(&attach_mu_);
+      --waiting_attaches_;
     }).detach();
   } catch (const std::system_error& e) {
-    reactor->Finish(Finish("Attach", absl::ResourceExhaustedError(absl::StrCat(
-                                         "Attach: pool ", request->pool(),
-                                         " is busy and no thread could be started to wait for it: ", e.what()))));
+    {
+      absl::MutexLock lock(&attach_mu_);
+      --waiting_attaches_;
+    }
+    call->Finish(Finish("Attach", absl::ResourceExhaustedError(absl::StrCat(
+                                      "Attach: pool ", call->request().pool(),
+                                      " is busy and no thread could be started to wait for it: ", e.what()))));
   }
-  return reactor;
+}
+
+void KvdService::WaitForAttaches() {
+  absl::MutexLock lock(&attach_mu_);
+  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(attach_mu_) { return waiting_attaches_ == 0; };
+  attach_mu_.Await(absl::Condition(&none));
+}
+
+// Run, not Serve: a try that found the pool busy did nothing and is neither logged nor counted.
+absl::Status KvdService::AttachNow(const grpc::ServerContext& context, const v1::AttachRequest& request,
+                                   v1::AttachResponse* response, bool wait, bool* busy) {
+  return Run("Attach", context, {{request.pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+    const absl::Time start = absl::Now();
+    std::optional<absl::StatusOr<AttachResult>> tried =
+        wait
+            ? manager_->Attach(caller, request.pool(), request.client_name(), request.device_uuid(), request.pausable())
+            : manager_->TryAttach(caller, request.pool(), request.client_name(), request.device_uuid(),
+                                  request.pausable());
+    if (!tried.has_value()) {
+      *busy = true;
+      return absl::OkStatus();
+    }
+    if (options_.metrics != nullptr) {
+      options_.metrics->ObserveOperation(Operation::kAttach, absl::Now() - start, tried->ok());
+    }
+    KVD_ASSIGN_OR_RETURN(AttachResult attached, *std::move(tried));
+    response->set_client_id(attached.client_id);
+    ToProto(attached.pool, response->mutable_pool());
+    ToProto(attached.lease, response->mutable_lease());
+    if (request.push_handles() && options_.handles != nullptr) {
+      // docs/api.md, "Pushed handles": sent before the reply; a push that cannot go leaves the lease to fetch.
+      const absl::Status pushed = manager_->PushLease(
+          caller.session, attached.lease.token, caller.uid, [&](absl::Span<const PoolManager::LeasedFd> leased) {
+            std::vector<uint64_t> ids;
+            std::vector<int> fds;
+            for (const PoolManager::LeasedFd& l : leased) {
+              ids.push_back(l.chunk_id);
+              fds.push_back(l.fd);
+            }
+            return options_.handles->Push(caller.session, attached.lease.token, ids, fds);
+          });
+      response->set_handles_pushed(pushed.ok());
+      if (!pushed.ok()) spdlog::debug("client {}: lease not pushed: {}", attached.client_id, Sv(pushed.message()));
+    }
+    spdlog::info("client {} (\"{}\", uid {}, pid {}) attached to pool {}{}: {} chunks leased", attached.client_id,
+                 request.client_name(), caller.uid, caller.pid, request.pool(),
+                 request.device_uuid().empty() ? "" : absl::StrCat(" from device ", request.device_uuid()),
+                 attached.lease.chunk_ids.size());
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvdService::Detach(grpc::ServerContext* context, const v1::DetachRequest* request, v1::DetachResponse*) {
@@ -787,25 +823,33 @@ grpc::Status KvdService::StreamedWake(grpc::ServerContext* context,
   });
 }
 
-grpc::ServerWriteReactor<v1::PoolEvent>* KvdService::Watch(grpc::CallbackServerContext* context,
-                                                           const v1::WatchRequest* request) {
-  std::optional<Caller> caller;
-  std::shared_ptr<EventQueue> queue;
-  const absl::Status status = Run("Watch", *context, {{request->client_id(), "client_id"}}, [&](const Caller& c) {
-    caller = c;
-    KVD_ASSIGN_OR_RETURN(queue, manager_->Watch(c, request->client_id()));
-    return absl::OkStatus();
-  });
-  // A refused Watch (unknown client, a second watcher) never started a stream: nobody to detach.
-  if (!status.ok()) return new RefusedWatch(Finish("Watch", status));
-  return WatchStream::Start(manager_, options_.metrics, *caller, request->client_id(), std::move(queue));
+void KvdService::ListenForCalls(grpc::ServerCompletionQueue* cq) {
+  std::make_shared<WatchStream>(this)->Listen(cq);
+  QuickCall<v1::GetDeviceInfoRequest, v1::DeviceInfo>::Listen(
+      this, cq, "GetDeviceInfo", &KvdService::RequestGetDeviceInfo, &KvdService::AnswerGetDeviceInfo);
+  QuickCall<v1::ResolveLayoutRequest, v1::ResolveLayoutResponse>::Listen(
+      this, cq, "ResolveLayout", &KvdService::RequestResolveLayout, &KvdService::AnswerResolveLayout);
+  QuickCall<v1::GetPoolRequest, v1::Pool>::Listen(this, cq, "GetPool", &KvdService::RequestGetPool,
+                                                  &KvdService::AnswerGetPool);
+  QuickCall<v1::ListPoolsRequest, v1::ListPoolsResponse>::Listen(this, cq, "ListPools", &KvdService::RequestListPools,
+                                                                 &KvdService::AnswerListPools);
+  QuickCall<v1::GetPoolMetadataRequest, v1::PoolMetadata>::Listen(
+      this, cq, "GetPoolMetadata", &KvdService::RequestGetPoolMetadata, &KvdService::AnswerGetPoolMetadata);
+  QuickCall<v1::DescribeTransferRequest, v1::DescribeTransferResponse>::Listen(
+      this, cq, "DescribeTransfer", &KvdService::RequestDescribeTransfer, &KvdService::AnswerDescribeTransfer);
+  QuickCall<v1::AcknowledgeRequest, v1::AcknowledgeResponse>::Listen(
+      this, cq, "Acknowledge", &KvdService::RequestAcknowledge, &KvdService::AnswerAcknowledge);
+  QuickCall<v1::ReportUsageRequest, v1::ReportUsageResponse>::Listen(
+      this, cq, "ReportUsage", &KvdService::RequestReportUsage, &KvdService::AnswerReportUsage);
+  QuickCall<v1::DeclineReclaimRequest, v1::DeclineReclaimResponse>::Listen(
+      this, cq, "DeclineReclaim", &KvdService::RequestDeclineReclaim, &KvdService::AnswerDeclineReclaim);
+  AttachCall::Listen(this, cq, "Attach", &KvdService::RequestAttach, nullptr);
 }
 
-grpc::ServerUnaryReactor* KvdService::Acknowledge(grpc::CallbackServerContext* context,
-                                                  const v1::AcknowledgeRequest* request,
-                                                  v1::AcknowledgeResponse* response) {
-  return Answer(
-      "Acknowledge", context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerAcknowledge(grpc::ServerContext* context, const v1::AcknowledgeRequest* request,
+                                           v1::AcknowledgeResponse* response) {
+  return Serve(
+      "Acknowledge", *context, {{request->client_id(), "client_id"}}, [&](const Caller& caller) -> absl::Status {
         if ((request->release_id() == 0) == (request->pause_id() == 0)) {
           return absl::InvalidArgumentError(
               "release_id, pause_id: set exactly one (the release_id of a CHUNKS_RELEASED or RESUME event, or the "
@@ -838,10 +882,10 @@ grpc::Status KvdService::CopyBlocks(grpc::ServerContext* context, const v1::Copy
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::DescribeTransfer(grpc::CallbackServerContext* context,
-                                                       const v1::DescribeTransferRequest* request,
-                                                       v1::DescribeTransferResponse* response) {
-  return Answer("DescribeTransfer", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerDescribeTransfer(grpc::ServerContext* context,
+                                                const v1::DescribeTransferRequest* request,
+                                                v1::DescribeTransferResponse* response) {
+  return Serve("DescribeTransfer", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     const std::vector<uint64_t> blocks(request->block_ids().begin(), request->block_ids().end());
     KVD_ASSIGN_OR_RETURN(TransferPlan plan, manager_->DescribeTransfer(caller, request->pool(), blocks));
     *response = ToProto(plan);
@@ -933,10 +977,9 @@ grpc::Status KvdService::GrantPeerAccess(grpc::ServerContext* context, const v1:
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::GetPoolMetadata(grpc::CallbackServerContext* context,
-                                                      const v1::GetPoolMetadataRequest* request,
-                                                      v1::PoolMetadata* response) {
-  return Answer("GetPoolMetadata", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerGetPoolMetadata(grpc::ServerContext* context, const v1::GetPoolMetadataRequest* request,
+                                               v1::PoolMetadata* response) {
+  return Serve("GetPoolMetadata", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     KVD_ASSIGN_OR_RETURN(PoolMetadata metadata, manager_->GetPoolMetadata(caller, request->pool()));
     *response = ToProto(request->pool(), metadata);
     return absl::OkStatus();
@@ -978,9 +1021,9 @@ grpc::Status KvdService::SetPoolPolicy(grpc::ServerContext* context, const v1::S
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::ReportUsage(grpc::CallbackServerContext* context,
-                                                  const v1::ReportUsageRequest* request, v1::ReportUsageResponse*) {
-  return Answer("ReportUsage", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerReportUsage(grpc::ServerContext* context, const v1::ReportUsageRequest* request,
+                                           v1::ReportUsageResponse*) {
+  return Serve("ReportUsage", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     return manager_->ReportUsage(caller, request->pool(),
                                  {.live_blocks = request->live_blocks(),
                                   .evictable_blocks = request->evictable_blocks(),
@@ -988,10 +1031,9 @@ grpc::ServerUnaryReactor* KvdService::ReportUsage(grpc::CallbackServerContext* c
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::DeclineReclaim(grpc::CallbackServerContext* context,
-                                                     const v1::DeclineReclaimRequest* request,
-                                                     v1::DeclineReclaimResponse*) {
-  return Answer("DeclineReclaim", context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
+grpc::Status KvdService::AnswerDeclineReclaim(grpc::ServerContext* context, const v1::DeclineReclaimRequest* request,
+                                              v1::DeclineReclaimResponse*) {
+  return Serve("DeclineReclaim", *context, {{request->pool(), "pool"}}, [&](const Caller& caller) -> absl::Status {
     if (request->reclaim_id() == 0) return absl::InvalidArgumentError("reclaim_id: must be > 0");
     KVD_RETURN_IF_ERROR(manager_->DeclineReclaim(caller, request->pool(), request->reclaim_id(), request->reason()));
     spdlog::info("pool {}: reclaim {} declined by pid {}: {}", request->pool(), request->reclaim_id(), caller.pid,

@@ -986,6 +986,49 @@ TEST_F(KvdDaemonTest, HealthCheckReportsServing) {
   }
 }
 
+// kvd serves grpc.health.v1 itself (Note [No callback API] in docs/architecture.md): a name it does not report is
+// NOT_FOUND for Check; Watch writes the status at once, then each change, and ends once kvd stops.
+TEST_F(KvdDaemonTest, HealthWatchFollowsTheDaemonUntilItStops) {
+  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check", grpc::internal::RpcMethod::NORMAL_RPC);
+  auto status_of = [](const grpc::ByteBuffer& response) -> int {
+    google::protobuf::UnknownFieldSet fields;
+    if (!fields.ParseFromString(Bytes(response))) return -1;
+    return fields.field_count() == 0 ? 0 : static_cast<int>(fields.field(0).varint());
+  };
+  grpc::ByteBuffer response;
+  ASSERT_THAT((grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+                  daemon_->channel().get(), check, Ctx().get(), Buffer(LengthDelimited(1, "kvd.state")), &response)),
+              GrpcOk());
+  EXPECT_EQ(status_of(response), 1);  // SERVING: the saved state is current
+  EXPECT_THAT((grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+                  daemon_->channel().get(), check, Ctx().get(), Buffer(LengthDelimited(1, "nope")), &response)),
+              GrpcIs(grpc::StatusCode::NOT_FOUND, "service: \"nope\" is not a name kvd reports"));
+
+  const grpc::internal::RpcMethod watch("/grpc.health.v1.Health/Watch", grpc::internal::RpcMethod::SERVER_STREAMING);
+  grpc::ClientContext daemon_ctx, unknown_ctx;
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> daemon_watch(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(daemon_->channel().get(), watch, &daemon_ctx,
+                                                                    Buffer("")));
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> unknown_watch(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(daemon_->channel().get(), watch, &unknown_ctx,
+                                                                    Buffer(LengthDelimited(1, "nope"))));
+  ASSERT_TRUE(daemon_watch->Read(&response));
+  EXPECT_EQ(status_of(response), 1);  // SERVING
+  ASSERT_TRUE(unknown_watch->Read(&response));
+  EXPECT_EQ(status_of(response), 3);  // SERVICE_UNKNOWN
+
+  daemon_->process()->Signal(SIGTERM);
+  ASSERT_TRUE(daemon_watch->Read(&response));
+  EXPECT_EQ(status_of(response), 2);  // NOT_SERVING, then the end
+  EXPECT_FALSE(daemon_watch->Read(&response));
+  EXPECT_THAT(daemon_watch->Finish(), GrpcOk());
+  ASSERT_TRUE(unknown_watch->Read(&response));
+  EXPECT_EQ(status_of(response), 2);
+  EXPECT_FALSE(unknown_watch->Read(&response));
+  EXPECT_THAT(unknown_watch->Finish(), GrpcOk());
+  EXPECT_THAT(daemon_->process()->Wait(kWait), testing::IsOkAndHolds(0));
+}
+
 TEST_F(KvdDaemonTest, ReflectionListsTheKvdService) {
   const grpc::internal::RpcMethod method("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                                          grpc::internal::RpcMethod::BIDI_STREAMING);
@@ -2288,15 +2331,15 @@ TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
                                                                             Buffer("\xff\xff\xff"), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
-  // GetPool and GetDeviceInfo are quick RPCs, on gRPC's callback API; Grow is on the synchronous server, a streamed
-  // unary method that reads its request itself: the same answer (Note [Quick RPCs answer inline], Note [Replies are
-  // built on an arena]).
+  // GetPool and GetDeviceInfo are quick RPCs, raw methods that kvd parses itself; Grow is on the synchronous server,
+  // a streamed unary method that reads its request itself: the same answer (Note [Quick RPCs answer inline], Note
+  // [Replies are built on an arena]).
   const grpc::internal::RpcMethod grow("/kvd.v1.Kvd/Grow", grpc::internal::RpcMethod::NORMAL_RPC);
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       daemon_->channel().get(), grow, Ctx(admin()).get(), Buffer(LengthDelimited(1, "kv\xff\xfe")), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT,
                         "request: the /kvd.v1.Kvd/Grow request is not a valid kvd.v1.GrowRequest"));
-  // The server-streaming Watch, which runs on gRPC's callback API: the same answer.
+  // The server-streaming Watch, a raw method of kvd's too: the same answer.
   const grpc::internal::RpcMethod watch("/kvd.v1.Kvd/Watch", grpc::internal::RpcMethod::SERVER_STREAMING);
   auto ctx = Ctx(admin());
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> stream(

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "daemon/core/pool_manager.h"
+#include "daemon/rpc/async_stream.h"
 #include "daemon/rpc/service.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/stubs/logging.h"
@@ -40,6 +41,7 @@ struct Daemon {
   std::unique_ptr<PoolManager> manager;
   std::unique_ptr<KvdService> service;
   std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<CompletionThreads> threads;  // never stopped: the daemon lives as long as the fuzzer
   std::unique_ptr<grpc::GenericStub> stub;
   std::string token;  // a session of kUid
   Caller admin;       // root: sees every pool, for the clean-up between inputs
@@ -73,7 +75,10 @@ Daemon& TheDaemon() {
         KvdService::Options{.granularity = d->device->granularity(), .default_release_wait = absl::Milliseconds(1)});
     grpc::ServerBuilder builder;
     builder.RegisterService(d->service.get());
+    d->threads = std::make_unique<CompletionThreads>(&builder, 2);
     d->server = builder.BuildAndStart();
+    d->service->ListenForCalls(d->threads->cq());
+    d->threads->Start();
     d->stub = std::make_unique<grpc::GenericStub>(d->server->InProcessChannel(grpc::ChannelArguments()));
     d->token = *d->manager->OpenSession(kUid, 1, "fuzz");
     d->admin = *d->manager->Authenticate(*d->manager->OpenSession(0, 1, "admin"));
