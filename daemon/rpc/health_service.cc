@@ -1,8 +1,12 @@
 #include "daemon/rpc/health_service.h"
 
+#include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/rpc/async_stream.h"
 
 namespace kvd::daemon {
@@ -52,9 +56,12 @@ grpc::Status HealthService::Check(grpc::ServerContext*, const HealthCheckRequest
   absl::MutexLock lock(&mu_);
   auto it = serving_.find(request->service());
   if (it == serving_.end()) {
+    std::vector<std::string> names;
+    for (const auto& [name, serving] : serving_) names.push_back(absl::StrCat("\"", name, "\""));
+    std::sort(names.begin(), names.end());
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("service: \"", request->service(),
-                                     "\" is not a name kvd reports (\"\", \"kvd.v1.Kvd\" or \"kvd.state\")"));
+                        absl::StrCat("service: \"", request->service(), "\" is not a name kvd reports (it reports ",
+                                     absl::StrJoin(names, ", "), ")"));
   }
   response->set_status(it->second ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING);
   return grpc::Status::OK;

@@ -153,13 +153,11 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      // Every status kvd's handlers finish with has a message (Finish, Guarded): an INTERNAL without
-      // one is gRPC's answer to a request it could not deserialize, and so is an UNIMPLEMENTED without one
-      // for a method of kvd.v1.Kvd (all of them are implemented) on gRPC's callback API (Watch).
+      // Every status kvd's handlers finish with has a message (Finish, Guarded): an INTERNAL without one is
+      // gRPC's answer to a request it could not deserialize on the synchronous server (the raw methods parse
+      // their own: QuickCall, WatchStream).
       const grpc::Status status = methods->GetSendStatus();
-      if (status.error_message().empty() &&
-          (status.error_code() == grpc::StatusCode::INTERNAL ||
-           (status.error_code() == grpc::StatusCode::UNIMPLEMENTED && IsKvdMethod()))) {
+      if (status.error_message().empty() && status.error_code() == grpc::StatusCode::INTERNAL) {
         methods->ModifySendStatus(UnparseableRequest(method_, RequestType()));
       }
     }
@@ -175,11 +173,6 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
         google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
             std::string(method_.substr(1, slash - 1)));
     return service == nullptr ? nullptr : service->FindMethodByName(std::string(method_.substr(slash + 1)));
-  }
-
-  bool IsKvdMethod() const {
-    const google::protobuf::MethodDescriptor* method = Method();
-    return method != nullptr && method->service()->full_name() == v1::Kvd::service_full_name();
   }
 
   // "kvd.v1.GetPoolRequest" for "/kvd.v1.Kvd/GetPool"; "protobuf message" for a method not in the proto.
