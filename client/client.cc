@@ -618,6 +618,10 @@ struct Mapping::Impl {
   // follower must follow meanwhile); joined when the Mapping closes, before the follower stops.
   std::vector<std::thread> reclaimers ABSL_GUARDED_BY(mu);
   bool reclaims_closed ABSL_GUARDED_BY(mu) = false;  // closing: no new reclaimers
+  // The reclaims on_reclaim was called for, by (reclaim_id, deadline): kvd asks a client that attaches
+  // while a reclaim is under way again, and a follower re-attaching is such a client. Kept until their
+  // deadline passes.
+  std::set<std::pair<uint64_t, uint64_t>> reclaims_seen ABSL_GUARDED_BY(mu);
   void OnReclaim(const v1::PoolEvent& ev);
   // The follower's own: the last stream ended with DAEMON_RESTARTING, so the daemon that sent it is on
   // its way out and the next one is awaited.
@@ -1455,6 +1459,9 @@ void Mapping::Impl::OnReclaim(const v1::PoolEvent& ev) {
                          .committed_blocks = ev.committed_blocks()};
   absl::MutexLock lock(&mu);
   if (closing || reclaims_closed || state == Mapping::State::kLost) return;
+  const uint64_t now_ms = static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));
+  std::erase_if(reclaims_seen, [now_ms](const auto& seen) { return seen.second < now_ms; });
+  if (!reclaims_seen.emplace(ev.reclaim_id(), ev.reclaim_deadline_unix_ms()).second) return;
   reclaimers.emplace_back([this, request = std::move(request)] {
     const absl::Status answered = options.on_reclaim(request);
     if (answered.ok()) return;

@@ -602,6 +602,18 @@ absl::StatusOr<AttachResult> Pool::Attach(const Caller& caller, absl::string_vie
                        e.release_id = release_id;
                        c.events->Push(std::move(e));
                      });
+  // A reclaim under way asks the new client too: it may be the engine coming back (after a restart, or
+  // its stream broke) to answer it. Only what is still wanted is asked.
+  if (shared_.arbiter != nullptr) {
+    const ReclaimView r = shared_.arbiter->Claim(name_).reclaim;
+    if (r.id != 0 && r.asked_bytes > r.given_bytes) {
+      PoolEvent e = EventLocked(EventType::kReclaim);
+      e.reclaim_id = r.id;
+      e.reclaim_bytes = r.asked_bytes - r.given_bytes;
+      e.reclaim_deadline = r.deadline;
+      c.events->Push(std::move(e));
+    }
+  }
   AttachResult result{.client_id = c.id};
   result.lease = shared_.leases->Issue(name_, caller.session, c.id, std::move(ids));
   clients_.emplace(c.id, std::move(c));

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -559,14 +560,16 @@ TEST_F(ArbitrationTest, ARestartEndsTheWaitingGrowsAndKeepsThePolicies) {
   t.join();
   EXPECT_THAT(grown.status(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
   ASSERT_THAT(kvd_.Restart(), IsOk());
-  // The engines follow the restarted daemon; the policies came back with the pools.
+  // The engines follow the restarted daemon (a's attached again, so that it hears the reclaim rather than
+  // its policy applying for want of a client); the policies came back with the pools.
   absl::StatusOr<PoolInfo> pa;
   const absl::Time deadline = absl::Now() + kWait;
   do {
     absl::SleepFor(absl::Milliseconds(20));
     pa = b->client().GetPool("a");
-  } while ((!pa.ok() || pa->state != PoolState::kAwake) && absl::Now() < deadline);
+  } while ((!pa.ok() || pa->state != PoolState::kAwake || pa->client_count == 0) && absl::Now() < deadline);
   ASSERT_THAT(pa.status(), IsOk());
+  ASSERT_EQ(pa->client_count, 1u);
   EXPECT_EQ(pa->policy.priority, 2u);
   EXPECT_EQ(pa->policy.min_bytes, 64 * kMiB);
   EXPECT_EQ(pa->policy.reclaim_timeout, absl::Seconds(30));
@@ -575,6 +578,49 @@ TEST_F(ArbitrationTest, ARestartEndsTheWaitingGrowsAndKeepsThePolicies) {
       b->client().Grow("b", 128 * kBlocksPerMiB, WaitOptions{.wait = true, .wait_for = absl::Seconds(20)}).status(),
       IsOk());
   EXPECT_EQ(a->Check(), "");
+}
+
+TEST_F(ArbitrationTest, AClientAttachingWhileAReclaimIsUnderWayIsAskedToo) {
+  StartKvd();
+  // a's first client has no reclaim hook; a second client, attaching once the reclaim is under way (an
+  // engine coming back to its pool), is asked for what is still wanted and gives it back long before the
+  // deadline. Its live blocks sit below what it keeps, so nothing moves.
+  std::unique_ptr<Engine> a = Engine::Open(kvd_.socket(), "a", {.priority = 2, .reclaim_timeout = absl::Seconds(60)},
+                                           384 * kBlocksPerMiB, Engine::Answer::kIgnore, /*live_below=*/2048);
+  std::unique_ptr<Engine> b = Engine::Open(kvd_.socket(), "b", {.priority = 10}, 0, Engine::Answer::kGive);
+  ASSERT_TRUE(a && b);
+  absl::StatusOr<PoolChange> grown;
+  std::atomic<bool> done{false};
+  std::thread t = GrowLater(*b, 128 * kBlocksPerMiB, absl::Seconds(30), &grown, &done);
+  absl::Cleanup join = [&t] { t.join(); };
+  uint64_t reclaim_id = 0;
+  for (const absl::Time deadline = absl::Now() + kWait; reclaim_id == 0 && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(5));
+    if (absl::StatusOr<PoolInfo> p = operator_->GetPool("a"); p.ok()) reclaim_id = p->reclaim.reclaim_id;
+  }
+  ASSERT_NE(reclaim_id, 0u) << "a was never asked";
+  absl::StatusOr<std::unique_ptr<Client>> late = Client::Connect({.socket = kvd_.socket(), .client_name = "late"});
+  ASSERT_THAT(late.status(), IsOk());
+  Client& client = **late;
+  std::atomic<int> asked{0};
+  std::atomic<uint64_t> asked_id{0};
+  AttachOptions o;
+  o.on_pause = [](const std::vector<ByteRange>&) {};
+  o.on_resume = [](bool) {};
+  o.on_reclaim = [&](const ReclaimRequest& r) {
+    ++asked;
+    asked_id = r.reclaim_id;
+    return client.ShrinkForReclaim(r, a->Live()).status();
+  };
+  absl::StatusOr<std::unique_ptr<Mapping>> m = client.Attach("a", o);
+  ASSERT_THAT(m.status(), IsOk());
+  std::move(join).Invoke();
+  ASSERT_THAT(grown.status(), IsOk());
+  EXPECT_EQ(asked.load(), 1);
+  EXPECT_EQ(asked_id.load(), reclaim_id);
+  EXPECT_THAT(operator_->GetPool("a")->reclaim.last_outcome, HasSubstr("gave"));
+  EXPECT_EQ(a->Check(), "");
+  m->reset();
 }
 
 // `arbitration_test --engine SOCKET POOL`: attaches POOL, says "attached", and on a RECLAIM says

@@ -590,7 +590,8 @@ struct AttachOptions {
   // give back right there — drop prefix cache, then Client::ShrinkForReclaim with the live blocks (a
   // compaction shrink) — and return OK. Any other status declines: the Mapping sends DeclineReclaim with
   // its message, and the pool's policy applies at once (PoolPolicy::on_reclaim_timeout). Unset: the event
-  // is ignored, and the policy applies at the deadline.
+  // is ignored, and the policy applies at the deadline. Called once per reclaim, also when this Mapping
+  // attaches (or follows a restarted kvd) while that reclaim is under way.
   std::function<absl::Status(const ReclaimRequest& request)> on_reclaim;
 };
 
