@@ -81,9 +81,9 @@ namespace {
 
 using wire::kLayoutEnv;
 
-// The threads that answer the quick RPCs and run the streams (Note [No callback API] in docs/architecture.md): as
-// many as gRPC's callback API has at least, whatever the machine's CPUs.
-constexpr int kCompletionThreads = 2;
+// The thread that answers the quick RPCs and runs the streams (Note [No callback API] in
+// docs/architecture.md), whatever the machine's CPUs.
+constexpr int kCompletionThreads = 1;
 
 // The health service's name for the saved state (docs/operations.md, "When saving the state fails").
 constexpr char kStateHealthService[] = "kvd.state";

@@ -2186,6 +2186,7 @@ absl::Status Bench::ControlRpc() {
   idle.base_what = "bare gRPC unary (GetPool of a trivial server, second process)";
   idle.ratio_means = "kvd/bare p50";
   const uint64_t switches_before = daemon_pid_ > 0 ? VoluntarySwitches(daemon_pid_) : 0;
+  const uint64_t bare_switches_before = VoluntarySwitches(child_->pid());
   for (int batch = 0; batch < calls; batch += 100) {
     for (const bool is_kvd : {batch % 200 == 0, batch % 200 != 0}) {  // alternate which goes first
       for (int i = 0; i < 100; ++i) {
@@ -2197,8 +2198,10 @@ absl::Status Bench::ControlRpc() {
   }
   if (daemon_pid_ > 0) {
     idle.note = absl::StrFormat(
-        "the daemon: %.1f voluntary context switches per call, %d of gRPC's callback threads (nexting_thread)",
+        "voluntary context switches per call: the daemon %.1f, the bare server's process %.1f; %d of gRPC's "
+        "callback threads (nexting_thread) in the daemon",
         static_cast<double>(VoluntarySwitches(daemon_pid_) - switches_before) / idle.kvd.size(),
+        static_cast<double>(VoluntarySwitches(child_->pid()) - bare_switches_before) / idle.base.size(),
         ThreadsNamed(daemon_pid_, "nexting_thread"));
   }
   // Runs `kinds` in batches of 100, each kind in turn and a different one first each round.

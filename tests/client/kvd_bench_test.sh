@@ -122,15 +122,17 @@ for key in ("daemon_bytes_per_chunk", "raw_bytes_per_chunk", "daemon_own_bytes_p
     assert b[key] is not None and math.isfinite(b[key]), (key, b[key])
 assert b["fds_per_chunk"] >= 0, b
 assert isinstance(b["exports_per_chunk"], dict) or b["exports_per_chunk"] > 0, b
-# The idle line counts the daemon's context switches per call and its callback threads; callback_threads counts the
+# The idle line counts the daemon's and the bare server's context switches per call and the daemon's callback
+# threads; callback_threads counts the
 # second process's before and after its callback server started.
 # kvd serves no method on gRPC's callback API (Note [No callback API] in docs/architecture.md): none of its threads;
 # gRPC runs at least two in a process that serves a callback method, as the second process does once its callback
 # server started.
 import re
-m = re.fullmatch(r"the daemon: ([0-9.]+) voluntary context switches per call, ([0-9]+) of gRPC's callback threads \(nexting_thread\)",
+m = re.fullmatch(r"voluntary context switches per call: the daemon ([0-9.]+), the bare server's process ([0-9.]+); "
+                 r"([0-9]+) of gRPC's callback threads \(nexting_thread\) in the daemon",
                  got[("control_rpc", "idle")]["note"])
-assert m and float(m[1]) > 0 and int(m[2]) == 0, got[("control_rpc", "idle")]["note"]
+assert m and float(m[1]) > 0 and float(m[2]) > 0 and int(m[3]) == 0, got[("control_rpc", "idle")]["note"]
 m = re.fullmatch(r"the second process's gRPC callback threads \(nexting_thread\): ([0-9]+) -> ([0-9]+)",
                  got[("control_rpc", "callback_threads")]["note"])
 assert m and int(m[2]) >= 2, got[("control_rpc", "callback_threads")]["note"]
