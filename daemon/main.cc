@@ -36,6 +36,8 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/cleanup/cleanup.h"
+#include "absl/debugging/failure_signal_handler.h"
+#include "absl/debugging/symbolize.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -924,6 +926,13 @@ void ShapeTheHeap() {
 
 int Main(int argc, char** argv) {
   ShapeTheHeap();
+#ifdef KVD_FAILURE_SIGNAL_HANDLER
+  // A crash (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE) writes its signal and stack to stderr, the journal, before
+  // the signal's default action ends the process (docs/operations.md, "When kvd crashes"). SIGTERM never reaches
+  // the handler: it is blocked below, for sigwaitinfo.
+  absl::InitializeSymbolizer(argv[0]);
+  absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions{});
+#endif
 #ifndef KVD_MUTEX_DEADLOCK_DETECTION
   // Note [Mutex deadlock detection in checking builds only]: before any lock of kvd's is taken.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -939,6 +948,7 @@ int Main(int argc, char** argv) {
   CLI::App app{
       "kvd: the per-device KV-cache memory daemon. Serves the kvd.v1.Kvd gRPC API on a Unix socket and "
       "chunk FDs on the handle channel beside it."};
+  app.set_version_flag("--version", absl::StrCat("kvd ", KVD_VERSION));
   Flags f;
   app.add_option("--backend", f.backend, "Memory backend: auto (CUDA if a driver and device are present, else host)")
       ->check(CLI::IsMember({"auto", "host", "cuda", "hip"}))

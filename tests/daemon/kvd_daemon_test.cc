@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1027,6 +1028,21 @@ TEST_F(KvdDaemonTest, HealthWatchFollowsTheDaemonUntilItStops) {
   EXPECT_FALSE(unknown_watch->Read(&response));
   EXPECT_THAT(unknown_watch->Finish(), GrpcOk());
   EXPECT_THAT(daemon_->process()->Wait(kWait), testing::IsOkAndHolds(0));
+}
+
+TEST_F(KvdDaemonTest, ACrashLeavesItsSignalAndStackInTheLog) {
+#ifndef KVD_FAILURE_SIGNAL_HANDLER
+  GTEST_SKIP() << "a sanitizer build: the sanitizer's own handler reports a crash";
+#endif
+  const rlimit no_core{0, 0};  // the crash is the test's: no core file
+  ASSERT_EQ(prlimit(daemon_->pid(), RLIMIT_CORE, &no_core, nullptr), 0) << std::strerror(errno);
+  daemon_->process()->Signal(SIGSEGV);  // as a stray pointer would raise it
+  absl::StatusOr<int> status = daemon_->process()->Wait(kWait);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGSEGV) << "wait status " << *status;
+  const std::string log = daemon_->log();
+  EXPECT_THAT(log, HasSubstr("*** SIGSEGV received at time=")) << log;
+  EXPECT_THAT(log, HasSubstr("@ ")) << "no stack frame: " << log;
 }
 
 TEST_F(KvdDaemonTest, ReflectionListsTheKvdService) {
@@ -2557,6 +2573,16 @@ TEST(KvdDaemonStartTest, InvalidLayoutEnvironmentRefusesToStart) {
   EXPECT_EQ(WEXITSTATUS(*status), 1);
   EXPECT_THAT(daemon.log(), HasSubstr("KVD_KV_CACHE_LAYOUT"));
   EXPECT_FALSE(Exists(daemon.socket()));
+}
+
+TEST(KvdDaemonStartTest, VersionPrintsItAndStartsNothing) {
+  FILE* out = popen(KVD_BINARY " --version", "r");
+  ASSERT_NE(out, nullptr);
+  std::string said;
+  char buf[256];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), out)) > 0;) said.append(buf, n);
+  EXPECT_EQ(pclose(out), 0);
+  EXPECT_THAT(said, ::testing::MatchesRegex("kvd [0-9]+\\.[0-9]+\\.[0-9]+\n"));
 }
 
 TEST(KvdDaemonStartTest, DaemonLayoutEnvironmentReachesTheChain) {
