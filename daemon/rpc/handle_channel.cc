@@ -440,16 +440,18 @@ bool HandleChannel::ServeFirstRequest(Connection& conn, std::vector<Connection>&
       reply.mutable_session_opened()->set_session_token(token);
       reply.mutable_session_opened()->set_uid(conn.uid);
       reply.mutable_session_opened()->set_pid(conn.pid);
+      // Known before the client has its token: its first Attach may push on this connection at once.
+      {
+        absl::MutexLock lock(&sessions_mu_);
+        session_fds_[token] = conn.fd;
+      }
       // A fresh connection's queue is empty: the reply goes at once or the peer is gone.
       if (!SendPacket(conn.fd, reply.SerializeAsString(), {}, -1, Clock::now()).ok()) {
+        ForgetSession(token);
         backend_->CloseSession(token);
         errors_.fetch_add(1, std::memory_order_relaxed);
         CloseConnection(conn.fd);
         return false;
-      }
-      {
-        absl::MutexLock lock(&sessions_mu_);
-        session_fds_[token] = conn.fd;
       }
       conn.session = std::move(token);
       sessions.push_back(std::move(conn));

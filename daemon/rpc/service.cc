@@ -187,18 +187,11 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
 // The methods served on the completion threads (KvdService::ListenForCalls, HealthService::ListenForWatches): they
 // parse their own requests (or, a typed asynchronous method, gRPC answers a bad one before any interceptor), so an
 // interceptor there would only cost each call its allocation and hooks (docs/benchmarks.md measured it).
-constexpr absl::string_view kSelfParsingMethods[] = {"/kvd.v1.Kvd/Watch",
-                                                     "/kvd.v1.Kvd/GetDeviceInfo",
-                                                     "/kvd.v1.Kvd/ResolveLayout",
-                                                     "/kvd.v1.Kvd/GetPool",
-                                                     "/kvd.v1.Kvd/ListPools",
-                                                     "/kvd.v1.Kvd/GetPoolMetadata",
-                                                     "/kvd.v1.Kvd/DescribeTransfer",
-                                                     "/kvd.v1.Kvd/Acknowledge",
-                                                     "/kvd.v1.Kvd/ReportUsage",
-                                                     "/kvd.v1.Kvd/DeclineReclaim",
-                                                     "/kvd.v1.Kvd/Attach",
-                                                     "/grpc.health.v1.Health/Watch"};
+constexpr absl::string_view kSelfParsingMethods[] = {
+    "/kvd.v1.Kvd/Watch",       "/kvd.v1.Kvd/ResolveLayout",   "/kvd.v1.Kvd/GetPool",
+    "/kvd.v1.Kvd/ListPools",   "/kvd.v1.Kvd/GetPoolMetadata", "/kvd.v1.Kvd/DescribeTransfer",
+    "/kvd.v1.Kvd/Acknowledge", "/kvd.v1.Kvd/ReportUsage",     "/kvd.v1.Kvd/DeclineReclaim",
+    "/kvd.v1.Kvd/Attach",      "/grpc.health.v1.Health/Watch"};
 
 class ParseErrorInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
@@ -516,8 +509,8 @@ absl::Time KvdService::ReleaseDeadline(const grpc::ServerContextBase& context) c
   return rpc_deadline - std::max(margin, absl::ZeroDuration());
 }
 
-grpc::Status KvdService::AnswerGetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest*,
-                                             v1::DeviceInfo* response) {
+grpc::Status KvdService::GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest*,
+                                       v1::DeviceInfo* response) {
   return Serve("GetDeviceInfo", *context, {}, [&]() -> absl::Status {
     KVD_ASSIGN_OR_RETURN(DeviceStatus device, manager_->GetDeviceStatus());
     *response = ToProto(device);
@@ -838,8 +831,6 @@ grpc::Status KvdService::StreamedWake(grpc::ServerContext* context,
 
 void KvdService::ListenForCalls(grpc::ServerCompletionQueue* cq) {
   std::make_shared<WatchStream>(this)->Listen(cq);
-  QuickCall<v1::GetDeviceInfoRequest, v1::DeviceInfo>::Listen(
-      this, cq, "GetDeviceInfo", &KvdService::RequestGetDeviceInfo, &KvdService::AnswerGetDeviceInfo);
   QuickCall<v1::ResolveLayoutRequest, v1::ResolveLayoutResponse>::Listen(
       this, cq, "ResolveLayout", &KvdService::RequestResolveLayout, &KvdService::AnswerResolveLayout);
   QuickCall<v1::GetPoolRequest, v1::Pool>::Listen(this, cq, "GetPool", &KvdService::RequestGetPool,

@@ -14,7 +14,7 @@
 //
 // Threads: kvd uses no method of gRPC's callback API, whose threads would take part in every call and grow with the
 // machine's CPUs (Note [No callback API] in docs/architecture.md). kvd's completion threads (CompletionThreads,
-// daemon/rpc/async_stream.h) run the Watch streams and answer the quick RPCs inline (GetDeviceInfo, ResolveLayout,
+// daemon/rpc/async_stream.h) run the Watch streams and answer the quick RPCs inline (ResolveLayout,
 // GetPool, ListPools, GetPoolMetadata, DescribeTransfer, Acknowledge, ReportUsage, DeclineReclaim: reads and
 // bookkeeping that never wait for a pool's op_mu, a pause, a release, a deadline or another RPC), and Attach while
 // nothing holds its pool (else on a thread of its own: Note [Attach answers inline when it can]); the synchronous
@@ -48,14 +48,13 @@ class Metrics;
 // serializes each reply itself, on an arena of the call's (Note [Replies are built on an arena]). Every other RPC is
 // a method of gRPC's synchronous server; the resizes are streamed unary methods there, whose handlers write their
 // replies on an arena too.
-using KvdServiceBase = v1::Kvd::WithRawMethod_Watch<
-    v1::Kvd::WithRawMethod_GetDeviceInfo<v1::Kvd::WithRawMethod_ResolveLayout<v1::Kvd::WithRawMethod_GetPool<
-        v1::Kvd::WithRawMethod_ListPools<v1::Kvd::WithRawMethod_GetPoolMetadata<v1::Kvd::WithRawMethod_DescribeTransfer<
-            v1::Kvd::WithRawMethod_Acknowledge<v1::Kvd::WithRawMethod_ReportUsage<v1::Kvd::WithRawMethod_DeclineReclaim<
-                v1::Kvd::WithRawMethod_Attach<v1::Kvd::WithStreamedUnaryMethod_Grow<
-                    v1::Kvd::WithStreamedUnaryMethod_Shrink<v1::Kvd::WithStreamedUnaryMethod_Compact<
-                        v1::Kvd::WithStreamedUnaryMethod_Sleep<v1::Kvd::WithStreamedUnaryMethod_Wake<
-                            v1::Kvd::WithStreamedUnaryMethod_Commit<v1::Kvd::Service>>>>>>>>>>>>>>>>>;
+using KvdServiceBase = v1::Kvd::WithRawMethod_Watch<v1::Kvd::WithRawMethod_ResolveLayout<
+    v1::Kvd::WithRawMethod_GetPool<v1::Kvd::WithRawMethod_ListPools<v1::Kvd::WithRawMethod_GetPoolMetadata<
+        v1::Kvd::WithRawMethod_DescribeTransfer<v1::Kvd::WithRawMethod_Acknowledge<v1::Kvd::WithRawMethod_ReportUsage<
+            v1::Kvd::WithRawMethod_DeclineReclaim<v1::Kvd::WithRawMethod_Attach<v1::Kvd::WithStreamedUnaryMethod_Grow<
+                v1::Kvd::WithStreamedUnaryMethod_Shrink<v1::Kvd::WithStreamedUnaryMethod_Compact<
+                    v1::Kvd::WithStreamedUnaryMethod_Sleep<v1::Kvd::WithStreamedUnaryMethod_Wake<
+                        v1::Kvd::WithStreamedUnaryMethod_Commit<v1::Kvd::Service>>>>>>>>>>>>>>>>;
 
 class KvdService final : public KvdServiceBase {
  public:
@@ -84,6 +83,9 @@ class KvdService final : public KvdServiceBase {
   // pool on a thread of their own (Note [Attach answers inline when it can]) to finish.
   void WaitForAttaches() ABSL_LOCKS_EXCLUDED(attach_mu_);
 
+  // Synchronous: the driver's free-memory query may wait for the driver (Note [Quick RPCs answer inline]).
+  grpc::Status GetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest* request,
+                             v1::DeviceInfo* response) override;
   grpc::Status CreatePool(grpc::ServerContext* context, const v1::CreatePoolRequest* request,
                           v1::Pool* response) override;
   grpc::Status DeletePool(grpc::ServerContext* context, const v1::DeletePoolRequest* request,
@@ -133,8 +135,6 @@ class KvdService final : public KvdServiceBase {
   using AttachCall = QuickCall<v1::AttachRequest, v1::AttachResponse>;
 
   // The quick RPCs' handlers, run inline by their QuickCall (Note [Quick RPCs answer inline]).
-  grpc::Status AnswerGetDeviceInfo(grpc::ServerContext* context, const v1::GetDeviceInfoRequest* request,
-                                   v1::DeviceInfo* response);
   grpc::Status AnswerResolveLayout(grpc::ServerContext* context, const v1::ResolveLayoutRequest* request,
                                    v1::ResolveLayoutResponse* response);
   grpc::Status AnswerGetPool(grpc::ServerContext* context, const v1::GetPoolRequest* request, v1::Pool* response);

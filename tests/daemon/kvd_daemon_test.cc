@@ -2347,9 +2347,10 @@ TEST_F(KvdDaemonTest, UnparseableRequestIsInvalidArgumentNamingItsType) {
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(daemon_->channel().get(), info, Ctx().get(),
                                                                             Buffer("\xff\xff\xff"), &response);
   EXPECT_THAT(s, GrpcIs(grpc::StatusCode::INVALID_ARGUMENT, "kvd.v1.GetDeviceInfoRequest"));
-  // GetPool and GetDeviceInfo are quick RPCs, raw methods that kvd parses itself; Grow is on the synchronous server,
-  // a streamed unary method that reads its request itself: the same answer (Note [Quick RPCs answer inline], Note
-  // [Replies are built on an arena]).
+  // GetPool is a quick RPC, a raw method that kvd parses itself; GetDeviceInfo a plain method of the synchronous
+  // server, whose bad request the parse-error interceptor answers; Grow is on the synchronous server too, a streamed
+  // unary method that reads its request itself: the same answer (Note [Quick RPCs answer inline], Note [Replies are
+  // built on an arena]).
   const grpc::internal::RpcMethod grow("/kvd.v1.Kvd/Grow", grpc::internal::RpcMethod::NORMAL_RPC);
   s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
       daemon_->channel().get(), grow, Ctx(admin()).get(), Buffer(LengthDelimited(1, "kv\xff\xfe")), &response);
